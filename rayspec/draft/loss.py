@@ -1,0 +1,76 @@
+"""EAGLE-3 training objective with training-time test (TTT).
+
+Li et al. 2025 (arXiv 2503.01840), Sec. 3: the head is unrolled for several
+draft steps during training, each step fed its own previous output instead
+of the verifier's features, and every step is trained with a soft
+cross-entropy to the verifier's next-token distribution.
+
+Alignment (positions t of one sequence, T tokens, verifier features f_t):
+  step 0 at t: hidden fc(f_t),             token x_{t+1}, target p(. | x_<=t+1)
+  step j at t: hidden prenorm_{j-1}(t),    token x_{t+1+j}, target p(. | x_<=t+1+j)
+which is what vLLM's EAGLE-3 proposer feeds at inference (the fed tokens are
+the policy's own samples, so teacher forcing matches the accepted path).
+Attention within a step is causal over positions of that step: a common
+simplification of the paper's tree-shaped TTT mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rayspec.draft.eagle3 import Eagle3Head
+
+
+def _shift(x: torch.Tensor, j: int, fill=0) -> torch.Tensor:
+    """x[:, t + j] at index t (dim 1), padded with ``fill`` past the end."""
+    if j == 0:
+        return x
+    pad = x.new_full((x.shape[0], j, *x.shape[2:]), fill)
+    return torch.cat([x[:, j:], pad], dim=1)
+
+
+def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
+                final_hidden: torch.Tensor, loss_mask: torch.Tensor,
+                embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                ttt_steps: int) -> tuple[torch.Tensor, list[float]]:
+    """Soft cross-entropy of the unrolled head against the verifier.
+
+    Args:
+        head: the draft head (fp32 parameters).
+        input_ids: [B, L] int64 tokens of prompt + response.
+        aux_hidden: [B, L, 3H] verifier hidden states at the aux layers.
+        final_hidden: [B, L, H] verifier's final (post-norm) hidden states;
+            target distribution at position s is softmax(final_hidden[s] @ lm_head_weight.T).
+        loss_mask: [B, L-1] float, 1 where token s+1 is a response token (s indexes
+            the target position).
+        embed_weight: [V, H] verifier input embedding (the head shares it).
+        lm_head_weight: [V, H] verifier output layer.
+        ttt_steps: draft steps unrolled (1 = plain EAGLE training).
+
+    Returns:
+        (scalar loss averaged over steps and masked positions, per-step top-1
+        agreement of draft and verifier argmax on masked positions).
+    """
+    B, L = input_ids.shape
+    dtype = head.fc.weight.dtype
+    mask = torch.cat([loss_mask, loss_mask.new_zeros(B, 1)], 1)  # [B, L]
+    pos = torch.arange(L, device=input_ids.device).expand(B, L)
+    hidden = head.fc(aux_hidden.to(dtype))
+    total, agree = 0.0, []
+    for j in range(ttt_steps):
+        # target index s = t + 1 + j; fed token x_s; predicts x_{s+1}
+        tok = _shift(input_ids, 1 + j)
+        m = _shift(mask, 1 + j).bool()
+        if not m.any():
+            break
+        embeds = F.embedding(tok, embed_weight).to(dtype)
+        normed, prenorm = head.step(embeds, hidden, _shift(pos, 1 + j, fill=L))
+        tgt_h = _shift(final_hidden, 1 + j)[m].to(dtype)
+        with torch.no_grad():
+            target = torch.softmax(tgt_h @ lm_head_weight.to(dtype).T, dim=-1)
+        logits = head.lm_head(normed[m])
+        total = total + -(target * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        agree.append((logits.argmax(-1) == target.argmax(-1)).float().mean().item())
+        hidden = prenorm
+    return total / max(len(agree), 1), agree

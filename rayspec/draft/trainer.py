@@ -1,0 +1,100 @@
+"""DraftTrainer: online EAGLE-3 training on the verifier's features.
+
+A Ray actor with its own resources. Train workers ``ray.put`` the detached
+verifier features of their policy forward and hand the ObjectRefs over; the
+trainer fetches them from the object store itself, so the policy never gets a
+gradient from the draft and the driver never holds the tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
+from rayspec.draft.loss import eagle3_loss
+
+
+class DraftTrainer:
+    """Trains one EAGLE-3 head with AdamW.
+
+    Args:
+        head_dir: initial checkpoint (``save_head`` format).
+        lr: AdamW learning rate.
+        ttt_steps: training-time-test unroll depth.
+        num_threads: torch intra-op threads of this actor.
+    """
+
+    def __init__(self, head_dir: str, lr: float, ttt_steps: int, num_threads: int = 1):
+        torch.set_num_threads(num_threads)
+        self.head: Eagle3Head = load_head(head_dir)
+        self.opt = torch.optim.AdamW(self.head.parameters(), lr=lr, weight_decay=0.0)
+        self.ttt_steps = ttt_steps
+        self.version = 0
+        self._pending: list = []
+
+    def submit_features(self, feature_refs: list) -> int:
+        """Queue features for the next ``train`` call; returns the queue length.
+
+        Args:
+            feature_refs: ObjectRefs (or dicts) of features, each a dict with
+                input_ids [B, L], aux_hidden [B, L, 3H], final_hidden [B, L, H],
+                loss_mask [B, L-1] (see ``eagle3_loss``). Passing them through
+                an actor call keeps Ray's ownership tracking intact.
+        """
+        self._pending.extend(feature_refs)
+        return len(self._pending)
+
+    def train(self, verifier_ref, steps: int) -> dict[str, Any]:
+        """Run ``steps`` optimizer steps over the queued features, then clear the queue.
+
+        Args:
+            verifier_ref: ObjectRef (or dict) with ``embed`` and ``lm_head``
+                weights [V, H] of the verifier that produced the features.
+            steps: optimizer steps; each step cycles to the next feature chunk.
+
+        Returns:
+            {"draft_loss", "draft_top1_per_step" (list), "draft_version", "time_s"}.
+
+        Raises:
+            RuntimeError: no features were submitted.
+        """
+        t0 = time.perf_counter()
+        if not self._pending:
+            raise RuntimeError("DraftTrainer.train: no features submitted")
+        feats = [ray.get(r) if isinstance(r, ray.ObjectRef) else r for r in self._pending]
+        self._pending = []
+        ver = ray.get(verifier_ref) if isinstance(verifier_ref, ray.ObjectRef) else verifier_ref
+        embed = ver["embed"].float()
+        lm_head = ver["lm_head"].float()
+        self.head.train()
+        losses, agree = [], []
+        for i in range(steps):
+            f = feats[i % len(feats)]
+            loss, acc = eagle3_loss(self.head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
+                                    f["loss_mask"], embed, lm_head, self.ttt_steps)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+            self.opt.step()
+            losses.append(loss.item())
+            agree.append(acc)
+        if steps:
+            self.version += 1
+        per_step = [sum(a[j] for a in agree if len(a) > j) / max(1, sum(len(a) > j for a in agree))
+                    for j in range(max((len(a) for a in agree), default=0))]
+        return {"draft_loss": sum(losses) / len(losses) if losses else float("nan"),
+                "draft_top1_per_step": per_step, "draft_version": self.version,
+                "time_s": time.perf_counter() - t0}
+
+    def vllm_weights(self) -> dict[str, torch.Tensor]:
+        """Current head weights under vLLM's checkpoint names (bf16)."""
+        return vllm_state_dict(self.head)
+
+    def save(self, out_dir: str) -> str:
+        """Write the head atomically; returns the directory."""
+        return str(save_head(self.head, Path(out_dir)))

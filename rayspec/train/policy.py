@@ -1,0 +1,145 @@
+"""The policy as a DeepSpeed ZeRO engine: GRPO update with EAGLE-3 feature
+capture, and gathering full weights for the refit."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import ray
+import torch
+
+from rayspec.batch import RolloutBatch
+from rayspec.train.capture import capture_eagle3_features
+from rayspec.train.grpo import grpo_loss, token_logprobs, token_mult_prob_error
+
+
+def deepspeed_config(cfg, world_size: int) -> dict[str, Any]:
+    """``train.deepspeed`` with batch sizes derived so one RL step is one
+    optimizer step: train_batch_size = prompts_per_step * group_size."""
+    ds = copy.deepcopy(dict(cfg.train.deepspeed))
+    seqs = cfg.data.prompts_per_step * cfg.grpo.group_size
+    per_rank = seqs // world_size
+    micro = min(int(ds.get("train_micro_batch_size_per_gpu", 1)), per_rank)
+    while per_rank % micro:
+        micro -= 1
+    ds["train_micro_batch_size_per_gpu"] = micro
+    ds["gradient_accumulation_steps"] = per_rank // micro
+    ds["train_batch_size"] = seqs
+    return ds
+
+
+def build_engine(model, ds_config: dict):
+    """deepspeed.initialize over an already initialised torch.distributed group."""
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config)
+    return engine
+
+
+def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: list[int] | None,
+                  ref_model=None) -> tuple[dict[str, float], list]:
+    """One GRPO optimizer step on this rank's shard of the batch.
+
+    Every micro-batch forward is with the weights that sampled the batch
+    (one optimizer step per RL step), so the captured features are the
+    verifier's own.
+
+    Args:
+        engine: DeepSpeed engine of the policy.
+        batch: this rank's rows (advantages set).
+        cfg: RunConfig.
+        pad_id: tokenizer pad id.
+        aux_layer_ids: EAGLE-3 aux layers to capture, or None for no capture.
+        ref_model: frozen reference policy for the KL term (kl_coef > 0).
+
+    Returns:
+        (metrics averaged over micro-batches, list of ObjectRefs of feature
+        dicts, one per micro-batch; empty without capture).
+    """
+    micro = engine.train_micro_batch_size_per_gpu()
+    engine.train()
+    sums: dict[str, float] = {}
+    feature_refs = []
+    n_micro = 0
+    for start in range(0, len(batch), micro):
+        part = RolloutBatch(batch.prompt_ids[start:start + micro], batch.response_ids[start:start + micro],
+                            batch.rollout_logprobs[start:start + micro], batch.group[start:start + micro],
+                            advantages=batch.advantages[start:start + micro])
+        t = part.to_padded(pad_id)
+        with (capture_eagle3_features(engine.module, aux_layer_ids) if aux_layer_ids
+              else _null()) as feats:
+            logits = engine(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits
+        logprobs = token_logprobs(logits, t["input_ids"], cfg.grpo.temperature)
+        ref_lp = None
+        if ref_model is not None and cfg.grpo.kl_coef > 0:
+            with torch.no_grad():
+                ref_logits = ref_model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits
+                ref_lp = token_logprobs(ref_logits, t["input_ids"], cfg.grpo.temperature)
+        loss, m = grpo_loss(logprobs, t["rollout_logprobs"], t["advantages"], t["response_mask"],
+                            cfg.grpo.clip_eps, ref_lp, cfg.grpo.kl_coef)
+        engine.backward(loss)
+        engine.step()
+        m["loss"] = loss.item()
+        m["token_mult_prob_error"] = token_mult_prob_error(
+            logprobs.detach(), t["rollout_logprobs"], t["response_mask"])
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + v
+        n_micro += 1
+        if aux_layer_ids:
+            feature_refs.append(ray.put({
+                "input_ids": t["input_ids"],
+                "aux_hidden": feats["aux_hidden"].to(torch.bfloat16),
+                "final_hidden": feats["final_hidden"].to(torch.bfloat16),
+                "loss_mask": t["response_mask"],
+            }))
+    return {k: v / n_micro for k, v in sums.items()}, feature_refs
+
+
+class _null:
+    def __enter__(self):
+        return {}
+
+    def __exit__(self, *exc):
+        return False
+
+
+def full_state_dict(engine, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
+    """Full HF-named policy weights on rank 0 (None elsewhere), in ``dtype``.
+
+    ZeRO-3 shards parameters, so all ranks must enter the gather; stages
+    0-2 keep full parameters on every rank.
+    """
+    module = engine.module
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            sd = {k: v.detach().to(dtype).clone() for k, v in module.state_dict().items()} if rank == 0 else None
+        return sd
+    if rank != 0:
+        return None
+    return {k: v.detach().to(dtype).clone() for k, v in module.state_dict().items()}
+
+
+def verifier_output_weights(engine, rank: int) -> dict[str, torch.Tensor] | None:
+    """The verifier's embedding and output layer [V, H] (bf16) on rank 0, for
+    draft training (the head shares the embedding and learns the verifier's
+    next-token distribution). Collective under ZeRO-3."""
+    module = engine.module
+    params = [module.model.embed_tokens.weight, module.lm_head.weight]
+
+    def take():
+        if rank != 0:
+            return None
+        return {"embed": params[0].detach().to(torch.bfloat16).clone(),
+                "lm_head": params[1].detach().to(torch.bfloat16).clone()}
+
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return take()
+    return take()
