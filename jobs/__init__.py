@@ -1,0 +1,1 @@
+"""Entry points: python -m jobs.<name>, also under ray job submit."""

@@ -1,0 +1,3 @@
+"""rayspec: speculative-decoding rollouts for RL post-training on Ray, vLLM and DeepSpeed."""
+
+__version__ = "0.1.0"

@@ -9,18 +9,24 @@ DATASETS = ("arithmetic", "gsm8k")
 
 def load_problems(name: str, path: str | None, split: str, num_problems: int | None,
                   seed: int) -> list[Problem]:
-    """Problems of ``data.name``.
+    """Problems of dataset ``data.name``.
+
+    "arithmetic": ``num_problems`` (default 1000) seeded problems; ``path`` and
+    ``split`` are ignored. "gsm8k": ``split`` of ``path`` (default the hub id
+    "openai/gsm8k"), its first ``num_problems`` when given.
 
     Raises:
-        ValueError: unknown name (the message names ``data.name``).
+        ValueError: unknown name (the message names ``data.name``), or a bad GSM8K row.
+        FileNotFoundError, ImportError: see :func:`load_gsm8k`.
     """
     if name == "arithmetic":
         return arithmetic_problems(num_problems or 1000, seed)
     if name == "gsm8k":
         problems = load_gsm8k(path or "openai/gsm8k", split)
-        return problems[:num_problems] if num_problems else problems
+        return problems if num_problems is None else problems[:num_problems]
     raise ValueError(f"data.name={name!r}: unknown dataset, expected one of {DATASETS}")
 
 
-__all__ = ["Problem", "PromptSource", "SYSTEM_PROMPT", "arithmetic_problems", "extract_final_number",
-           "format_question", "load_gsm8k", "load_problems", "math_reward"]
+__all__ = ["DATASETS", "Problem", "PromptSource", "SYSTEM_PROMPT", "arithmetic_problems",
+           "extract_final_number", "format_question", "load_gsm8k", "load_problems",
+           "math_reward"]

@@ -7,6 +7,9 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+from rayspec.data.reward import normalise_number
 
 SYSTEM_PROMPT = "You are a careful math tutor. Solve the problem step by step."
 
@@ -18,8 +21,8 @@ class Problem:
     Attributes:
         question: problem text.
         answer: canonical final number as a string ("72", "-3", "0.5").
-        source: dataset name.
-        index: row index in the source.
+        source: dataset name ("gsm8k", "arithmetic").
+        index: 0-based position in the source.
     """
 
     question: str
@@ -29,93 +32,148 @@ class Problem:
 
 
 def gsm8k_final_answer(answer_text: str) -> str:
-    """The number after ``####`` in a GSM8K solution (Cobbe et al. 2021), commas removed.
+    """The canonical number after the last ``####`` of a GSM8K solution
+    (Cobbe et al. 2021, arXiv 2110.14168), e.g. "... #### 1,000" -> "1000".
 
     Raises:
-        ValueError: no ``####`` marker.
+        ValueError: no ``####`` marker, or no number after it.
     """
     if "####" not in answer_text:
         raise ValueError("answer has no '#### N' final line")
-    return answer_text.rsplit("####", 1)[1].strip().replace(",", "")
+    raw = answer_text.rsplit("####", 1)[1]
+    number = normalise_number(raw)
+    if number is None:
+        raise ValueError(f"'#### {raw.strip()}' is not a number")
+    return number
+
+
+def _read_gsm8k_jsonl(file: Path) -> list[Problem]:
+    problems = []
+    with open(file, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                problems.append(Problem(row["question"], gsm8k_final_answer(row["answer"]),
+                                        "gsm8k", len(problems)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file}:{lineno}: invalid JSON: {e}") from None
+            except KeyError as e:
+                raise ValueError(f"{file}:{lineno}: GSM8K row lacks key {e}") from None
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{file}:{lineno}: bad GSM8K row: {e}") from None
+    return problems
 
 
 def load_gsm8k(path: str, split: str = "train") -> list[Problem]:
-    """GSM8K from ``<path>/<split>.jsonl``, a jsonl file, or a hub id.
+    """GSM8K problems from ``<path>/<split>.jsonl``, from the jsonl file ``path``,
+    or, when ``path`` is not a local path, from the hub dataset ``path``
+    (config "main", e.g. "openai/gsm8k").
 
     Raises:
-        ValueError: a bad row; the message names the file and 1-based line.
+        ValueError: a bad row (invalid JSON, missing key, answer without a
+            ``#### N`` line); the message names the file and the 1-based line.
+        FileNotFoundError: ``path`` is a local directory without ``<split>.jsonl``,
+            or looks like a local path ("/", ".", "~") that does not exist.
         ImportError: ``path`` is a hub id and ``datasets`` is not installed.
     """
     p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / f"{split}.jsonl"
-    if p.is_file():
-        problems = []
-        with open(p) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    problems.append(Problem(row["question"], gsm8k_final_answer(row["answer"]),
-                                            "gsm8k", len(problems)))
-                except (json.JSONDecodeError, KeyError, ValueError, TypeError) as e:
-                    raise ValueError(f"{p}:{lineno}: bad GSM8K row: {e!r}") from None
-        return problems
-    if Path(path).expanduser().exists() or path.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"data.path={path}: no {split}.jsonl there")
+    file = p / f"{split}.jsonl" if p.is_dir() else p
+    if file.is_file():
+        return _read_gsm8k_jsonl(file)
+    # A hub id is "owner/name"; anything path-like that is missing is a typo, not a hub id.
+    if p.exists() or path.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"GSM8K path {path}: no file {file}")
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(f"data.path={path} is not a local path; loading it from the "
-                          "Hugging Face hub needs `pip install datasets`") from e
-    ds = datasets.load_dataset(path, "main", split=split)
+        raise ImportError(f"GSM8K path {path!r} is not a local path, and loading it from the "
+                          "Hugging Face hub needs the `datasets` package") from e
+    rows = datasets.load_dataset(path, "main", split=split)
     return [Problem(r["question"], gsm8k_final_answer(r["answer"]), "gsm8k", i)
-            for i, r in enumerate(ds)]
+            for i, r in enumerate(rows)]
 
 
-_NAMES = ["Tom", "Ana", "Lee", "Maya", "Sam", "Ravi", "Nora", "Omar"]
-_ITEMS = ["apples", "marbles", "stickers", "books", "coins", "pencils"]
+_NAMES = ("Tom", "Ana", "Lee", "Maya", "Sam", "Ravi", "Nora", "Omar")
+_ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils")
+
+
+# Each template draws its numbers from (rng, max_operand) and returns (question, answer);
+# counts never go negative so the stories stay plausible.
+def _buy_give(rng: random.Random, m: int, name: str, item: str) -> tuple[str, int]:
+    a, b = rng.randint(2, m), rng.randint(2, m)
+    c = rng.randint(1, min(m, a + b))
+    return (f"{name} has {a} {item} and buys {b} more, then gives away {c}. "
+            f"How many {item} does {name} have now?", a + b - c)
+
+
+def _bags(rng: random.Random, m: int, name: str, item: str) -> tuple[str, int]:
+    k, a, b = rng.randint(2, 9), rng.randint(2, m), rng.randint(2, m)
+    return (f"{name} buys {k} bags with {a} {item} in each bag and already had {b} {item}. "
+            f"How many {item} does {name} have in total?", k * a + b)
+
+
+def _shelves(rng: random.Random, m: int, name: str, item: str) -> tuple[str, int]:
+    k, a, b = rng.randint(2, 9), rng.randint(2, m), rng.randint(2, m)
+    c = rng.randint(1, min(m, k * a))
+    return (f"{name} has {k} shelves with {a} {item} on each shelf. {name} gives away {c} {item} "
+            f"and then buys {b} more. How many {item} does {name} have now?", k * a - c + b)
+
+
+def _three_days(rng: random.Random, m: int, name: str, item: str) -> tuple[str, int]:
+    a, b, k = rng.randint(2, m), rng.randint(2, m), rng.randint(2, 9)
+    return (f"{name} collects {a} {item} on Monday and {b} {item} on Tuesday. On Wednesday "
+            f"{name} collects {k} times as many {item} as on Monday. How many {item} does "
+            f"{name} collect over the three days?", a + b + k * a)
+
+
+def _losses(rng: random.Random, m: int, name: str, item: str) -> tuple[str, int]:
+    a, b, c = rng.randint(0, m), rng.randint(2, m), rng.randint(2, m)
+    return (f"{name} starts with {a + b + c} {item}, loses {b} of them, then loses {c} more. "
+            f"How many {item} does {name} have left?", a)
+
+
+_TEMPLATES: tuple[Callable[[random.Random, int, str, str], tuple[str, int]], ...] = (
+    _buy_give, _bags, _shelves, _three_days, _losses)
 
 
 def arithmetic_problems(n: int, seed: int, max_operand: int = 50) -> list[Problem]:
-    """``n`` seeded word problems with 2-3 operations (+, -, *) and exact integer answers."""
+    """``n`` word problems with 2-3 operations (+, -, *) and exact integer answers.
+
+    Deterministic in ``seed``. Drawn quantities are at most ``max_operand``
+    (a starting total may be the sum of three); multipliers are 2-9.
+
+    Raises:
+        ValueError: ``n < 0`` or ``max_operand < 2``.
+    """
+    if n < 0:
+        raise ValueError(f"arithmetic_problems: n={n} must be >= 0")
+    if max_operand < 2:
+        raise ValueError(f"arithmetic_problems: max_operand={max_operand} must be >= 2")
     rng = random.Random(seed)
-    out = []
+    problems = []
     for i in range(n):
-        name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
-        a, b, c = (rng.randint(2, max_operand) for _ in range(3))
-        kind = rng.randrange(4)
-        if kind == 0:
-            q = f"{name} has {a} {item} and buys {b} more, then gives away {c}. How many {item} does {name} have now?"
-            ans = a + b - c
-        elif kind == 1:
-            k = rng.randint(2, 9)
-            q = f"{name} buys {k} boxes with {a} {item} each and then finds {b} more. How many {item} does {name} have?"
-            ans = k * a + b
-        elif kind == 2:
-            k = rng.randint(2, 9)
-            q = f"{name} has {a} {item}, gets {b} more, and then the pile is copied {k} times in total. How many {item} are there?"
-            ans = (a + b) * k
-        else:
-            q = f"{name} starts with {a + b + c} {item}, loses {b}, then loses {c} more. How many {item} are left?"
-            ans = a
-        out.append(Problem(q, str(ans), "arithmetic", i))
-    return out
+        template = rng.choice(_TEMPLATES)
+        question, answer = template(rng, max_operand, rng.choice(_NAMES), rng.choice(_ITEMS))
+        problems.append(Problem(question, str(answer), "arithmetic", i))
+    return problems
 
 
 def format_question(problem: Problem) -> str:
-    """The user message: the question and the answer-format instruction."""
+    """The user message: the question, then the instruction to reason step by
+    step and end with a final line ``#### <number>`` (the GSM8K convention)."""
     return (f"{problem.question}\nThink step by step, then give the final answer "
             "on its own last line as '#### <number>'.")
 
 
 class PromptSource:
-    """Batches of problems without repetition within an epoch; reshuffled
-    each epoch by a seeded RNG. Resumable through ``state_dict``.
+    """Batches of problems, each problem once per epoch, reshuffled every epoch
+    by an RNG seeded from (seed, epoch). A batch may span two epochs.
+    Resumable through :meth:`state_dict`.
 
     Raises:
-        ValueError: no problems or batch_size < 1.
+        ValueError: no problems, or ``batch_size < 1``.
     """
 
     def __init__(self, problems: list[Problem], batch_size: int, seed: int):
@@ -123,28 +181,40 @@ class PromptSource:
             raise ValueError("PromptSource: no problems")
         if batch_size < 1:
             raise ValueError(f"PromptSource: batch_size={batch_size} must be >= 1")
-        self.problems, self.batch_size, self.seed = problems, batch_size, seed
+        self.problems, self.batch_size, self.seed = list(problems), batch_size, seed
         self.epoch, self.position = 0, 0
         self._order = self._shuffle(0)
 
     def _shuffle(self, epoch: int) -> list[int]:
         order = list(range(len(self.problems)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        # A str seed is hashed with SHA-512, so the order is stable across processes.
+        random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
 
     def next_batch(self) -> list[Problem]:
-        out = []
-        while len(out) < self.batch_size:
+        """The next ``batch_size`` problems."""
+        batch = []
+        while len(batch) < self.batch_size:
             if self.position == len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._shuffle(self.epoch)
-            out.append(self.problems[self._order[self.position]])
+            batch.append(self.problems[self._order[self.position]])
             self.position += 1
-        return out
+        return batch
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, int]:
+        """The cursor: ``epoch`` and ``position`` (problems consumed in that epoch)."""
         return {"epoch": self.epoch, "position": self.position}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
-        self._order = self._shuffle(self.epoch)
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at a cursor from :meth:`state_dict` (same problems and seed).
+
+        Raises:
+            ValueError: the cursor does not fit this problem list.
+        """
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= len(self.problems):
+            raise ValueError(f"PromptSource: cursor epoch={epoch} position={position} "
+                             f"does not fit {len(self.problems)} problems")
+        self.epoch, self.position = epoch, position
+        self._order = self._shuffle(epoch)

@@ -1,0 +1,1 @@
+"""Rollout stage: vLLM engines with speculative decoding behind Ray Serve."""

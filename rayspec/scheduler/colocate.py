@@ -39,7 +39,7 @@ def init_ray(cfg: RunConfig) -> None:
     else:
         ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(),
                  object_store_memory=cfg.ray.object_store_memory,
-                 namespace=NAMESPACE, runtime_env=env, include_dashboard=False)
+                 namespace=NAMESPACE, runtime_env=env)
 
 
 def _absolute(cfg: RunConfig) -> RunConfig:

@@ -1,0 +1,1 @@
+"""EAGLE-3 draft head, its training objective and the DraftTrainer actor."""

@@ -1,0 +1,124 @@
+"""EAGLE-3 head: vLLM checkpoint format, feature capture, training signal,
+and (slow) a real vLLM replica accepting more drafts after training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rayspec.batch import RolloutBatch
+from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, init_head, load_head,
+                                  save_head, vllm_state_dict)
+from rayspec.draft.trainer import DraftTrainer
+from rayspec.models import load_policy, load_tokenizer
+from rayspec.train.capture import capture_eagle3_features
+from tests.conftest import engine_kwargs
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tiny_llama_dir):
+    return load_policy(tiny_llama_dir).eval()
+
+
+def test_default_aux_layers_and_validation():
+    assert default_aux_layer_ids(30) == [1, 14, 26]
+    with pytest.raises(ValueError, match="layers"):
+        default_aux_layer_ids(4)
+    with pytest.raises(ValueError, match="aux_hidden_state_layer_ids"):
+        head_config({"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 128,
+                     "intermediate_size": 256, "num_attention_heads": 2, "vocab_size": 10},
+                    [1, 2, 99])
+    with pytest.raises(ValueError, match="Llama-family"):
+        head_config({"model_type": "gpt2"})
+
+
+def test_checkpoint_is_vllm_eagle3_format_and_roundtrips(tiny_policy, tmp_path):
+    head = init_head(tiny_policy)
+    out = save_head(head, tmp_path / "head")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    names = set(vllm_state_dict(head))
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight",
+            "norm.weight", "lm_head.weight"} <= names
+    assert "embed_tokens.weight" not in names  # shared with the verifier in vLLM
+    assert head.midlayer.self_attn.q_proj.weight.shape[1] == 2 * cfg["hidden_size"]
+    again = load_head(out)
+    for k, v in vllm_state_dict(head).items():
+        assert torch.equal(vllm_state_dict(again)[k], v), k
+    # overwriting keeps a complete checkpoint in place
+    save_head(again, out)
+    assert (out / "model.safetensors").is_file() and not list(tmp_path.glob(".head-*"))
+
+
+def test_capture_matches_hidden_states(tiny_policy):
+    ids = torch.randint(0, 1000, (2, 9))
+    with torch.no_grad(), capture_eagle3_features(tiny_policy, [1, 3, 4]) as f:
+        out = tiny_policy(input_ids=ids, output_hidden_states=True)
+    hs = out.hidden_states  # hs[i] is the input of layer i; hs[-1] is post-norm
+    assert torch.allclose(f["aux_hidden"], torch.cat([hs[1], hs[3], hs[4]], -1))
+    assert torch.allclose(f["final_hidden"], hs[-1])
+    assert not f["aux_hidden"].requires_grad
+
+
+def _features(policy, batch: RolloutBatch, pad_id: int, chunk: int = 4) -> list[dict]:
+    feats = []
+    for a in range(0, len(batch), chunk):
+        part = RolloutBatch(batch.prompt_ids[a:a + chunk], batch.response_ids[a:a + chunk],
+                            batch.rollout_logprobs[a:a + chunk], batch.group[a:a + chunk])
+        t = part.to_padded(pad_id)
+        with torch.no_grad(), capture_eagle3_features(policy, [1, 3, 4]) as f:
+            policy(input_ids=t["input_ids"], attention_mask=t["attention_mask"])
+        feats.append({"input_ids": t["input_ids"], "aux_hidden": f["aux_hidden"].bfloat16(),
+                      "final_hidden": f["final_hidden"].bfloat16(), "loss_mask": t["response_mask"]})
+    return feats
+
+
+def _verifier(policy):
+    return {"embed": policy.model.embed_tokens.weight.detach().bfloat16(),
+            "lm_head": policy.lm_head.weight.detach().bfloat16()}
+
+
+def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_path):
+    save_head(init_head(tiny_policy), tmp_path / "head")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (6,), generator=g).tolist() for _ in range(4)]
+    with torch.no_grad():
+        seqs = tiny_policy.generate(torch.tensor(prompts), max_new_tokens=12, do_sample=False)
+    batch = RolloutBatch(prompts, [s[6:].tolist() for s in seqs], [[0.0] * 12] * 4, [0, 1, 2, 3])
+    trainer = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=2, num_threads=2)
+    with pytest.raises(RuntimeError, match="no features"):
+        trainer.train(_verifier(tiny_policy), 1)
+    trainer.submit_features(_features(tiny_policy, batch, 0))
+    first = trainer.train(_verifier(tiny_policy), 1)
+    trainer.submit_features(_features(tiny_policy, batch, 0))
+    last = trainer.train(_verifier(tiny_policy), 40)
+    assert last["draft_loss"] < first["draft_loss"]
+    assert last["draft_top1_per_step"][0] > first["draft_top1_per_step"][0] + 0.2
+    assert last["draft_version"] == 2
+
+
+@pytest.mark.slow
+def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp_path):
+    """The DraftTrainer's head, loaded into a running vLLM replica in place,
+    is accepted more often than the untrained head on the same prompts."""
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+
+    save_head(init_head(tiny_policy), tmp_path / "head")
+    eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "eagle3", "num_speculative_tokens": 3,
+                                              "model": str(tmp_path / "head")},
+                         dtype="float32", engine_kwargs=engine_kwargs(), env=cpu_engine_env(1, "all"))
+    tok = load_tokenizer(tiny_llama_dir)
+    prompts = [tok.encode(f"The number {i} is") for i in range(8)]
+    before_batch, before = eng.generate(prompts, n=1, temperature=0.0, max_tokens=32)
+    trainer = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=3, num_threads=2)
+    trainer.submit_features(_features(tiny_policy, before_batch, tok.pad_token_id))
+    trainer.train(_verifier(tiny_policy), 80)
+    eng.update_draft(trainer.vllm_weights(), version=1)
+    after_batch, after = eng.generate(prompts, n=1, temperature=0.0, max_tokens=32)
+    print(f"acceptance length untrained {before.acceptance_length:.2f} -> trained {after.acceptance_length:.2f}")
+    assert after_batch.response_ids == before_batch.response_ids  # speculation never changes greedy output
+    assert after.acceptance_length > before.acceptance_length + 0.3
+    assert eng.versions()["draft"] == 1

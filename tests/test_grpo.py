@@ -1,0 +1,78 @@
+"""GRPO math and the batch layout the trainer consumes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rayspec.batch import RolloutBatch
+from rayspec.train.grpo import (group_advantages, grpo_loss, token_logprobs,
+                                token_mult_prob_error)
+
+
+def test_group_advantages_normalise_within_groups():
+    adv = group_advantages([1.0, 0.0, 1.0, 1.0, 0.0, 0.0], [0, 0, 0, 1, 1, 1])
+    assert adv[0] == pytest.approx(adv[2]) and adv[0] > 0 > adv[1]
+    assert sum(adv[:3]) == pytest.approx(0.0, abs=1e-6)
+    assert adv[3] > 0 > adv[4] and adv[4] == pytest.approx(adv[5])
+    # a group where every sample got the same reward carries no signal
+    assert group_advantages([1.0, 1.0], [7, 7]) == [0.0, 0.0]
+
+
+def test_grpo_loss_on_policy_is_minus_mean_advantage_and_clips():
+    lp = torch.log(torch.tensor([[0.5, 0.25, 0.1], [0.5, 0.5, 0.5]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([1.0, -1.0])
+    loss, m = grpo_loss(lp, lp, adv, mask, clip_eps=0.2)
+    assert loss.item() == pytest.approx(0.0, abs=1e-6)  # ratio 1: -(1 + -1)/2
+    assert m["ratio_mean"] == pytest.approx(1.0) and m["clip_frac"] == 0.0
+    # a large ratio on a positive advantage is clipped at 1 + eps
+    loss_c, m_c = grpo_loss(lp + 1.0, lp, torch.tensor([1.0, 1.0]), mask, clip_eps=0.2)
+    assert loss_c.item() == pytest.approx(-1.2, abs=1e-5)
+    assert m_c["clip_frac"] == 1.0
+
+
+def test_grpo_gradient_raises_logprob_of_advantaged_tokens():
+    logits = torch.zeros(1, 4, 5, requires_grad=True)
+    ids = torch.tensor([[0, 1, 2, 3]])
+    lp = token_logprobs(logits, ids)
+    loss, _ = grpo_loss(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 3), 0.2)
+    loss.backward()
+    # descending the loss must increase the sampled tokens' logits
+    assert (logits.grad[0, torch.arange(3), ids[0, 1:]] < 0).all()
+
+
+def test_kl_term_is_zero_at_reference_and_positive_away():
+    lp = torch.log(torch.tensor([[0.5, 0.5]]))
+    mask = torch.ones(1, 2)
+    _, m0 = grpo_loss(lp, lp, torch.zeros(1), mask, 0.2, ref_logprobs=lp, kl_coef=0.1)
+    _, m1 = grpo_loss(lp, lp, torch.zeros(1), mask, 0.2, ref_logprobs=lp - 0.5, kl_coef=0.1)
+    assert m0["kl"] == pytest.approx(0.0) and m1["kl"] > 0
+
+
+def test_token_mult_prob_error():
+    a = torch.log(torch.tensor([[0.5, 0.2]]))
+    assert token_mult_prob_error(a, a, torch.ones(1, 2)) == pytest.approx(0.0)
+    assert token_mult_prob_error(a, a - torch.log(torch.tensor(2.0)), torch.ones(1, 2)) == pytest.approx(1.0)
+
+
+def test_padded_batch_aligns_response_tokens_with_logits():
+    b = RolloutBatch(prompt_ids=[[5, 6, 7], [5, 6]], response_ids=[[8, 9], [10]],
+                     rollout_logprobs=[[-0.1, -0.2], [-0.3]], group=[0, 1], advantages=[1.0, -1.0])
+    t = b.to_padded(pad_id=0)
+    assert t["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 10, 0, 0]]
+    assert t["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    # logits at position s predict token s+1: the response starts at s = len(prompt) - 1
+    assert t["response_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+    assert t["rollout_logprobs"][0, 2:].tolist() == pytest.approx([-0.1, -0.2])
+    assert t["rollout_logprobs"][1, 1].item() == pytest.approx(-0.3)
+
+
+def test_batch_shard_and_concat_roundtrip():
+    b = RolloutBatch([[1]] * 4, [[2], [3], [4], [5]], [[0.0]] * 4, [0, 0, 1, 1],
+                     policy_version=3, rewards=[1, 0, 1, 0], advantages=[1, -1, 1, -1], texts=list("abcd"))
+    parts = [b.shard(r, 2) for r in range(2)]
+    assert parts[1].response_ids == [[4], [5]] and parts[1].rewards == [1, 0]
+    assert RolloutBatch.concat(parts) == b
+    with pytest.raises(ValueError, match="policy versions"):
+        RolloutBatch.concat([parts[0], RolloutBatch([], [], [], [], policy_version=4)])
