@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import MISSING, OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 BUNDLED_MODEL = "bundled:smollm2-135m-instruct"
@@ -279,19 +280,38 @@ def load_config(path: str | os.PathLike | None = None,
         ConfigError: unknown key, wrong type or invalid value; the message
             names the key (and the file for YAML errors).
     """
-    schema = OmegaConf.structured(RunConfig)
+    where = f" in {path}" if path is not None else ""
+    # Merge one section / one override at a time so an error names its key
+    # (OmegaConf leaves full_key empty for some merge errors).
+    parts: list[tuple[str, Any]] = []
     try:
-        merged = schema
         if path is not None:
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
-        if overrides:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+            loaded = OmegaConf.load(path)
+            if not isinstance(loaded, DictConfig):
+                raise ConfigError(f"invalid config{where}: top level must be a mapping of sections")
+            parts += [(str(k), OmegaConf.create({k: loaded[k]})) for k in loaded]
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read config{where}: {e}") from None
+    parts += [(o.split("=", 1)[0], OmegaConf.from_dotlist([o])) for o in overrides or []]
+    merged = OmegaConf.structured(RunConfig)
+    for key, part in parts:
+        try:
+            merged = OmegaConf.merge(merged, part)
+        except OmegaConfBaseException as e:
+            msg = (getattr(e, "msg", None) or str(e)).splitlines()[0]
+            full = getattr(e, "full_key", None) or key
+            raise ConfigError(f"invalid config{where}: key '{full}': {msg}") from None
+    try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        where = f" in {path}" if path is not None else ""
-        key = getattr(e, "full_key", None)
-        raise ConfigError(f"invalid config{where}: key '{key}': {e.msg if hasattr(e, 'msg') else e}") from None
-    validate(cfg)
+        raise ConfigError(f"invalid config{where}: key '{getattr(e, 'full_key', None)}': "
+                          f"{(getattr(e, 'msg', None) or str(e)).splitlines()[0]}") from None
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        if path is not None:
+            raise ConfigError(f"{e} (config: {path}{' + overrides' if overrides else ''})") from None
+        raise
     return cfg
 
 

@@ -27,12 +27,10 @@ def test_affected_build_is_detected():
 def test_upstream_cpu_expand_drops_float_output():
     """Documents the root cause: the upstream impl never writes a float output."""
     from vllm.platforms import current_platform
-    from vllm.utils import cpu_triton_utils
 
     current_platform.import_kernels()  # loads vllm._C, home of expand_kernel_impl
-    upstream = cpu_triton_utils._expand_kernel_impl
-    if upstream is vllm_patches._expand_kernel_impl:
-        pytest.skip("patched in this process already")
+    upstream = vllm_patches.upstream_expand_kernel_impl()
+    assert upstream is not vllm_patches._expand_kernel_impl
     values, cu, _ = _expand_case()
     out = torch.full((6,), float("nan"))
     upstream(out, values, cu, 0, 0)

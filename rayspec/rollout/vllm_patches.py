@@ -56,6 +56,14 @@ def needs_patch() -> bool:
 
 
 _applied = False
+_upstream = None
+
+
+def upstream_expand_kernel_impl():
+    """vLLM's own CPU expand implementation, whether or not the patch is applied."""
+    from vllm.utils import cpu_triton_utils
+
+    return _upstream or cpu_triton_utils._expand_kernel_impl
 
 
 def register() -> None:
@@ -64,7 +72,7 @@ def register() -> None:
     Set ``RAYSPEC_DISABLE_VLLM_PATCHES=1`` to skip it (tests use this to show
     the bug the patch fixes).
     """
-    global _applied
+    global _applied, _upstream
     import os
 
     if _applied or os.environ.get("RAYSPEC_DISABLE_VLLM_PATCHES") == "1" or not needs_patch():
@@ -72,6 +80,7 @@ def register() -> None:
     from vllm.triton_utils import dispatcher
     from vllm.utils import cpu_triton_utils
 
+    _upstream = cpu_triton_utils._expand_kernel_impl
     cpu_triton_utils._expand_kernel_impl = _expand_kernel_impl
     # If the platform already registered its (buggy) override in this
     # process, replace that registration too.

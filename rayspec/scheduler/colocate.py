@@ -37,7 +37,8 @@ def init_ray(cfg: RunConfig) -> None:
     if cfg.ray.address is not None or os.environ.get("RAY_ADDRESS"):
         ray.init(address=cfg.ray.address, namespace=NAMESPACE, runtime_env=env)
     else:
-        ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(),
+        # "local": always a new embedded cluster, never a stray `ray start` one
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(),
                  object_store_memory=cfg.ray.object_store_memory,
                  namespace=NAMESPACE, runtime_env=env)
 

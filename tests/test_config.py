@@ -1,0 +1,155 @@
+"""Run config: every YAML preset validates, overrides apply, and bad input fails
+with a ConfigError that names the key and the value (no Ray, no vLLM)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from rayspec.config import BUNDLED_MODEL, ConfigError, RunConfig, load_config, to_dict
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "jobs" / "configs"
+PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))
+DEFAULT = CONFIG_DIR / "default.yaml"
+K = "rollout.speculative_config.num_speculative_tokens"
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_presets_exist():
+    assert {"default.yaml", "gsm8k.yaml"} <= {p.name for p in PRESETS}
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_preset_validates(preset):
+    cfg = load_config(preset)
+    assert isinstance(cfg, RunConfig)
+
+
+def test_default_preset():
+    cfg = load_config(DEFAULT)
+    assert cfg.model.path == BUNDLED_MODEL
+    assert cfg.data.name == "arithmetic"
+    assert cfg.rollout.speculative_config.method == "eagle3"
+    assert cfg.rollout.speculative_config.num_speculative_tokens == 3
+    assert cfg.trainer.steps == 10
+    assert cfg.trainer.run_dir == "runs/default"
+
+
+def test_gsm8k_preset_differs_from_default_only_in_data_length_and_run_dir():
+    default = _flat(to_dict(load_config(DEFAULT)))
+    gsm8k = _flat(to_dict(load_config(CONFIG_DIR / "gsm8k.yaml")))
+    changed = {k: gsm8k[k] for k in default if gsm8k[k] != default[k]}
+    assert changed == {"data.name": "gsm8k", "data.path": "../shared/data/gsm8k",
+                       "grpo.max_new_tokens": 256, "trainer.run_dir": "runs/gsm8k"}
+
+
+def test_overrides():
+    cfg = load_config(DEFAULT, [f"{K}=2", "trainer.steps=3", "data.name=gsm8k"])
+    assert cfg.rollout.speculative_config.num_speculative_tokens == 2
+    assert cfg.trainer.steps == 3
+    assert cfg.data.name == "gsm8k"
+    assert cfg.data.path == "openai/gsm8k"  # filled in by validate
+    assert cfg.rollout.speculative_config.method == "eagle3"  # untouched sibling
+
+
+def test_overrides_without_preset_start_from_dataclass_defaults():
+    cfg = load_config(None, ["trainer.steps=3"])
+    assert dataclasses.replace(cfg, trainer=RunConfig().trainer) == RunConfig()
+
+
+def test_no_speculation_ignores_k():
+    cfg = load_config(DEFAULT, ["rollout.speculative_config.method=null", f"{K}=0"])
+    assert cfg.rollout.speculative_config.method is None
+
+
+def test_draft_model_with_existing_dir(tmp_path):
+    cfg = load_config(DEFAULT, ["rollout.speculative_config.method=draft_model",
+                                f"rollout.speculative_config.model={tmp_path}"])
+    assert cfg.rollout.speculative_config.model == str(tmp_path)
+
+
+@pytest.mark.parametrize("overrides, key, value", [
+    (["rollout.bogus=1"], "rollout.bogus", None),  # unknown key: no value to check
+    ([f"{K}=0"], K, "0"),
+    (["rollout.speculative_config.method=medusa2"], "rollout.speculative_config.method", "medusa2"),
+    (["model.path=/nonexistent/dir"], "model.path", "/nonexistent/dir"),
+    (["grpo.group_size=1"], "grpo.group_size", "1"),
+    (["trainer.steps=abc"], "trainer.steps", "abc"),
+    (["rollout.speculative_config.method=draft_model"], "rollout.speculative_config.model",
+     "draft_model"),
+    (["rollout.speculative_config.method=draft_model",
+      "rollout.speculative_config.model=/nonexistent/draft"],
+     "rollout.speculative_config.model", "/nonexistent/draft"),
+    (["train.num_workers=3"], "train.num_workers", "3"),  # 3 does not divide 4 * 4
+    (["data.name=squad"], "data.name", "squad"),
+], ids=["unknown-key", "k<1", "unknown-method", "missing-model", "group-size-1", "wrong-type",
+        "draft-model-no-path", "draft-model-missing-dir", "num-workers-not-dividing",
+        "unknown-dataset"])
+def test_bad_override_names_key_and_value(overrides, key, value):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, overrides)
+    msg = str(e.value)
+    assert key in msg
+    if value is not None:
+        assert value in msg
+
+
+def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
+    preset = tmp_path / "typo.yaml"
+    preset.write_text("trainer:\n  stepz: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(preset)
+    assert str(preset) in str(e.value)
+    assert "trainer.stepz" in str(e.value)
+
+
+SCALAR_FOR_SECTION = pytest.mark.parametrize("yaml_text, overrides, key", [
+    ("trainer: 3\n", [], "trainer"),
+    ("", ["rollout.speculative_config=3"], "rollout.speculative_config"),
+], ids=["in-yaml", "in-override"])
+
+
+def _load_scalar_for_section(tmp_path, yaml_text, overrides) -> str:
+    preset = tmp_path / "p.yaml"
+    preset.write_text(yaml_text)
+    with pytest.raises(ConfigError) as e:
+        load_config(preset, overrides)
+    return str(e.value).replace(str(preset), "<preset>")
+
+
+@SCALAR_FOR_SECTION
+def test_scalar_for_section_raises_config_error(tmp_path, yaml_text, overrides, key):
+    _load_scalar_for_section(tmp_path, yaml_text, overrides)
+
+
+@SCALAR_FOR_SECTION
+def test_scalar_for_section_message_names_key(tmp_path, yaml_text, overrides, key):
+    assert key in _load_scalar_for_section(tmp_path, yaml_text, overrides)
+
+
+@pytest.mark.parametrize("text", ["trainer: [unclosed", "- a\n- b\n"])
+def test_unreadable_yaml_is_a_config_error_naming_the_file(tmp_path, text):
+    preset = tmp_path / "bad.yaml"
+    preset.write_text(text)
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(preset)
+
+
+def test_missing_preset_and_invalid_value_in_preset_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    preset = tmp_path / "g1.yaml"
+    preset.write_text("grpo:\n  group_size: 1\n")
+    with pytest.raises(ConfigError, match=r"grpo.group_size=1.*g1.yaml"):
+        load_config(preset)
