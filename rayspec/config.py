@@ -60,6 +60,9 @@ class DataConfig:
         path: for gsm8k, a directory with ``<split>.jsonl`` or a hub id.
         split: dataset split.
         num_problems: use only the first N problems (None: all; arithmetic: 1000).
+        level: arithmetic difficulty: 1 = one addition/subtraction answered
+            directly (a 135M policy gets some right at temperature 1.0, so
+            GRPO has a signal), 2 = word problems with 2-3 operations.
         prompts_per_step: distinct prompts per RL step (each sampled
             ``grpo.group_size`` times).
         seed: shuffling / generation seed.
@@ -69,6 +72,7 @@ class DataConfig:
     path: Optional[str] = None
     split: str = "train"
     num_problems: Optional[int] = None
+    level: int = 1
     prompts_per_step: int = 4
     seed: int = 0
 
@@ -187,15 +191,21 @@ class DraftConfig:
         ttt_steps: training-time-test unroll depth (draft positions trained).
         aux_hidden_state_layer_ids: verifier layers whose inputs feed the head
             (null: 1, L/2-1, L-4 for an L-layer policy).
+        buffer_steps: RL steps of verifier features the DraftTrainer keeps
+            and replays (1: train on the current step's features only).
         num_cpus: Ray CPUs reserved for the DraftTrainer actor.
+        torch_threads: intra-op threads of the DraftTrainer (it runs while the
+            other roles wait, in the colocated layout).
     """
 
     enabled: bool = True
-    lr: float = 3.0e-4
+    lr: float = 1.0e-3
     steps_per_rl_step: int = 4
     ttt_steps: int = 3
     aux_hidden_state_layer_ids: Optional[list[int]] = None
+    buffer_steps: int = 4
     num_cpus: float = 0.25
+    torch_threads: int = 2
 
 
 @dataclass
@@ -345,6 +355,7 @@ def validate(cfg: RunConfig) -> None:
            f"unknown dataset, expected one of {DATASETS}")
     if cfg.data.name == "gsm8k" and cfg.data.path is None:
         cfg.data.path = "openai/gsm8k"
+    _check(cfg.data.level in (1, 2), "data.level", cfg.data.level, "expected 1 or 2")
     _check(cfg.data.prompts_per_step >= 1, "data.prompts_per_step",
            cfg.data.prompts_per_step, "must be >= 1")
     _check(cfg.grpo.group_size >= 2, "grpo.group_size", cfg.grpo.group_size,
@@ -367,6 +378,8 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.draft.steps_per_rl_step >= 0, "draft.steps_per_rl_step",
            cfg.draft.steps_per_rl_step, "must be >= 0")
     _check(cfg.draft.ttt_steps >= 1, "draft.ttt_steps", cfg.draft.ttt_steps, "must be >= 1")
+    _check(cfg.draft.buffer_steps >= 1, "draft.buffer_steps", cfg.draft.buffer_steps, "must be >= 1")
+    _check(cfg.draft.torch_threads >= 1, "draft.torch_threads", cfg.draft.torch_threads, "must be >= 1")
     _check(cfg.scheduler.layout == "colocate", "scheduler.layout", cfg.scheduler.layout,
            "only 'colocate' is implemented")
     _check(cfg.scheduler.mode == "sync", "scheduler.mode", cfg.scheduler.mode,

@@ -216,3 +216,19 @@ def test_load_problems_dispatch(gsm8k_dir, gsm8k_train):
     assert load_problems("gsm8k", str(gsm8k_dir), "train", 10, seed=0) == gsm8k_train[:10]
     with pytest.raises(ValueError, match=r"data\.name='math'.*arithmetic.*gsm8k"):
         load_problems("math", None, "train", None, seed=0)
+
+
+def test_level1_arithmetic_is_direct_and_correct():
+    from rayspec.data import load_problems
+    from rayspec.data.prompts import DIRECT_INSTRUCTION
+
+    probs = load_problems("arithmetic", None, "train", 200, seed=3, level=1)
+    assert probs == load_problems("arithmetic", None, "train", 200, seed=3, level=1)
+    for p in probs:
+        expr = p.question.removeprefix("What is ").removesuffix("?")
+        a, op, b = expr.split()
+        assert int(p.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+        assert format_question(p).endswith(DIRECT_INSTRUCTION)
+    assert {p.question.split()[3] for p in probs} == {"+", "-"}
+    with pytest.raises(ValueError, match="level"):
+        arithmetic_problems(1, 0, level=3)

@@ -40,18 +40,44 @@ def _greedy_hf(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.slow
-def test_refit_after_deepspeed_step_matches_trainer_greedy(tiny_llama_dir, tmp_path, single_rank_group):
+@pytest.fixture(scope="module")
+def spec_engine(tiny_llama_dir, tmp_path_factory):
+    """A speculative (EAGLE-3, k=3) fp32 engine of the tiny policy."""
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
 
+    head = tmp_path_factory.mktemp("head") / "head"
+    save_head(init_head(load_policy(tiny_llama_dir)), head)
+    return SpecVLLMEngine(str(tiny_llama_dir), {"method": "eagle3", "num_speculative_tokens": 3,
+                                               "model": str(head)},
+                          dtype="float32", engine_kwargs=engine_kwargs(), env=cpu_engine_env(1, "all"))
+
+
+@pytest.mark.slow
+def test_rollout_logprobs_are_the_sampling_distribution(spec_engine, tiny_llama_dir):
+    """At temperature 0.7 the rollout logprobs equal the trainer's
+    log_softmax(logits / T) of the same tokens (the ratio's denominator)."""
+    from rayspec.train.grpo import token_logprobs
+
+    tok = load_tokenizer(tiny_llama_dir)
+    policy = load_policy(tiny_llama_dir).eval()
+    batch, stats = spec_engine.generate([tok.encode("Count with me: one, two,")], n=4,
+                                        temperature=0.7, max_tokens=12)
+    assert stats.num_drafts > 0
+    t = batch.to_padded(tok.pad_token_id)
+    with torch.no_grad():
+        lp = token_logprobs(policy(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits,
+                            t["input_ids"], temperature=0.7)
+    m = t["response_mask"].bool()
+    assert torch.allclose(lp[m], t["rollout_logprobs"][m], atol=2e-3)
+
+
+@pytest.mark.slow
+def test_refit_after_deepspeed_step_matches_trainer_greedy(spec_engine, tiny_llama_dir, single_rank_group):
+    eng = spec_engine
     cfg = load_config(None, ["data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1",
                              "train.deepspeed.optimizer.params.lr=0.01", "model.dtype=float32"])
     tok = load_tokenizer(tiny_llama_dir)
     policy = load_policy(tiny_llama_dir)
-    save_head(init_head(policy), tmp_path / "head")
-    eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "eagle3", "num_speculative_tokens": 3,
-                                              "model": str(tmp_path / "head")},
-                         dtype="float32", engine_kwargs=engine_kwargs(), env=cpu_engine_env(1, "all"))
     probe = tok.encode("Question: what is 12 plus 30? Answer:")
     before = eng.generate([probe], temperature=0.0, max_tokens=16)[0].response_ids[0]
     assert before == _greedy_hf(policy, probe, 16)

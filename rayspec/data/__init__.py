@@ -1,18 +1,17 @@
 """Prompt sources and verifiable rewards."""
 
+from rayspec.config import DATASETS  # one list of names, validated by the config
 from rayspec.data.prompts import (SYSTEM_PROMPT, Problem, PromptSource, arithmetic_problems,
                                   format_question, load_gsm8k)
 from rayspec.data.reward import extract_final_number, math_reward
 
-DATASETS = ("arithmetic", "gsm8k")
-
 
 def load_problems(name: str, path: str | None, split: str, num_problems: int | None,
-                  seed: int) -> list[Problem]:
+                  seed: int, level: int = 2) -> list[Problem]:
     """Problems of dataset ``data.name``.
 
-    "arithmetic": ``num_problems`` (default 1000) seeded problems; ``path`` and
-    ``split`` are ignored. "gsm8k": ``split`` of ``path`` (default the hub id
+    "arithmetic": ``num_problems`` (default 1000) seeded problems of difficulty
+    ``level`` (see :func:`arithmetic_problems`); ``path`` and ``split`` are ignored. "gsm8k": ``split`` of ``path`` (default the hub id
     "openai/gsm8k"), its first ``num_problems`` when given.
 
     Raises:
@@ -20,7 +19,7 @@ def load_problems(name: str, path: str | None, split: str, num_problems: int | N
         FileNotFoundError, ImportError: see :func:`load_gsm8k`.
     """
     if name == "arithmetic":
-        return arithmetic_problems(num_problems or 1000, seed)
+        return arithmetic_problems(num_problems or 1000, seed, level=level)
     if name == "gsm8k":
         problems = load_gsm8k(path or "openai/gsm8k", split)
         return problems if num_problems is None else problems[:num_problems]

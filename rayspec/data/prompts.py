@@ -11,7 +11,15 @@ from typing import Callable
 
 from rayspec.data.reward import normalise_number
 
-SYSTEM_PROMPT = "You are a careful math tutor. Solve the problem step by step."
+SYSTEM_PROMPT = "You are a careful math tutor."
+
+
+COT_INSTRUCTION = ("Think step by step, then give the final answer on its own last line "
+                   "as '#### <number>'.")
+# One-operation problems are answered directly: a 135M policy sampling at
+# temperature 1.0 loses its way in long reasoning (measured here: 4% correct
+# on "What is a + b?" with free-form answers, 12% when asked for the number only).
+DIRECT_INSTRUCTION = "Reply with only the number."
 
 
 @dataclass(frozen=True)
@@ -23,12 +31,14 @@ class Problem:
         answer: canonical final number as a string ("72", "-3", "0.5").
         source: dataset name ("gsm8k", "arithmetic").
         index: 0-based position in the source.
+        instruction: answer-format instruction appended to the question.
     """
 
     question: str
     answer: str
     source: str
     index: int
+    instruction: str = COT_INSTRUCTION
 
 
 def gsm8k_final_answer(answer_text: str) -> str:
@@ -138,22 +148,42 @@ _TEMPLATES: tuple[Callable[[random.Random, int, str, str], tuple[str, int]], ...
     _buy_give, _bags, _shelves, _three_days, _losses)
 
 
-def arithmetic_problems(n: int, seed: int, max_operand: int = 50) -> list[Problem]:
-    """``n`` word problems with 2-3 operations (+, -, *) and exact integer answers.
+def _one_op(rng: random.Random, m: int) -> tuple[str, int]:
+    a, b = rng.randint(2, m), rng.randint(2, m)
+    if rng.random() < 0.5:
+        return f"What is {a} + {b}?", a + b
+    a, b = max(a, b), min(a, b)
+    return f"What is {a} - {b}?", a - b
 
-    Deterministic in ``seed``. Drawn quantities are at most ``max_operand``
-    (a starting total may be the sum of three); multipliers are 2-9.
+
+def arithmetic_problems(n: int, seed: int, max_operand: int = 50, level: int = 2) -> list[Problem]:
+    """``n`` problems with exact integer answers, deterministic in ``seed``.
+
+    Args:
+        n: number of problems.
+        seed: RNG seed.
+        max_operand: largest drawn quantity (a starting total may be the sum
+            of three); multipliers are 2-9.
+        level: 1 = one addition or subtraction ("What is 7 + 5?"), answered
+            directly; 2 = word problems with 2-3 operations (+, -, *),
+            answered with step-by-step reasoning.
 
     Raises:
-        ValueError: ``n < 0`` or ``max_operand < 2``.
+        ValueError: ``n < 0``, ``max_operand < 2`` or an unknown level.
     """
     if n < 0:
         raise ValueError(f"arithmetic_problems: n={n} must be >= 0")
     if max_operand < 2:
         raise ValueError(f"arithmetic_problems: max_operand={max_operand} must be >= 2")
+    if level not in (1, 2):
+        raise ValueError(f"arithmetic_problems: level={level} must be 1 or 2")
     rng = random.Random(seed)
     problems = []
     for i in range(n):
+        if level == 1:
+            question, answer = _one_op(rng, max_operand)
+            problems.append(Problem(question, str(answer), "arithmetic", i, DIRECT_INSTRUCTION))
+            continue
         template = rng.choice(_TEMPLATES)
         question, answer = template(rng, max_operand, rng.choice(_NAMES), rng.choice(_ITEMS))
         problems.append(Problem(question, str(answer), "arithmetic", i))
@@ -161,10 +191,10 @@ def arithmetic_problems(n: int, seed: int, max_operand: int = 50) -> list[Proble
 
 
 def format_question(problem: Problem) -> str:
-    """The user message: the question, then the instruction to reason step by
-    step and end with a final line ``#### <number>`` (the GSM8K convention)."""
-    return (f"{problem.question}\nThink step by step, then give the final answer "
-            "on its own last line as '#### <number>'.")
+    """The user message: the question, then its answer-format instruction
+    (by default: reason step by step and end with a final line ``#### <number>``,
+    the GSM8K convention)."""
+    return f"{problem.question}\n{problem.instruction}"
 
 
 class PromptSource:

@@ -8,6 +8,8 @@ gradient from the draft and the driver never holds the tensors.
 
 from __future__ import annotations
 
+import collections
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -27,15 +29,23 @@ class DraftTrainer:
         lr: AdamW learning rate.
         ttt_steps: training-time-test unroll depth.
         num_threads: torch intra-op threads of this actor.
+        buffer_steps: RL steps of features kept for replay; the newest step's
+            features are always trained on, older ones fill the remaining
+            optimizer steps (the policy drifts slowly, so recent features stay
+            informative and each step's features are used more than once).
+        seed: order of replayed chunks.
     """
 
-    def __init__(self, head_dir: str, lr: float, ttt_steps: int, num_threads: int = 1):
+    def __init__(self, head_dir: str, lr: float, ttt_steps: int, num_threads: int = 1,
+                 buffer_steps: int = 1, seed: int = 0):
         torch.set_num_threads(num_threads)
         self.head: Eagle3Head = load_head(head_dir)
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=lr, weight_decay=0.0)
         self.ttt_steps = ttt_steps
         self.version = 0
         self._pending: list = []
+        self._buffer: collections.deque = collections.deque(maxlen=max(1, buffer_steps))
+        self._rng = random.Random(seed)
 
     def submit_features(self, feature_refs: list) -> int:
         """Queue features for the next ``train`` call; returns the queue length.
@@ -55,7 +65,8 @@ class DraftTrainer:
         Args:
             verifier_ref: ObjectRef (or dict) with ``embed`` and ``lm_head``
                 weights [V, H] of the verifier that produced the features.
-            steps: optimizer steps; each step cycles to the next feature chunk.
+            steps: optimizer steps, one feature chunk (micro-batch) each: the
+                newest step's chunks first, then replayed ones, cycling.
 
         Returns:
             {"draft_loss", "draft_top1_per_step" (list), "draft_version", "time_s"}.
@@ -66,8 +77,12 @@ class DraftTrainer:
         t0 = time.perf_counter()
         if not self._pending:
             raise RuntimeError("DraftTrainer.train: no features submitted")
-        feats = [ray.get(r) if isinstance(r, ray.ObjectRef) else r for r in self._pending]
+        newest = [ray.get(r) if isinstance(r, ray.ObjectRef) else r for r in self._pending]
         self._pending = []
+        older = [f for step in self._buffer for f in step]
+        self._buffer.append(newest)
+        self._rng.shuffle(older)
+        feats = newest + older
         ver = ray.get(verifier_ref) if isinstance(verifier_ref, ray.ObjectRef) else verifier_ref
         embed = ver["embed"].float()
         lm_head = ver["lm_head"].float()

@@ -72,10 +72,15 @@ class SpecVLLMEngine:
         from vllm import LLM
 
         self.speculative_config = speculative_config_for_vllm(speculative_config or {})
+        kwargs = dict(engine_kwargs or {})
+        # Rollout logprobs are the behaviour policy of the importance ratio:
+        # they must be of the sampling distribution (after temperature), as
+        # the trainer's log_softmax(logits / T) is; vLLM defaults to raw logits.
+        kwargs.setdefault("logprobs_mode", "processed_logprobs")
         self.llm = LLM(model=str(model), dtype=dtype,
                        speculative_config=self.speculative_config,
                        worker_extension_cls=WORKER_EXTENSION,
-                       disable_log_stats=False, **(engine_kwargs or {}))
+                       disable_log_stats=False, **kwargs)
         self.policy_version = 0
         self.draft_version = 0
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None

@@ -114,8 +114,9 @@ def run(cfg: RunConfig) -> Path:
     draft = None
     if draft_online(cfg):
         draft = ray.remote(DraftTrainer).options(
-            name=DRAFT_TRAINER_NAME, num_cpus=cfg.draft.num_cpus, lifetime=None).remote(
-            draft_dir, cfg.draft.lr, cfg.draft.ttt_steps)
+            name=DRAFT_TRAINER_NAME, num_cpus=cfg.draft.num_cpus).remote(
+            draft_dir, cfg.draft.lr, cfg.draft.ttt_steps, cfg.draft.torch_threads,
+            cfg.draft.buffer_steps, cfg.trainer.seed)
     log.info("rollout ready in %.0fs", time.perf_counter() - t0)
     try:
         trainer = TorchTrainer(

@@ -40,7 +40,7 @@ class StepContext:
         self.cfg = cfg
         self.tokenizer = tokenizer
         problems = load_problems(cfg.data.name, cfg.data.path, cfg.data.split,
-                                 cfg.data.num_problems, cfg.data.seed)
+                                 cfg.data.num_problems, cfg.data.seed, cfg.data.level)
         self.prompts = PromptSource(problems, cfg.data.prompts_per_step, cfg.data.seed)
         self.rollout = rollout.get_rollout_handle()
         self.log = MetricsLog(cfg.trainer.run_dir)
@@ -149,7 +149,8 @@ def rl_worker_loop(config: dict) -> None:
     import ray.train
 
     cfg: RunConfig = config["cfg"]
-    logging.basicConfig(level=cfg.logging.level)
+    # Ray Train routes print() to the root logger; a handler of our own would print twice.
+    logging.getLogger("rayspec").setLevel(cfg.logging.level)
     torch.set_num_threads(cfg.train.torch_threads_per_worker)
     torch.manual_seed(cfg.trainer.seed)
     tctx = ray.train.get_context()
