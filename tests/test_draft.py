@@ -118,7 +118,9 @@ def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp
     trainer.train(_verifier(tiny_policy), 80)
     eng.update_draft(trainer.vllm_weights(), version=1)
     after_batch, after = eng.generate(prompts, n=1, temperature=0.0, max_tokens=32)
+    versions = eng.versions()
+    eng.shutdown()
     print(f"acceptance length untrained {before.acceptance_length:.2f} -> trained {after.acceptance_length:.2f}")
     assert after_batch.response_ids == before_batch.response_ids  # speculation never changes greedy output
     assert after.acceptance_length > before.acceptance_length + 0.3
-    assert eng.versions()["draft"] == 1
+    assert versions["draft"] == 1

@@ -47,9 +47,11 @@ def spec_engine(tiny_llama_dir, tmp_path_factory):
 
     head = tmp_path_factory.mktemp("head") / "head"
     save_head(init_head(load_policy(tiny_llama_dir)), head)
-    return SpecVLLMEngine(str(tiny_llama_dir), {"method": "eagle3", "num_speculative_tokens": 3,
-                                               "model": str(head)},
-                          dtype="float32", engine_kwargs=engine_kwargs(), env=cpu_engine_env(1, "all"))
+    eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "eagle3", "num_speculative_tokens": 3,
+                                              "model": str(head)},
+                         dtype="float32", engine_kwargs=engine_kwargs(), env=cpu_engine_env(1, "all"))
+    yield eng
+    eng.shutdown()
 
 
 @pytest.mark.slow

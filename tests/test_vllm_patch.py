@@ -85,8 +85,10 @@ def _acceptance_vs_expected(model_dir, disable_patch: bool, monkeypatch) -> tupl
                          dtype="float32", engine_kwargs=engine_kwargs(),
                          env=cpu_engine_env(1, "all"))
     prompt = [[1, 504, 2118, 314, 216]]
-    batch, stats = eng.generate(prompt, n=128, temperature=1.0, max_tokens=6)
-    del eng
+    try:
+        batch, stats = eng.generate(prompt, n=128, temperature=1.0, max_tokens=6)
+    finally:
+        eng.shutdown()
     model = load_policy(model_dir).eval()
     ids = [torch.tensor(p + r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
     with torch.no_grad():

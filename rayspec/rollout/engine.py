@@ -174,5 +174,13 @@ class SpecVLLMEngine:
     def versions(self) -> dict[str, int]:
         return {"policy": self.policy_version, "draft": self.draft_version}
 
-    def __del__(self):
+    def shutdown(self) -> None:
+        """Stop vLLM's engine-core process and remove the refit staging dir
+        (idempotent; Ray Serve calls ``__del__`` when a replica stops)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(getattr(self, "_weights_dir", ""), ignore_errors=True)
+
+    def __del__(self):
+        self.shutdown()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from rayspec.batch import RolloutBatch
 from rayspec.config import RunConfig
 from rayspec.data import PromptSource, SYSTEM_PROMPT, format_question, load_problems, math_reward
-from rayspec.metrics import MetricsLog, PhaseTimer, format_step_line
+from rayspec.metrics import MetricsLog, PhaseTimer, format_step_line, plot_run
 from rayspec.rollout import serve as rollout
 from rayspec.rollout.spec_stats import SpecStats
 from rayspec.train.grpo import group_advantages
@@ -177,6 +177,8 @@ def rl_worker_loop(config: dict) -> None:
         ray.train.report({k: v for k, v in (record or {"step": step}).items()
                           if isinstance(v, (int, float))})
     save_policy(engine, tokenizer, Path(cfg.trainer.run_dir) / "policy", _dtype(cfg.model.dtype), rank)
+    if rank == 0:
+        print(f"curves: {plot_run(cfg.trainer.run_dir)}", flush=True)
 
 
 def save_policy(engine, tokenizer, out: Path, dtype: torch.dtype, rank: int) -> None:

@@ -1,0 +1,37 @@
+"""metrics.jsonl, TensorBoard scalars, the step line and the curves plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rayspec.metrics import MetricsLog, format_step_line, plot_run, read_metrics
+
+
+def _record(step: int) -> dict:
+    return {"step": step, "reward_mean": 0.25 * step, "acceptance_length": 1.0 + 0.1 * step,
+            "acceptance_rate_per_pos": [0.1 * step, 0.0, 0.0], "rollout_tokens_per_s": 100.0,
+            "time_rollout_s": 10.0, "time_policy_s": 20.0, "time_draft_s": 5.0,
+            "time_sync_s": 1.0, "policy_version": step - 1, "draft_loss": float("nan")}
+
+
+def test_log_writes_jsonl_tensorboard_and_plot(tmp_path):
+    log = MetricsLog(tmp_path)
+    for s in (1, 2):
+        log.write(_record(s))
+    recs = read_metrics(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert recs[0]["draft_loss"] is None  # NaN is not JSON
+    assert recs[1]["acceptance_rate_per_pos"] == pytest.approx([0.2, 0.0, 0.0])
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    png = plot_run(tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    line = format_step_line(recs[1])
+    assert "step    2" in line and "accept_len 1.20" in line and "v1" in line
+
+
+def test_read_metrics_names_the_bad_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(_record(1)) + "\n{broken\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        read_metrics(tmp_path)
