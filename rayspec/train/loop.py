@@ -149,7 +149,8 @@ def rl_worker_loop(config: dict) -> None:
     import ray.train
 
     cfg: RunConfig = config["cfg"]
-    # Ray Train routes print() to the root logger; a handler of our own would print twice.
+    # Ray Train gives the root logger its console handler (and routes print()
+    # through it too, twice on some stdout setups): log, and add no handler.
     logging.getLogger("rayspec").setLevel(cfg.logging.level)
     torch.set_num_threads(cfg.train.torch_threads_per_worker)
     torch.manual_seed(cfg.trainer.seed)
@@ -173,12 +174,12 @@ def rl_worker_loop(config: dict) -> None:
         version += 1
         if rank == 0:
             ctx.log.write(record)
-            print(format_step_line(record), flush=True)
+            log.info(format_step_line(record))
         ray.train.report({k: v for k, v in (record or {"step": step}).items()
                           if isinstance(v, (int, float))})
     save_policy(engine, tokenizer, Path(cfg.trainer.run_dir) / "policy", _dtype(cfg.model.dtype), rank)
     if rank == 0:
-        print(f"curves: {plot_run(cfg.trainer.run_dir)}", flush=True)
+        log.info("curves: %s", plot_run(cfg.trainer.run_dir))
 
 
 def save_policy(engine, tokenizer, out: Path, dtype: torch.dtype, rank: int) -> None:
