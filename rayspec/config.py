@@ -256,9 +256,13 @@ class RayConfig:
 class LoggingConfig:
     """Args:
         level: Python log level of rayspec's loggers.
+        warn_token_mult_prob_error: warn when the mean |p_train/p_rollout - 1|
+            of the step's tokens exceeds this (the rollout engine is not
+            sampling the policy being trained; see README "Precision").
     """
 
     level: str = "INFO"
+    warn_token_mult_prob_error: float = 0.1
 
 
 @dataclass

@@ -139,6 +139,18 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
     }
 
 
+def _warn_on_policy_mismatch(record: dict[str, Any], cfg: RunConfig) -> None:
+    err = record.get("token_mult_prob_error", 0.0)
+    if err > cfg.logging.warn_token_mult_prob_error:
+        log.warning(
+            "step %d: token_mult_prob_error %.3f > %.3f: the rollout engine's probabilities of the "
+            "sampled tokens differ from the trainer's. With model.dtype=%s, weight updates smaller "
+            "than its rounding step never reach the replicas; model.dtype=float32 serves the "
+            "trained weights exactly (slower on CPU). The importance ratio uses the rollout "
+            "logprobs, so the gradient stays unbiased, but the rollouts are off-policy.",
+            record["step"], err, cfg.logging.warn_token_mult_prob_error, cfg.model.dtype)
+
+
 def _dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
@@ -178,6 +190,7 @@ def rl_worker_loop(config: dict) -> None:
         if rank == 0:
             ctx.log.write(record)
             log.info(format_step_line(record))
+            _warn_on_policy_mismatch(record, cfg)
         ray.train.report({k: v for k, v in (record or {"step": step}).items()
                           if isinstance(v, (int, float))})
     save_policy(engine, tokenizer, Path(cfg.trainer.run_dir) / "policy", _dtype(cfg.model.dtype), rank)
