@@ -124,3 +124,12 @@ def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp
     assert after_batch.response_ids == before_batch.response_ids  # speculation never changes greedy output
     assert after.acceptance_length > before.acceptance_length + 0.3
     assert versions["draft"] == 1
+
+
+def test_reduced_vocab_heads_are_refused(tiny_policy, tmp_path):
+    out = save_head(init_head(tiny_policy), tmp_path / "head")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["draft_vocab_size"] = 1000
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="draft_vocab_size=1000"):
+        load_head(out)

@@ -243,7 +243,8 @@ def load_head(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Ea
 
     Raises:
         FileNotFoundError: no config.json / model.safetensors under ``path``.
-        ValueError: not an EAGLE-3 Llama head.
+        ValueError: not an EAGLE-3 Llama head, or a head with a reduced draft
+            vocabulary (d2t/t2d maps), which this trainer does not handle yet.
     """
     p = Path(path)
     if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
@@ -253,6 +254,9 @@ def load_head(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Ea
         raise ValueError(f"{p}/config.json: architectures={cfg.get('architectures')}, expected {ARCHITECTURE}")
     cfg.setdefault("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     cfg.setdefault("draft_vocab_size", cfg["vocab_size"])
+    if cfg["draft_vocab_size"] != cfg["vocab_size"]:
+        raise ValueError(f"{p}/config.json: draft_vocab_size={cfg['draft_vocab_size']} != "
+                         f"vocab_size={cfg['vocab_size']}: reduced draft vocabularies are not supported yet")
     head = Eagle3Head(cfg)
     sd = load_file(str(p / "model.safetensors"))
     sd = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}

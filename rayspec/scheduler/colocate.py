@@ -9,6 +9,7 @@ On a CPU-only machine the roles time-slice the same cores.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -59,13 +60,14 @@ def _absolute(cfg: RunConfig) -> RunConfig:
 def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | None, list[int] | None]:
     """The draft checkpoint replicas start with, and the aux layers to capture.
 
-    For eagle3 without ``speculative_config.model``, a new head is created
-    for the policy in ``<run_dir>/draft_head``.
+    For eagle3 the head lives in ``<run_dir>/draft_head``: a copy of
+    ``speculative_config.model`` when given, else the head already there, else
+    a new head for the policy. The aux layers are the head's own.
     """
     spec = cfg.rollout.speculative_config
     if spec.method != "eagle3":
         return spec.model, None
-    from rayspec.draft.eagle3 import head_config, init_head, load_head, save_head
+    from rayspec.draft.eagle3 import init_head, load_head, save_head
 
     head_dir = run_dir / "draft_head"
     if spec.model is not None:
@@ -73,14 +75,8 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
     elif not (head_dir / "model.safetensors").is_file():
         save_head(init_head(load_policy(model_dir), cfg.draft.aux_hidden_state_layer_ids,
                             seed=cfg.trainer.seed), head_dir)
-    ids = head_config(load_policy_config(model_dir), cfg.draft.aux_hidden_state_layer_ids)
-    return str(head_dir), ids["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-
-
-def load_policy_config(model_dir: str) -> dict:
-    import json
-
-    return json.loads((Path(model_dir) / "config.json").read_text())
+    head_cfg = json.loads((head_dir / "config.json").read_text())
+    return str(head_dir), head_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
 
 
 def run(cfg: RunConfig) -> Path:
