@@ -308,18 +308,15 @@ def load_config(path: str | os.PathLike | None = None,
         raise ConfigError(f"cannot read config{where}: {e}") from None
     parts += [(o.split("=", 1)[0], OmegaConf.from_dotlist([o])) for o in overrides or []]
     merged = OmegaConf.structured(RunConfig)
-    for key, part in parts:
-        try:
-            merged = OmegaConf.merge(merged, part)
-        except OmegaConfBaseException as e:
-            msg = (getattr(e, "msg", None) or str(e)).splitlines()[0]
-            full = getattr(e, "full_key", None) or key
-            raise ConfigError(f"invalid config{where}: key '{full}': {msg}") from None
     try:
+        for key, part in parts:
+            merged = OmegaConf.merge(merged, part)
+        key = None
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"invalid config{where}: key '{getattr(e, 'full_key', None)}': "
-                          f"{(getattr(e, 'msg', None) or str(e)).splitlines()[0]}") from None
+        msg = (getattr(e, "msg", None) or str(e)).splitlines()[0]
+        full = getattr(e, "full_key", None) or key
+        raise ConfigError(f"invalid config{where}: key '{full}': {msg}") from None
     try:
         validate(cfg)
     except ConfigError as e:

@@ -3,6 +3,7 @@ capture, and gathering full weights for the refit."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -69,7 +70,7 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
                             advantages=batch.advantages[start:start + micro])
         t = part.to_padded(pad_id)
         with (capture_eagle3_features(engine.module, aux_layer_ids) if aux_layer_ids
-              else _null()) as feats:
+              else contextlib.nullcontext({})) as feats:
             logits = engine(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits
         logprobs = token_logprobs(logits, t["input_ids"], cfg.grpo.temperature)
         ref_lp = None
@@ -95,14 +96,6 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
                 "loss_mask": t["response_mask"],
             }))
     return {k: v / n_micro for k, v in sums.items()}, feature_refs
-
-
-class _null:
-    def __enter__(self):
-        return {}
-
-    def __exit__(self, *exc):
-        return False
 
 
 def full_state_dict(engine, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
