@@ -27,6 +27,8 @@ from omegaconf.errors import OmegaConfBaseException
 BUNDLED_MODEL = "bundled:smollm2-135m-instruct"
 SPEC_METHODS = ("eagle3", "draft_model", "mtp", "ngram", "suffix")
 DATASETS = ("arithmetic", "gsm8k")
+LAYOUTS = ("colocate", "split")
+MODES = ("sync", "async")
 
 
 class ConfigError(ValueError):
@@ -102,20 +104,25 @@ class RolloutConfig:
     """vLLM replicas behind a Ray Serve deployment.
 
     Args:
-        num_replicas: Serve replicas, each one ``vllm.LLM``.
+        num_replicas: Serve replicas, each one ``vllm.LLM``; prompts are
+            sharded across them through the Serve handle.
         num_cpus_per_replica: Ray CPUs reserved per replica (fractional on
             small machines where phases take turns).
+        num_gpus_per_replica: Ray GPUs per replica (vLLM's
+            ``tensor_parallel_size`` GPUs; fractional only when colocated).
         speculative_config: see SpeculativeConfig.
         engine_kwargs: extra ``vllm.LLM`` kwargs (e.g. max_model_len,
             max_num_seqs, enforce_eager, seed).
         cpu_kvcache_space_gib: VLLM_CPU_KVCACHE_SPACE, KV cache per replica
             on the CPU platform (GiB).
-        cpu_omp_threads_bind: VLLM_CPU_OMP_THREADS_BIND (``all``: every core;
-            vLLM otherwise keeps one core back).
+        cpu_omp_threads_bind: VLLM_CPU_OMP_THREADS_BIND (``all``: every core
+            the placement plan gives the rollout role on the replica's node;
+            vLLM's own ``auto`` keeps one core back).
     """
 
     num_replicas: int = 1
     num_cpus_per_replica: float = 0.5
+    num_gpus_per_replica: float = 0.0
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     engine_kwargs: dict[str, Any] = field(
         default_factory=lambda: {
@@ -148,6 +155,7 @@ class TrainConfig:
     Args:
         num_workers: Ray Train workers (data-parallel ranks).
         cpus_per_worker: Ray CPUs per worker.
+        gpus_per_worker: Ray GPUs per worker (0: CPU training, gloo).
         deepspeed: DeepSpeed config dict (zero_optimization.stage, optimizer,
             train_micro_batch_size_per_gpu, ...). ``train_batch_size`` is
             derived: prompts_per_step * group_size sequences per RL step.
@@ -155,7 +163,9 @@ class TrainConfig:
     """
 
     num_workers: int = 2
-    cpus_per_worker: float = 0.5
+    # 2 x 0.4 + draft 0.2 fill one core, so split fits a 2-core node
+    cpus_per_worker: float = 0.4
+    gpus_per_worker: float = 0.0
     deepspeed: dict[str, Any] = field(default_factory=_default_deepspeed)
     torch_threads_per_worker: int = 1
 
@@ -194,6 +204,7 @@ class DraftConfig:
         buffer_steps: RL steps of verifier features the DraftTrainer keeps
             and replays (1: train on the current step's features only).
         num_cpus: Ray CPUs reserved for the DraftTrainer actor.
+        num_gpus: Ray GPUs reserved for the DraftTrainer actor.
         torch_threads: intra-op threads of the DraftTrainer (it runs while the
             other roles wait, in the colocated layout).
     """
@@ -204,21 +215,33 @@ class DraftConfig:
     ttt_steps: int = 3
     aux_hidden_state_layer_ids: Optional[list[int]] = None
     buffer_steps: int = 4
-    num_cpus: float = 0.25
+    num_cpus: float = 0.2
+    num_gpus: float = 0.0
     torch_threads: int = 2
 
 
 @dataclass
 class SchedulerConfig:
-    """Where and when roles run. Only ``colocate`` + ``sync`` exist yet.
+    """Where and when the roles run (``rayspec.scheduler``).
 
     Args:
-        layout: ``colocate``: all roles share the cluster's bundles and take turns.
-        mode: ``sync``: rollouts of step t+1 start after step t's sync.
+        layout: ``colocate``: rollout replicas, Train workers and the
+            DraftTrainer share the same nodes and devices (fractional
+            resources) and the phases take turns; ``split``: rollout on
+            resources disjoint from training (other nodes, whole GPUs, or on
+            a CPU node its own cores).
+        mode: ``sync``: the rollouts of step t+1 start after step t's weight
+            sync (on-policy); ``async``: they are generated while step t
+            trains, with the weights of an older policy version (needs
+            ``split``).
+        max_policy_lag: async only: at most this many policy updates between
+            the weights that sampled a batch and the weights it trains
+            (rollout batches generated ahead).
     """
 
     layout: str = "colocate"
     mode: str = "sync"
+    max_policy_lag: int = 1
 
 
 @dataclass
@@ -381,10 +404,29 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.draft.ttt_steps >= 1, "draft.ttt_steps", cfg.draft.ttt_steps, "must be >= 1")
     _check(cfg.draft.buffer_steps >= 1, "draft.buffer_steps", cfg.draft.buffer_steps, "must be >= 1")
     _check(cfg.draft.torch_threads >= 1, "draft.torch_threads", cfg.draft.torch_threads, "must be >= 1")
-    _check(cfg.scheduler.layout == "colocate", "scheduler.layout", cfg.scheduler.layout,
-           "only 'colocate' is implemented")
-    _check(cfg.scheduler.mode == "sync", "scheduler.mode", cfg.scheduler.mode,
-           "only 'sync' is implemented")
+    sched = cfg.scheduler
+    _check(sched.layout in LAYOUTS, "scheduler.layout", sched.layout, f"expected one of {LAYOUTS}")
+    _check(sched.mode in MODES, "scheduler.mode", sched.mode, f"expected one of {MODES}")
+    _check(sched.max_policy_lag >= 1, "scheduler.max_policy_lag", sched.max_policy_lag,
+           "must be >= 1 (sync mode is lag 0)")
+    _check(sched.mode == "sync" or sched.layout == "split", "scheduler.mode", sched.mode,
+           "async needs scheduler.layout=split: colocated roles share devices and take turns, "
+           "so there is nothing to overlap")
+    for key, value in (("rollout.num_cpus_per_replica", cfg.rollout.num_cpus_per_replica),
+                       ("rollout.num_gpus_per_replica", cfg.rollout.num_gpus_per_replica),
+                       ("train.cpus_per_worker", cfg.train.cpus_per_worker),
+                       ("train.gpus_per_worker", cfg.train.gpus_per_worker),
+                       ("draft.num_cpus", cfg.draft.num_cpus),
+                       ("draft.num_gpus", cfg.draft.num_gpus)):
+        _check(value >= 0, key, value, "must be >= 0")
+        if "gpus" in key and sched.layout == "split":
+            _check(float(value).is_integer(), key, value,
+                   "split gives each role whole GPUs (fractions would share a device)")
+
+
+def draft_online(cfg: RunConfig) -> bool:
+    """Online draft training runs for EAGLE-3 when enabled."""
+    return cfg.draft.enabled and cfg.rollout.speculative_config.method == "eagle3"
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

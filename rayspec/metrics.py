@@ -29,12 +29,17 @@ class PhaseTimer:
 def format_step_line(m: dict[str, Any]) -> str:
     """One human-readable line per RL step."""
     rates = ",".join(f"{r:.2f}" for r in m.get("acceptance_rate_per_pos", []))
-    return (f"step {m['step']:>4} | reward {m['reward_mean']:.3f} | "
+    line = (f"step {m['step']:>4} | reward {m['reward_mean']:.3f} | "
             f"accept_len {m['acceptance_length']:.2f} | accept/pos [{rates}] | "
             f"rollout {m['rollout_tokens_per_s']:.0f} tok/s | "
             f"t rollout {m['time_rollout_s']:.1f}s policy {m['time_policy_s']:.1f}s "
-            f"draft {m['time_draft_s']:.1f}s sync {m['time_sync_s']:.1f}s | "
-            f"v{m['policy_version']}")
+            f"draft {m['time_draft_s']:.1f}s sync {m['time_sync_s']:.1f}s")
+    if "layout" in m:
+        idle = " ".join(f"{role} {m[f'idle_{role}_s']:.1f}s" for role in ("rollout", "train", "draft")
+                        if f"idle_{role}_s" in m)
+        line += (f" | step {m['time_step_s']:.1f}s {m['layout']}/{m['mode']} lag {m['policy_lag']}"
+                 f" | idle {idle}")
+    return line + f" | v{m['policy_version']}"
 
 
 class MetricsLog:

@@ -72,6 +72,33 @@ def test_tiny_loop_two_steps_then_refit_through_serve(ray_session, tiny_llama_di
 
 
 @pytest.mark.slow
+def test_tiny_loop_async_split_two_replicas(ray_session, tiny_llama_dir, tmp_path):
+    """Async on the split layout: each batch after the first was generated
+    while the previous step trained, with the policy one version behind;
+    prompts are sharded over two replicas, each reporting its own stats."""
+    run_dir = tmp_path / "async"
+    cfg = load_config(None, [f"model.path={tiny_llama_dir}", "model.dtype=float32",
+                             "trainer.steps=3", f"trainer.run_dir={run_dir}",
+                             "grpo.max_new_tokens=24", "data.prompts_per_step=2",
+                             "draft.steps_per_rl_step=2", "rollout.num_replicas=2",
+                             "scheduler.layout=split", "scheduler.mode=async"])
+    run(cfg)
+    recs = _records(run_dir)
+    assert [r["policy_lag"] for r in recs] == [0, 1, 1]
+    assert [r["policy_version"] for r in recs] == [0, 0, 1]
+    for r in recs:
+        assert REQUIRED_KEYS <= r.keys()
+        assert (r["layout"], r["mode"]) == ("split", "async")
+        assert r["time_step_s"] > 0
+        for role in ("rollout", "train", "draft"):
+            assert 0 <= r[f"idle_{role}_s"] <= r["time_step_s"]
+        assert len(r["replicas"]) == 2
+        assert sum(s["output_tokens"] for s in r["replicas"].values()) == r["rollout_tokens"]
+    # the trainer waited less for the 2nd and 3rd batches than they took to generate
+    assert recs[2]["time_rollout_s"] < recs[2]["rollout_generation_s"] + recs[2]["time_policy_s"]
+
+
+@pytest.mark.slow
 def test_real_model_one_step_on_gsm8k(ray_session, smollm2_dir, gsm8k_dir, tmp_path):
     """One RL step of SmolLM2-135M-Instruct on GSM8K prompts with EAGLE-3 k=3."""
     run_dir = tmp_path / "real"

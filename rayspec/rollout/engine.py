@@ -6,10 +6,13 @@ wraps it as the Ray Serve deployment ``SpecVLLMReplica``.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -51,9 +54,24 @@ def _resolve(x):
     return ray.get(x) if isinstance(x, ray.ObjectRef) else x
 
 
+def _replica_id() -> str:
+    """The Serve replica's id, or ``local`` outside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not inside a Serve replica
+        return "local"
+
+
 class SpecVLLMEngine:
     """One ``vllm.LLM`` with a speculative_config, refit by file through
     the ``RefitExtension`` worker extension.
+
+    Calls that touch the engine (generate, refits, sleep) hold one lock:
+    ``vllm.LLM`` is not thread-safe, and Serve's ``handle.broadcast`` (the
+    refit path) bypasses ``max_ongoing_requests``, so in async mode a refit
+    sent while a rollout is generating waits for it here.
 
     Args:
         model: HF directory of the policy.
@@ -63,13 +81,25 @@ class SpecVLLMEngine:
         engine_kwargs: further ``vllm.LLM`` kwargs.
         env: environment variables set before the engine starts (vLLM CPU
             knobs such as VLLM_CPU_KVCACHE_SPACE).
+        cpu_cores_by_node: {Ray node id: core ids} the placement plan gives
+            the rollout role; the replica binds vLLM's CPU threads to its
+            node's set (VLLM_CPU_OMP_THREADS_BIND). None: ``env`` as given.
     """
 
     def __init__(self, model: str, speculative_config: Optional[dict[str, Any]] = None,
                  dtype: str = "bfloat16", engine_kwargs: Optional[dict[str, Any]] = None,
-                 env: Optional[dict[str, str]] = None):
-        os.environ.update(env or {})
+                 env: Optional[dict[str, str]] = None,
+                 cpu_cores_by_node: Optional[dict[str, list[int]]] = None):
+        env = dict(env or {})
+        if cpu_cores_by_node:
+            import ray
+
+            cores = cpu_cores_by_node.get(ray.get_runtime_context().get_node_id())
+            if cores:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        os.environ.update(env)
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         self.speculative_config = speculative_config_for_vllm(speculative_config or {})
         kwargs = dict(engine_kwargs or {})
@@ -77,6 +107,13 @@ class SpecVLLMEngine:
         # they must be of the sampling distribution (after temperature), as
         # the trainer's log_softmax(logits / T) is; vLLM defaults to raw logits.
         kwargs.setdefault("logprobs_mode", "processed_logprobs")
+        self.sleep_mode = bool(kwargs.get("enable_sleep_mode")) and current_platform.is_sleep_mode_available()
+        if not self.sleep_mode:
+            kwargs.pop("enable_sleep_mode", None)
+        self.replica_id = _replica_id()
+        self._lock = threading.Lock()
+        self._busy: list[tuple[float, float]] = []  # (start, end) epoch seconds of engine work
+        self._asleep = False
         self.llm = LLM(model=str(model), dtype=dtype,
                        speculative_config=self.speculative_config,
                        worker_extension_cls=WORKER_EXTENSION,
@@ -108,12 +145,14 @@ class SpecVLLMEngine:
         # prompt is prefilled in chunks; the engine is seeded instead.
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p,
                                 max_tokens=max_tokens, logprobs=0)
-        before = read_counters(self.llm.get_metrics())
-        t0 = time.perf_counter()
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
-                                 params, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        stats_after = read_counters(self.llm.get_metrics())
+        with self._busy_section():
+            self._wake()
+            before = read_counters(self.llm.get_metrics())
+            t0 = time.perf_counter()
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
+                                     params, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            stats_after = read_counters(self.llm.get_metrics())
         batch = RolloutBatch([], [], [], [], policy_version=self.policy_version)
         for i, out in enumerate(outs):
             for c in out.outputs:
@@ -124,7 +163,42 @@ class SpecVLLMEngine:
                 batch.group.append(group_offset + i)
                 batch.texts.append(c.text)
         n_tok = sum(len(r) for r in batch.response_ids)
-        return batch, diff_counters(before, stats_after, n_tok, wall)
+        stats = diff_counters(before, stats_after, n_tok, wall)
+        stats.replicas = {self.replica_id: dataclasses.replace(stats)}
+        return batch, stats
+
+    @contextlib.contextmanager
+    def _busy_section(self):
+        with self._lock:
+            t0 = time.time()
+            try:
+                yield
+            finally:
+                self._busy.append((t0, time.time()))
+
+    def busy_intervals(self, since: float) -> list[tuple[float, float]]:
+        """(start, end) epoch seconds of engine work (rollouts, refits) that
+        ended after ``since``; does not wait for the engine."""
+        self._busy = [iv for iv in self._busy if iv[1] > since - 3600]
+        return [iv for iv in self._busy if iv[1] > since]
+
+    def sleep(self, level: int = 1) -> bool:
+        """Release the engine's memory while the policy trains on the same
+        devices (vLLM sleep mode; level 1 offloads weights, drops the KV
+        cache). Returns False where the platform has no sleep mode (CPU):
+        there the colocated roles only take turns on the cores."""
+        if not self.sleep_mode:
+            return False
+        with self._busy_section():
+            if not self._asleep:
+                self.llm.sleep(level=level)
+                self._asleep = True
+        return True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
 
     def _write(self, state_dict: dict[str, torch.Tensor], name: str) -> str:
         path = self._weights_dir / f"{name}.safetensors"
@@ -152,23 +226,27 @@ class SpecVLLMEngine:
             The new policy version.
         """
         path = self._write(_resolve(state_dict), "policy")
-        try:
-            self.llm.collective_rpc("rayspec_load_policy", args=(path,))
-        finally:
-            os.unlink(path)
-        self.llm.reset_prefix_cache()
-        self.policy_version = version
+        with self._busy_section():
+            self._wake()
+            try:
+                self.llm.collective_rpc("rayspec_load_policy", args=(path,))
+            finally:
+                os.unlink(path)
+            self.llm.reset_prefix_cache()
+            self.policy_version = version
         return version
 
     def update_draft(self, state_dict, version: int) -> int:
         """Load EAGLE-3 head weights (vLLM checkpoint names; dict or ObjectRef)
         into the drafter, in place."""
         path = self._write(_resolve(state_dict), "draft")
-        try:
-            self.llm.collective_rpc("rayspec_load_draft", args=(path,))
-        finally:
-            os.unlink(path)
-        self.draft_version = version
+        with self._busy_section():
+            self._wake()
+            try:
+                self.llm.collective_rpc("rayspec_load_draft", args=(path,))
+            finally:
+                os.unlink(path)
+            self.draft_version = version
         return version
 
     def versions(self) -> dict[str, int]:

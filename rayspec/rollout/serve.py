@@ -18,7 +18,8 @@ APP_NAME = "rayspec-rollout"
 DEPLOYMENT_NAME = "SpecVLLMReplica"
 
 
-def deploy_rollout(cfg, model_dir: str, draft_dir: str | None) -> serve.handle.DeploymentHandle:
+def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
+                   plan=None) -> serve.handle.DeploymentHandle:
     """Start (or replace) the rollout app: ``cfg.rollout.num_replicas`` vLLM replicas.
 
     Args:
@@ -26,6 +27,8 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None) -> serve.handle.D
         model_dir: HF directory of the policy.
         draft_dir: EAGLE-3 head / draft model directory (overrides
             ``speculative_config.model``), or None.
+        plan: ``PlacementPlan`` giving the replicas their nodes, resources
+            and CPU cores; None: ``cfg.rollout`` resources anywhere.
 
     Returns:
         A handle to the ``SpecVLLMReplica`` deployment.
@@ -34,16 +37,28 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None) -> serve.handle.D
     if draft_dir is not None:
         spec["model"] = draft_dir
     env = cpu_engine_env(cfg.rollout.cpu_kvcache_space_gib, cfg.rollout.cpu_omp_threads_bind)
+    engine_kwargs = dict(cfg.rollout.engine_kwargs)
+    cores = None
+    if plan is not None:
+        opts = plan.serve_options()
+        if cfg.rollout.cpu_omp_threads_bind == "all":
+            cores = plan.cores.get("rollout") or None
+        # colocated replicas release their memory while the policy trains
+        # (where the platform has vLLM's sleep mode; the replica checks)
+        engine_kwargs.setdefault("enable_sleep_mode", plan.layout == "colocate")
+    else:
+        opts = {"ray_actor_options": {"num_cpus": cfg.rollout.num_cpus_per_replica,
+                                      "num_gpus": cfg.rollout.num_gpus_per_replica}}
+    opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}
     deployment = serve.deployment(SpecVLLMEngine, name=DEPLOYMENT_NAME).options(
         num_replicas=cfg.rollout.num_replicas,
         # vllm.LLM is not thread-safe: one call at a time per replica.
         max_ongoing_requests=1,
-        ray_actor_options={"num_cpus": cfg.rollout.num_cpus_per_replica,
-                           "runtime_env": {"env_vars": env}},
         health_check_timeout_s=600,
+        **opts,
     )
     app = deployment.bind(model=model_dir, speculative_config=spec, dtype=cfg.model.dtype,
-                          engine_kwargs=dict(cfg.rollout.engine_kwargs), env=env)
+                          engine_kwargs=engine_kwargs, env=env, cpu_cores_by_node=cores)
     return serve.run(app, name=APP_NAME, route_prefix=None)
 
 
@@ -52,22 +67,39 @@ def get_rollout_handle() -> serve.handle.DeploymentHandle:
     return serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME)
 
 
-def generate(handle, prompt_ids: list[list[int]], num_shards: int,
-             **sampling: Any) -> tuple[RolloutBatch, SpecStats]:
-    """Shard prompts over the replicas through the Serve handle and join.
+class PendingRollout:
+    """Rollout shards in flight on the replicas (``submit``); ``result()`` joins them."""
 
-    Returns:
-        (RolloutBatch grouped by prompt in input order, summed SpecStats).
-    """
+    def __init__(self, responses: list):
+        self._responses = responses
+
+    def result(self) -> tuple[RolloutBatch, SpecStats]:
+        """Wait for every shard.
+
+        Returns:
+            (RolloutBatch grouped by prompt in input order, SpecStats summed
+            over replicas, with each replica's own in ``.replicas``).
+        """
+        parts = [r.result() for r in self._responses]
+        stats = SpecStats()
+        for _, s in parts:
+            stats = stats + s
+        return RolloutBatch.concat([b for b, _ in parts]), stats
+
+
+def submit(handle, prompt_ids: list[list[int]], num_shards: int, **sampling: Any) -> PendingRollout:
+    """Shard prompts over the replicas through the Serve handle (contiguous
+    shards, one per replica); returns without waiting."""
     num_shards = max(1, min(num_shards, len(prompt_ids)))
     bounds = [round(i * len(prompt_ids) / num_shards) for i in range(num_shards + 1)]
-    responses = [handle.generate.remote(prompt_ids[a:b], group_offset=a, **sampling)
-                 for a, b in zip(bounds, bounds[1:]) if b > a]
-    parts = [r.result() for r in responses]
-    stats = SpecStats()
-    for _, s in parts:
-        stats = stats + s
-    return RolloutBatch.concat([b for b, _ in parts]), stats
+    return PendingRollout([handle.generate.remote(prompt_ids[a:b], group_offset=a, **sampling)
+                           for a, b in zip(bounds, bounds[1:]) if b > a])
+
+
+def generate(handle, prompt_ids: list[list[int]], num_shards: int,
+             **sampling: Any) -> tuple[RolloutBatch, SpecStats]:
+    """``submit`` and wait: (RolloutBatch in input order, summed SpecStats)."""
+    return submit(handle, prompt_ids, num_shards, **sampling).result()
 
 
 def broadcast(handle, method: str, *args, **kwargs) -> list:

@@ -16,6 +16,8 @@ class SpecStats:
         accepted_per_pos: accepted tokens per draft position, length k.
         output_tokens: generated tokens (tokens).
         wall_s: wall-clock seconds of the calls.
+        replicas: per Serve replica id, that replica's own SpecStats (a sum
+            of stats keeps every replica's entry, summed per replica).
     """
 
     num_drafts: int = 0
@@ -24,6 +26,7 @@ class SpecStats:
     accepted_per_pos: list[int] = field(default_factory=list)
     output_tokens: int = 0
     wall_s: float = 0.0
+    replicas: dict[str, "SpecStats"] = field(default_factory=dict)
 
     @property
     def acceptance_length(self) -> float:
@@ -39,6 +42,12 @@ class SpecStats:
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    def summary(self) -> dict:
+        """Acceptance length, per-position rates, tokens and tokens/s of these counters."""
+        return {"acceptance_length": self.acceptance_length,
+                "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
+                "output_tokens": self.output_tokens, "tokens_per_s": self.tokens_per_s}
+
     def __add__(self, other: "SpecStats") -> "SpecStats":
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
@@ -50,6 +59,9 @@ class SpecStats:
             self.output_tokens + other.output_tokens,
             # replicas run concurrently: the slowest one bounds the wall time
             max(self.wall_s, other.wall_s),
+            {k: self.replicas[k] + other.replicas[k] if k in self.replicas and k in other.replicas
+             else self.replicas.get(k) or other.replicas[k]
+             for k in {**self.replicas, **other.replicas}},
         )
 
 

@@ -1,5 +1,8 @@
-"""Where and when the roles of the RL step run."""
+"""Where and when the roles of the RL step run: the placement plan
+(``placement``), sync/async rollouts with bounded policy lag (``pipeline``)
+and the driver that starts everything (``driver``)."""
 
-from rayspec.scheduler.colocate import init_ray, run
+from rayspec.scheduler.driver import init_ray, run
+from rayspec.scheduler.placement import ClusterFitError, PlacementPlan, plan_placement
 
-__all__ = ["init_ray", "run"]
+__all__ = ["ClusterFitError", "PlacementPlan", "init_ray", "plan_placement", "run"]

@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +20,14 @@ import torch
 import torch.distributed as dist
 
 from rayspec.batch import RolloutBatch
-from rayspec.config import RunConfig
+from rayspec.config import RunConfig, draft_online
 from rayspec.data import PromptSource, SYSTEM_PROMPT, format_question, load_problems, math_reward
 from rayspec.metrics import MetricsLog, PhaseTimer, format_step_line, plot_run
 from rayspec.rollout import serve as rollout
-from rayspec.rollout.spec_stats import SpecStats
+from rayspec.scheduler.pipeline import RolloutPipeline
 from rayspec.train.grpo import group_advantages
-from rayspec.train.policy import (build_engine, deepspeed_config, full_state_dict, policy_update,
-                                  verifier_output_weights)
+from rayspec.train.policy import (build_engine, deepspeed_config, full_state_dict, num_micro_batches,
+                                  policy_update, verifier_output_weights)
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ DRAFT_TRAINER_NAME = "rayspec-draft-trainer"
 
 
 class StepContext:
-    """What rank 0 needs across steps: prompts, tokenizer, handles, logs."""
+    """What rank 0 needs across steps: prompts, tokenizer, handles, the
+    rollout pipeline, logs."""
 
     def __init__(self, cfg: RunConfig, tokenizer):
         self.cfg = cfg
@@ -43,7 +45,10 @@ class StepContext:
                                  cfg.data.num_problems, cfg.data.seed, cfg.data.level)
         self.prompts = PromptSource(problems, cfg.data.prompts_per_step, cfg.data.seed)
         self.rollout = rollout.get_rollout_handle()
+        lag = cfg.scheduler.max_policy_lag if cfg.scheduler.mode == "async" else 0
+        self.pipeline = RolloutPipeline(self.submit_rollout, lag)
         self.log = MetricsLog(cfg.trainer.run_dir)
+        self.sleep_reported = False
 
     def encode(self, problem) -> list[int]:
         msgs = [{"role": "system", "content": SYSTEM_PROMPT},
@@ -51,23 +56,37 @@ class StepContext:
         return list(self.tokenizer.apply_chat_template(
             msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
 
+    def submit_rollout(self):
+        """Start the next prompts' rollouts on the replicas; (pending, problems)."""
+        cfg = self.cfg
+        problems = self.prompts.next_batch()
+        pending = rollout.submit(
+            self.rollout, [self.encode(p) for p in problems], cfg.rollout.num_replicas,
+            n=cfg.grpo.group_size, temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
+            max_tokens=cfg.grpo.max_new_tokens)
+        return pending, problems
 
-def draft_online(cfg: RunConfig) -> bool:
-    """Online draft training runs for EAGLE-3 when enabled."""
-    return cfg.draft.enabled and cfg.rollout.speculative_config.method == "eagle3"
+    def refit(self, method: str, *args) -> None:
+        """Send weights to every replica; sync mode waits for them to land,
+        async leaves them queued behind the rollouts in flight."""
+        self.pipeline.refit(self.rollout.broadcast(method, *args))
+        if self.cfg.scheduler.mode == "sync":
+            self.pipeline.wait_refits()
+
+    def release_replicas(self) -> None:
+        """Colocated: replicas free their memory while the policy trains."""
+        slept = rollout.broadcast(self.rollout, "sleep")
+        if not self.sleep_reported:
+            self.sleep_reported = True
+            log.info("colocate: %s", "replicas sleep (vLLM sleep mode) while the policy trains"
+                     if all(slept) else "vLLM has no sleep mode on this platform; rollout, "
+                     "training and draft time-slice the same cores")
 
 
-def generate_and_score(ctx: StepContext) -> tuple[RolloutBatch, SpecStats]:
-    """Rollout -> reward -> GRPO advantages (rank 0)."""
-    cfg = ctx.cfg
-    problems = ctx.prompts.next_batch()
-    batch, stats = rollout.generate(
-        ctx.rollout, [ctx.encode(p) for p in problems], cfg.rollout.num_replicas,
-        n=cfg.grpo.group_size, temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
-        max_tokens=cfg.grpo.max_new_tokens)
+def score(batch: RolloutBatch, problems) -> None:
+    """Rewards and GRPO advantages, in place."""
     batch.rewards = [math_reward(text, problems[g].answer) for text, g in zip(batch.texts, batch.group)]
     batch.advantages = group_advantages(batch.rewards, batch.group)
-    return batch, stats
 
 
 def _broadcast_object(obj, rank: int):
@@ -76,56 +95,81 @@ def _broadcast_object(obj, rank: int):
     return box[0]
 
 
+def _overlap(intervals, t0: float, t1: float) -> float:
+    """Seconds of ``intervals`` [(start, end)] inside [t0, t1]."""
+    return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in intervals)
+
+
 def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, rank: int,
             world: int, pad_id: int, aux_layer_ids, ref_model, version: int) -> dict[str, Any] | None:
-    """generate -> score -> advantages -> train (+ draft) -> sync. Returns
-    rank 0's metrics record (None on other ranks)."""
+    """rollout (or take the one generated ahead) -> score -> train (draft
+    beside it) -> refit. ``version`` is the policy version being trained.
+    Returns rank 0's metrics record (None on other ranks)."""
     timer = PhaseTimer()
+    t_start = time.time()
     with timer("rollout"):
-        batch, stats = generate_and_score(ctx) if rank == 0 else (None, None)
-        batch = _broadcast_object(batch, rank)
+        if rank == 0:
+            batch, stats, problems, lag = ctx.pipeline.next(version)
+            score(batch, problems)
+            if cfg.scheduler.layout == "colocate":
+                ctx.release_replicas()
+        batch = _broadcast_object(batch if rank == 0 else None, rank)
     train_draft = draft is not None and cfg.draft.steps_per_rl_step > 0
     # the verifier's output layer before the update: the features come from it
     verifier = verifier_output_weights(engine, rank) if train_draft else None
-    with timer("policy"):
-        train_m, refs = policy_update(engine, batch.shard(rank, world), cfg, pad_id,
-                                      aux_layer_ids if train_draft else None, ref_model)
-    if train_draft:
-        ray.get(draft.submit_features.remote(refs))
-        dist.barrier()  # every rank's features are queued before rank 0 starts training
+    shard = batch.shard(rank, world)
     draft_call = None
     if rank == 0 and train_draft:
-        # Draft training runs beside the policy weight sync.
-        draft_call = draft.train.remote(ray.put(verifier), cfg.draft.steps_per_rl_step)
+        # Starts now and trains on each micro-batch's features as they come.
+        draft_call = draft.train.remote(ray.put(verifier), cfg.draft.steps_per_rl_step,
+                                        expect=world * num_micro_batches(engine, len(shard)))
+    on_features = (lambda ref: draft.submit_features.remote([ref])) if train_draft else None
+    with timer("policy"):
+        train_m, refs = policy_update(engine, shard, cfg, pad_id,
+                                      aux_layer_ids if train_draft else None, ref_model, on_features)
     with timer("sync"):
-        sd = full_state_dict(engine, _dtype(cfg.model.dtype), rank)
+        with timer("gather"):
+            sd = full_state_dict(engine, _dtype(cfg.model.dtype), rank)
         if rank == 0:
-            rollout.broadcast(ctx.rollout, "update_weights", ray.put(sd), version + 1)
+            ctx.refit("update_weights", ray.put(sd), version + 1)
             del sd
     draft_m: dict[str, Any] = {}
     if draft_call is not None:
         with timer("draft"):
             draft_m = ray.get(draft_call)
         with timer("sync"):
-            rollout.broadcast(ctx.rollout, "update_draft", draft.vllm_weights.remote(),
-                              draft_m["draft_version"])
+            ctx.refit("update_draft", draft.vllm_weights.remote(), draft_m["draft_version"])
     dist.barrier()  # feature ObjectRefs are owned by their ranks: keep them alive until used
     del refs
     if rank != 0:
         return None
+    t_end = time.time()
+    window = t_end - t_start
+    busy = rollout.broadcast(ctx.rollout, "busy_intervals", t_start)
+    rollout_busy = sum(_overlap(iv, t_start, t_end) for iv in busy) / max(1, len(busy))
     resp_lens = [len(r) for r in batch.response_ids]
-    return {
+    record = {
         "step": step,
         "reward_mean": sum(batch.rewards) / len(batch.rewards),
         "acceptance_length": stats.acceptance_length,
         "acceptance_rate_per_pos": stats.acceptance_rate_per_pos,
         "rollout_tokens_per_s": stats.tokens_per_s,
+        "layout": cfg.scheduler.layout,
+        "mode": cfg.scheduler.mode,
+        "policy_lag": lag,
+        "time_step_s": window,
+        # what the trainer waited for the batch (all of its generation in sync mode)
         "time_rollout_s": timer.seconds.get("rollout", 0.0),
+        "rollout_generation_s": stats.wall_s,
         "time_policy_s": timer.seconds.get("policy", 0.0),
-        # the DraftTrainer's own seconds; the part not hidden behind the policy sync:
+        # the DraftTrainer's own seconds; the part the step waited for after the policy update:
         "time_draft_s": draft_m.get("time_s", 0.0),
         "time_draft_exposed_s": timer.seconds.get("draft", 0.0),
         "time_sync_s": timer.seconds.get("sync", 0.0),
+        # seconds of the step each role was not working (replicas: mean over replicas)
+        "idle_rollout_s": max(0.0, window - rollout_busy),
+        "idle_train_s": max(0.0, window - timer.seconds.get("policy", 0.0)
+                            - timer.seconds.get("gather", 0.0)),
         "policy_version": batch.policy_version,
         "draft_version": draft_m.get("draft_version", 0),
         "draft_loss": draft_m.get("draft_loss", float("nan")),
@@ -135,8 +179,13 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         "num_accepted_tokens": stats.num_accepted_tokens,
         "rollout_tokens": stats.output_tokens,
         "response_len_mean": sum(resp_lens) / len(resp_lens),
+        "replicas": {rid: s.summary() for rid, s in sorted(stats.replicas.items())},
         **train_m,
     }
+    if draft is not None:
+        record["idle_draft_s"] = max(0.0, window - _overlap(
+            [(draft_m["start_time"], draft_m["end_time"])] if draft_m else [], t_start, t_end))
+    return record
 
 
 def _warn_on_policy_mismatch(record: dict[str, Any], cfg: RunConfig) -> None:
@@ -159,11 +208,15 @@ def rl_worker_loop(config: dict) -> None:
     """``train_loop_per_worker`` of the TorchTrainer.
 
     Args:
-        config: {"cfg": RunConfig, "model_dir": str, "aux_layer_ids": list | None}.
+        config: {"cfg": RunConfig, "model_dir": str, "aux_layer_ids": list | None,
+            "cores": {node id: CPU cores} of the train role, or absent}.
     """
     import ray.train
 
     cfg: RunConfig = config["cfg"]
+    cores = (config.get("cores") or {}).get(ray.get_runtime_context().get_node_id())
+    if cores:
+        os.sched_setaffinity(0, cores)  # the placement plan's cores, before torch starts threads
     # Ray Train gives the root logger its console handler (and routes print()
     # through it too, twice on some stdout setups): log, and add no handler.
     logging.getLogger("rayspec").setLevel(cfg.logging.level)
@@ -193,6 +246,8 @@ def rl_worker_loop(config: dict) -> None:
             _warn_on_policy_mismatch(record, cfg)
         ray.train.report({k: v for k, v in (record or {"step": step}).items()
                           if isinstance(v, (int, float))})
+    if rank == 0:
+        ctx.pipeline.drain()
     save_policy(engine, tokenizer, Path(cfg.trainer.run_dir) / "policy", _dtype(cfg.model.dtype), rank)
     if rank == 0:
         log.info("curves: %s", plot_run(cfg.trainer.run_dir))

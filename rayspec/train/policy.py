@@ -39,8 +39,14 @@ def build_engine(model, ds_config: dict):
     return engine
 
 
+def num_micro_batches(engine, rows: int) -> int:
+    """Micro-batches (= feature chunks) one rank's ``rows`` sequences make."""
+    micro = engine.train_micro_batch_size_per_gpu()
+    return -(-rows // micro)
+
+
 def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: list[int] | None,
-                  ref_model=None) -> tuple[dict[str, float], list]:
+                  ref_model=None, on_features=None) -> tuple[dict[str, float], list]:
     """One GRPO optimizer step on this rank's shard of the batch.
 
     Every micro-batch forward is with the weights that sampled the batch
@@ -54,6 +60,8 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
         pad_id: tokenizer pad id.
         aux_layer_ids: EAGLE-3 aux layers to capture, or None for no capture.
         ref_model: frozen reference policy for the KL term (kl_coef > 0).
+        on_features: called with each micro-batch's feature ObjectRef as
+            soon as it exists (the DraftTrainer trains while this runs).
 
     Returns:
         (metrics averaged over micro-batches, list of ObjectRefs of feature
@@ -95,6 +103,8 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
                 "final_hidden": feats["final_hidden"].to(torch.bfloat16),
                 "loss_mask": t["response_mask"],
             }))
+            if on_features is not None:
+                on_features(feature_refs[-1])
     return {k: v / n_micro for k, v in sums.items()}, feature_refs
 
 

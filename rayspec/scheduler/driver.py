@@ -1,9 +1,11 @@
-"""Colocated, synchronous layout: every role shares the cluster's CPUs (or
-GPUs) through fractional resources and the phases of a step take turns.
+"""The driver of a run: join or start Ray, plan the placement, start the
+roles where the plan puts them, and run the RL loop in Ray Train.
 
 Each role declares its own resources in the config (rollout:
-``num_cpus_per_replica``; train: ``cpus_per_worker``; draft: ``num_cpus``).
-On a CPU-only machine the roles time-slice the same cores.
+``num_cpus_per_replica`` / ``num_gpus_per_replica``; train:
+``cpus_per_worker`` / ``gpus_per_worker``; draft: ``num_cpus`` /
+``num_gpus``); ``scheduler.layout`` decides how they share the cluster
+(``placement.py``) and ``scheduler.mode`` when rollouts run (``pipeline.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from pathlib import Path
 import ray
 from omegaconf import OmegaConf
 
-from rayspec.config import RunConfig
+from rayspec.config import RunConfig, draft_online
 from rayspec.models import load_policy, resolve_model_path
+from rayspec.scheduler.placement import cluster_nodes, plan_placement
 
 log = logging.getLogger(__name__)
 
@@ -83,44 +86,50 @@ def run(cfg: RunConfig) -> Path:
     """Run ``cfg.trainer.steps`` GRPO steps; returns the run directory.
 
     Raises:
-        ConfigError / FileNotFoundError: bad config or missing model/data,
-            before any cluster resources are taken.
+        ConfigError / FileNotFoundError: bad config or missing model/data.
+        ClusterFitError: the layout does not fit the cluster.
+        Both before any role is started.
     """
     from ray import serve
-    from ray.train import RunConfig as TrainRunConfig, ScalingConfig
+    from ray.train import RunConfig as TrainRunConfig
     from ray.train.torch import TorchTrainer
 
     from rayspec.draft.trainer import DraftTrainer
     from rayspec.rollout.serve import deploy_rollout
-    from rayspec.train.loop import DRAFT_TRAINER_NAME, draft_online, rl_worker_loop
+    from rayspec.train.loop import DRAFT_TRAINER_NAME, rl_worker_loop
 
     cfg = _absolute(cfg)
+    init_ray(cfg)
+    plan = plan_placement(cfg, cluster_nodes())
+    log.info("%s (mode %s%s)", plan.describe(), cfg.scheduler.mode,
+             f", max_policy_lag {cfg.scheduler.max_policy_lag}" if cfg.scheduler.mode == "async" else "")
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
     model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     draft_dir, aux_ids = prepare_draft(cfg, model_dir, run_dir)
 
-    init_ray(cfg)
     t0 = time.perf_counter()
     log.info("deploying %d rollout replica(s) (speculative_config=%s)", cfg.rollout.num_replicas,
              cfg.rollout.speculative_config)
     serve.start(proxy_location="Disabled")
-    deploy_rollout(cfg, model_dir, draft_dir)
+    deploy_rollout(cfg, model_dir, draft_dir, plan)
     draft = None
     if draft_online(cfg):
+        # threaded: features arrive (submit_features) while train() runs
         draft = ray.remote(DraftTrainer).options(
-            name=DRAFT_TRAINER_NAME, num_cpus=cfg.draft.num_cpus).remote(
+            name=DRAFT_TRAINER_NAME, max_concurrency=2, **plan.draft_options()).remote(
             draft_dir, cfg.draft.lr, cfg.draft.ttt_steps, cfg.draft.torch_threads,
-            cfg.draft.buffer_steps, cfg.trainer.seed)
+            cfg.draft.buffer_steps, cfg.trainer.seed,
+            plan.cores.get("draft", {}).get(plan.role("draft")[0].node_id))
     log.info("rollout ready in %.0fs", time.perf_counter() - t0)
     try:
         trainer = TorchTrainer(
             rl_worker_loop,
             train_loop_config={"cfg": cfg, "model_dir": model_dir,
-                               "aux_layer_ids": aux_ids if draft is not None else None},
-            scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=False,
-                                         resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
+                               "aux_layer_ids": aux_ids if draft is not None else None,
+                               "cores": plan.cores.get("train", {})},
+            scaling_config=plan.scaling_config(),
             run_config=TrainRunConfig(name="train", storage_path=str(run_dir / "ray_train")),
         )
         trainer.fit()

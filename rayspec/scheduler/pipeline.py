@@ -1,0 +1,98 @@
+"""When rollouts run relative to the policy update: sync, or async with a
+bounded policy lag.
+
+Policy versions count optimizer steps: the trainer at RL step t holds version
+t-1 and produces version t. A batch's policy lag is the trainer's version when
+it trains on the batch minus the version that sampled it.
+
+- sync (lag 0): step t's batch is sampled after step t-1's weight sync.
+- async (lag <= max_policy_lag): up to ``max_policy_lag`` batches are
+  generating ahead on the replicas, with the weights they hold, while the
+  trainer works on the current one (one-step off-policy RL as in AReaL /
+  NeMo-RL async GRPO). The trainer corrects for the lag with the importance
+  ratio against the rollout (behaviour) logprobs: the PPO clipped surrogate
+  (Schulman et al. 2017) with pi_old = the behaviour policy, i.e. the
+  "decoupled" objective with the proximal policy set to the behaviour policy
+  (Hilton et al. 2022, arXiv 2110.00641); see ``rayspec.train.grpo``.
+
+Weight syncs (refits) are sent without waiting: a refit reaches a replica
+while it is still generating an older-version batch and waits for it there
+(the engine's lock). Before a new batch is submitted every pending refit has
+landed, so each new batch samples the newest policy the trainer has sent.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Callable
+
+
+class PolicyLagError(RuntimeError):
+    """A batch would train with more policy lag than ``max_policy_lag`` allows."""
+
+
+class RolloutPipeline:
+    """Rank 0's rollout queue across RL steps.
+
+    Args:
+        submit: starts one batch on the replicas and returns
+            ``(pending, extra)``: ``pending.result()`` gives
+            ``(RolloutBatch, SpecStats)``; ``extra`` travels with it (the
+            batch's prompts).
+        max_policy_lag: 0 for sync; async keeps this many batches in flight
+            ahead of the one being trained.
+    """
+
+    def __init__(self, submit: Callable[[], tuple[Any, Any]], max_policy_lag: int):
+        self._submit = submit
+        self.max_policy_lag = max_policy_lag
+        self._ahead: collections.deque = collections.deque()
+        self._refits: list = []
+
+    def refit(self, response) -> None:
+        """Track a refit sent to the replicas (a Serve broadcast response)."""
+        self._refits.append(response)
+
+    def wait_refits(self) -> float:
+        """Wait until every pending refit has landed; returns seconds waited.
+
+        Raises:
+            Whatever a replica raised while loading the weights.
+        """
+        t0 = time.perf_counter()
+        refits, self._refits = self._refits, []
+        for r in refits:
+            r.results()
+        return time.perf_counter() - t0
+
+    def next(self, trainer_version: int):
+        """The batch to train at ``trainer_version``, after topping up the
+        batches generating ahead.
+
+        Returns:
+            (RolloutBatch, SpecStats, extra, policy lag in versions).
+
+        Raises:
+            PolicyLagError: the batch is older than ``max_policy_lag`` allows
+                (or newer than the trainer).
+        """
+        self.wait_refits()
+        if not self._ahead:
+            self._ahead.append(self._submit())
+        pending, extra = self._ahead.popleft()
+        batch, stats = pending.result()
+        lag = trainer_version - batch.policy_version
+        if not 0 <= lag <= self.max_policy_lag:
+            raise PolicyLagError(
+                f"batch sampled by policy version {batch.policy_version} would train at version "
+                f"{trainer_version}: lag {lag}, allowed 0..{self.max_policy_lag}")
+        while len(self._ahead) < self.max_policy_lag:
+            self._ahead.append(self._submit())
+        return batch, stats, extra, lag
+
+    def drain(self) -> None:
+        """Wait for batches still generating ahead (end of run) and any refit."""
+        while self._ahead:
+            self._ahead.popleft()[0].result()
+        self.wait_refits()

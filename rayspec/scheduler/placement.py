@@ -1,0 +1,351 @@
+"""The placement plan: which node (and, on CPU-only nodes, which cores) each
+role's bundles get, checked against the cluster before anything starts.
+
+Roles and their bundles (one resource dict per unit, from the config):
+
+- ``rollout``: ``rollout.num_replicas`` x {CPU: num_cpus_per_replica, GPU: num_gpus_per_replica}
+- ``train``:   ``train.num_workers``   x {CPU: cpus_per_worker, GPU: gpus_per_worker}
+- ``draft``:   1 x {CPU: draft.num_cpus, GPU: draft.num_gpus} (when online draft training runs)
+
+Layouts:
+
+- ``colocate``: every role is spread over the same nodes in the same
+  proportion (replica i and Train worker i land on the same node) and shares
+  its devices through fractional resources (Ray picks the devices within the
+  node; the fractions on one device never exceed 1); the phases of a step
+  take turns.
+- ``split``: the rollout role gets the first nodes its bundles fill, training
+  (Train workers + DraftTrainer) the rest. On one node the two sides share it
+  with disjoint resources: whole GPUs each, or on a CPU-only node disjoint
+  core sets (rollout: the first ceil(its CPUs) cores), since Ray's CPU
+  resource is accounting only and does not pin threads.
+
+Ray, Serve and Train create the actual placement groups from the plan's
+options (a deployment's ``ray_actor_options``, a ``ScalingConfig``, an actor's
+``.options``): each bundle is pinned to its node with a ``ray.io/node-id``
+label selector, so the libraries keep their own restart and failure handling.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayspec.config import draft_online
+
+NODE_LABEL = "ray.io/node-id"
+ROLES = ("rollout", "train", "draft")
+_EPS = 1e-9
+
+
+class ClusterFitError(RuntimeError):
+    """The requested layout does not fit the cluster; the message names the
+    role, what it asks for and what the cluster has."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One alive Ray node.
+
+    Attributes:
+        node_id: Ray node id (hex), also its ``ray.io/node-id`` label.
+        cpus / gpus: Ray resources of the node (logical CPUs, GPUs).
+        memory: Ray ``memory`` resource (bytes).
+        cores: CPU core ids on the node (for thread pinning).
+    """
+
+    node_id: str
+    cpus: float
+    gpus: float = 0.0
+    memory: float = 0.0
+    cores: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        return (f"node {self.node_id[:8]}: {self.cpus:g} CPUs, {self.gpus:g} GPUs, "
+                f"{self.memory / 2**30:.1f} GiB")
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """One unit of a role: a replica, a Train worker, or the DraftTrainer.
+
+    Attributes:
+        role: ``rollout`` | ``train`` | ``draft``.
+        index: replica / worker index within the role.
+        resources: Ray resources, e.g. {"CPU": 0.5, "GPU": 1.0}.
+        node_id: the node the plan puts it on.
+    """
+
+    role: str
+    index: int
+    resources: dict[str, float]
+    node_id: str
+
+
+@dataclass
+class PlacementPlan:
+    """Where each role runs; built by ``plan_placement``.
+
+    Attributes:
+        layout: ``colocate`` | ``split``.
+        nodes: the cluster's alive nodes, in plan order.
+        bundles: every role's bundles with their nodes.
+        cores: per role, per node id, the CPU cores the role's threads are
+            pinned to (CPU-only nodes; empty on GPU nodes).
+    """
+
+    layout: str
+    nodes: list[NodeInfo]
+    bundles: list[Bundle]
+    cores: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+
+    def role(self, name: str) -> list[Bundle]:
+        return [b for b in self.bundles if b.role == name]
+
+    def role_nodes(self, name: str) -> list[str]:
+        """Node ids a role uses, in plan order."""
+        ids = {b.node_id for b in self.role(name)}
+        return [n.node_id for n in self.nodes if n.node_id in ids]
+
+    def serve_options(self) -> dict[str, Any]:
+        """Ray Serve deployment options for the rollout replicas: resources,
+        a label selector over the rollout nodes, and at most the planned
+        number of replicas per node."""
+        reps = self.role("rollout")
+        nodes = self.role_nodes("rollout")
+        opts: dict[str, Any] = {
+            "ray_actor_options": {**_actor_resources(reps[0].resources),
+                                  "label_selector": _select(nodes)}}
+        if len(nodes) > 1:
+            opts["max_replicas_per_node"] = max(
+                sum(b.node_id == n for b in reps) for n in nodes)
+        return opts
+
+    def scaling_config(self):
+        """``ray.train.ScalingConfig`` for the policy's Train workers, each
+        pinned to its planned node."""
+        from ray.train import ScalingConfig
+
+        workers = self.role("train")
+        res = workers[0].resources
+        return ScalingConfig(
+            num_workers=len(workers), use_gpu=res.get("GPU", 0) > 0,
+            resources_per_worker=dict(res), placement_strategy="PACK",
+            label_selector=[{NODE_LABEL: b.node_id} for b in workers])
+
+    def draft_options(self) -> dict[str, Any]:
+        """``.options(...)`` for the DraftTrainer actor."""
+        (b,) = self.role("draft")
+        return {**_actor_resources(b.resources), "label_selector": {NODE_LABEL: b.node_id}}
+
+    def describe(self) -> str:
+        """Multi-line summary for the log: role -> nodes, resources, cores."""
+        lines = [f"placement plan ({self.layout}) on {len(self.nodes)} node(s):"]
+        for role in ROLES:
+            bs = self.role(role)
+            if not bs:
+                continue
+            per_node = ", ".join(
+                f"{n[:8]} x{sum(b.node_id == n for b in bs)}"
+                + (f" cores {_ranges(self.cores[role][n])}" if self.cores.get(role, {}).get(n) else "")
+                for n in self.role_nodes(role))
+            lines.append(f"  {role:<8} {len(bs)} x {_fmt(bs[0].resources)} on {per_node}")
+        return "\n".join(lines)
+
+
+def _actor_resources(res: dict[str, float]) -> dict[str, float]:
+    return {"num_cpus": res.get("CPU", 0.0), "num_gpus": res.get("GPU", 0.0)}
+
+
+def _select(node_ids: list[str]) -> dict[str, str]:
+    return {NODE_LABEL: node_ids[0] if len(node_ids) == 1 else f"in({','.join(node_ids)})"}
+
+
+def _fmt(res: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in res.items()) + "}" if res else "{}"
+
+
+def _ranges(cores: list[int]) -> str:
+    return ",".join(map(str, cores))
+
+
+def cluster_nodes() -> list[NodeInfo]:
+    """Alive nodes of the connected Ray cluster, head node first.
+
+    Core ids are this process's CPU affinity for the node it runs on, else
+    0..CPUs-1.
+    """
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    out = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = n.get("Resources", {})
+        cpus = float(res.get("CPU", 0.0))
+        cores = tuple(sorted(os.sched_getaffinity(0))) if n["NodeID"] == here \
+            else tuple(range(int(cpus)))
+        out.append(NodeInfo(n["NodeID"], cpus, float(res.get("GPU", 0.0)),
+                            float(res.get("memory", 0.0)), cores))
+    out.sort(key=lambda x: x.node_id != here)
+    return out
+
+
+def role_bundles(cfg) -> dict[str, list[dict[str, float]]]:
+    """Per role, one resource dict per unit, from the config."""
+    def res(cpu: float, gpu: float) -> dict[str, float]:
+        return {k: float(v) for k, v in (("CPU", cpu), ("GPU", gpu)) if v > 0}
+
+    roles = {
+        "rollout": [res(cfg.rollout.num_cpus_per_replica, cfg.rollout.num_gpus_per_replica)]
+        * cfg.rollout.num_replicas,
+        "train": [res(cfg.train.cpus_per_worker, cfg.train.gpus_per_worker)] * cfg.train.num_workers,
+    }
+    if draft_online(cfg):
+        roles["draft"] = [res(cfg.draft.num_cpus, cfg.draft.num_gpus)]
+    return roles
+
+
+def _total(bundles: list[dict[str, float]], key: str) -> float:
+    return sum(b.get(key, 0.0) for b in bundles)
+
+
+def _asks(role: str, bundles: list[dict[str, float]]) -> str:
+    return (f"role '{role}' asks {len(bundles)} x {_fmt(bundles[0])} = "
+            f"{_total(bundles, 'CPU'):g} CPUs, {_total(bundles, 'GPU'):g} GPUs")
+
+
+def _has(cluster: list[NodeInfo]) -> str:
+    return (f"the cluster has {sum(n.cpus for n in cluster):g} CPUs, "
+            f"{sum(n.gpus for n in cluster):g} GPUs ("
+            + "; ".join(n.describe() for n in cluster) + ")")
+
+
+def _spread(role: str, bundles: list[dict[str, float]], nodes: list[NodeInfo]) -> list[Bundle]:
+    """Bundle i of m goes to node floor(i * len(nodes) / m): each node gets
+    an equal share, in order (colocated roles line up node by node)."""
+    m = len(bundles)
+    return [Bundle(role, i, dict(r), nodes[i * len(nodes) // m].node_id)
+            for i, r in enumerate(bundles)]
+
+
+def _first_fit(role: str, bundles: list[dict[str, float]], nodes: list[NodeInfo],
+               free: dict[str, dict[str, float]]) -> list[Bundle] | None:
+    out = []
+    for i, r in enumerate(bundles):
+        for n in nodes:
+            if all(free[n.node_id].get(k, 0.0) + _EPS >= v for k, v in r.items()):
+                for k, v in r.items():
+                    free[n.node_id][k] -= v
+                out.append(Bundle(role, i, dict(r), n.node_id))
+                break
+        else:
+            return None
+    return out
+
+
+def plan_placement(cfg, nodes: list[NodeInfo]) -> PlacementPlan:
+    """Plan where every role of ``cfg`` runs on ``nodes`` (see module doc).
+
+    Args:
+        cfg: RunConfig (``scheduler.layout`` and each role's resources).
+        nodes: the cluster, e.g. ``cluster_nodes()``.
+
+    Returns:
+        PlacementPlan.
+
+    Raises:
+        ClusterFitError: a role (or the roles sharing a node) asks for more
+            CPUs/GPUs than the cluster or the node has.
+    """
+    layout = cfg.scheduler.layout
+    roles = role_bundles(cfg)
+    if not nodes:
+        raise ClusterFitError("the Ray cluster has no alive nodes")
+    for role, bs in roles.items():
+        for key in ("CPU", "GPU"):
+            have = sum(n.cpus if key == "CPU" else n.gpus for n in nodes)
+            if _total(bs, key) > have + _EPS:
+                raise ClusterFitError(f"layout '{layout}': {_asks(role, bs)}; {_has(nodes)}")
+    if layout == "colocate":
+        return _plan_colocate(roles, nodes)
+    return _plan_split(roles, nodes)
+
+
+def _usable(bs: list[dict[str, float]], nodes: list[NodeInfo]) -> list[NodeInfo]:
+    """Nodes that can host one of these bundles at all (GPU roles: GPU nodes)."""
+    return [n for n in nodes if n.cpus + _EPS >= bs[0].get("CPU", 0.0)
+            and n.gpus + _EPS >= bs[0].get("GPU", 0.0)]
+
+
+def _plan_colocate(roles: dict[str, list[dict[str, float]]], nodes: list[NodeInfo]) -> PlacementPlan:
+    # The rollout and train roles spread over the same nodes (those able to
+    # host both); the DraftTrainer joins the first of them.
+    shared = [n for n in _usable(roles["rollout"], nodes) if n in _usable(roles["train"], nodes)]
+    if not shared:
+        raise ClusterFitError(
+            f"layout 'colocate': no node can host both a rollout replica and a Train worker "
+            f"({_asks('rollout', roles['rollout'])}; {_asks('train', roles['train'])}); {_has(nodes)}")
+    # as many nodes as the larger role needs, so both line up node by node
+    n_nodes = min(len(shared), max(len(roles["rollout"]), len(roles["train"])))
+    use = shared[:n_nodes]
+    bundles = _spread("rollout", roles["rollout"], use) + _spread("train", roles["train"], use)
+    if "draft" in roles:
+        bundles.append(Bundle("draft", 0, dict(roles["draft"][0]), use[0].node_id))
+    for n in use:
+        on = [b for b in bundles if b.node_id == n.node_id]
+        for key, have in (("CPU", n.cpus), ("GPU", n.gpus)):
+            asked = sum(b.resources.get(key, 0.0) for b in on)
+            if asked > have + _EPS:
+                parts = ", ".join(f"{r} {sum(b.resources.get(key, 0.0) for b in on if b.role == r):g}"
+                                  for r in ROLES if any(b.role == r for b in on))
+                raise ClusterFitError(
+                    f"layout 'colocate': the roles sharing node {n.node_id[:8]} ask {asked:g} {key}s "
+                    f"({parts}); it has {have:g} ({n.describe()}). Lower the roles' {key} "
+                    f"fractions or add nodes.")
+    cores = {role: {n.node_id: list(n.cores) for n in use if n.gpus == 0} for role in roles}
+    return PlacementPlan("colocate", list(nodes), bundles, cores)
+
+
+def _plan_split(roles: dict[str, list[dict[str, float]]], nodes: list[NodeInfo]) -> PlacementPlan:
+    free = {n.node_id: {"CPU": n.cpus, "GPU": n.gpus} for n in nodes}
+    rollout = _first_fit("rollout", roles["rollout"], nodes, free)
+    if rollout is None:
+        raise ClusterFitError(f"layout 'split': {_asks('rollout', roles['rollout'])}; {_has(nodes)}")
+    cores: dict[str, dict[str, list[int]]] = {r: {} for r in roles}
+    train_side = roles["train"] + roles.get("draft", [])
+    # CPU-only nodes: the rollout side takes whole cores; what it leaves
+    # (whole cores) is the training side's.
+    for n in nodes:
+        on = [b for b in rollout if b.node_id == n.node_id]
+        if n.gpus > 0:
+            continue
+        k = math.ceil(sum(b.resources.get("CPU", 0.0) for b in on) - _EPS) if on else 0
+        if on:
+            cores["rollout"][n.node_id] = list(n.cores[:k])
+        free[n.node_id]["CPU"] = float(len(n.cores[k:])) if on else n.cpus
+        for r in ("train", "draft"):
+            if r in roles and n.cores[k:]:
+                cores[r][n.node_id] = list(n.cores[k:])
+    # training prefers nodes the rollout does not use, then what is left
+    rollout_nodes = {b.node_id for b in rollout}
+    order = [n for n in nodes if n.node_id not in rollout_nodes] + \
+            [n for n in nodes if n.node_id in rollout_nodes]
+    left = {k: sum(v[k] for v in free.values()) for k in ("CPU", "GPU")}
+    train = _first_fit("train", roles["train"], order, free)
+    draft = _first_fit("draft", roles["draft"], order, free) if "draft" in roles else []
+    if train is None or draft is None:
+        raise ClusterFitError(
+            f"layout 'split': {_asks('rollout', roles['rollout'])} on its own resources, then "
+            f"{_asks('train', roles['train'])}"
+            + (f" and {_asks('draft', roles['draft'])}" if "draft" in roles else "")
+            + f" ({_total(train_side, 'CPU'):g} CPUs, {_total(train_side, 'GPU'):g} GPUs) do not fit "
+            f"in what is left ({left['CPU']:g} CPUs, {left['GPU']:g} GPUs, "
+            f"whole cores on CPU-only nodes); {_has(nodes)}")
+    for r, bs in (("train", train), ("draft", draft)):
+        used = {b.node_id for b in bs}
+        cores[r] = {n: c for n, c in cores.get(r, {}).items() if n in used}
+    return PlacementPlan("split", list(nodes), rollout + train + draft, cores)
