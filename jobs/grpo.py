@@ -31,9 +31,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s: %(message)s")
-    from rayspec.scheduler import run
+    from rayspec.scheduler import ClusterFitError, run
 
-    run_dir = run(cfg)
+    try:
+        run_dir = run(cfg)
+    except ClusterFitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"done: {run_dir / 'metrics.jsonl'}")
     return 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -99,3 +100,56 @@ def test_refit_after_deepspeed_step_matches_trainer_greedy(spec_engine, tiny_lla
     after = eng.generate([probe], temperature=0.0, max_tokens=16)[0].response_ids[0]
     assert after == trainer_greedy
     assert eng.versions()["policy"] == 1
+
+
+@pytest.mark.slow
+def test_refit_sent_during_a_rollout_waits_for_it(spec_engine, tiny_llama_dir):
+    """Async mode sends refits while a rollout generates (Serve's broadcast
+    bypasses max_ongoing_requests): the engine runs them one after the other,
+    and records both as busy time. On CPU there is no vLLM sleep mode."""
+    import threading
+
+    eng = spec_engine
+    tok = load_tokenizer(tiny_llama_dir)
+    sd = load_policy(tiny_llama_dir).state_dict()
+    t0 = time.time()
+    out = {}
+    gen = threading.Thread(target=lambda: out.update(r=eng.generate(
+        [tok.encode("Say a number:")], n=8, temperature=1.0, max_tokens=48)))
+    gen.start()
+    time.sleep(0.2)
+    assert eng.update_weights(sd, version=5) == 5
+    gen.join()
+    batch, _ = out["r"]
+    assert batch.policy_version < 5  # sampled before the refit landed
+    (g0, g1), (r0, r1) = eng.busy_intervals(t0)[-2:]
+    assert g1 <= r0 and r1 > r0  # the refit started after the rollout ended
+    assert eng.sleep() is False  # CPU platform: no sleep mode, the roles time-slice
+    assert eng.generate([tok.encode("Say a number:")], temperature=0.0, max_tokens=4)[0].policy_version == 5
+
+
+@pytest.mark.slow
+def test_draft_refit_leaves_the_verifier_alone(spec_engine, tiny_llama_dir):
+    """A draft refit must not touch the weights the head shares with the
+    verifier (embed_tokens): without the fix in worker_ext, vLLM's in-place
+    reload of the drafter put the engine's initial embedding back, and the
+    rollouts stopped following the refit policy."""
+    from rayspec.draft.eagle3 import init_head, vllm_state_dict
+    from rayspec.train.grpo import token_logprobs
+
+    eng = spec_engine
+    tok = load_tokenizer(tiny_llama_dir)
+    policy = load_policy(tiny_llama_dir).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    eng.update_weights({k: v.clone() for k, v in policy.state_dict().items()}, version=9)
+    eng.update_draft(vllm_state_dict(init_head(policy, seed=3)), version=9)
+    batch, _ = eng.generate([tok.encode("Count with me: one, two,")], n=4, temperature=1.0, max_tokens=16)
+    t = batch.to_padded(tok.pad_token_id)
+    with torch.no_grad():
+        lp = token_logprobs(policy(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits,
+                            t["input_ids"])
+    m = t["response_mask"].bool()
+    assert (lp[m] - t["rollout_logprobs"][m]).abs().max() < 1e-3

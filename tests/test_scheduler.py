@@ -5,6 +5,7 @@ the rollout pipeline's policy-lag bound."""
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 
 import pytest
 
@@ -193,6 +194,9 @@ class _FakeReplicas:
             def result(self):
                 return RolloutBatch([[1]], [[2]], [[-0.1]], [0], policy_version=version), None
 
+            def cancel(self):
+                pass
+
         return Pending(), None
 
     def refit(self, version):
@@ -217,7 +221,7 @@ def test_pipeline_lag_is_bounded(max_lag, lags):
         assert lag == version - batch.policy_version
         pipe.refit(replicas.refit(version + 1))
     assert got == lags
-    pipe.drain()
+    pipe.close()
 
 
 def test_pipeline_refuses_a_batch_past_the_lag_bound():
@@ -227,3 +231,18 @@ def test_pipeline_refuses_a_batch_past_the_lag_bound():
     # the trainer skipped a refit: the batch generated ahead is now 2 versions old
     with pytest.raises(PolicyLagError, match="lag 2, allowed 0..1"):
         pipe.next(2)
+
+
+@pytest.mark.slow
+def test_job_stops_on_a_too_small_cluster_before_anything_starts(tmp_path):
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.grpo", "scheduler.layout=split", "train.cpus_per_worker=1",
+         "ray.num_cpus=2", f"ray.object_store_memory={200 * 2**20}", f"trainer.run_dir={run_dir}"],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: layout 'split'" in proc.stderr and "role 'train' asks 2 x {CPU: 1}" in proc.stderr
+    assert not run_dir.exists()  # nothing written, no role started

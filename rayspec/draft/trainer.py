@@ -47,9 +47,16 @@ class DraftTrainer:
                  buffer_steps: int = 1, seed: int = 0, cores: list[int] | None = None):
         if cores:
             os.sched_setaffinity(0, cores)
+            num_threads = min(num_threads, len(cores))
         torch.set_num_threads(num_threads)
         self.head: Eagle3Head = load_head(head_dir)
-        self.opt = torch.optim.AdamW(self.head.parameters(), lr=lr, weight_decay=0.0)
+        # The output layer is the verifier's, frozen and refreshed each step:
+        # vLLM drafts with the verifier's own lm_head when the head's equals it
+        # at start (init_head copies it), so a separately trained one would
+        # not be what the replicas draft with.
+        self.head.lm_head.weight.requires_grad_(False)
+        self.opt = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad],
+                                     lr=lr, weight_decay=0.0)
         self.ttt_steps = ttt_steps
         self.version = 0
         self._pending: queue.Queue = queue.Queue()
@@ -109,6 +116,8 @@ class DraftTrainer:
         ver = ray.get(verifier_ref) if isinstance(verifier_ref, ray.ObjectRef) else verifier_ref
         embed = ver["embed"].float()
         lm_head = ver["lm_head"].float()
+        with torch.no_grad():
+            self.head.lm_head.weight.copy_(lm_head)
         newest: list = []
         older = [f for step in self._buffer for f in step]
         self._rng.shuffle(older)

@@ -114,7 +114,8 @@ def make_tiny_llama(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
                     seed: int = 0) -> Path:
     """A random Llama with the tokenizer of ``tokenizer_dir``, for fast tests.
 
-    head_dim is 64 because vLLM's CPU attention rejects smaller heads.
+    head_dim is 64 because vLLM's CPU attention rejects smaller heads. The
+    weights are fp32 values exactly representable in bf16.
 
     Args:
         out_dir: where to write the HF directory.
@@ -146,6 +147,9 @@ def make_tiny_llama(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
+            # exact in bf16, as the bundled (GGUF-dequantised) model is: a head
+            # saved in bf16 then matches its verifier bit for bit
+            p.copy_(p.to(torch.bfloat16).float())
         model.model.norm.weight.fill_(8.0)
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)

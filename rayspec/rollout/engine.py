@@ -225,13 +225,7 @@ class SpecVLLMEngine:
         Returns:
             The new policy version.
         """
-        path = self._write(_resolve(state_dict), "policy")
-        with self._busy_section():
-            self._wake()
-            try:
-                self.llm.collective_rpc("rayspec_load_policy", args=(path,))
-            finally:
-                os.unlink(path)
+        with self._load(state_dict, "policy"):
             self.llm.reset_prefix_cache()
             self.policy_version = version
         return version
@@ -239,15 +233,22 @@ class SpecVLLMEngine:
     def update_draft(self, state_dict, version: int) -> int:
         """Load EAGLE-3 head weights (vLLM checkpoint names; dict or ObjectRef)
         into the drafter, in place."""
-        path = self._write(_resolve(state_dict), "draft")
+        with self._load(state_dict, "draft"):
+            self.draft_version = version
+        return version
+
+    @contextlib.contextmanager
+    def _load(self, state_dict, name: str):
+        """Stage the weights as a file (outside the lock, beside a running
+        rollout), then load them through the worker extension under it."""
+        path = self._write(_resolve(state_dict), name)
         with self._busy_section():
             self._wake()
             try:
-                self.llm.collective_rpc("rayspec_load_draft", args=(path,))
+                self.llm.collective_rpc(f"rayspec_load_{name}", args=(path,))
             finally:
                 os.unlink(path)
-            self.draft_version = version
-        return version
+            yield
 
     def versions(self) -> dict[str, int]:
         return {"policy": self.policy_version, "draft": self.draft_version}

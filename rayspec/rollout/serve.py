@@ -86,6 +86,11 @@ class PendingRollout:
             stats = stats + s
         return RolloutBatch.concat([b for b, _ in parts]), stats
 
+    def cancel(self) -> None:
+        """Give up on the shards (a replica finishes a generate it started)."""
+        for r in self._responses:
+            r.cancel()
+
 
 def submit(handle, prompt_ids: list[list[int]], num_shards: int, **sampling: Any) -> PendingRollout:
     """Shard prompts over the replicas through the Serve handle (contiguous

@@ -101,8 +101,9 @@ def run(cfg: RunConfig) -> Path:
     cfg = _absolute(cfg)
     init_ray(cfg)
     plan = plan_placement(cfg, cluster_nodes())
-    log.info("%s (mode %s%s)", plan.describe(), cfg.scheduler.mode,
-             f", max_policy_lag {cfg.scheduler.max_policy_lag}" if cfg.scheduler.mode == "async" else "")
+    log.info("scheduler mode %s%s; %s", cfg.scheduler.mode,
+             f" (max_policy_lag {cfg.scheduler.max_policy_lag})" if cfg.scheduler.mode == "async" else "",
+             plan.describe())
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")

@@ -50,9 +50,10 @@ class RolloutPipeline:
         self._ahead: collections.deque = collections.deque()
         self._refits: list = []
 
-    def refit(self, response) -> None:
-        """Track a refit sent to the replicas (a Serve broadcast response)."""
-        self._refits.append(response)
+    def refit(self, response, *keep) -> None:
+        """Track a refit sent to the replicas (a Serve broadcast response);
+        ``keep``: objects (weight ObjectRefs) to hold until it has landed."""
+        self._refits.append((response, keep))
 
     def wait_refits(self) -> float:
         """Wait until every pending refit has landed; returns seconds waited.
@@ -62,7 +63,7 @@ class RolloutPipeline:
         """
         t0 = time.perf_counter()
         refits, self._refits = self._refits, []
-        for r in refits:
+        for r, _ in refits:
             r.results()
         return time.perf_counter() - t0
 
@@ -91,8 +92,10 @@ class RolloutPipeline:
             self._ahead.append(self._submit())
         return batch, stats, extra, lag
 
-    def drain(self) -> None:
-        """Wait for batches still generating ahead (end of run) and any refit."""
+    def close(self) -> None:
+        """End of run: cancel the batches generated ahead (nothing will train
+        on them) and stop tracking refits still queued behind them (the
+        trained policy is saved from the trainer, not the replicas)."""
         while self._ahead:
-            self._ahead.popleft()[0].result()
-        self.wait_refits()
+            self._ahead.popleft()[0].cancel()
+        self._refits = []

@@ -69,7 +69,7 @@ class StepContext:
     def refit(self, method: str, *args) -> None:
         """Send weights to every replica; sync mode waits for them to land,
         async leaves them queued behind the rollouts in flight."""
-        self.pipeline.refit(self.rollout.broadcast(method, *args))
+        self.pipeline.refit(self.rollout.broadcast(method, *args), *args)
         if self.cfg.scheduler.mode == "sync":
             self.pipeline.wait_refits()
 
@@ -247,7 +247,7 @@ def rl_worker_loop(config: dict) -> None:
         ray.train.report({k: v for k, v in (record or {"step": step}).items()
                           if isinstance(v, (int, float))})
     if rank == 0:
-        ctx.pipeline.drain()
+        ctx.pipeline.close()
     save_policy(engine, tokenizer, Path(cfg.trainer.run_dir) / "policy", _dtype(cfg.model.dtype), rank)
     if rank == 0:
         log.info("curves: %s", plot_run(cfg.trainer.run_dir))
