@@ -6,7 +6,9 @@ async-split, side by side.
 
 Every configuration runs the same preset, seed and prompts (default: the
 offline default job, SmolLM2-135M with EAGLE-3 k=3) on one Ray cluster, one
-after the other. Per configuration it reports the median over steps of the
+after the other; the bench sets ``scheduler.layout``/``mode``,
+``trainer.steps`` (``--steps``) and ``trainer.run_dir`` (below ``--run-dir``)
+itself, over any override of them. Per configuration it reports the median over steps of the
 step seconds, the exposed rollout seconds (what the trainer waited for its
 batch), and each role's idle seconds, plus the ratio of sync-colocate's median
 step to this one's. Prints a table, writes JSON (a list, one object per
@@ -76,12 +78,14 @@ def plot(rows: list[dict], out: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     for r in rows:
         ax[0].plot(range(1, len(r["step_seconds"]) + 1), r["step_seconds"], "o-",
                    label=f"{r['layout']}/{r['mode']}")
     ax[0].set(title="seconds per RL step", xlabel="RL step", ylabel="s")
+    ax[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     ax[0].legend()
     width = 0.8 / len(rows)
     for i, r in enumerate(rows):
