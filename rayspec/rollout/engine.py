@@ -113,6 +113,7 @@ class SpecVLLMEngine:
         self.replica_id = _replica_id()
         self._lock = threading.Lock()
         self._busy: list[tuple[float, float]] = []  # (start, end) epoch seconds of engine work
+        self._busy_since: Optional[float] = None  # start of the work in progress
         self._asleep = False
         self.llm = LLM(model=str(model), dtype=dtype,
                        speculative_config=self.speculative_config,
@@ -153,7 +154,8 @@ class SpecVLLMEngine:
                                      params, use_tqdm=False)
             wall = time.perf_counter() - t0
             stats_after = read_counters(self.llm.get_metrics())
-        batch = RolloutBatch([], [], [], [], policy_version=self.policy_version)
+            version = self.policy_version  # a refit waiting on the lock may land next
+        batch = RolloutBatch([], [], [], [], policy_version=version)
         for i, out in enumerate(outs):
             for c in out.outputs:
                 batch.prompt_ids.append(list(out.prompt_token_ids))
@@ -170,17 +172,22 @@ class SpecVLLMEngine:
     @contextlib.contextmanager
     def _busy_section(self):
         with self._lock:
-            t0 = time.time()
+            t0 = self._busy_since = time.time()
             try:
                 yield
             finally:
-                self._busy.append((t0, time.time()))
+                now = time.time()
+                # keep an hour of history; only this section writes the list
+                self._busy = [iv for iv in self._busy if iv[1] > now - 3600] + [(t0, now)]
+                self._busy_since = None
 
     def busy_intervals(self, since: float) -> list[tuple[float, float]]:
         """(start, end) epoch seconds of engine work (rollouts, refits) that
-        ended after ``since``; does not wait for the engine."""
-        self._busy = [iv for iv in self._busy if iv[1] > since - 3600]
-        return [iv for iv in self._busy if iv[1] > since]
+        ended after ``since``, the one in progress ending now; does not wait
+        for the engine."""
+        done, current = self._busy, self._busy_since
+        now = [(current, time.time())] if current is not None else []
+        return [iv for iv in done if iv[1] > since] + now
 
     def sleep(self, level: int = 1) -> bool:
         """Release the engine's memory while the policy trains on the same
