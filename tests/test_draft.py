@@ -100,6 +100,36 @@ def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_p
     assert last["draft_version"] == 2
 
 
+def test_draft_trainer_trains_on_features_as_they_arrive(tiny_policy, tmp_path):
+    """train() starts before the policy update has made the features: it
+    waits for the expected chunks, uses each one as it comes, keeps the
+    output layer equal to the verifier's, and times out on a missing one."""
+    import threading
+    import time
+
+    save_head(init_head(tiny_policy), tmp_path / "head")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1000, (6,), generator=g).tolist() for _ in range(4)]
+    batch = RolloutBatch(prompts, [torch.randint(0, 1000, (8,), generator=g).tolist()] * 4,
+                         [[0.0] * 8] * 4, [0, 1, 2, 3])
+    chunks = _features(tiny_policy, batch, 0, chunk=2)
+    trainer = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=2, num_threads=1)
+    verifier = _verifier(tiny_policy)
+    verifier["lm_head"] = verifier["lm_head"] * 0.5  # the verifier's output layer moved
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(r=trainer.train(verifier, 3, expect=2)))
+    worker.start()
+    time.sleep(0.3)
+    assert worker.is_alive()  # waiting for the first chunk
+    for c in chunks:
+        trainer.submit_features([c])
+    worker.join(timeout=120)
+    assert out["r"]["draft_version"] == 1 and len(out["r"]["draft_top1_per_step"]) == 2
+    assert torch.equal(trainer.head.lm_head.weight, verifier["lm_head"].float())
+    with pytest.raises(RuntimeError, match="no features arrived within 0 s"):
+        trainer.train(verifier, 1, expect=1, timeout_s=0.1)
+
+
 @pytest.mark.slow
 def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp_path):
     """The DraftTrainer's head, loaded into a running vLLM replica in place,
