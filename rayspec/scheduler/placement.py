@@ -149,7 +149,7 @@ class PlacementPlan:
                 continue
             per_node = ", ".join(
                 f"{n[:8]} x{sum(b.node_id == n for b in bs)}"
-                + (f" cores {_ranges(self.cores[role][n])}" if self.cores.get(role, {}).get(n) else "")
+                + (f" cores {','.join(map(str, self.cores[role][n]))}" if self.cores.get(role, {}).get(n) else "")
                 for n in self.role_nodes(role))
             lines.append(f"  {role:<8} {len(bs)} x {_fmt(bs[0].resources)} on {per_node}")
         return "\n".join(lines)
@@ -165,10 +165,6 @@ def _select(node_ids: list[str]) -> dict[str, str]:
 
 def _fmt(res: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in res.items()) + "}" if res else "{}"
-
-
-def _ranges(cores: list[int]) -> str:
-    return ",".join(map(str, cores))
 
 
 def cluster_nodes() -> list[NodeInfo]:
@@ -320,13 +316,13 @@ def _plan_split(roles: dict[str, list[dict[str, float]]], nodes: list[NodeInfo])
     # CPU-only nodes: the rollout side takes whole cores; what it leaves
     # (whole cores) is the training side's.
     for n in nodes:
-        on = [b for b in rollout if b.node_id == n.node_id]
         if n.gpus > 0:
             continue
+        on = [b for b in rollout if b.node_id == n.node_id]
         k = math.ceil(sum(b.resources.get("CPU", 0.0) for b in on) - _EPS) if on else 0
         if on:
             cores["rollout"][n.node_id] = list(n.cores[:k])
-        free[n.node_id]["CPU"] = float(len(n.cores[k:])) if on else n.cpus
+            free[n.node_id]["CPU"] = float(len(n.cores) - k)
         for r in ("train", "draft"):
             if r in roles and n.cores[k:]:
                 cores[r][n.node_id] = list(n.cores[k:])
