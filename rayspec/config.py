@@ -100,6 +100,27 @@ class SpeculativeConfig:
 
 
 @dataclass
+class AdaptiveKConfig:
+    """Adaptive speculation (``rayspec.rollout.adaptive``): each replica picks
+    k per batch size (0 = no speculation) from measured acceptance and
+    measured step cost, through vLLM's ``num_speculative_tokens_per_batch_size``
+    schedule, switched at run time.
+
+    Args:
+        enabled: adapt k (``num_speculative_tokens`` is then the largest k).
+        margin: speculate only where the predicted throughput beats plain
+            decoding by this factor.
+        calibration_tokens: new tokens per calibration run when a replica
+            starts (it times plain and k-draft steps at batch sizes 1, 4,
+            16, ... up to max_num_seqs).
+    """
+
+    enabled: bool = False
+    margin: float = 1.05
+    calibration_tokens: int = 16
+
+
+@dataclass
 class RolloutConfig:
     """vLLM replicas behind a Ray Serve deployment.
 
@@ -118,6 +139,7 @@ class RolloutConfig:
         cpu_omp_threads_bind: VLLM_CPU_OMP_THREADS_BIND (``all``: every core
             the placement plan gives the rollout role on the replica's node;
             vLLM's own ``auto`` keeps one core back).
+        adaptive_k: see AdaptiveKConfig.
     """
 
     num_replicas: int = 1
@@ -134,6 +156,7 @@ class RolloutConfig:
     )
     cpu_kvcache_space_gib: int = 1
     cpu_omp_threads_bind: str = "all"
+    adaptive_k: AdaptiveKConfig = field(default_factory=AdaptiveKConfig)
 
 
 def _default_deepspeed() -> dict[str, Any]:
@@ -364,6 +387,13 @@ def validate(cfg: RunConfig) -> None:
         _check(spec.num_speculative_tokens >= 1,
                "rollout.speculative_config.num_speculative_tokens",
                spec.num_speculative_tokens, "k must be >= 1")
+    ak = cfg.rollout.adaptive_k
+    if ak.enabled:
+        _check(spec.method is not None, "rollout.adaptive_k.enabled", ak.enabled,
+               "adaptive speculation needs rollout.speculative_config.method")
+        _check(ak.margin > 0, "rollout.adaptive_k.margin", ak.margin, "must be > 0")
+        _check(ak.calibration_tokens >= 2, "rollout.adaptive_k.calibration_tokens",
+               ak.calibration_tokens, "must be >= 2")
     if spec.method == "draft_model":
         _check(spec.model is not None, "rollout.speculative_config.model", spec.model,
                "method draft_model needs a draft model directory")

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rayspec.rollout.adaptive import format_schedule
+
 
 class PhaseTimer:
     """Wall-clock seconds per named phase: ``with timer("rollout"): ...``."""
@@ -34,6 +36,11 @@ def format_step_line(m: dict[str, Any]) -> str:
             f"rollout {m['rollout_tokens_per_s']:.0f} tok/s | "
             f"t rollout {m['time_rollout_s']:.1f}s policy {m['time_policy_s']:.1f}s "
             f"draft {m['time_draft_s']:.1f}s sync {m['time_sync_s']:.1f}s")
+    # adaptive speculation: k per batch-size range, each distinct schedule once
+    schedules = {str(r["k_schedule"]): r["k_schedule"] for r in m.get("replicas", {}).values()
+                 if r.get("k_schedule")}
+    if schedules:
+        line += " | k " + " / ".join(format_schedule(s) for s in schedules.values())
     if "layout" in m:
         idle = " ".join(f"{role} {m[f'idle_{role}_s']:.1f}s" for role in ("rollout", "train", "draft")
                         if f"idle_{role}_s" in m)

@@ -93,9 +93,13 @@ def test_draft_model_with_existing_dir(tmp_path):
      "rollout.speculative_config.model", "/nonexistent/draft"),
     (["train.num_workers=3"], "train.num_workers", "3"),  # 3 does not divide 4 * 4
     (["data.name=squad"], "data.name", "squad"),
+    (["rollout.speculative_config.method=null", "rollout.adaptive_k.enabled=true"],
+     "rollout.adaptive_k.enabled", "True"),
+    (["rollout.adaptive_k.enabled=true", "rollout.adaptive_k.calibration_tokens=1"],
+     "rollout.adaptive_k.calibration_tokens", "1"),
 ], ids=["unknown-key", "k<1", "unknown-method", "missing-model", "group-size-1", "wrong-type",
         "draft-model-no-path", "draft-model-missing-dir", "num-workers-not-dividing",
-        "unknown-dataset"])
+        "unknown-dataset", "adaptive-without-speculation", "adaptive-calibration-too-short"])
 def test_bad_override_names_key_and_value(overrides, key, value):
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, overrides)

@@ -35,3 +35,11 @@ def test_read_metrics_names_the_bad_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(_record(1)) + "\n{broken\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
         read_metrics(tmp_path)
+
+
+def test_step_line_shows_the_adaptive_k_schedule_once_per_distinct_schedule():
+    rec = _record(1)
+    rec["replicas"] = {"a": {"k_schedule": [[1, 6, 3], [7, 64, 0]]},
+                       "b": {"k_schedule": [[1, 6, 3], [7, 64, 0]]}}
+    assert format_step_line(rec).count("| k 1-6:3 7-64:0 |") == 1
+    assert "| k " not in format_step_line(_record(1))

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from rayspec.batch import RolloutBatch
+from rayspec.rollout import adaptive as adaptive_k_mod
 from rayspec.rollout.spec_stats import SpecStats, diff_counters, read_counters
 
 log = logging.getLogger(__name__)
@@ -84,12 +85,17 @@ class SpecVLLMEngine:
         cpu_cores_by_node: {Ray node id: core ids} the placement plan gives
             the rollout role; the replica binds vLLM's CPU threads to its
             node's set (VLLM_CPU_OMP_THREADS_BIND). None: ``env`` as given.
+        adaptive_k: adaptive speculation (``rayspec.rollout.adaptive``):
+            {"margin", "calibration_tokens"}; the engine is calibrated once
+            here and re-chooses k per batch size after every ``generate``.
+            None: k as configured.
     """
 
     def __init__(self, model: str, speculative_config: Optional[dict[str, Any]] = None,
                  dtype: str = "bfloat16", engine_kwargs: Optional[dict[str, Any]] = None,
                  env: Optional[dict[str, str]] = None,
-                 cpu_cores_by_node: Optional[dict[str, list[int]]] = None):
+                 cpu_cores_by_node: Optional[dict[str, list[int]]] = None,
+                 adaptive_k: Optional[dict[str, Any]] = None):
         env = dict(env or {})
         if cpu_cores_by_node:
             import ray
@@ -103,6 +109,11 @@ class SpecVLLMEngine:
 
         self.speculative_config = speculative_config_for_vllm(speculative_config or {})
         kwargs = dict(engine_kwargs or {})
+        spec = self.speculative_config
+        if adaptive_k is not None and spec is not None:
+            # a dynamic schedule from the start, so k can be switched at run time
+            spec.setdefault("num_speculative_tokens_per_batch_size",
+                            adaptive_k_mod.uniform(spec["num_speculative_tokens"], 1 << 16))
         # Rollout logprobs are the behaviour policy of the importance ratio:
         # they must be of the sampling distribution (after temperature), as
         # the trainer's log_softmax(logits / T) is; vLLM defaults to raw logits.
@@ -123,6 +134,78 @@ class SpecVLLMEngine:
         self.draft_version = 0
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         self._weights_dir = Path(tempfile.mkdtemp(prefix="rayspec-refit-", dir=shm))
+        self.max_num_seqs = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        self.k_schedule: list = list(map(tuple, (spec or {}).get("num_speculative_tokens_per_batch_size") or []))
+        self.adaptive: Optional[adaptive_k_mod.AdaptiveK] = None
+        if adaptive_k is not None and spec is not None:
+            self.enable_adaptive(**adaptive_k)
+
+    def enable_adaptive(self, margin: float = 1.05, calibration_tokens: int = 16,
+                        cost: Optional[adaptive_k_mod.StepCost] = None) -> adaptive_k_mod.StepCost:
+        """Turn on adaptive speculation: calibrate the step cost (unless
+        ``cost`` is given) and start with k = num_speculative_tokens everywhere
+        until acceptance is measured. Returns the step cost.
+
+        Raises:
+            RuntimeError: no speculative_config, or built without a schedule.
+        """
+        if self.speculative_config is None:
+            raise RuntimeError("adaptive speculation needs a speculative_config")
+        k = self.speculative_config["num_speculative_tokens"]
+        cost = cost or self.calibrate(k, tokens=calibration_tokens)
+        self.adaptive = adaptive_k_mod.AdaptiveK(k, self.max_num_seqs, cost, margin=margin)
+        self.set_k_schedule(self.adaptive.schedule())
+        log.info("adaptive k: calibrated step seconds %s", cost)
+        return cost
+
+    def set_k_schedule(self, schedule: list[tuple[int, int, int]]) -> None:
+        """Draft k tokens at batch sizes lo..hi for each (lo, hi, k) (vLLM's
+        ``num_speculative_tokens_per_batch_size`` format), from the next step on.
+
+        Raises:
+            RuntimeError: the engine was built without a schedule.
+        """
+        adaptive_k_mod.set_schedule(self.llm, schedule)
+        self.k_schedule = [tuple(r) for r in schedule]
+
+    def calibrate(self, k: int, concurrencies: Optional[list[int]] = None,
+                  tokens: int = 16) -> adaptive_k_mod.StepCost:
+        """Measure the seconds of one engine step, plain and with k drafts, at
+        several batch sizes (default 1, 4, 16, ... up to max_num_seqs).
+
+        Each batch size runs b copies of a 32-token prompt for ``tokens`` new
+        tokens (ignore_eos) with k = 0 and with k drafts, minus a 1-token
+        run (the prefill); each sequence then takes tokens - 1 - accepted / b
+        steps (accepted: vLLM's accepted-draft count). Leaves the schedule at k.
+
+        Raises:
+            RuntimeError: the engine was built without a schedule.
+        """
+        from vllm import SamplingParams, TokensPrompt
+
+        bs = concurrencies or sorted({*(4 ** i for i in range(8) if 4 ** i < self.max_num_seqs),
+                                      self.max_num_seqs})
+        prompt = TokensPrompt(prompt_token_ids=list(range(100, 132)))
+
+        def run(b: int, n_tok: int) -> tuple[float, int]:
+            params = SamplingParams(temperature=1.0, max_tokens=n_tok, ignore_eos=True)
+            before = read_counters(self.llm.get_metrics())
+            t0 = time.perf_counter()
+            self.llm.generate([prompt] * b, params, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            return wall, read_counters(self.llm.get_metrics())["num_accepted_tokens"] - before["num_accepted_tokens"]
+
+        plain, spec = [], []
+        with self._busy_section():
+            self._wake()
+            for b in bs:
+                for kk, out in ((0, plain), (k, spec)):
+                    self.set_k_schedule(adaptive_k_mod.uniform(kk, self.max_num_seqs))
+                    prefill, _ = run(b, 1)
+                    wall, accepted = run(b, tokens)
+                    steps = tokens - 1 - accepted / b
+                    out.append(max(wall - prefill, 1e-6) / max(steps, 1.0))
+        return adaptive_k_mod.StepCost(bs, plain, spec, k)
 
     def generate(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, max_tokens: int = 128,
@@ -148,6 +231,7 @@ class SpecVLLMEngine:
                                 max_tokens=max_tokens, logprobs=0)
         with self._busy_section():
             self._wake()
+            schedule = list(self.k_schedule)
             before = read_counters(self.llm.get_metrics())
             t0 = time.perf_counter()
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
@@ -166,8 +250,21 @@ class SpecVLLMEngine:
                 batch.texts.append(c.text)
         n_tok = sum(len(r) for r in batch.response_ids)
         stats = diff_counters(before, stats_after, n_tok, wall)
+        stats.k_schedule = schedule if self.adaptive is not None else []
+        if self.adaptive is not None:
+            self._adapt(stats, schedule)
         stats.replicas = {self.replica_id: dataclasses.replace(stats)}
         return batch, stats
+
+    def _adapt(self, stats: SpecStats, schedule: list) -> None:
+        """Fold this rollout's acceptance into the controller; switch k if its
+        choice changed (under the lock: a rollout may be waiting)."""
+        drafted = [k for _, _, k in schedule if k > 0]
+        self.adaptive.update(stats.accepted_per_pos, stats.num_drafts, min(drafted, default=0))
+        new = self.adaptive.schedule()
+        if new != [tuple(r) for r in schedule]:
+            with self._busy_section():
+                self.set_k_schedule(new)
 
     @contextlib.contextmanager
     def _busy_section(self):
@@ -242,6 +339,9 @@ class SpecVLLMEngine:
         into the drafter, in place."""
         with self._load(state_dict, "draft"):
             self.draft_version = version
+            if self.adaptive is not None:  # the rates were the old draft's
+                self.adaptive.probe = True
+                self.set_k_schedule(self.adaptive.schedule())
         return version
 
     @contextlib.contextmanager

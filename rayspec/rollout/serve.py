@@ -57,8 +57,12 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
         health_check_timeout_s=600,
         **opts,
     )
+    ak = cfg.rollout.adaptive_k
+    adaptive = ({"margin": ak.margin, "calibration_tokens": ak.calibration_tokens}
+                if ak.enabled else None)
     app = deployment.bind(model=model_dir, speculative_config=spec, dtype=cfg.model.dtype,
-                          engine_kwargs=engine_kwargs, env=env, cpu_cores_by_node=cores)
+                          engine_kwargs=engine_kwargs, env=env, cpu_cores_by_node=cores,
+                          adaptive_k=adaptive)
     return serve.run(app, name=APP_NAME, route_prefix=None)
 
 

@@ -18,6 +18,8 @@ class SpecStats:
         wall_s: wall-clock seconds of the calls.
         replicas: per Serve replica id, that replica's own SpecStats (a sum
             of stats keeps every replica's entry, summed per replica).
+        k_schedule: the [(lo, hi, k)] batch-size schedule the engine drafted
+            with (adaptive speculation); empty when k was fixed.
     """
 
     num_drafts: int = 0
@@ -27,6 +29,7 @@ class SpecStats:
     output_tokens: int = 0
     wall_s: float = 0.0
     replicas: dict[str, "SpecStats"] = field(default_factory=dict)
+    k_schedule: list = field(default_factory=list)
 
     @property
     def acceptance_length(self) -> float:
@@ -44,9 +47,12 @@ class SpecStats:
 
     def summary(self) -> dict:
         """Acceptance length, per-position rates, tokens and tokens/s of these counters."""
-        return {"acceptance_length": self.acceptance_length,
-                "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
-                "output_tokens": self.output_tokens, "tokens_per_s": self.tokens_per_s}
+        out = {"acceptance_length": self.acceptance_length,
+               "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
+               "output_tokens": self.output_tokens, "tokens_per_s": self.tokens_per_s}
+        if self.k_schedule:
+            out["k_schedule"] = [list(r) for r in self.k_schedule]
+        return out
 
     def __add__(self, other: "SpecStats") -> "SpecStats":
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
@@ -62,6 +68,7 @@ class SpecStats:
             {k: self.replicas[k] + other.replicas[k] if k in self.replicas and k in other.replicas
              else self.replicas.get(k) or other.replicas[k]
              for k in {**self.replicas, **other.replicas}},
+            self.k_schedule or other.k_schedule,
         )
 
 

@@ -1,0 +1,232 @@
+"""Adaptive speculation: choose k (0 = no speculation) per batch size from
+measured acceptance and measured step cost, and apply it to a running engine.
+
+vLLM 0.32 chooses k per step from a batch-size schedule,
+``speculative_config["num_speculative_tokens_per_batch_size"] = [(lo, hi, k), ...]``
+(dynamic speculative decoding; the scheduler looks k up by the number of
+sequences in the step and the proposer drafts that many), but the schedule is
+fixed when the engine is built and there is no API to change it. Rebuilding
+an engine costs tens of seconds and its KV cache, so this module adds one
+utility method to vLLM's ``EngineCore`` (installed through the
+``vllm.general_plugins`` entry point, in vLLM's own engine process) that
+rebuilds the scheduler's lookup with vLLM's own
+``build_dynamic_sd_schedule_lookup``. The engine must be built with a schedule
+(any), so its scheduler runs the dynamic path.
+
+Controller (``AdaptiveK``): with per-position acceptance rates r_i (P(draft
+position i accepted), vLLM's ``spec_decode_num_accepted_tokens_per_pos`` /
+``num_drafts``), a step with k drafts emits E(k) = 1 + sum_{i<k} r_i tokens per
+sequence (Leviathan et al. 2023, Sec. 3.1, without the i.i.d. assumption). With
+t(b, k) the measured seconds of one engine step at b sequences in flight, the
+throughput is b * E(k) / t(b, k); the controller picks, for each b, the k in
+0..K that maximises it, and k = 0 unless a speculative k beats plain decoding
+by ``margin``. After a draft refit (``probe``), when the rates say no k pays
+anywhere, batch size 1 drafts one token anyway: without drafts there is no
+acceptance to measure, and an online-trained draft would never be tried
+again; the probe costs at most the steps run with one sequence left.
+t(b, k) comes from a calibration on the engine itself (plain and k=K steps at
+a few concurrencies, linear in k between them, log-linear in b); the rates
+are updated after every rollout.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+UTILITY = "rayspec_set_num_speculative_tokens_per_batch_size"
+
+
+def _set_schedule(self, schedule: list) -> list:
+    """EngineCore utility: replace the scheduler's batch-size -> k lookup.
+
+    Returns the normalised schedule. Raises RuntimeError when the engine was
+    built without ``num_speculative_tokens_per_batch_size`` (its scheduler
+    pads every decode to k+1 tokens and cannot switch).
+    """
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    sched = self.scheduler
+    if getattr(sched, "dynamic_sd_lookup", None) is None:
+        raise RuntimeError("engine built without speculative_config.num_speculative_tokens_per_batch_size; "
+                           "build it with a schedule to switch k at run time")
+    sched.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
+        [tuple(r) for r in schedule], sched.scheduler_config.max_num_seqs, sched.num_spec_tokens)
+    return [list(r) for r in schedule]
+
+
+def register() -> None:
+    """vLLM general-plugin hook: add the schedule utility to EngineCore where
+    this vLLM has dynamic speculative decoding (idempotent)."""
+    try:
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.spec_decode.dynamic import utils  # noqa: F401  (feature check)
+    except ImportError:
+        return
+    if not hasattr(EngineCore, UTILITY):
+        setattr(EngineCore, UTILITY, _set_schedule)
+
+
+def set_schedule(llm, schedule: list[tuple[int, int, int]]) -> None:
+    """Apply ``schedule`` ([(lo, hi, k)], inclusive batch-size ranges) to a
+    running ``vllm.LLM`` (engine core in its own process or in-process).
+
+    Raises:
+        RuntimeError: the engine has no dynamic schedule, or this vLLM lacks
+            the utility (the plugin did not load).
+    """
+    core = llm.llm_engine.engine_core
+    args = [list(r) for r in schedule]
+    if hasattr(core, "call_utility"):
+        core.call_utility(UTILITY, args)
+    else:  # InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        getattr(core.engine_core, UTILITY)(args)
+
+
+def uniform(k: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
+    """The schedule that drafts k tokens at every batch size."""
+    return [(1, max_num_seqs, k)]
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """E(k) = 1 + sum_{i<k} r_i: tokens per sequence per verification step
+    with k drafts and per-position acceptance rates ``rates`` (positions past
+    the measured ones count 0)."""
+    return 1.0 + sum(rates[:k])
+
+
+def geometric_rate(rates: list[float]) -> float:
+    """Per-token acceptance rate a of an i.i.d. model (Leviathan et al. 2023):
+    accepted drafts over positions reached, sum_i r_i / sum_i r_{i-1} with
+    r_0 = 1 (the maximum-likelihood a given the per-position rates)."""
+    if not rates:
+        return 0.0
+    reached = 1.0 + sum(rates[:-1])
+    return min(sum(rates) / reached, 1.0 - 1e-9)
+
+
+def physical_limit(a: float, k: int, c: float) -> float:
+    """Speedup bound for acceptance rate a, k drafts and cost ratio c
+    (Leviathan et al. 2023, Eq. 1 and Thm 3.8): E = (1 - a^(k+1)) / (1 - a)
+    tokens per verification step, over the cost 1 + k*c of one step in plain
+    steps."""
+    e = (1.0 - a ** (k + 1)) / (1.0 - a) if a < 1 else k + 1.0
+    return e / (1.0 + k * c)
+
+
+@dataclass
+class StepCost:
+    """Measured seconds of one engine step at b sequences in flight.
+
+    Attributes:
+        concurrency: calibrated batch sizes b, ascending.
+        plain_s: seconds of a plain decode step at each b.
+        spec_s: seconds of a step with k = ``k`` drafts at each b.
+        k: the speculative k calibrated.
+    """
+
+    concurrency: list[int]
+    plain_s: list[float]
+    spec_s: list[float]
+    k: int
+
+    def _interp(self, ys: list[float], b: int) -> float:
+        xs = self.concurrency
+        if b <= xs[0]:
+            return ys[0]
+        if b >= xs[-1]:  # per-sequence cost of the largest batch calibrated
+            return ys[-1] * b / xs[-1]
+        j = bisect.bisect_left(xs, b)
+        w = (math.log(b) - math.log(xs[j - 1])) / (math.log(xs[j]) - math.log(xs[j - 1]))
+        return ys[j - 1] + w * (ys[j] - ys[j - 1])
+
+    def seconds(self, b: int, k: int) -> float:
+        """t(b, k): linear in k between the plain and the k=K step."""
+        t0 = self._interp(self.plain_s, b)
+        return t0 + (self._interp(self.spec_s, b) - t0) * k / self.k
+
+    def cost_ratio(self, b: int) -> float:
+        """c(b): extra cost of one draft token (drafting it and verifying it)
+        in plain steps, (t(b, K) / t(b, 0) - 1) / K."""
+        return (self.seconds(b, self.k) / self.seconds(b, 0) - 1.0) / self.k
+
+
+@dataclass
+class AdaptiveK:
+    """Chooses k per batch size; see the module docstring.
+
+    Args:
+        k_max: the engine's num_speculative_tokens (k never exceeds it).
+        max_num_seqs: the engine's largest batch.
+        cost: calibrated step costs.
+        margin: a speculative k is chosen only if its predicted throughput is
+            at least ``margin`` times plain decoding's (1.0: any gain).
+        ema: weight of the newest rollout in the acceptance rates.
+        probe: the draft changed since the rates were measured (set by the
+            engine on a draft refit; cleared by the next measurement).
+    """
+
+    k_max: int
+    max_num_seqs: int
+    cost: StepCost
+    margin: float = 1.05
+    ema: float = 0.5
+    rates: list[float] = field(default_factory=list)
+    probe: bool = False
+
+    def update(self, accepted_per_pos: list[int], num_drafts: int, positions: int) -> None:
+        """Fold one rollout's counters into the per-position rates.
+
+        Args:
+            accepted_per_pos: accepted tokens per draft position.
+            num_drafts: verification steps that carried a draft.
+            positions: how many leading positions every draft covered (the
+                smallest non-zero k of the schedule used): a step with fewer
+                drafts does not reach the later positions, so their counts
+                over ``num_drafts`` would be biased low; they keep their rate.
+        """
+        if num_drafts <= 0 or positions <= 0:
+            return
+        new = [a / num_drafts for a in accepted_per_pos[:positions]]
+        self.probe = False
+        if not self.rates:  # positions not yet measured: extrapolate geometrically
+            a = geometric_rate(new)
+            self.rates = new + [new[-1] * a ** (j + 1) for j in range(self.k_max - len(new))]
+            return
+        for i, r in enumerate(new):
+            self.rates[i] = (1 - self.ema) * self.rates[i] + self.ema * r
+
+    def best_k(self, b: int) -> int:
+        """argmax_k b * E(k) / t(b, k), k = 0 unless it beats plain by ``margin``."""
+        plain = 1.0 / self.cost.seconds(b, 0)
+        best, best_tp = 0, plain * self.margin
+        for k in range(1, self.k_max + 1):
+            tp = expected_tokens(self.rates, k) / self.cost.seconds(b, k)
+            if tp > best_tp:
+                best, best_tp = k, tp
+        return best
+
+    def schedule(self) -> list[tuple[int, int, int]]:
+        """[(lo, hi, k)] covering 1..max_num_seqs, adjacent equal k merged.
+        Before any acceptance is measured: k_max everywhere (to measure it)."""
+        if not self.rates:
+            return uniform(self.k_max, self.max_num_seqs)
+        out: list[list[int]] = []
+        for b in range(1, self.max_num_seqs + 1):
+            k = self.best_k(b)
+            if out and out[-1][2] == k:
+                out[-1][1] = b
+            else:
+                out.append([b, b, k])
+        if self.probe and all(k == 0 for _, _, k in out):
+            out = [[1, 1, 1]] + ([[2, self.max_num_seqs, 0]] if self.max_num_seqs > 1 else [])
+        return [tuple(r) for r in out]
+
+
+def format_schedule(schedule: list[tuple[int, int, int]]) -> str:
+    """``1-6:3 7-64:0``: k per inclusive batch-size range."""
+    return " ".join(f"{lo}-{hi}:{k}" if lo != hi else f"{lo}:{k}" for lo, hi, k in schedule)

@@ -1,0 +1,122 @@
+"""Adaptive speculation: the controller's choice of k from acceptance and
+step cost, and switching k in a running vLLM engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayspec.draft.eagle3 import init_head, save_head
+from rayspec.models import load_policy
+from rayspec.rollout.adaptive import (AdaptiveK, StepCost, expected_tokens, format_schedule,
+                                      geometric_rate, physical_limit, uniform)
+from tests.conftest import engine_kwargs
+
+# Step seconds shaped like SmolLM2 on 2 CPU cores (DESIGN.md): a k=3 step costs
+# ~1.45x a plain one at 1 sequence and ~3x at 64.
+CPU_COST = StepCost(concurrency=[1, 8, 64], plain_s=[0.020, 0.030, 0.100],
+                    spec_s=[0.029, 0.075, 0.300], k=3)
+
+
+def test_expected_tokens_and_limits():
+    assert expected_tokens([0.8, 0.6, 0.4], 0) == 1.0
+    assert expected_tokens([0.8, 0.6, 0.4], 2) == pytest.approx(2.4)
+    # Leviathan et al. Eq. 1: a=0.5, k=3 -> (1 - 0.5^4) / 0.5 = 1.875 tokens per step
+    assert physical_limit(0.5, 3, 0.0) == pytest.approx(1.875)
+    assert physical_limit(0.5, 3, 0.1) == pytest.approx(1.875 / 1.3)
+    # i.i.d. rates r_i = a^i give back a
+    assert geometric_rate([0.6, 0.36, 0.216]) == pytest.approx(0.6)
+
+
+def test_step_cost_interpolates_in_log_batch_and_linearly_in_k():
+    assert CPU_COST.seconds(1, 0) == pytest.approx(0.020)
+    assert CPU_COST.seconds(8, 3) == pytest.approx(0.075)
+    assert CPU_COST.seconds(8, 1) == pytest.approx(0.030 + 0.045 / 3)
+    assert 0.030 < CPU_COST.seconds(20, 0) < 0.100
+    assert CPU_COST.seconds(128, 0) == pytest.approx(0.200)  # past the last point: per sequence
+    assert CPU_COST.cost_ratio(1) == pytest.approx(0.15)
+
+
+def test_good_draft_speculates_in_the_tail_only_and_bad_draft_never():
+    ctl = AdaptiveK(k_max=3, max_num_seqs=64, cost=CPU_COST)
+    assert ctl.schedule() == uniform(3, 64)  # nothing measured yet: measure at k_max
+    ctl.update([600, 400, 250], num_drafts=1000, positions=3)
+    sched = ctl.schedule()
+    # k falls as the batch grows and drafting costs more (worked by hand from CPU_COST)
+    assert format_schedule(sched) == "1:3 2:2 3-8:1 9-64:0"
+    # every choice is at least as fast as plain decoding by the model
+    for b in range(1, 65):
+        k = ctl.best_k(b)
+        assert expected_tokens(ctl.rates, k) / CPU_COST.seconds(b, k) >= 1 / CPU_COST.seconds(b, 0)
+    bad = AdaptiveK(k_max=3, max_num_seqs=64, cost=CPU_COST)
+    bad.update([10, 2, 0], num_drafts=1000, positions=3)
+    assert bad.schedule() == [(1, 64, 0)]
+
+
+def test_probe_after_draft_refit_and_partial_positions():
+    ctl = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST)
+    ctl.update([0, 0, 0], num_drafts=100, positions=3)
+    assert ctl.schedule() == [(1, 16, 0)]
+    ctl.probe = True  # the engine sets this on a draft refit
+    assert ctl.schedule() == [(1, 1, 1), (2, 16, 0)]
+    # the probe drafted one position: only rate 0 is measured, the rest keep theirs
+    ctl.update([90, 0, 0], num_drafts=100, positions=1)
+    assert not ctl.probe
+    assert ctl.rates[0] == pytest.approx(0.45) and ctl.rates[1:] == [0.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tiny_llama_dir, tmp_path_factory):
+    head = tmp_path_factory.mktemp("adaptive") / "head"
+    save_head(init_head(load_policy(tiny_llama_dir)), head)
+    return head
+
+
+@pytest.mark.slow
+def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head):
+    """One engine: k=0 drafts nothing, k=2 drafts 2 per step, without a
+    rebuild; the adaptive controller turns a useless draft off after one
+    rollout and probes again after a draft refit."""
+    from rayspec.draft.eagle3 import load_head, vllm_state_dict
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+
+    eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "eagle3", "num_speculative_tokens": 3,
+                                              "model": str(tiny_head)},
+                         dtype="float32", engine_kwargs=engine_kwargs(max_num_seqs=8),
+                         env=cpu_engine_env(1, "all"), adaptive_k={"calibration_tokens": 4})
+    try:
+        cost = eng.adaptive.cost
+        assert cost.concurrency == [1, 4, 8] and cost.k == 3
+        assert all(s > 0 for s in cost.plain_s + cost.spec_s)
+        prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
+        for k in (0, 2):
+            eng.set_k_schedule(uniform(k, 8))
+            _, stats = eng.generate(prompts, n=2, max_tokens=12)
+            assert stats.k_schedule == [(1, 8, k)]
+            assert stats.num_draft_tokens == k * stats.num_drafts
+            assert (stats.num_drafts > 0) == (k > 0)
+        # an untrained head accepts (almost) nothing: drafting costs more than it gives
+        eng.adaptive.cost = StepCost([1, 8], [0.01, 0.02], [0.02, 0.06], 3)
+        eng.adaptive.rates = []
+        eng.set_k_schedule(eng.adaptive.schedule())
+        _, stats = eng.generate(prompts, n=2, max_tokens=12)
+        assert stats.k_schedule == [(1, 8, 3)] and stats.summary()["k_schedule"] == [[1, 8, 3]]
+        assert eng.k_schedule == [(1, 8, 0)]
+        eng.update_draft(vllm_state_dict(load_head(tiny_head)), 1)
+        assert eng.k_schedule == [(1, 1, 1), (2, 8, 0)]
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.slow
+def test_engine_without_schedule_refuses_to_switch(tiny_llama_dir, tiny_head):
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+
+    eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "ngram", "num_speculative_tokens": 2,
+                                              "prompt_lookup_max": 3, "prompt_lookup_min": 2},
+                         dtype="float32", engine_kwargs=engine_kwargs(max_num_seqs=4),
+                         env=cpu_engine_env(1, "all"))
+    try:
+        with pytest.raises(Exception, match="without speculative_config.num_speculative_tokens_per_batch_size"):
+            eng.set_k_schedule(uniform(0, 4))
+    finally:
+        eng.shutdown()
