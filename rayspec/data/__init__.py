@@ -2,7 +2,7 @@
 
 from rayspec.config import DATASETS  # one list of names, validated by the config
 from rayspec.data.prompts import (SYSTEM_PROMPT, Problem, PromptSource, arithmetic_problems,
-                                  format_question, load_gsm8k)
+                                  chat_prompt_ids, format_question, load_gsm8k)
 from rayspec.data.reward import extract_final_number, math_reward
 
 
@@ -27,5 +27,5 @@ def load_problems(name: str, path: str | None, split: str, num_problems: int | N
 
 
 __all__ = ["DATASETS", "Problem", "PromptSource", "SYSTEM_PROMPT", "arithmetic_problems",
-           "extract_final_number", "format_question", "load_gsm8k", "load_problems",
+           "chat_prompt_ids", "extract_final_number", "format_question", "load_gsm8k", "load_problems",
            "math_reward"]

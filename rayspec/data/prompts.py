@@ -197,6 +197,15 @@ def format_question(problem: Problem) -> str:
     return f"{problem.question}\n{problem.instruction}"
 
 
+def chat_prompt_ids(tokenizer, problem: Problem) -> list[int]:
+    """Token ids of the chat prompt for ``problem``: SYSTEM_PROMPT, the
+    question (``format_question``) and the assistant turn's opening."""
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": format_question(problem)}]
+    return list(tokenizer.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+
+
 class PromptSource:
     """Batches of problems, each problem once per epoch, reshuffled every epoch
     by an RNG seeded from (seed, epoch). A batch may span two epochs.

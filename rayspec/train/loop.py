@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from rayspec.batch import RolloutBatch
 from rayspec.config import RunConfig, draft_online
-from rayspec.data import PromptSource, SYSTEM_PROMPT, format_question, load_problems, math_reward
+from rayspec.data import PromptSource, chat_prompt_ids, load_problems, math_reward
 from rayspec.metrics import MetricsLog, PhaseTimer, format_step_line, plot_run
 from rayspec.rollout import serve as rollout
 from rayspec.scheduler.pipeline import RolloutPipeline
@@ -50,18 +50,12 @@ class StepContext:
         self.log = MetricsLog(cfg.trainer.run_dir)
         self.sleep_reported = False
 
-    def encode(self, problem) -> list[int]:
-        msgs = [{"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": format_question(problem)}]
-        return list(self.tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-
     def submit_rollout(self):
         """Start the next prompts' rollouts on the replicas; (pending, problems)."""
         cfg = self.cfg
         problems = self.prompts.next_batch()
         pending = rollout.submit(
-            self.rollout, [self.encode(p) for p in problems], cfg.rollout.num_replicas,
+            self.rollout, [chat_prompt_ids(self.tokenizer, p) for p in problems], cfg.rollout.num_replicas,
             n=cfg.grpo.group_size, temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
             max_tokens=cfg.grpo.max_new_tokens)
         return pending, problems

@@ -1,0 +1,147 @@
+"""In-domain EAGLE-3 warm start: ``python -m jobs.warmstart_draft --out DIR [preset.yaml] [key=value ...]``.
+
+    python -m jobs.warmstart_draft --out runs/warm data.name=gsm8k data.path=../shared/data/gsm8k \\
+        --train-prompts 64 --samples 4 --steps 300 model.dtype=float32
+
+1. The policy (``model.path``) samples ``--samples`` responses to each of the
+   first ``--train-prompts`` prompts of ``data.*`` (temperature
+   ``grpo.temperature``, up to ``grpo.max_new_tokens``) on a vLLM engine
+   built with the head; it generates the corpus with k = 0 (no drafts: an
+   untrained head only slows generation down) and measures acceptance with k.
+2. Acceptance length on the next ``--heldout-prompts`` prompts (held out)
+   with the head as it is ("before").
+3. ``--steps`` optimizer steps of ``eagle3_loss`` (``draft.lr``,
+   ``draft.ttt_steps``) on the verifier's features of the generated samples
+   (``rayspec.draft.warmstart``).
+4. The trained head is loaded into the same engine (refit) and acceptance is
+   measured on the held-out prompts again ("after").
+
+``DIR`` holds ``corpus.jsonl``, ``draft_head/`` (load it with
+``rollout.speculative_config.model=DIR/draft_head``), the optimizer state and
+``result.json``. Re-running with the same ``DIR`` resumes: the corpus is
+reused, training continues from the saved step, and ``--steps`` is the total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from rayspec.config import ConfigError, load_config
+
+DEFAULT_PRESET = Path(__file__).parent / "configs" / "default.yaml"
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m jobs.warmstart_draft", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="output directory (resumable)")
+    ap.add_argument("--train-prompts", type=int, default=64)
+    ap.add_argument("--heldout-prompts", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=4, help="responses per training prompt")
+    ap.add_argument("--heldout-samples", type=int, default=4, help="responses per held-out prompt")
+    ap.add_argument("--steps", type=int, default=300, help="total optimizer steps")
+    ap.add_argument("--micro-batch", type=int, default=4, help="samples per optimizer step")
+    ap.add_argument("--save-every", type=int, default=50)
+    args, rest = ap.parse_known_args(argv)
+    preset = DEFAULT_PRESET
+    if rest and rest[0].endswith((".yaml", ".yml")):
+        preset = Path(rest.pop(0))
+    unknown = [a for a in rest if "=" not in a]
+    if unknown:
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args, preset, rest
+
+
+def acceptance(engine, prompts: list[list[int]], n: int, cfg) -> dict:
+    _, stats = engine.generate(prompts, n=n, temperature=cfg.grpo.temperature,
+                               max_tokens=cfg.grpo.max_new_tokens)
+    return {"acceptance_length": stats.acceptance_length,
+            "acceptance_rate_per_pos": stats.acceptance_rate_per_pos,
+            "tokens_per_s": stats.tokens_per_s, "output_tokens": stats.output_tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, preset, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        cfg = load_config(preset, overrides + ["rollout.speculative_config.method=eagle3"])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s: %(message)s")
+    from rayspec.data import chat_prompt_ids, load_problems
+    from rayspec.draft.eagle3 import init_head, load_head, save_head, vllm_state_dict
+    from rayspec.draft.warmstart import CORPUS, HEAD, read_corpus, split_prompts, train_head, write_corpus
+    from rayspec.models import load_policy, load_tokenizer, resolve_model_path
+    from rayspec.rollout.adaptive import uniform
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    tok = load_tokenizer(model_dir)
+    problems = load_problems(cfg.data.name, cfg.data.path, cfg.data.split, cfg.data.num_problems,
+                             cfg.data.seed, cfg.data.level)
+    try:
+        train_p, held_p = split_prompts(problems, args.train_prompts, args.heldout_prompts)
+    except ValueError as e:
+        print(f"error: --train-prompts/--heldout-prompts: {e}", file=sys.stderr)
+        return 2
+    policy = load_policy(model_dir).eval()
+    spec = cfg.rollout.speculative_config
+    if not (out / HEAD / "model.safetensors").is_file():
+        head = load_head(spec.model) if spec.model else init_head(
+            policy, cfg.draft.aux_hidden_state_layer_ids, seed=cfg.trainer.seed)
+        save_head(head, out / HEAD)
+    result_path = out / "result.json"
+    result = json.loads(result_path.read_text()) if result_path.is_file() else {}
+    k = spec.num_speculative_tokens
+    seqs = cfg.rollout.engine_kwargs.get("max_num_seqs", 256)
+    engine = SpecVLLMEngine(
+        str(model_dir), {"method": "eagle3", "model": str(out / HEAD), "num_speculative_tokens": k,
+                         "num_speculative_tokens_per_batch_size": uniform(k, seqs)},
+        dtype=cfg.model.dtype, engine_kwargs=dict(cfg.rollout.engine_kwargs),
+        env=cpu_engine_env(cfg.rollout.cpu_kvcache_space_gib, cfg.rollout.cpu_omp_threads_bind))
+    try:
+        held = [chat_prompt_ids(tok, p) for p in held_p]
+        if "before" not in result:
+            result["before"] = acceptance(engine, held, args.heldout_samples, cfg)
+            result_path.write_text(json.dumps(result, indent=1))
+        if not (out / CORPUS).is_file():
+            t0 = time.perf_counter()
+            engine.set_k_schedule(uniform(0, seqs))
+            batch, _ = engine.generate([chat_prompt_ids(tok, p) for p in train_p], n=args.samples,
+                                       temperature=cfg.grpo.temperature, max_tokens=cfg.grpo.max_new_tokens)
+            engine.set_k_schedule(uniform(k, seqs))
+            write_corpus(batch, out / CORPUS)
+            print(f"corpus: {len(batch)} samples, {sum(map(len, batch.response_ids))} response tokens "
+                  f"in {time.perf_counter() - t0:.0f} s")
+        samples = read_corpus(out / CORPUS)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        t0 = time.perf_counter()
+        trained = train_head(policy, samples, out, args.steps, cfg.draft.lr, cfg.draft.ttt_steps, pad,
+                             micro_batch=args.micro_batch, save_every=args.save_every, seed=cfg.trainer.seed)
+        engine.update_draft(vllm_state_dict(load_head(out / HEAD)), 1)
+        result["after"] = acceptance(engine, held, args.heldout_samples, cfg)
+        result.update(train=trained, train_seconds=time.perf_counter() - t0, corpus_samples=len(samples),
+                      heldout_prompts=len(held), model=str(model_dir), dtype=cfg.model.dtype,
+                      data=cfg.data.name, k=k, temperature=cfg.grpo.temperature)
+        result_path.write_text(json.dumps(result, indent=1))
+    finally:
+        engine.shutdown()
+    print(f"{'':<8}{'acc len':>9}{'tok/s':>8}  accept/pos   (held-out: {len(held)} prompts x "
+          f"{args.heldout_samples}, T={cfg.grpo.temperature}, k={k})")
+    for name in ("before", "after"):
+        r = result[name]
+        rates = ",".join(f"{x:.2f}" for x in r["acceptance_rate_per_pos"])
+        print(f"{name:<8}{r['acceptance_length']:>9.2f}{r['tokens_per_s']:>8.1f}  [{rates}]")
+    print(f"head: {out / HEAD}  ({trained['steps']} steps, loss {trained['draft_loss']:.3f}, "
+          f"top-1 {trained['draft_top1']:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

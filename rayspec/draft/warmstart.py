@@ -1,0 +1,192 @@
+"""In-domain warm start of an EAGLE-3 head before RL.
+
+The policy generates responses to prompts of the RL dataset, one forward of
+the policy over each (prompt + response) captures the verifier's features, and
+the head is trained on them with the same loss as online (``eagle3_loss``).
+The seeds' system (NeMo-RL speculative rollouts, arXiv 2604.26779) measured
+1.77x generation with a draft initialised on in-domain data against 1.51x with
+a generic one.
+
+Everything lands in one output directory, so an interrupted run resumes:
+
+    corpus.jsonl          one generated sample per line ({"prompt_ids", "response_ids"})
+    draft_head/           the head (vLLM checkpoint format, ``save_head``)
+    trainer_state.*       fp32 head weights, AdamW state, step counter (resume)
+    result.json           acceptance length before / after on held-out prompts
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from rayspec.batch import RolloutBatch
+from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head
+from rayspec.draft.loss import eagle3_loss
+from rayspec.train.capture import capture_eagle3_features
+
+CORPUS = "corpus.jsonl"
+HEAD = "draft_head"
+
+
+def write_corpus(batch: RolloutBatch, path: Path) -> None:
+    """Write the samples of ``batch`` as JSONL atomically (temp file, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        for p, r in zip(batch.prompt_ids, batch.response_ids):
+            f.write(json.dumps({"prompt_ids": p, "response_ids": r}) + "\n")
+    os.replace(tmp, path)
+
+
+def read_corpus(path: Path) -> list[tuple[list[int], list[int]]]:
+    """(prompt_ids, response_ids) per line of a corpus written by ``write_corpus``.
+
+    Raises:
+        ValueError: a line is not a sample; the message names the file and line.
+    """
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+            out.append((list(row["prompt_ids"]), list(row["response_ids"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{i}: not a corpus sample ({e!r})") from None
+    return out
+
+
+def features(policy, samples: list[tuple[list[int], list[int]]], aux_layer_ids: list[int],
+             pad_id: int) -> dict[str, torch.Tensor]:
+    """Verifier features of a micro-batch of samples (one no-grad forward).
+
+    Returns:
+        dict as the DraftTrainer takes it: input_ids [B, L] int64,
+        aux_hidden [B, L, 3H] and final_hidden [B, L, H] (bf16, as shipped
+        online), loss_mask [B, L-1] float (response tokens).
+    """
+    n = len(samples)
+    batch = RolloutBatch([p for p, _ in samples], [r for _, r in samples],
+                         [[0.0] * len(r) for _, r in samples], list(range(n)))
+    t = batch.to_padded(pad_id)
+    with torch.no_grad(), capture_eagle3_features(policy, aux_layer_ids) as feats:
+        policy(input_ids=t["input_ids"], attention_mask=t["attention_mask"])
+    return {"input_ids": t["input_ids"], "aux_hidden": feats["aux_hidden"].to(torch.bfloat16),
+            "final_hidden": feats["final_hidden"].to(torch.bfloat16),
+            "loss_mask": t["response_mask"]}
+
+
+def _save_state(head: Eagle3Head, opt: torch.optim.Optimizer, step: int, out: Path) -> None:
+    """fp32 head weights and AdamW state (``draft_head/`` is bf16, as vLLM
+    loads it; resuming from it would round the master weights). The frozen
+    output layer is the policy's and is not stored twice.
+    safetensors + JSON, not torch.save: no pickle in what a later run loads."""
+    sd = opt.state_dict()
+    tensors = {f"head.{k}": v.detach().contiguous() for k, v in head.state_dict().items()
+               if k != "lm_head.weight"}
+    tensors.update({f"opt.{k}.{i}": v.contiguous() for i, st in sd["state"].items()
+                    for k, v in st.items() if torch.is_tensor(v)})
+    save_file(tensors, str(out / ".trainer_state.safetensors.tmp"))
+    (out / ".trainer_state.json.tmp").write_text(json.dumps({"step": step, "param_groups": sd["param_groups"]}))
+    os.replace(out / ".trainer_state.safetensors.tmp", out / "trainer_state.safetensors")
+    os.replace(out / ".trainer_state.json.tmp", out / "trainer_state.json")
+
+
+def _load_state(head: Eagle3Head, opt: torch.optim.Optimizer, out: Path) -> int:
+    """Restore what ``_save_state`` wrote; returns the step (0: nothing saved)."""
+    if not (out / "trainer_state.json").is_file():
+        return 0
+    meta = json.loads((out / "trainer_state.json").read_text())
+    tensors = load_file(str(out / "trainer_state.safetensors"))
+    missing, unexpected = head.load_state_dict(
+        {k[5:]: v for k, v in tensors.items() if k.startswith("head.")}, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"{out}/trainer_state.safetensors does not match the head in {out / HEAD}: "
+                         f"missing {missing}, unexpected {unexpected}")
+    state: dict[int, dict] = {}
+    for name, v in tensors.items():
+        if name.startswith("opt."):
+            key, i = name[4:].rsplit(".", 1)
+            state.setdefault(int(i), {})[key] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return int(meta["step"])
+
+
+def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str | os.PathLike,
+               steps: int, lr: float, ttt_steps: int, pad_id: int, micro_batch: int = 4,
+               save_every: int = 50, seed: int = 0) -> dict[str, float]:
+    """Train the head in ``<out_dir>/draft_head`` on ``samples`` for ``steps``
+    optimizer steps in total, resuming from the step saved there.
+
+    Each step is one micro-batch (``micro_batch`` samples, cycling through a
+    seeded shuffle of ``samples``), the EAGLE-3 TTT loss against the policy's
+    next-token distribution. The output layer stays the policy's (frozen), as
+    online, so vLLM shares it with the verifier. The head and AdamW state are
+    saved every ``save_every`` steps and at the end (each file atomically).
+
+    Args:
+        policy: transformers Llama-family causal LM (fp32, eval mode).
+        samples: (prompt_ids, response_ids) pairs.
+        out_dir: directory holding ``draft_head/`` (written by the caller first).
+        steps: total optimizer steps, counting those of earlier runs.
+        lr: AdamW learning rate.
+        ttt_steps: training-time-test depth.
+        pad_id: tokenizer pad id.
+
+    Returns:
+        {"steps": total steps done, "draft_loss": mean loss of the last <= 20
+        steps of this call (nan if none ran), "draft_top1": top-1 agreement of
+        draft step 0 over them}.
+    """
+    out = Path(out_dir)
+    head: Eagle3Head = load_head(out / HEAD)
+    with torch.no_grad():  # the verifier's output layer, frozen (as online)
+        head.lm_head.weight.copy_(policy.lm_head.weight)
+    head.lm_head.weight.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    done = _load_state(head, opt, out)
+    ids = head.cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    embed = policy.model.embed_tokens.weight.detach().float()
+    lm_head = policy.lm_head.weight.detach().float()
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    chunks = [order[i:i + micro_batch] for i in range(0, len(order), micro_batch)]
+    cache: dict[int, dict] = {}  # features per chunk, made once
+    losses, top1 = [], []
+    head.train()
+    for step in tqdm(range(done, steps), initial=done, total=steps, desc="warm start",
+                     unit="step", disable=None):
+        c = step % len(chunks)
+        if c not in cache:
+            cache[c] = features(policy, [samples[i] for i in chunks[c]], ids, pad_id)
+        f = cache[c]
+        loss, acc = eagle3_loss(head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
+                                f["loss_mask"], embed, lm_head, ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        losses, top1 = (losses + [loss.item()])[-20:], (top1 + [acc[0] if acc else 0.0])[-20:]
+        if (step + 1) % save_every == 0 or step + 1 == steps:
+            save_head(head, out / HEAD)
+            _save_state(head, opt, step + 1, out)
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {"steps": max(done, steps), "draft_loss": mean(losses), "draft_top1": mean(top1)}
+
+
+def split_prompts(items: Iterable, num_train: int, num_heldout: int) -> tuple[list, list]:
+    """The first ``num_train`` items for training and the next ``num_heldout``
+    held out (disjoint).
+
+    Raises:
+        ValueError: fewer items than ``num_train + num_heldout``.
+    """
+    items = list(items)
+    if len(items) < num_train + num_heldout:
+        raise ValueError(f"need {num_train} + {num_heldout} prompts, the dataset has {len(items)}")
+    return items[:num_train], items[num_train:num_train + num_heldout]

@@ -1,0 +1,78 @@
+"""In-domain warm start of the EAGLE-3 head: training resumes exactly, the
+corpus is checked row by row, and the job raises held-out acceptance."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rayspec.draft.eagle3 import init_head, load_head, save_head
+from rayspec.draft.warmstart import HEAD, read_corpus, split_prompts, train_head
+from rayspec.models import load_policy
+
+
+def _samples(n: int) -> list[tuple[list[int], list[int]]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(5, 400, (6,), generator=g).tolist(),
+             torch.randint(5, 400, (10,), generator=g).tolist()) for _ in range(n)]
+
+
+def test_training_resumes_where_it_stopped(tiny_llama_dir, tmp_path):
+    """4 steps in one run == 2 steps, stop, 2 more: the head and AdamW state
+    come back from the directory (safetensors + JSON, no pickle)."""
+    policy = load_policy(tiny_llama_dir).eval()
+    samples = _samples(12)
+    for d in ("once", "twice"):
+        save_head(init_head(policy), tmp_path / d / HEAD)
+    train_head(policy, samples, tmp_path / "once", 4, 1e-3, 2, pad_id=0, micro_batch=4, save_every=2)
+    first = train_head(policy, samples, tmp_path / "twice", 2, 1e-3, 2, pad_id=0, micro_batch=4, save_every=2)
+    assert first["steps"] == 2
+    again = train_head(policy, samples, tmp_path / "twice", 4, 1e-3, 2, pad_id=0, micro_batch=4, save_every=2)
+    assert again["steps"] == 4
+    assert json.loads((tmp_path / "twice" / "trainer_state.json").read_text())["step"] == 4
+    a, b = load_head(tmp_path / "once" / HEAD), load_head(tmp_path / "twice" / HEAD)
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert not torch.equal(a.fc.weight, init_head(policy).fc.weight.to(torch.bfloat16).float())  # trained
+    # the output layer stays the verifier's (vLLM shares it)
+    assert torch.equal(a.lm_head.weight, policy.lm_head.weight.to(torch.bfloat16).float())
+
+
+def test_bad_corpus_row_names_file_and_line(tmp_path):
+    f = tmp_path / "corpus.jsonl"
+    f.write_text('{"prompt_ids": [1], "response_ids": [2]}\n{"prompt_ids": [1]}\n')
+    with pytest.raises(ValueError, match=r"corpus.jsonl:2"):
+        read_corpus(f)
+
+
+def test_split_prompts_is_disjoint_and_checks_size():
+    train, held = split_prompts(range(10), 6, 3)
+    assert train == list(range(6)) and held == [6, 7, 8]
+    with pytest.raises(ValueError, match="need 8 \\+ 3 prompts, the dataset has 10"):
+        split_prompts(range(10), 8, 3)
+
+
+@pytest.mark.slow
+def test_warmstart_job_raises_heldout_acceptance_and_resumes(tiny_llama_dir, gsm8k_dir, tmp_path):
+    from jobs.warmstart_draft import main
+
+    out = tmp_path / "warm"
+    common = ["--out", str(out), "--train-prompts", "8", "--heldout-prompts", "2", "--samples", "4",
+              "--heldout-samples", "4", "--save-every", "20", f"model.path={tiny_llama_dir}",
+              "model.dtype=float32", "data.name=gsm8k", f"data.path={gsm8k_dir}",
+              "grpo.max_new_tokens=32", "rollout.engine_kwargs.max_num_seqs=32"]
+    assert main(common + ["--steps", "40"]) == 0
+    res = json.loads((out / "result.json").read_text())
+    corpus = (out / "corpus.jsonl").read_text()
+    assert len(read_corpus(out / "corpus.jsonl")) == 32
+    assert res["train"]["steps"] == 40
+    assert res["after"]["acceptance_length"] > res["before"]["acceptance_length"] + 0.1, res
+    head = load_head(out / HEAD)
+    assert head.cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    # resume: same corpus, training continues to the new total
+    assert main(common + ["--steps", "50"]) == 0
+    assert (out / "corpus.jsonl").read_text() == corpus
+    assert json.loads((out / "trainer_state.json").read_text())["step"] == 50
+    assert json.loads((out / "result.json").read_text())["before"] == res["before"]
