@@ -7,6 +7,7 @@ from rayspec.models.loading import (
     make_tiny_llama,
     materialize_bundled_model,
     resolve_model_path,
+    truncated_copy,
 )
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "make_tiny_llama",
     "materialize_bundled_model",
     "resolve_model_path",
+    "truncated_copy",
 ]

@@ -155,3 +155,34 @@ def make_tiny_llama(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+def truncated_copy(src: str | os.PathLike, out_dir: str | os.PathLike, num_layers: int) -> Path:
+    """A draft model for ``method: draft_model``: the policy's first
+    ``num_layers`` decoder layers with its own embedding, final norm and
+    output layer (same tokenizer, so vLLM accepts it as a draft), written as
+    an HF directory (temp dir, then rename). Idempotent.
+
+    Raises:
+        ValueError: ``num_layers`` not in [1, policy layers).
+    """
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return out
+    model = load_policy(src)
+    total = model.config.num_hidden_layers
+    if not 1 <= num_layers < total:
+        raise ValueError(f"num_layers={num_layers}: a truncated draft needs 1..{total - 1} of the policy's {total} layers")
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(src).save_pretrained(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,297 @@
+"""Rollout benchmark: speculative methods side by side on the same prompts.
+
+    python -m jobs.bench_rollout [--quick] [--out bench_rollout.json]
+        [--data-path ../shared/data/gsm8k] [--eagle3 NAME=DIR ...]
+        [--draft-layers 6] [--k 1,2,3,4,5] [--concurrency 1,8,32,128]
+        [--temperature 1.0,0] [--max-tokens 64] [--dtype float32]
+
+One engine per method (no speculation, eagle3, draft_model, ngram, suffix),
+built once with the largest k and a batch-size schedule, so k is switched at
+run time (``rayspec.rollout.adaptive``) instead of rebuilding; EAGLE-3 heads
+are swapped into the same engine through the refit path. Every cell runs the
+same GSM8K prompts (chat template) at a fixed concurrency: ``concurrency``
+sequences start together and each generates ``--max-tokens`` tokens
+(ignore_eos, so the concurrency holds for the whole cell). ``rollout`` cells
+then run one GRPO-shaped rollout (``--rollout-prompts`` x
+``--group-size`` samples, natural EOS, so the batch drains into a long
+tail) for no speculation, the best fixed k and the adaptive controller.
+
+Per cell: output tokens/s, acceptance length, acceptance rate per position,
+speedup against no speculation in the same run, and the physical limit
+E / (1 + k c), with E = (1 - a^(k+1)) / (1 - a) from the measured per-token
+acceptance rate a (``geometric_rate`` of the per-position rates) and c the
+measured cost of one draft token in plain steps: c = (t_k / t_0 - 1) / k, t_k
+the cell's seconds per verification step (wall / (drafts / concurrency)) and
+t_0 the no-speculation cell's seconds per step (wall / tokens per sequence)
+at the same concurrency and temperature. c therefore counts drafting *and*
+verifying the extra token, which on a CPU is most of it.
+
+Prints a table, writes JSON (``--out``: a list of cells) and a plot of speedup
+against concurrency per method (``--plot``, default beside ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from rayspec.rollout.adaptive import format_schedule, geometric_rate, physical_limit, uniform
+
+SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+METHODS = ("none", "eagle3", "draft_model", "ngram", "suffix")
+FULL = {"k": [1, 2, 3, 4, 5], "concurrency": [1, 8, 32, 128], "temperature": [1.0, 0.0],
+        "max_tokens": 64, "methods": list(METHODS), "rollout_prompts": 8, "group_size": 8,
+        "rollout_max_tokens": 256}
+QUICK = {"k": [1, 3], "concurrency": [1, 8, 32], "temperature": [1.0], "max_tokens": 32,
+         "methods": ["none", "eagle3", "ngram"], "rollout_prompts": 4, "group_size": 4,
+         "rollout_max_tokens": 128}
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m jobs.bench_rollout", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="reduced grid for what is not given (k 1,3; concurrency 1,8,32; "
+                         "T=1.0; 32 tokens; none/eagle3/ngram; rollout 4x4, 128 tokens)")
+    ap.add_argument("--model", default="bundled:smollm2-135m-instruct")
+    ap.add_argument("--cache-dir", default="~/.cache/rayspec")
+    ap.add_argument("--dtype", default="float32", help="serving dtype (bf16 is emulated on AVX2 CPUs)")
+    ap.add_argument("--data-path", default=str(SHARED_GSM8K), help="GSM8K jsonl directory")
+    ap.add_argument("--methods", help=f"default {','.join(METHODS)}")
+    ap.add_argument("--eagle3", action="append", default=[], metavar="NAME=DIR",
+                    help="an EAGLE-3 head to bench (e.g. warm=runs/warm/draft_head); "
+                         "an untrained head is always benched as 'untrained'")
+    ap.add_argument("--draft-layers", type=int, default=6,
+                    help="draft_model: the policy's first N layers (layer-truncated copy)")
+    ap.add_argument("--k", type=_ints, help="default 1,2,3,4,5")
+    ap.add_argument("--concurrency", type=_ints, help="sequences in flight; default 1,8,32,128")
+    ap.add_argument("--temperature", type=_floats, help="default 1.0,0 (0: greedy)")
+    ap.add_argument("--max-tokens", type=int, help="new tokens per sequence in fixed cells; default 64")
+    ap.add_argument("--rollout-prompts", type=int, help="prompts of the rollout cells; default 8")
+    ap.add_argument("--group-size", type=int, help="samples per prompt in the rollout cells; default 8")
+    ap.add_argument("--rollout-max-tokens", type=int, help="response cap of the rollout cells; default 256")
+    ap.add_argument("--adaptive-margin", type=float, default=1.05)
+    ap.add_argument("--kv-cache-gib", type=int, default=2)
+    ap.add_argument("--out", default="bench_rollout.json")
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--work-dir", default="/tmp/rayspec-bench-rollout",
+                    help="untrained head and truncated draft model go here")
+    args = ap.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if isinstance(args.methods, str):
+        args.methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad:
+        ap.error(f"--methods: unknown {bad}, expected some of {METHODS}")
+    args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
+    return args
+
+
+def _cell(engine, prompts, conc: int, temperature: float, max_tokens: int, ignore_eos: bool):
+    """Run ``conc`` sequences; returns (SpecStats, seconds per engine step
+    (exact when every sequence runs to ``max_tokens``), tokens/s)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from rayspec.rollout.spec_stats import diff_counters, read_counters
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    batch = [TokensPrompt(prompt_token_ids=p) for p in (prompts * conc)[:conc]]
+    before = read_counters(engine.llm.get_metrics())
+    t0 = time.perf_counter()
+    outs = engine.llm.generate(batch, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    stats = diff_counters(before, read_counters(engine.llm.get_metrics()), tokens, wall)
+    # every engine step emits one token per sequence plus its accepted drafts
+    steps = (tokens - stats.num_accepted_tokens) / conc
+    return stats, wall / steps, tokens / wall
+
+
+def _record(method: str, draft: str, k: int, conc, temperature: float, stats, step_s: float,
+            tps: float, shape: str, **extra) -> dict:
+    rates = stats.acceptance_rate_per_pos[:k] if k else []
+    return {"method": method, "draft": draft, "k": k, "concurrency": conc, "temperature": temperature,
+            "shape": shape, "tokens_per_s": tps, "output_tokens": stats.output_tokens,
+            "wall_s": stats.wall_s, "seconds_per_step": step_s,
+            "acceptance_length": stats.acceptance_length, "acceptance_rate_per_pos": rates, **extra}
+
+
+def _finish(cells: list[dict]) -> None:
+    """Speedup against the no-speculation cell of the same shape, concurrency
+    and temperature; cost ratio c and the physical limit where k > 0."""
+    base = {(c["shape"], c["concurrency"], c["temperature"]): c for c in cells if c["method"] == "none"}
+    for c in cells:
+        b = base.get((c["shape"], c["concurrency"], c["temperature"]))
+        c["speedup"] = c["tokens_per_s"] / b["tokens_per_s"] if b else None
+        c["cost_ratio"] = c["physical_limit"] = c["acceptance_rate"] = None
+        if c["k"] and b and c["shape"] == "fixed":
+            a = geometric_rate(c["acceptance_rate_per_pos"])
+            cr = (c["seconds_per_step"] / b["seconds_per_step"] - 1.0) / c["k"]
+            c.update(acceptance_rate=a, cost_ratio=cr, physical_limit=physical_limit(a, c["k"], cr))
+
+
+def format_table(cells: list[dict]) -> str:
+    head = (f"{'method':<10}{'draft':<12}{'shape':<8}{'T':>4}{'conc':>6}{'k':>3}{'tok/s':>8}{'speedup':>8}"
+            f"{'acc len':>8}{'a':>6}{'c':>6}{'limit':>7}  accept/pos | k schedule")
+    rows = [head, "-" * len(head)]
+    f = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+    for c in cells:
+        rates = ",".join(f"{r:.2f}" for r in c["acceptance_rate_per_pos"])
+        rows.append(f"{c['method']:<10}{c['draft']:<12}{c['shape']:<8}{c['temperature']:>4.1f}"
+                    f"{c['concurrency']:>6}{c['k']:>3}{c['tokens_per_s']:>8.1f}{f(c['speedup'], '>8.2f')}"
+                    f"{c['acceptance_length']:>8.2f}{f(c['acceptance_rate'], '>6.2f')}"
+                    f"{f(c['cost_ratio'], '>6.2f')}{f(c['physical_limit'], '>7.2f')}  [{rates}]"
+                    + (f" | {c['k_schedule']}" if c.get("k_schedule") else ""))
+    return "\n".join(rows)
+
+
+def plot(cells: list[dict], path: str) -> None:
+    """Speedup vs concurrency per method (best k per cell), one panel per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({c["temperature"] for c in cells}, reverse=True)
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        fixed = [c for c in cells if c["shape"] == "fixed" and c["temperature"] == t and c["speedup"]]
+        for label in sorted({(c["method"], c["draft"]) for c in fixed}):
+            best: dict[int, float] = {}
+            for c in fixed:
+                if (c["method"], c["draft"]) == label:
+                    best[c["concurrency"]] = max(best.get(c["concurrency"], 0.0), c["speedup"])
+            xs = sorted(best)
+            name = label[0] if label[0] == label[1] or not label[1] else f"{label[0]} ({label[1]})"
+            ax.plot(xs, [best[x] for x in xs], marker="o", label=name + ("" if label[0] == "none" else ", best k"))
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="sequences in flight", ylabel="speedup vs no speculation", title=f"temperature {t}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    from rayspec.data import chat_prompt_ids, load_gsm8k
+    from rayspec.draft.eagle3 import init_head, load_head, save_head, vllm_state_dict
+    from rayspec.models import load_policy, load_tokenizer, resolve_model_path, truncated_copy
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+
+    work = Path(args.work_dir)
+    model_dir = resolve_model_path(args.model, args.cache_dir)
+    tok = load_tokenizer(model_dir)
+    try:
+        problems = load_gsm8k(args.data_path, "train")
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: --data-path: {e}", file=sys.stderr)
+        return 2
+    prompts = [chat_prompt_ids(tok, p) for p in problems[:max(args.concurrency + [args.rollout_prompts])]]
+    heads = {"untrained": work / "untrained_head"}
+    if not (heads["untrained"] / "config.json").is_file():
+        save_head(init_head(load_policy(model_dir)), heads["untrained"])
+    for spec in args.eagle3:
+        name, _, d = spec.partition("=")
+        if not d or not (Path(d) / "config.json").is_file():
+            print(f"error: --eagle3 {spec}: expected NAME=DIR with an EAGLE-3 head", file=sys.stderr)
+            return 2
+        heads[name] = Path(d)
+    kmax = max(args.k)
+    max_seqs = max(args.concurrency + [args.rollout_prompts * args.group_size])
+    engine_kwargs = {"enforce_eager": True, "max_model_len": 1024, "max_num_seqs": max_seqs, "seed": 0,
+                     # repeated prompts across cells must not get cheaper by caching
+                     "enable_prefix_caching": False}
+    env = cpu_engine_env(args.kv_cache_gib, "all")
+    grid = [(t, c, k) for t in args.temperature for c in args.concurrency for k in args.k]
+    cells: list[dict] = []
+    costs: dict = {}  # method -> calibrated step cost (adaptive), once per engine
+    t_start = time.time()
+    for method in args.methods:
+        drafts = {"none": [("", None)], "eagle3": list(heads.items()),
+                  "draft_model": [(f"layers{args.draft_layers}",
+                                   truncated_copy(model_dir, work / f"draft_{args.draft_layers}l", args.draft_layers))],
+                  "ngram": [("", None)], "suffix": [("", None)]}[method]
+        spec = None
+        if method != "none":
+            spec = {"method": method, "num_speculative_tokens": kmax,
+                    "num_speculative_tokens_per_batch_size": uniform(kmax, max_seqs)}
+            if method in ("eagle3", "draft_model"):
+                spec["model"] = str(drafts[0][1])
+            if method == "ngram":
+                spec.update(prompt_lookup_max=4, prompt_lookup_min=2)
+        engine = SpecVLLMEngine(str(model_dir), spec, dtype=args.dtype, engine_kwargs=engine_kwargs, env=env)
+        try:
+            _cell(engine, prompts, 2, 1.0, 8, ignore_eos=True)  # first-call warm-up, untimed
+            for draft, d in drafts:
+                if method == "eagle3" and d != drafts[0][1]:
+                    engine.update_draft(vllm_state_dict(load_head(d)), engine.draft_version + 1)
+                todo = [(t, c, 0) for t in args.temperature for c in args.concurrency] if method == "none" else grid
+                for t, c, k in tqdm(todo, desc=f"{method} {draft}".strip(), disable=None):
+                    if spec is not None:
+                        engine.set_k_schedule(uniform(k, max_seqs))
+                    stats, step_s, tps = _cell(engine, prompts, c, t, args.max_tokens, ignore_eos=True)
+                    cells.append(_record(method, draft or method, k, c, t, stats, step_s, tps, "fixed"))
+                cells.extend(_rollout_cells(engine, method, draft or method, prompts, args, cells, max_seqs, costs))
+        finally:
+            engine.shutdown()
+    _finish(cells)
+    print(format_table(cells))
+    print(f"({len(cells)} cells in {time.time() - t_start:.0f} s)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(cells, indent=1))
+    plot(cells, args.plot)
+    print(f"wrote {args.out} and {args.plot}")
+    return 0
+
+
+def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_seqs, costs) -> list[dict]:
+    """GRPO-shaped rollouts (natural EOS, draining batch) at each temperature:
+    no speculation; else the best fixed k of the fixed cells at full
+    concurrency, then the adaptive controller, told the acceptance that
+    rollout measured."""
+    n = args.rollout_prompts * args.group_size
+    rollout_prompts = [p for p in prompts[:args.rollout_prompts] for _ in range(args.group_size)]
+    out = []
+    for t in args.temperature:
+        if method == "none":
+            stats, step_s, tps = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
+            out.append(_record("none", "none", 0, n, t, stats, step_s, tps, "rollout"))
+            continue
+        mine = [c for c in cells if c["method"] == method and c["draft"] == draft and c["temperature"] == t
+                and c["shape"] == "fixed"]
+        k_best = max(mine, key=lambda c: (c["concurrency"] == max(args.concurrency), c["tokens_per_s"]))["k"]
+        engine.set_k_schedule(uniform(k_best, max_seqs))
+        stats, step_s, tps = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
+        out.append(_record(method, draft, k_best, n, t, stats, step_s, tps, "rollout"))
+        # a fresh controller, given this draft's acceptance at this temperature
+        # from the fixed-k rollout just run
+        costs[method] = engine.enable_adaptive(margin=args.adaptive_margin, cost=costs.get(method))
+        engine.adaptive.update(stats.accepted_per_pos, stats.num_drafts, k_best)
+        engine.set_k_schedule(engine.adaptive.schedule())
+        stats, step_s, tps = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
+        out.append(_record("adaptive", draft, engine.adaptive.k_max, n, t, stats, step_s, tps, "rollout",
+                           k_schedule=format_schedule(engine.k_schedule), rates_used=engine.adaptive.rates[:]))
+        engine.adaptive = None
+        engine.set_k_schedule(uniform(engine.speculative_config["num_speculative_tokens"], max_seqs))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

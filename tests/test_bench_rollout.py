@@ -1,0 +1,51 @@
+"""jobs.bench_rollout on the tiny policy: every cell has the figures the
+issue asks for, speedups are against the no-speculation cell of the same
+run, the adaptive controller has its rollout cell, and a plot is written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs.bench_rollout import parse_args
+
+
+def test_quick_fills_only_what_is_not_given():
+    a = parse_args(["--quick", "--concurrency", "1,2"])
+    assert a.concurrency == [1, 2] and a.k == [1, 3] and a.methods == ["none", "eagle3", "ngram"]
+    full = parse_args([])
+    assert full.k == [1, 2, 3, 4, 5] and full.concurrency == [1, 8, 32, 128] and full.temperature == [1.0, 0.0]
+    with pytest.raises(SystemExit):
+        parse_args(["--methods", "none,medusa"])
+
+
+@pytest.mark.slow
+def test_bench_rollout_cells(tiny_llama_dir, gsm8k_dir, tmp_path):
+    from jobs.bench_rollout import main
+
+    out = tmp_path / "cells.json"
+    assert main(["--model", str(tiny_llama_dir), "--data-path", str(gsm8k_dir), "--methods", "none,eagle3",
+                 "--k", "1,2", "--concurrency", "1,4", "--temperature", "1.0", "--max-tokens", "8",
+                 "--rollout-prompts", "2", "--group-size", "2", "--rollout-max-tokens", "16",
+                 "--out", str(out), "--work-dir", str(tmp_path / "work")]) == 0
+    cells = json.loads(out.read_text())
+    for c in cells:
+        for key in ("method", "k", "concurrency", "temperature", "tokens_per_s", "speedup",
+                    "acceptance_length", "physical_limit"):
+            assert key in c, (key, c)
+        assert c["tokens_per_s"] > 0
+    fixed = [c for c in cells if c["shape"] == "fixed"]
+    assert {(c["method"], c["k"], c["concurrency"]) for c in fixed} == {
+        ("none", 0, 1), ("none", 0, 4), ("eagle3", 1, 1), ("eagle3", 1, 4), ("eagle3", 2, 1), ("eagle3", 2, 4)}
+    none = {c["concurrency"]: c for c in fixed if c["method"] == "none"}
+    for c in fixed:
+        assert c["speedup"] == pytest.approx(c["tokens_per_s"] / none[c["concurrency"]]["tokens_per_s"])
+        assert c["output_tokens"] == 8 * c["concurrency"]  # ignore_eos: constant concurrency
+        if c["k"]:
+            assert len(c["acceptance_rate_per_pos"]) == c["k"]
+            assert c["physical_limit"] > 0 and c["cost_ratio"] is not None
+    rollout = {c["method"]: c for c in cells if c["shape"] == "rollout"}
+    assert set(rollout) == {"none", "eagle3", "adaptive"}
+    assert rollout["adaptive"]["k_schedule"] and rollout["adaptive"]["k"] == 2
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
