@@ -33,6 +33,7 @@ against concurrency per method (``--plot``, default beside ``--out``).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import sys
@@ -88,7 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default="bench_rollout.json")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--work-dir", default="/tmp/rayspec-bench-rollout",
-                    help="untrained head and truncated draft model go here")
+                    help="untrained head and truncated draft model go here (one folder per policy)")
     args = ap.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -195,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     from rayspec.models import load_policy, load_tokenizer, resolve_model_path, truncated_copy
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
 
-    work = Path(args.work_dir)
     model_dir = resolve_model_path(args.model, args.cache_dir)
+    # the untrained head and truncated draft are made once per policy
+    work = Path(args.work_dir) / hashlib.sha1(str(Path(model_dir).resolve()).encode()).hexdigest()[:12]
     tok = load_tokenizer(model_dir)
     try:
         problems = load_gsm8k(args.data_path, "train")

@@ -173,8 +173,10 @@ class SpecVLLMEngine:
         """Measure the seconds of one engine step, plain and with k drafts, at
         several batch sizes (default 1, 4, 16, ... up to max_num_seqs).
 
-        Each batch size runs b copies of a 32-token prompt for ``tokens`` new
-        tokens (ignore_eos) with k = 0 and with k drafts, minus a 1-token
+        Each batch size runs b copies of a 32-token periodic prompt greedily
+        for ``tokens`` new tokens (ignore_eos; the repetition gives n-gram and
+        suffix drafters something to propose at every step, as a model
+        drafter always does) with k = 0 and with k drafts, minus a 1-token
         run (the prefill); each sequence then takes tokens - 1 - accepted / b
         steps (accepted: vLLM's accepted-draft count). Leaves the schedule at k.
 
@@ -185,10 +187,10 @@ class SpecVLLMEngine:
 
         bs = concurrencies or sorted({*(4 ** i for i in range(8) if 4 ** i < self.max_num_seqs),
                                       self.max_num_seqs})
-        prompt = TokensPrompt(prompt_token_ids=list(range(100, 132)))
+        prompt = TokensPrompt(prompt_token_ids=list(range(100, 108)) * 4)
 
         def run(b: int, n_tok: int) -> tuple[float, int]:
-            params = SamplingParams(temperature=1.0, max_tokens=n_tok, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=n_tok, ignore_eos=True)
             before = read_counters(self.llm.get_metrics())
             t0 = time.perf_counter()
             self.llm.generate([prompt] * b, params, use_tqdm=False)
