@@ -11,7 +11,10 @@ run time (``rayspec.rollout.adaptive``) instead of rebuilding; EAGLE-3 heads
 are swapped into the same engine through the refit path. Every cell runs the
 same GSM8K prompts (chat template) at a fixed concurrency: ``concurrency``
 sequences start together and each generates ``--max-tokens`` tokens
-(ignore_eos, so the concurrency holds for the whole cell). ``rollout`` cells
+(ignore_eos, so the concurrency holds for the whole cell); speculative
+engines also run k = 0, which shows what the engine costs when it drafts
+nothing (an EAGLE/draft-model engine still runs the draft over each step's
+tokens to keep the draft's KV cache). ``rollout`` cells
 then run one GRPO-shaped rollout (``--rollout-prompts`` x
 ``--group-size`` samples, natural EOS, so the batch drains into a long
 tail) for no speculation, the best fixed k and the adaptive controller.
@@ -221,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                      # repeated prompts across cells must not get cheaper by caching
                      "enable_prefix_caching": False}
     env = cpu_engine_env(args.kv_cache_gib, "all")
-    grid = [(t, c, k) for t in args.temperature for c in args.concurrency for k in args.k]
+    # k = 0 on a speculative engine: what speculation costs when it drafts nothing
+    grid = [(t, c, k) for t in args.temperature for c in args.concurrency for k in sorted({0, *args.k})]
     cells: list[dict] = []
     costs: dict = {}  # method -> calibrated step cost (adaptive), once per engine
     t_start = time.time()

@@ -37,11 +37,13 @@ def test_bench_rollout_cells(tiny_llama_dir, gsm8k_dir, tmp_path):
         assert c["tokens_per_s"] > 0
     fixed = [c for c in cells if c["shape"] == "fixed"]
     assert {(c["method"], c["k"], c["concurrency"]) for c in fixed} == {
-        ("none", 0, 1), ("none", 0, 4), ("eagle3", 1, 1), ("eagle3", 1, 4), ("eagle3", 2, 1), ("eagle3", 2, 4)}
+        ("none", 0, 1), ("none", 0, 4), *(("eagle3", k, c) for k in (0, 1, 2) for c in (1, 4))}
     none = {c["concurrency"]: c for c in fixed if c["method"] == "none"}
     for c in fixed:
         assert c["speedup"] == pytest.approx(c["tokens_per_s"] / none[c["concurrency"]]["tokens_per_s"])
         assert c["output_tokens"] == 8 * c["concurrency"]  # ignore_eos: constant concurrency
+        if c["method"] == "eagle3" and c["k"] == 0:
+            assert c["acceptance_rate_per_pos"] == [] and c["acceptance_length"] == 1.0
         if c["k"]:
             assert len(c["acceptance_rate_per_pos"]) == c["k"]
             assert c["physical_limit"] > 0 and c["cost_ratio"] is not None

@@ -42,14 +42,19 @@ def test_tiny_loop_two_steps_then_refit_through_serve(ray_session, tiny_llama_di
     cfg = load_config(None, [f"model.path={tiny_llama_dir}", "model.dtype=float32",
                              "trainer.steps=2", f"trainer.run_dir={run_dir}",
                              "grpo.max_new_tokens=24", "data.prompts_per_step=2",
-                             "draft.steps_per_rl_step=2"])
+                             "draft.steps_per_rl_step=2", "rollout.adaptive_k.enabled=true"])
     run(cfg)
     recs = _records(run_dir)
     assert [r["step"] for r in recs] == [1, 2]
+    # adaptive k: the first rollout drafts k=3 at every batch size (nothing
+    # measured yet); each step reports the schedule its rollout used
+    assert recs[0]["num_drafts"] > 0
+    assert list(recs[0]["replicas"].values())[0]["k_schedule"] == [[1, 64, 3]]  # max_num_seqs 64
     for r in recs:
         assert REQUIRED_KEYS <= r.keys()
+        assert list(r["replicas"].values())[0]["k_schedule"][0][0] == 1
         assert len(r["acceptance_rate_per_pos"]) == 3
-        assert r["num_drafts"] > 0 and r["rollout_tokens_per_s"] > 0
+        assert r["rollout_tokens_per_s"] > 0
         assert r["time_policy_s"] > 0 and r["time_draft_s"] > 0 and r["time_sync_s"] > 0
     assert [r["policy_version"] for r in recs] == [0, 1]
     assert [r["draft_version"] for r in recs] == [1, 2]
