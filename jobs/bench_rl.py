@@ -17,6 +17,11 @@ sets ``rollout.speculative_config``, ``draft.enabled``, ``trainer.steps`` and
 Per step and run: acceptance length, rollout tokens/s, reward and step
 seconds. Prints a table (per step), writes JSON (one object per run with the
 per-step lists) and ``<run-dir>/rl.png`` (the three curves overlaid).
+
+Resumable: a run whose ``<run-dir>/<run>/metrics.jsonl`` already holds
+``--steps`` records is read back, not run again (each run takes tens of
+minutes on a CPU); a run directory holding an unfinished run is refused,
+never overwritten.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import json
 import logging
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from rayspec.config import ConfigError, load_config
@@ -44,8 +48,11 @@ def runs(warm_head: str) -> dict[str, list[str]]:
             "online": eagle + ["draft.enabled=true"]}
 
 
-def summarize(name: str, records: list[dict], wall_s: float) -> dict:
-    out = {"run": name, "steps": len(records), "run_wall_seconds": wall_s}
+def summarize(name: str, records: list[dict]) -> dict:
+    """One run's per-step series (lists, one entry per step) and their medians;
+    ``steps_seconds_total`` is the sum of step seconds (startup excluded)."""
+    out = {"run": name, "steps": len(records),
+           "steps_seconds_total": sum(r["time_step_s"] for r in records)}
     for key in SERIES:
         out[key] = [r[key] for r in records]
         out[f"{key}_median"] = statistics.median(out[key])
@@ -101,9 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     if overrides and overrides[0].endswith((".yaml", ".yml")):
         preset = Path(overrides.pop(0))
     root = Path(ns.run_dir)
-    if root.exists() and any(root.iterdir()):
-        print(f"error: --run-dir {root} is not empty; remove it or choose another", file=sys.stderr)
-        return 2
     table = runs(str(Path(ns.warm_head).resolve()))
     names = [n for n in ns.runs.split(",") if n]
     bad = [n for n in names if n not in table]
@@ -116,16 +120,31 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    done = {}
+    for name, cfg in cfgs:
+        run_dir = Path(cfg.trainer.run_dir)
+        if not run_dir.exists() or not any(run_dir.iterdir()):
+            continue
+        steps = len(read_metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
+        if steps < ns.steps:
+            print(f"error: {run_dir} holds an unfinished run ({steps} of {ns.steps} steps); "
+                  "remove it to run it again", file=sys.stderr)
+            return 2
+        done[name] = summarize(name, read_metrics(run_dir)[:ns.steps])
     logging.basicConfig(level=cfgs[0][1].logging.level, format="%(asctime)s %(name)s: %(message)s")
     from rayspec.scheduler import init_ray, run
 
-    init_ray(cfgs[0][1])
+    if len(done) < len(cfgs):
+        init_ray(cfgs[0][1])
     rows = []
     for name, cfg in cfgs:
+        if name in done:
+            print(f"=== {name}: finished in {cfg.trainer.run_dir}, read back", flush=True)
+            rows.append(done[name])
+            continue
         print(f"=== {name}: {ns.steps} steps -> {cfg.trainer.run_dir}", flush=True)
-        t0 = time.perf_counter()
         run(cfg)
-        rows.append(summarize(name, read_metrics(cfg.trainer.run_dir), time.perf_counter() - t0))
+        rows.append(summarize(name, read_metrics(cfg.trainer.run_dir)))
     print(format_table(rows))
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(rows, indent=2) + "\n")

@@ -3,6 +3,8 @@ training, and the table/JSON/plot come from their metrics."""
 
 from __future__ import annotations
 
+import json
+
 from jobs.bench_rl import DEFAULT_PRESET, format_table, main, plot, runs, summarize
 from rayspec.config import load_config
 
@@ -25,18 +27,38 @@ def test_runs_differ_only_in_speculation_and_draft_training(tmp_path, gsm8k_dir)
 
 
 def test_table_and_plot(tmp_path):
-    rows = [summarize("frozen", _records([2.0, 1.8, 1.5]), 1.0),
-            summarize("online", _records([2.0, 2.1, 2.2]), 1.0)]
-    assert rows[0]["acceptance_length_median"] == 1.8
+    rows = [summarize("frozen", _records([2.0, 1.8, 1.5])),
+            summarize("online", _records([2.0, 2.1, 2.2]))]
+    assert rows[0]["acceptance_length_median"] == 1.8 and rows[0]["steps_seconds_total"] == 150.0
     table = format_table(rows)
     assert "frozen" in table and table.count("\n") == 4
     assert plot(rows, tmp_path / "rl.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_refuses_unknown_run_and_non_empty_run_dir(tmp_path, capsys):
-    assert main(["--warm-head", str(tmp_path), "--runs", "none,fast", "--run-dir", str(tmp_path / "r")]) == 2
+def _write_run(run_dir, acc):
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(acc)))
+
+
+def test_refuses_unknown_run_and_unfinished_run(tmp_path, gsm8k_dir, capsys):
+    base = ["--warm-head", str(tmp_path), "--steps", "3", "--run-dir", str(tmp_path / "r"),
+            f"data.path={gsm8k_dir}"]
+    assert main(base[:-1] + ["--runs", "none,fast"]) == 2
     assert "unknown ['fast']" in capsys.readouterr().err
-    (tmp_path / "r").mkdir()
-    (tmp_path / "r" / "x").write_text("kept")
-    assert main(["--warm-head", str(tmp_path), "--run-dir", str(tmp_path / "r")]) == 2
-    assert (tmp_path / "r" / "x").read_text() == "kept"
+    _write_run(tmp_path / "r" / "frozen", [1.5, 1.4])
+    before = (tmp_path / "r" / "frozen" / "metrics.jsonl").read_text()
+    assert main(base + ["--runs", "frozen"]) == 2
+    assert "unfinished run (2 of 3 steps)" in capsys.readouterr().err
+    assert (tmp_path / "r" / "frozen" / "metrics.jsonl").read_text() == before
+
+
+def test_finished_runs_are_read_back_not_rerun(tmp_path, gsm8k_dir):
+    for name, acc in (("frozen", [1.5, 1.4, 1.3]), ("online", [1.5, 1.6, 1.7, 1.8])):
+        _write_run(tmp_path / "r" / name, acc)
+    out = tmp_path / "rl.json"
+    assert main(["--warm-head", str(tmp_path), "--steps", "3", "--runs", "frozen,online",
+                 "--run-dir", str(tmp_path / "r"), "--out", str(out), f"data.path={gsm8k_dir}"]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["run"] for r in rows] == ["frozen", "online"]
+    assert rows[1]["acceptance_length"] == [1.5, 1.6, 1.7]
+    assert (tmp_path / "r" / "rl.png").exists()
