@@ -18,6 +18,10 @@ tokens to keep the draft's KV cache). ``rollout`` cells
 then run one GRPO-shaped rollout (``--rollout-prompts`` x
 ``--group-size`` samples, natural EOS, so the batch drains into a long
 tail) for no speculation, the best fixed k and the adaptive controller.
+Sequence i of every cell samples with seed i: where a speculative engine
+samples as the plain one does (k = 0 at every batch size), it draws the very
+same responses (``responses_sha1``), so its rollout runs the same tail and
+differs from the plain one only in what the engine costs.
 
 Per cell: output tokens/s, acceptance length, acceptance rate per position,
 speedup against no speculation in the same run, and the physical limit
@@ -108,12 +112,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _cell(engine, prompts, conc: int, temperature: float, max_tokens: int, ignore_eos: bool):
     """Run ``conc`` sequences; returns (SpecStats, seconds per engine step
-    (exact when every sequence runs to ``max_tokens``), tokens/s)."""
+    (exact when every sequence runs to ``max_tokens``), tokens/s, SHA-1 of
+    the responses' token ids).
+
+    Sequence i samples with seed i, so cells that stop at EOS draw the same
+    responses wherever the engine samples the same way (no speculation, or a
+    speculative engine at k = 0): their tokens/s differ by engine cost only,
+    not by which sequences happened to run long."""
     from vllm import SamplingParams, TokensPrompt
 
     from rayspec.rollout.spec_stats import diff_counters, read_counters
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos, seed=i)
+              for i in range(conc)]
     batch = [TokensPrompt(prompt_token_ids=p) for p in (prompts * conc)[:conc]]
     before = read_counters(engine.llm.get_metrics())
     t0 = time.perf_counter()
@@ -123,14 +134,15 @@ def _cell(engine, prompts, conc: int, temperature: float, max_tokens: int, ignor
     stats = diff_counters(before, read_counters(engine.llm.get_metrics()), tokens, wall)
     # every engine step emits one token per sequence plus its accepted drafts
     steps = (tokens - stats.num_accepted_tokens) / conc
-    return stats, wall / steps, tokens / wall
+    digest = hashlib.sha1(json.dumps([list(c.token_ids) for o in outs for c in o.outputs]).encode())
+    return stats, wall / steps, tokens / wall, digest.hexdigest()
 
 
 def _record(method: str, draft: str, k: int, conc, temperature: float, stats, step_s: float,
-            tps: float, shape: str, **extra) -> dict:
+            tps: float, digest: str, shape: str, **extra) -> dict:
     rates = stats.acceptance_rate_per_pos[:k] if k else []
     return {"method": method, "draft": draft, "k": k, "concurrency": conc, "temperature": temperature,
-            "shape": shape, "tokens_per_s": tps, "output_tokens": stats.output_tokens,
+            "shape": shape, "tokens_per_s": tps, "output_tokens": stats.output_tokens, "responses_sha1": digest,
             "wall_s": stats.wall_s, "seconds_per_step": step_s,
             "acceptance_length": stats.acceptance_length, "acceptance_rate_per_pos": rates, **extra}
 
@@ -252,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                 for t, c, k in tqdm(todo, desc=f"{method} {draft}".strip(), disable=None):
                     if spec is not None:
                         engine.set_k_schedule(uniform(k, max_seqs))
-                    stats, step_s, tps = _cell(engine, prompts, c, t, args.max_tokens, ignore_eos=True)
-                    cells.append(_record(method, draft or method, k, c, t, stats, step_s, tps, "fixed"))
+                    cells.append(_record(method, draft or method, k, c, t,
+                                         *_cell(engine, prompts, c, t, args.max_tokens, ignore_eos=True), "fixed"))
                 cells.extend(_rollout_cells(engine, method, draft or method, prompts, args, cells, max_seqs, costs))
         finally:
             engine.shutdown()
@@ -269,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_seqs, costs) -> list[dict]:
     """GRPO-shaped rollouts (natural EOS, draining batch) at each temperature:
-    no speculation; else the best fixed k of the fixed cells at full
+    no speculation; else the best fixed k >= 1 of the fixed cells at full
     concurrency, then the adaptive controller, told the acceptance that
     rollout measured."""
     n = args.rollout_prompts * args.group_size
@@ -277,22 +289,24 @@ def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_se
     out = []
     for t in args.temperature:
         if method == "none":
-            stats, step_s, tps = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
-            out.append(_record("none", "none", 0, n, t, stats, step_s, tps, "rollout"))
+            out.append(_record("none", "none", 0, n, t,
+                               *_cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False),
+                               "rollout"))
             continue
         mine = [c for c in cells if c["method"] == method and c["draft"] == draft and c["temperature"] == t
-                and c["shape"] == "fixed"]
+                and c["shape"] == "fixed" and c["k"]]
         k_best = max(mine, key=lambda c: (c["concurrency"] == max(args.concurrency), c["tokens_per_s"]))["k"]
         engine.set_k_schedule(uniform(k_best, max_seqs))
-        stats, step_s, tps = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
-        out.append(_record(method, draft, k_best, n, t, stats, step_s, tps, "rollout"))
+        res = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
+        out.append(_record(method, draft, k_best, n, t, *res, "rollout"))
+        stats = res[0]
         # a fresh controller, given this draft's acceptance at this temperature
         # from the fixed-k rollout just run
         costs[method] = engine.enable_adaptive(margin=args.adaptive_margin, cost=costs.get(method))
         engine.adaptive.update(stats.accepted_per_pos, stats.num_drafts, k_best)
         engine.set_k_schedule(engine.adaptive.schedule())
-        stats, step_s, tps = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
-        out.append(_record("adaptive", draft, engine.adaptive.k_max, n, t, stats, step_s, tps, "rollout",
+        out.append(_record("adaptive", draft, engine.adaptive.k_max, n, t,
+                           *_cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False), "rollout",
                            k_schedule=format_schedule(engine.k_schedule), rates_used=engine.adaptive.rates[:]))
         engine.adaptive = None
         engine.set_k_schedule(uniform(engine.speculative_config["num_speculative_tokens"], max_seqs))

@@ -50,4 +50,10 @@ def test_bench_rollout_cells(tiny_llama_dir, gsm8k_dir, tmp_path):
     rollout = {c["method"]: c for c in cells if c["shape"] == "rollout"}
     assert set(rollout) == {"none", "eagle3", "adaptive"}
     assert rollout["adaptive"]["k_schedule"] and rollout["adaptive"]["k"] == 2
+    # an untrained head accepts nothing, so the controller turns speculation
+    # off at every batch size; seeded per sequence, the adaptive rollout then
+    # draws exactly the responses of the plain engine
+    assert rollout["adaptive"]["k_schedule"] == "1-4:0"
+    assert rollout["adaptive"]["responses_sha1"] == rollout["none"]["responses_sha1"]
+    assert rollout["eagle3"]["responses_sha1"] != rollout["none"]["responses_sha1"]
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
