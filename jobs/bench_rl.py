@@ -12,7 +12,11 @@ sets ``rollout.speculative_config``, ``draft.enabled``, ``trainer.steps`` and
 - ``none``: ``speculative_config.method=null``;
 - ``frozen``: eagle3 with ``--warm-head`` (from ``jobs.warmstart_draft``),
   ``draft.enabled=false``: the head never changes while the policy drifts;
-- ``online``: eagle3 with ``--warm-head`` and online draft training.
+- ``online``: eagle3 with ``--warm-head`` and online draft training;
+- ``adaptive`` (not in the default ``--runs``): ``frozen`` with the adaptive
+  k controller (``rollout.adaptive_k.enabled``), which should bring the
+  rollout back to at least the speed of ``none`` where speculation does not
+  pay.
 
 Per step and run: acceptance length, rollout tokens/s, reward and step
 seconds. Prints a table (per step), writes JSON (one object per run with the
@@ -45,7 +49,8 @@ def runs(warm_head: str) -> dict[str, list[str]]:
     eagle = ["rollout.speculative_config.method=eagle3", f"rollout.speculative_config.model={warm_head}"]
     return {"none": ["rollout.speculative_config.method=null", "draft.enabled=false"],
             "frozen": eagle + ["draft.enabled=false"],
-            "online": eagle + ["draft.enabled=true"]}
+            "online": eagle + ["draft.enabled=true"],
+            "adaptive": eagle + ["draft.enabled=false", "rollout.adaptive_k.enabled=true"]}
 
 
 def summarize(name: str, records: list[dict]) -> dict:
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.bench_rl", description=__doc__.split("\n\n")[0])
     ap.add_argument("--warm-head", required=True, help="EAGLE-3 head from jobs.warmstart_draft")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--runs", default="none,frozen,online", help="which of none,frozen,online")
+    ap.add_argument("--runs", default="none,frozen,online", help="which of none,frozen,online,adaptive")
     ap.add_argument("--out", default="bench_rl.json")
     ap.add_argument("--run-dir", default="runs/bench_rl")
     ap.add_argument("args", nargs="*", help="[preset.yaml] key=value overrides")

@@ -20,9 +20,11 @@ def test_runs_differ_only_in_speculation_and_draft_training(tmp_path, gsm8k_dir)
     base = [f"data.path={gsm8k_dir}"]
     cfgs = {n: load_config(DEFAULT_PRESET, base + o) for n, o in runs(str(head)).items()}
     assert cfgs["none"].rollout.speculative_config.method is None
-    for n in ("frozen", "online"):
+    for n in ("frozen", "online", "adaptive"):
         assert cfgs[n].rollout.speculative_config.model == str(head)
     assert not cfgs["frozen"].draft.enabled and cfgs["online"].draft.enabled
+    assert cfgs["adaptive"].rollout.adaptive_k.enabled and not cfgs["frozen"].rollout.adaptive_k.enabled
+    assert cfgs["adaptive"].rollout.speculative_config.model == str(head) and not cfgs["adaptive"].draft.enabled
     assert len({(c.data.name, c.data.seed, c.trainer.seed, c.grpo.max_new_tokens) for c in cfgs.values()}) == 1
 
 
