@@ -165,7 +165,7 @@ def format_table(cells: list[dict]) -> str:
     head = (f"{'method':<10}{'draft':<12}{'shape':<8}{'T':>4}{'conc':>6}{'k':>3}{'tok/s':>8}{'speedup':>8}"
             f"{'acc len':>8}{'a':>6}{'c':>6}{'limit':>7}  accept/pos | k schedule")
     rows = [head, "-" * len(head)]
-    f = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+    f = lambda v, spec: format(v, spec) if v is not None else format("-", spec[:-3])  # noqa: E731
     for c in cells:
         rates = ",".join(f"{r:.2f}" for r in c["acceptance_rate_per_pos"])
         rows.append(f"{c['method']:<10}{c['draft']:<12}{c['shape']:<8}{c['temperature']:>4.1f}"

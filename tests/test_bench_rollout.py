@@ -20,6 +20,18 @@ def test_quick_fills_only_what_is_not_given():
         parse_args(["--methods", "none,medusa"])
 
 
+def test_table_columns_line_up_where_a_figure_is_missing():
+    from jobs.bench_rollout import format_table
+
+    cell = {"method": "none", "draft": "none", "shape": "fixed", "temperature": 1.0, "concurrency": 8, "k": 0,
+            "tokens_per_s": 50.0, "speedup": 1.0, "acceptance_length": 1.0, "acceptance_rate": None,
+            "cost_ratio": None, "physical_limit": None, "acceptance_rate_per_pos": []}
+    spec = dict(cell, method="eagle3", k=1, acceptance_rate=0.5, cost_ratio=0.1, physical_limit=1.36,
+                acceptance_rate_per_pos=[0.5])
+    head, _, row0, row1 = format_table([cell, spec]).splitlines()
+    assert row0.index("[") == row1.index("[") == head.index("accept/pos")
+
+
 @pytest.mark.slow
 def test_bench_rollout_cells(tiny_llama_dir, gsm8k_dir, tmp_path):
     from jobs.bench_rollout import main
