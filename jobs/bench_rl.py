@@ -20,7 +20,7 @@ sets ``rollout.speculative_config``, ``draft.enabled``, ``trainer.steps`` and
 
 Per step and run: acceptance length, rollout tokens/s, reward and step
 seconds. Prints a table (per step), writes JSON (one object per run with the
-per-step lists) and ``<run-dir>/rl.png`` (the three curves overlaid).
+per-step lists) and ``<run-dir>/rl.png`` (the runs' curves overlaid).
 
 Resumable: a run whose ``<run-dir>/<run>/metrics.jsonl`` already holds
 ``--steps`` records is read back, not run again (each run takes tens of
@@ -130,12 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = Path(cfg.trainer.run_dir)
         if not run_dir.exists() or not any(run_dir.iterdir()):
             continue
-        steps = len(read_metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
-        if steps < ns.steps:
-            print(f"error: {run_dir} holds an unfinished run ({steps} of {ns.steps} steps); "
+        records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        if len(records) < ns.steps:
+            print(f"error: {run_dir} holds an unfinished run ({len(records)} of {ns.steps} steps); "
                   "remove it to run it again", file=sys.stderr)
             return 2
-        done[name] = summarize(name, read_metrics(run_dir)[:ns.steps])
+        done[name] = summarize(name, records[:ns.steps])
     logging.basicConfig(level=cfgs[0][1].logging.level, format="%(asctime)s %(name)s: %(message)s")
     from rayspec.scheduler import init_ray, run
 

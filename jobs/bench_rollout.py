@@ -165,6 +165,7 @@ def format_table(cells: list[dict]) -> str:
     head = (f"{'method':<10}{'draft':<12}{'shape':<8}{'T':>4}{'conc':>6}{'k':>3}{'tok/s':>8}{'speedup':>8}"
             f"{'acc len':>8}{'a':>6}{'c':>6}{'limit':>7}  accept/pos | k schedule")
     rows = [head, "-" * len(head)]
+    # a missing figure keeps the column's width: ">6.2f" -> "-" formatted ">6"
     f = lambda v, spec: format(v, spec) if v is not None else format("-", spec[:-3])  # noqa: E731
     for c in cells:
         rates = ",".join(f"{r:.2f}" for r in c["acceptance_rate_per_pos"])
@@ -297,9 +298,8 @@ def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_se
                 and c["shape"] == "fixed" and c["k"]]
         k_best = max(mine, key=lambda c: (c["concurrency"] == max(args.concurrency), c["tokens_per_s"]))["k"]
         engine.set_k_schedule(uniform(k_best, max_seqs))
-        res = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
-        out.append(_record(method, draft, k_best, n, t, *res, "rollout"))
-        stats = res[0]
+        stats, *rest = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
+        out.append(_record(method, draft, k_best, n, t, stats, *rest, "rollout"))
         # a fresh controller, given this draft's acceptance at this temperature
         # from the fixed-k rollout just run
         costs[method] = engine.enable_adaptive(margin=args.adaptive_margin, cost=costs.get(method))

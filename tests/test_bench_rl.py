@@ -24,7 +24,7 @@ def test_runs_differ_only_in_speculation_and_draft_training(tmp_path, gsm8k_dir)
         assert cfgs[n].rollout.speculative_config.model == str(head)
     assert not cfgs["frozen"].draft.enabled and cfgs["online"].draft.enabled
     assert cfgs["adaptive"].rollout.adaptive_k.enabled and not cfgs["frozen"].rollout.adaptive_k.enabled
-    assert cfgs["adaptive"].rollout.speculative_config.model == str(head) and not cfgs["adaptive"].draft.enabled
+    assert not cfgs["adaptive"].draft.enabled
     assert len({(c.data.name, c.data.seed, c.trainer.seed, c.grpo.max_new_tokens) for c in cfgs.values()}) == 1
 
 
