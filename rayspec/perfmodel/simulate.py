@@ -1,0 +1,272 @@
+"""Rollout and RL-step simulation: the cost of each engine step as the
+batch drains, plain or speculative, summed over one rollout.
+
+Engine step (one vLLM decode step on one replica of ``tp`` devices, b
+sequences in flight, context c_i tokens each, k draft tokens):
+
+    t(b, k) = step_overhead + b E token_overhead + T_fwd(target, b (k+1) tokens) + draft(b, k)
+    T_fwd(m, n) = forward_overhead + layers * layer_overhead
+                  + max(FLOPs(m, n) / (peak * eff_f * tp), bytes(m, n) / (bw * eff_b * tp))
+                  + 2 * layers * all-reduce(n * h * dtype) if tp > 1
+    bytes(m, n) = weights read (MoE: experts touched) + KV cache read (sum_i c_i, once per step)
+
+Verification scores the k drafts and one bonus token per sequence in one
+target pass (Leviathan et al. 2023, Alg. 1); an EAGLE-3 head, MTP module or
+draft model runs k passes (the first over the tokens accepted in the previous
+step, then one token per sequence; at k = 0 the first pass still runs, as
+in vLLM 0.32, to keep the draft's KV cache whole); n-gram drafting costs no
+forward. With
+per-position acceptance rates r_i each sequence advances E(k) = 1 + sum_{i<k}
+r_i tokens per step in expectation (``rayspec.rollout.adaptive``).
+
+The rollout is simulated in expectation: sequences with their own response
+lengths are spread round-robin over the replicas, admitted while the batch
+has room (``max_num_seqs`` and the KV cache), and leave when they reach their
+length, so concurrency decays into the tail. Between two events (a sequence
+finishes) b and k are constant and steps are costed at the midpoint context.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from rayspec.perfmodel.hardware import Hardware
+from rayspec.perfmodel.shapes import ModelShape
+from rayspec.rollout.adaptive import expected_tokens
+
+DRAFT_METHODS = ("none", "eagle3", "draft_model", "mtp", "ngram")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One rollout engine configuration.
+
+    Attributes:
+        target: the policy (verifier).
+        hw: the device it runs on.
+        method: speculative method (``DRAFT_METHODS``).
+        draft: the draft's shape (eagle3 / mtp / draft_model), None otherwise.
+        tp: tensor-parallel devices per replica.
+        replicas: data-parallel replicas.
+        max_num_seqs: vLLM's cap on sequences in flight per replica.
+    """
+
+    target: ModelShape
+    hw: Hardware
+    method: str = "none"
+    draft: ModelShape | None = None
+    tp: int = 1
+    replicas: int = 1
+    max_num_seqs: int = 256
+
+    def __post_init__(self):
+        if self.method not in DRAFT_METHODS:
+            raise ValueError(f"method {self.method!r}: unknown (one of {', '.join(DRAFT_METHODS)})")
+        if self.method in ("eagle3", "draft_model", "mtp") and self.draft is None:
+            raise ValueError(f"method {self.method}: needs a draft shape")
+        if self.tp < 1 or self.replicas < 1 or self.max_num_seqs < 1:
+            raise ValueError(f"tp={self.tp}, replicas={self.replicas}, max_num_seqs={self.max_num_seqs}: "
+                             "must be >= 1")
+
+    def kv_capacity_tokens(self) -> float:
+        """Tokens of KV cache one replica holds (vLLM: gpu_memory_utilization
+        of memory minus the target's and draft's weights)."""
+        hw = self.hw
+        weights = self.target.weight_bytes(1e9, hw.dtype_bytes)
+        per_token = self.target.kv_bytes_per_token(hw.dtype_bytes)
+        if self.draft is not None:
+            weights += self.draft.weight_bytes(1e9, hw.dtype_bytes)
+            per_token += self.draft.kv_bytes_per_token(hw.dtype_bytes)
+        free = hw.mem_bytes * hw.gpu_memory_utilization * self.tp - weights
+        if free <= 0:
+            raise ValueError(f"{self.target.name} on {self.tp} x {hw.name}: weights "
+                             f"({weights / 1e9:.0f} GB) do not fit; raise tp")
+        return free / per_token
+
+    def forward_work(self, m: ModelShape, tokens: float, ctx_sum: float, q: float) -> tuple[float, float]:
+        """(FLOPs, bytes read) of one forward of ``m`` over ``tokens`` query
+        tokens; ``ctx_sum``: context tokens summed over the sequences, ``q``:
+        query tokens per sequence (attention reads each sequence's KV once)."""
+        b = self.hw.dtype_bytes
+        return m.flops(tokens, q * ctx_sum), m.weight_bytes(tokens, b) + ctx_sum * m.kv_bytes_per_token(b)
+
+    def forward_seconds(self, m: ModelShape, tokens: float, ctx_sum: float, q: float) -> float:
+        """Seconds of one forward (arguments as ``forward_work``)."""
+        hw = self.hw
+        flops, nbytes = self.forward_work(m, tokens, ctx_sum, q)
+        compute = flops / (hw.peak_flops * hw.flops_efficiency * self.tp)
+        memory = nbytes / (hw.mem_bw * hw.bw_efficiency * self.tp)
+        t = hw.forward_overhead_s + m.layers * hw.layer_overhead_s + max(compute, memory)
+        if self.tp > 1:  # two ring all-reduces per layer (attention out, MLP out)
+            msg = tokens * m.hidden_size * hw.dtype_bytes
+            t += 2 * m.layers * (2 * (self.tp - 1) / self.tp * msg / hw.link_bw + hw.collective_latency_s)
+        return t
+
+    def step_seconds(self, b: int, ctx_sum: float, k: int, accepted: float = 1.0) -> float:
+        """t(b, k): seconds of one engine step (see the module docstring).
+
+        Args:
+            b: sequences in flight.
+            ctx_sum: their context lengths summed (tokens).
+            k: draft tokens per sequence (0: plain decoding).
+            accepted: tokens per sequence a step emits, E (the first draft
+                pass runs over the previous step's; output processing is
+                per emitted token).
+        """
+        t = self.hw.step_overhead_s + b * accepted * self.hw.token_overhead_s
+        t += self.forward_seconds(self.target, b * (k + 1), ctx_sum, k + 1)
+        if self.draft is not None:
+            # at k = 0 vLLM 0.32 still runs the draft over the step's tokens
+            # (its KV cache must cover every position for later drafts)
+            t += self.forward_seconds(self.draft, b * accepted, ctx_sum, accepted)
+            t += max(k - 1, 0) * self.forward_seconds(self.draft, b, ctx_sum, 1)
+        return t
+
+    def prefill_seconds(self, n: int, prompt_len: float) -> float:
+        """Prefill of ``n`` prompts of ``prompt_len`` tokens (causal: each
+        token attends to half the prompt on average)."""
+        if n == 0:
+            return 0.0
+        t = self.forward_seconds(self.target, n * prompt_len, n * prompt_len / 2, prompt_len)
+        if self.draft is not None and self.method != "ngram":
+            t += self.forward_seconds(self.draft, n * prompt_len, n * prompt_len / 2, prompt_len)
+        return t
+
+
+@dataclass
+class Rollout:
+    """A simulated rollout.
+
+    Attributes:
+        seconds: wall time until the last sequence finishes (max over replicas).
+        tokens: response tokens generated.
+        steps: engine steps of the slowest replica.
+        trace: (time s, sequences in flight, k, step seconds, mean context
+            tokens per sequence) at each event of the slowest replica.
+    """
+
+    seconds: float
+    tokens: int
+    steps: float
+    trace: list[tuple[float, int, int, float, float]] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _replica(engine: Engine, lengths: list[int], prompt_len: float, k_of, rates: list[float],
+             max_chunk: int = 256) -> Rollout:
+    cap = engine.max_num_seqs
+    kv_cap = engine.kv_capacity_tokens()
+    queue = list(lengths)
+    queue.reverse()
+    active: list[float] = []  # heap of finish progress P_adm + length
+    adm_sum = 0.0  # sum of P_adm over active sequences
+    adm_of: dict[int, float] = {}
+    progress = t = steps = 0.0
+    trace: list[tuple[float, int, int, float, float]] = []
+    seq_id = 0
+
+    def admit() -> None:
+        nonlocal adm_sum, t, seq_id
+        n = 0
+        while queue and len(active) < cap:
+            in_use = len(active) * prompt_len + len(active) * progress - adm_sum
+            if active and in_use + prompt_len + queue[-1] > kv_cap:
+                break
+            length = queue.pop()
+            heapq.heappush(active, (progress + length, seq_id))
+            adm_of[seq_id] = progress
+            adm_sum += progress
+            seq_id += 1
+            n += 1
+        t += engine.prefill_seconds(n, prompt_len)
+
+    admit()
+    while active:
+        b = len(active)
+        k = k_of(b)
+        e = expected_tokens(rates, k)
+        n_steps = max(1, min(max_chunk, math.ceil((active[0][0] - progress) / e)))
+        ctx_mid = b * prompt_len + b * (progress + e * n_steps / 2) - adm_sum
+        dt = engine.step_seconds(b, ctx_mid, k, accepted=e)
+        trace.append((t, b, k, dt, ctx_mid / b))
+        t += dt * n_steps
+        steps += n_steps
+        progress += e * n_steps
+        while active and active[0][0] <= progress + 1e-9:
+            _, sid = heapq.heappop(active)
+            adm_sum -= adm_of.pop(sid)
+        admit()
+    return Rollout(seconds=t, tokens=sum(lengths), steps=steps, trace=trace)
+
+
+def simulate_rollout(engine: Engine, lengths: list[int], prompt_len: float, k_schedule,
+                     rates: list[float]) -> Rollout:
+    """Simulate one rollout of ``len(lengths)`` sequences.
+
+    Args:
+        engine: the engine (replicas share the sequences round-robin).
+        lengths: response length of each sequence (tokens).
+        prompt_len: prompt tokens per sequence.
+        k_schedule: an int (fixed k) or a vLLM batch-size schedule
+            [(lo, hi, k)] (``num_speculative_tokens_per_batch_size``).
+        rates: acceptance rate per draft position (P(position i accepted)).
+
+    Raises:
+        ValueError: a negative k, k > 0 with ``method: none``, or no lengths.
+    """
+    if not lengths:
+        raise ValueError("lengths: empty (no sequences to roll out)")
+    k_of = _k_lookup(k_schedule)
+    if engine.method == "none" and any(k_of(b) for b in (1, engine.max_num_seqs)):
+        raise ValueError("k > 0 with method none")
+    runs = [_replica(engine, lengths[r::engine.replicas], prompt_len, k_of, rates)
+            for r in range(min(engine.replicas, len(lengths)))]
+    slowest = max(runs, key=lambda r: r.seconds)
+    return Rollout(seconds=slowest.seconds, tokens=sum(lengths), steps=slowest.steps, trace=slowest.trace)
+
+
+def _k_lookup(k_schedule):
+    if isinstance(k_schedule, int):
+        if k_schedule < 0:
+            raise ValueError(f"k={k_schedule}: must be >= 0")
+        return lambda b: k_schedule
+    table = [(int(lo), int(hi), int(k)) for lo, hi, k in k_schedule]
+    if any(k < 0 for *_, k in table):
+        raise ValueError(f"k schedule {table}: k must be >= 0")
+
+    def k_of(b: int) -> int:
+        for lo, hi, k in table:
+            if lo <= b <= hi:
+                return k
+        return table[-1][2] if b > table[-1][1] else table[0][2]
+    return k_of
+
+
+def best_schedule(engine: Engine, lengths: list[int], prompt_len: float, rates: list[float],
+                  k_max: int) -> list[tuple[int, int, int]]:
+    """The batch-size schedule of k that maximises modelled throughput:
+    for each b, argmax_k b E(k) / t(b, k) at the mean context the plain
+    rollout has when b sequences are in flight. Returned as vLLM's
+    ``num_speculative_tokens_per_batch_size`` ([(lo, hi, k)], inclusive,
+    adjacent equal k merged)."""
+    plain = simulate_rollout(Engine(engine.target, engine.hw, "none", None, engine.tp, 1,
+                                    engine.max_num_seqs), lengths[::engine.replicas], prompt_len, 0, rates)
+    ctx_at = {b: ctx for _, b, _, _, ctx in plain.trace}  # the last (longest) context seen at b
+    seen = sorted(ctx_at)
+    top = seen[-1]
+    out: list[list[int]] = []
+    for b in range(1, top + 1):
+        ctx = b * ctx_at[min(seen, key=lambda s: abs(s - b))]
+        k = max(range(k_max + 1),
+                key=lambda k: expected_tokens(rates, k) / engine.step_seconds(b, ctx, k, expected_tokens(rates, k)))
+        if out and out[-1][2] == k:
+            out[-1][1] = b
+        else:
+            out.append([b, b, k])
+    out[-1][1] = engine.max_num_seqs
+    return [tuple(r) for r in out]

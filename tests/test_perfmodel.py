@@ -1,0 +1,173 @@
+"""Performance model: shapes, roofline step cost, rollout simulation,
+calibration, both validations and the projection job (no Ray, no vLLM)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rayspec.perfmodel import hardware
+from rayspec.perfmodel.calibrate import cell_seconds, fit_plain, plain_points
+from rayspec.perfmodel.pipeline import Pipeline, Workload, capped_exponential_lengths, geometric_rates, rl_step
+from rayspec.perfmodel.shapes import ModelShape
+from rayspec.perfmodel.simulate import Engine, best_schedule, simulate_rollout
+from rayspec.perfmodel.validate import PAPER_TOLERANCE, HERE_TOLERANCE, here, published
+
+BENCH = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "rollout_quick.json"
+QUICK_PROMPT_LENS = {1: 83.0, 4: 91.5, 8: 100.375, 16: 91.5, 32: 108.53125}
+
+
+def test_shapes_match_published_parameter_counts(tmp_path):
+    q8 = ModelShape.from_hf_config("qwen3-8b")
+    embed = q8.vocab_size * q8.hidden_size
+    assert abs((q8.params + embed) / 8.19e9 - 1) < 0.01  # Qwen3-8B: 8.2B parameters
+    moe = ModelShape.from_hf_config("qwen3-235b-a22b")
+    assert abs(moe.active_params / 22e9 - 1) < 0.05 and abs(moe.params / 235e9 - 1) < 0.02
+    # a model directory is read through transformers.AutoConfig
+    from transformers import LlamaConfig
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=3, vocab_size=1000).save_pretrained(tmp_path)
+    s = ModelShape.from_hf_config(tmp_path)
+    assert (s.layers, s.hidden_size, s.head_dim, s.num_key_value_heads) == (3, 64, 16, 2)
+    with pytest.raises(ValueError, match="no-such-model"):
+        ModelShape.from_hf_config("no-such-model")
+
+
+def test_bad_hardware_input_is_named():
+    with pytest.raises(ValueError, match="tpu9"):
+        hardware.get("tpu9")
+    with pytest.raises(ValueError, match="mem_bandwidth"):
+        hardware.get("h100", mem_bandwidth=1e12)
+    with pytest.raises(ValueError, match="peak_flops"):
+        hardware.get("h100", peak_flops=0)
+    with pytest.raises(ValueError, match="do not fit"):
+        Engine(ModelShape.from_hf_config("qwen3-235b-a22b"), hardware.get("h100")).kv_capacity_tokens()
+
+
+def test_verification_is_nearly_free_when_memory_bound_and_not_when_compute_bound():
+    q8 = ModelShape.from_hf_config("qwen3-8b")
+    eng = Engine(q8, hardware.get("h100"), "ngram")
+    small = eng.step_seconds(1, 1000, 3) / eng.step_seconds(1, 1000, 0)
+    large = eng.step_seconds(256, 256 * 100, 3) / eng.step_seconds(256, 256 * 100, 0)
+    assert small < 1.05 and large > 2.0
+    spec = Engine(q8, hardware.get("h100"), "eagle3", q8.eagle3_head(32000))
+    # vLLM 0.32 runs the draft at k = 0 too: a speculative engine never drafting costs more than plain
+    assert spec.step_seconds(8, 8000, 0) > eng.step_seconds(8, 8000, 0)
+
+
+def test_rollout_drains_and_a_perfect_free_draft_divides_the_steps():
+    tiny = ModelShape("tiny", 2, 64, 4, 4, 16, 128, 100)
+    hw = hardware.get("h100", step_overhead_s=0, forward_overhead_s=0)
+    lengths = [40, 80, 120, 160]
+    eng = Engine(tiny, hw, "ngram", max_num_seqs=8)
+    plain = simulate_rollout(eng, lengths, 10, 0, [1.0] * 3)
+    spec = simulate_rollout(eng, lengths, 10, 3, [1.0] * 3)
+    assert [b for _, b, *_ in plain.trace] == sorted([b for _, b, *_ in plain.trace], reverse=True)
+    assert plain.trace[0][1] == 4 and plain.trace[-1][1] == 1
+    assert plain.steps == 160 and spec.steps == 40
+    # max_num_seqs caps admission: two at a time
+    capped = simulate_rollout(Engine(tiny, hw, "ngram", max_num_seqs=2), lengths, 10, 0, [])
+    assert max(b for _, b, *_ in capped.trace) == 2 and capped.seconds > plain.seconds
+
+
+def test_best_schedule_is_a_vllm_schedule_and_never_drafts_without_acceptance():
+    q8 = ModelShape.from_hf_config("qwen3-8b")
+    eng = Engine(q8, hardware.get("h100"), "eagle3", q8.eagle3_head(32000), max_num_seqs=64)
+    lengths = capped_exponential_lengths(64, 500, 2000)
+    good = best_schedule(eng, lengths, 200, geometric_rates(2.5, 3, 5), 5)
+    assert good[0][0] == 1 and good[-1][1] == 64
+    assert all(a[1] + 1 == b[0] for a, b in zip(good, good[1:]))
+    assert good[0][2] >= 3  # the memory-bound tail drafts deep
+    assert all(k == 0 for *_, k in best_schedule(eng, lengths, 200, [0.0] * 5, 5))
+    assert simulate_rollout(eng, lengths, 200, good, geometric_rates(2.5, 3, 5)).seconds < \
+        simulate_rollout(eng, lengths, 200, 0, geometric_rates(2.5, 3, 5)).seconds
+
+
+def test_capped_exponential_and_geometric_rates():
+    lengths = capped_exponential_lengths(20000, 300, 512, seed=1)
+    assert abs(sum(lengths) / len(lengths) / 300 - 1) < 0.03 and max(lengths) == 512
+    rates = geometric_rates(2.05, 3, 7)
+    assert abs(1 + sum(rates[:3]) - 2.05) < 1e-6 and rates == sorted(rates, reverse=True)
+    with pytest.raises(ValueError, match="acceptance length 5"):
+        geometric_rates(5, 3, 3)
+
+
+def test_fit_recovers_known_hardware():
+    target = ModelShape.from_hf_config("smollm2-135m")
+    true = hardware.get("cpu", step_overhead_s=0.03, token_overhead_s=0.004)
+    points = [(b, 100.0, 32.0, cell_seconds(Engine(target, true), b, 100.0, 32.0)) for b in (1, 8, 32)]
+    fit = fit_plain(points, target, hardware.get("cpu", step_overhead_s=1.0))
+    assert fit.step_overhead_s == pytest.approx(0.03, rel=1e-6)
+    assert fit.token_overhead_s == pytest.approx(0.004, rel=1e-6)
+    with pytest.raises(ValueError, match="need at least 2"):
+        fit_plain(points[:1], target, true)
+
+
+def test_cpu_preset_is_the_fit_of_the_committed_bench():
+    cells = json.loads(BENCH.read_text())
+    preset = hardware.get("cpu")
+    fit = fit_plain(plain_points(cells, QUICK_PROMPT_LENS), ModelShape.from_hf_config("smollm2-135m"), preset)
+    for f in ("step_overhead_s", "token_overhead_s"):
+        assert abs(getattr(fit, f) / getattr(preset, f) - 1) < 0.01, f
+
+
+def test_validation_here_predicts_eagle3_cells_from_plain_ones():
+    """Calibrated on the plain cells only. The plain rollout cell (natural
+    EOS, draining batch) and the EAGLE-3 cells are predictions; ngram cells
+    are reported but missed (vLLM 0.32 turns async scheduling off for ngram,
+    a cost the plain engine never shows)."""
+    cells = json.loads(BENCH.read_text())
+    target = ModelShape.from_hf_config("smollm2-135m")
+    hw = fit_plain(plain_points(cells, QUICK_PROMPT_LENS), target, hardware.get("cpu"))
+    rows = here(cells, hw, target, QUICK_PROMPT_LENS, max_num_seqs=32, rollout_cap=128)
+    assert len(rows) == len(cells)
+    plain_rollout = next(r for r in rows if r["method"] == "none" and r["shape"] == "rollout")
+    assert abs(plain_rollout["error"]) <= HERE_TOLERANCE
+    eagle = sorted(abs(r["error"]) for r in rows if r["method"] == "eagle3" and r["shape"] == "fixed")
+    assert eagle[len(eagle) // 2] <= HERE_TOLERANCE  # median cell within tolerance
+    assert sum(e <= HERE_TOLERANCE for e in eagle) >= len(eagle) * 0.6
+
+
+def test_published_figures():
+    res = {p.what: p for p in published()}
+    assert abs(res["RL-Zero sync end-to-end speedup k=3"].error) <= PAPER_TOLERANCE
+    for what in ("RL-Zero generation speedup k=3", "RL-Think generation speedup k=3"):
+        assert res[what].modelled > 1.3  # the model agrees speculation pays at k=3
+    # documented miss: the published k=5/7 drops are steeper than any per-draft cost linear in k gives
+    assert res["RL-Think generation speedup k=5"].modelled > res["RL-Think generation speedup k=5"].published
+
+
+def test_workload_from_run_and_async_pipeline(tmp_path):
+    (tmp_path / "config.yaml").write_text("data: {prompts_per_step: 2}\ngrpo: {group_size: 2, max_new_tokens: 64}\n")
+    recs = [dict(step=1, response_lens=[10, 20, 30, 64], prompt_len_mean=50.0, num_drafts=10,
+                 acceptance_rate_per_pos=[0.5, 0.2]),
+            dict(step=2, response_lens=[5, 5, 5, 5], prompt_len_mean=70.0, num_drafts=30,
+                 acceptance_rate_per_pos=[0.3, 0.1])]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    w = Workload.from_run(tmp_path)
+    assert w.lengths == [10, 20, 30, 64] and w.prompt_len == 60.0
+    assert w.rates == pytest.approx([0.35, 0.125])
+    with pytest.raises(ValueError, match="config.yaml"):
+        Workload.from_run(tmp_path / "nope")
+    q8 = ModelShape.from_hf_config("qwen3-8b")
+    eng = Engine(q8, hardware.get("h100"), "eagle3", q8.eagle3_head(32000))
+    work = Workload(capped_exponential_lengths(64, 1000, 4000), 200, geometric_rates(2.3, 3, 3))
+    sync = rl_step(eng, work, Pipeline("sync", 1), 3)
+    lag1 = rl_step(eng, work, Pipeline("async", 1, policy_lag=1), 3)
+    lag2 = rl_step(eng, work, Pipeline("async", 1, policy_lag=2), 3)
+    assert sync.step_s > lag1.step_s >= lag2.step_s
+    assert lag2.rollout_s < lag1.rollout_s  # the tail is paid once per two batches
+    with pytest.raises(ValueError, match="policy_lag"):
+        Pipeline("async", 1, policy_lag=0)
+
+
+def test_project_speedup_job(tmp_path, capsys):
+    from jobs.project_speedup import main
+    out = tmp_path / "p.json"
+    assert main(["--model", "qwen3-8b", "--hardware", "h200", "--sequences", "64", "--response-mean", "500",
+                 "--max-new-tokens", "2000", "--k-max", "3", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["k"] for r in res["rows"]] == ["none", "k=1", "k=2", "k=3", "best schedule"]
+    assert res["num_speculative_tokens_per_batch_size"][0][0] == 1 and out.with_suffix(".png").exists()
+    assert "best schedule" in capsys.readouterr().out
+    assert main(["--hardware", "tpu9", "--out", str(out)]) == 2
