@@ -30,7 +30,9 @@ from rayspec.perfmodel.shapes import ModelShape
 from rayspec.perfmodel.simulate import Engine, best_schedule
 from rayspec.rollout.adaptive import format_schedule
 
-QUICK_PROMPT_LENS = {1: 83.0, 4: 91.5, 8: 100.375, 16: 91.5, 32: 108.53125}  # bench_rollout --quick prompts
+# mean prompt tokens of the first b GSM8K train prompts (chat template, SmolLM2 tokenizer): the
+# prompts jobs.bench_rollout --quick runs at concurrency b (16: its rollout cells, the first 4 x 4)
+QUICK_PROMPT_LENS = {1: 83.0, 4: 91.5, 8: 100.375, 16: 91.5, 32: 108.53125}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from jobs.project_speedup import QUICK_PROMPT_LENS
 from rayspec.perfmodel import hardware
 from rayspec.perfmodel.calibrate import cell_seconds, fit_plain, plain_points
 from rayspec.perfmodel.pipeline import Pipeline, Workload, capped_exponential_lengths, geometric_rates, rl_step
@@ -14,7 +15,6 @@ from rayspec.perfmodel.simulate import Engine, best_schedule, simulate_rollout
 from rayspec.perfmodel.validate import PAPER_TOLERANCE, HERE_TOLERANCE, here, published
 
 BENCH = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "rollout_quick.json"
-QUICK_PROMPT_LENS = {1: 83.0, 4: 91.5, 8: 100.375, 16: 91.5, 32: 108.53125}
 
 
 def test_shapes_match_published_parameter_counts(tmp_path):

@@ -73,7 +73,7 @@ def here(cells: list[dict], hw: hardware.Hardware, target: ModelShape,
             mean = c["output_tokens"] / b
             lengths = capped_exponential_lengths(b, min(mean, rollout_cap - 0.5), rollout_cap)
             sched = _parse_schedule(c["k_schedule"]) if c.get("k_schedule") else c["k"]
-            ro = simulate_rollout(eng, lengths, prompt_lens[min(prompt_lens)], sched, rates)
+            ro = simulate_rollout(eng, lengths, prompt_lens[b], sched, rates)
             pred = c["output_tokens"] / ro.seconds
         rows.append(dict(method=c["method"], draft=c["draft"], shape=c["shape"], k=c["k"], concurrency=b,
                          measured=c["tokens_per_s"], predicted=pred, error=pred / c["tokens_per_s"] - 1.0))
