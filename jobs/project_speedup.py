@@ -28,7 +28,7 @@ from rayspec.perfmodel import hardware
 from rayspec.perfmodel.pipeline import Pipeline, Workload, capped_exponential_lengths, geometric_rates, rl_step
 from rayspec.perfmodel.shapes import ModelShape
 from rayspec.perfmodel.simulate import Engine, best_schedule
-from rayspec.rollout.adaptive import format_schedule
+from rayspec.rollout.adaptive import extrapolate_rates, format_schedule
 
 # mean prompt tokens of the first b GSM8K train prompts (chat template, SmolLM2 tokenizer): the
 # prompts jobs.bench_rollout --quick runs at concurrency b (16: its rollout cells, the first 4 x 4)
@@ -87,10 +87,7 @@ def project(ns) -> dict:
     hw = hardware.get(ns.hardware, **_overrides(ns.hw))
     if ns.run:
         work = Workload.from_run(ns.run, prompt_len=ns.prompt_len)
-        if len(work.rates) < ns.k_max:  # extrapolate the unmeasured positions geometrically
-            e = 1.0 + sum(work.rates)
-            work.rates = geometric_rates(min(e, len(work.rates) + 0.999), len(work.rates), ns.k_max) \
-                if work.rates else [0.0] * ns.k_max
+        work.rates = extrapolate_rates(work.rates, ns.k_max) or [0.0] * ns.k_max  # unmeasured positions
     else:
         work = Workload(capped_exponential_lengths(ns.sequences, ns.response_mean, ns.max_new_tokens),
                         ns.prompt_len, geometric_rates(ns.acceptance_length, ns.k, ns.k_max), "flags")

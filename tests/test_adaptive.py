@@ -8,7 +8,7 @@ import pytest
 from rayspec.draft.eagle3 import init_head, save_head
 from rayspec.models import load_policy
 from rayspec.rollout.adaptive import (AdaptiveK, StepCost, expected_tokens, format_schedule,
-                                      geometric_rate, physical_limit, uniform)
+                                      geometric_rate, parse_schedule, physical_limit, uniform)
 from tests.conftest import engine_kwargs
 
 # Step seconds shaped like SmolLM2 on 2 CPU cores (DESIGN.md): a k=3 step costs
@@ -43,6 +43,7 @@ def test_good_draft_speculates_in_the_tail_only_and_bad_draft_never():
     sched = ctl.schedule()
     # k falls as the batch grows and drafting costs more (worked by hand from CPU_COST)
     assert format_schedule(sched) == "1:3 2:2 3-8:1 9-64:0"
+    assert parse_schedule(format_schedule(sched)) == sched
     # every choice is at least as fast as plain decoding by the model
     for b in range(1, 65):
         k = ctl.best_k(b)

@@ -139,13 +139,11 @@ class Pipeline:
         train_devices: devices of the policy update (sync/colocated: all).
         policy_lag: policy updates between the sampling weights and the
             trained ones (0 in sync mode).
-        train_hw_mfu: overrides the hardware's train_mfu when set.
     """
 
     mode: str = "sync"
     train_devices: int = 1
     policy_lag: int = 0
-    train_hw_mfu: float | None = None
 
     def __post_init__(self):
         if self.mode not in ("sync", "async"):
@@ -186,7 +184,7 @@ def rl_step(engine: Engine, work: Workload, pipe: Pipeline, k_schedule) -> StepT
     else:
         ro = simulate_rollout(engine, work.lengths, work.prompt_len, k_schedule, work.rates)
         rollout_s = ro.seconds
-    rate = hw.peak_flops * (pipe.train_hw_mfu or hw.train_mfu) * pipe.train_devices
+    rate = hw.peak_flops * hw.train_mfu * pipe.train_devices
     train_s = 6.0 * target.active_params * work.tokens / rate
     logprob_s = 2.0 * target.active_params * work.tokens / rate
     sync_s = target.weight_bytes(1e9, hw.dtype_bytes) / hw.link_bw

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from rayspec.perfmodel.hardware import Hardware
 from rayspec.perfmodel.shapes import ModelShape
-from rayspec.rollout.adaptive import expected_tokens
+from rayspec.rollout.adaptive import expected_tokens, merge_schedule
 
 DRAFT_METHODS = ("none", "eagle3", "draft_model", "mtp", "ngram")
 
@@ -152,10 +152,6 @@ class Rollout:
     steps: float
     trace: list[tuple[float, int, int, float, float]] = field(default_factory=list)
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
 
 def _replica(engine: Engine, lengths: list[int], prompt_len: float, k_of, rates: list[float],
              max_chunk: int = 256) -> Rollout:
@@ -163,25 +159,21 @@ def _replica(engine: Engine, lengths: list[int], prompt_len: float, k_of, rates:
     kv_cap = engine.kv_capacity_tokens()
     queue = list(lengths)
     queue.reverse()
-    active: list[float] = []  # heap of finish progress P_adm + length
+    active: list[tuple[float, float]] = []  # heap of (finish progress P_adm + length, P_adm)
     adm_sum = 0.0  # sum of P_adm over active sequences
-    adm_of: dict[int, float] = {}
     progress = t = steps = 0.0
     trace: list[tuple[float, int, int, float, float]] = []
-    seq_id = 0
 
     def admit() -> None:
-        nonlocal adm_sum, t, seq_id
+        nonlocal adm_sum, t
         n = 0
         while queue and len(active) < cap:
             in_use = len(active) * prompt_len + len(active) * progress - adm_sum
             if active and in_use + prompt_len + queue[-1] > kv_cap:
                 break
             length = queue.pop()
-            heapq.heappush(active, (progress + length, seq_id))
-            adm_of[seq_id] = progress
+            heapq.heappush(active, (progress + length, progress))
             adm_sum += progress
-            seq_id += 1
             n += 1
         t += engine.prefill_seconds(n, prompt_len)
 
@@ -198,8 +190,7 @@ def _replica(engine: Engine, lengths: list[int], prompt_len: float, k_of, rates:
         steps += n_steps
         progress += e * n_steps
         while active and active[0][0] <= progress + 1e-9:
-            _, sid = heapq.heappop(active)
-            adm_sum -= adm_of.pop(sid)
+            adm_sum -= heapq.heappop(active)[1]
         admit()
     return Rollout(seconds=t, tokens=sum(lengths), steps=steps, trace=trace)
 
@@ -259,14 +250,9 @@ def best_schedule(engine: Engine, lengths: list[int], prompt_len: float, rates: 
     ctx_at = {b: ctx for _, b, _, _, ctx in plain.trace}  # the last (longest) context seen at b
     seen = sorted(ctx_at)
     top = seen[-1]
-    out: list[list[int]] = []
+    ks = []
     for b in range(1, top + 1):
         ctx = b * ctx_at[min(seen, key=lambda s: abs(s - b))]
-        k = max(range(k_max + 1),
-                key=lambda k: expected_tokens(rates, k) / engine.step_seconds(b, ctx, k, expected_tokens(rates, k)))
-        if out and out[-1][2] == k:
-            out[-1][1] = b
-        else:
-            out.append([b, b, k])
-    out[-1][1] = engine.max_num_seqs
-    return [tuple(r) for r in out]
+        ks.append(max(range(k_max + 1), key=lambda k: expected_tokens(rates, k)
+                      / engine.step_seconds(b, ctx, k, expected_tokens(rates, k))))
+    return merge_schedule(ks + [ks[-1]] * (engine.max_num_seqs - top))

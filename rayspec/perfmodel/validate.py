@@ -20,19 +20,10 @@ from rayspec.perfmodel.calibrate import cell_seconds
 from rayspec.perfmodel.pipeline import Pipeline, Workload, capped_exponential_lengths, geometric_rates, rl_step
 from rayspec.perfmodel.shapes import ModelShape
 from rayspec.perfmodel.simulate import Engine, simulate_rollout
+from rayspec.rollout.adaptive import parse_schedule
 
 HERE_TOLERANCE = 0.20
 PAPER_TOLERANCE = 0.15
-
-
-def _parse_schedule(text: str) -> list[tuple[int, int, int]]:
-    """``1-6:3 7-64:0`` (``adaptive.format_schedule``) -> [(1, 6, 3), (7, 64, 0)]."""
-    out = []
-    for part in text.split():
-        rng, k = part.split(":")
-        lo, _, hi = rng.partition("-")
-        out.append((int(lo), int(hi or lo), int(k)))
-    return out
 
 
 def here(cells: list[dict], hw: hardware.Hardware, target: ModelShape,
@@ -72,7 +63,7 @@ def here(cells: list[dict], hw: hardware.Hardware, target: ModelShape,
         else:
             mean = c["output_tokens"] / b
             lengths = capped_exponential_lengths(b, min(mean, rollout_cap - 0.5), rollout_cap)
-            sched = _parse_schedule(c["k_schedule"]) if c.get("k_schedule") else c["k"]
+            sched = parse_schedule(c["k_schedule"]) if c.get("k_schedule") else c["k"]
             ro = simulate_rollout(eng, lengths, prompt_lens[b], sched, rates)
             pred = c["output_tokens"] / ro.seconds
         rows.append(dict(method=c["method"], draft=c["draft"], shape=c["shape"], k=c["k"], concurrency=b,
@@ -139,17 +130,16 @@ def published() -> list[Published]:
     sync = Pipeline("sync", train_devices=32)
     for name in _WORKLOADS:
         work = _workload(name)
-        base = simulate_rollout(plain8, work.lengths, work.prompt_len, 0, work.rates)
+        steps = {k: rl_step(spec8 if k else plain8, work, sync, k) for k in (0, 3, 5, 7)}
         if name == "RL-Zero":
             out.append(Published("RL-Zero generation seconds, no speculation", PAPER_GEN_BASELINE_S,
-                                 base.seconds))
+                                 steps[0].rollout_s))
         for k in (3, 5, 7):
-            spec = simulate_rollout(spec8, work.lengths, work.prompt_len, k, work.rates)
             out.append(Published(f"{name} generation speedup k={k}", PAPER_FIGURES[(name, k)],
-                                 base.seconds / spec.seconds))
+                                 steps[0].rollout_s / steps[k].rollout_s))
         if name == "RL-Zero":
-            s0, s3 = rl_step(plain8, work, sync, 0), rl_step(spec8, work, sync, 3)
-            out.append(Published("RL-Zero sync end-to-end speedup k=3", PAPER_E2E_SYNC_8B, s0.step_s / s3.step_s))
+            out.append(Published("RL-Zero sync end-to-end speedup k=3", PAPER_E2E_SYNC_8B,
+                                 steps[0].step_s / steps[3].step_s))
     return out
 
 

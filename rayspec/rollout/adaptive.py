@@ -109,6 +109,16 @@ def geometric_rate(rates: list[float]) -> float:
     return min(sum(rates) / reached, 1.0 - 1e-9)
 
 
+def extrapolate_rates(rates: list[float], k_max: int) -> list[float]:
+    """``rates`` (measured positions) continued to ``k_max`` positions with
+    the geometric rate a of the measured ones: r_{n+j} = r_n a^j (empty or
+    already long enough: unchanged)."""
+    if not rates:
+        return list(rates)
+    a = geometric_rate(rates)
+    return list(rates) + [rates[-1] * a ** (j + 1) for j in range(k_max - len(rates))]
+
+
 def physical_limit(a: float, k: int, c: float) -> float:
     """Speedup bound for acceptance rate a, k drafts and cost ratio c
     (Leviathan et al. 2023, Eq. 1 and Thm 3.8): E = (1 - a^(k+1)) / (1 - a)
@@ -194,8 +204,7 @@ class AdaptiveK:
         new = [a / num_drafts for a in accepted_per_pos[:positions]]
         self.probe = False
         if not self.rates:  # positions not yet measured: extrapolate geometrically
-            a = geometric_rate(new)
-            self.rates = new + [new[-1] * a ** (j + 1) for j in range(self.k_max - len(new))]
+            self.rates = extrapolate_rates(new, self.k_max)
             return
         for i, r in enumerate(new):
             self.rates[i] = (1 - self.ema) * self.rates[i] + self.ema * r
@@ -215,18 +224,34 @@ class AdaptiveK:
         Before any acceptance is measured: k_max everywhere (to measure it)."""
         if not self.rates:
             return uniform(self.k_max, self.max_num_seqs)
-        out: list[list[int]] = []
-        for b in range(1, self.max_num_seqs + 1):
-            k = self.best_k(b)
-            if out and out[-1][2] == k:
-                out[-1][1] = b
-            else:
-                out.append([b, b, k])
+        out = merge_schedule([self.best_k(b) for b in range(1, self.max_num_seqs + 1)])
         if self.probe and all(k == 0 for _, _, k in out):
-            out = [[1, 1, 1]] + ([[2, self.max_num_seqs, 0]] if self.max_num_seqs > 1 else [])
-        return [tuple(r) for r in out]
+            out = [(1, 1, 1)] + ([(2, self.max_num_seqs, 0)] if self.max_num_seqs > 1 else [])
+        return out
+
+
+def merge_schedule(ks: list[int]) -> list[tuple[int, int, int]]:
+    """The schedule [(lo, hi, k)] of k per batch size ``ks[b - 1]`` for
+    b = 1..len(ks), adjacent equal k merged."""
+    out: list[list[int]] = []
+    for b, k in enumerate(ks, start=1):
+        if out and out[-1][2] == k:
+            out[-1][1] = b
+        else:
+            out.append([b, b, k])
+    return [tuple(r) for r in out]
 
 
 def format_schedule(schedule: list[tuple[int, int, int]]) -> str:
     """``1-6:3 7-64:0``: k per inclusive batch-size range."""
     return " ".join(f"{lo}-{hi}:{k}" if lo != hi else f"{lo}:{k}" for lo, hi, k in schedule)
+
+
+def parse_schedule(text: str) -> list[tuple[int, int, int]]:
+    """The inverse of ``format_schedule``: ``1-6:3 7-64:0`` -> [(1, 6, 3), (7, 64, 0)]."""
+    out = []
+    for part in text.split():
+        rng, k = part.split(":")
+        lo, _, hi = rng.partition("-")
+        out.append((int(lo), int(hi or lo), int(k)))
+    return out
