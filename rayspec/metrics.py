@@ -1,4 +1,5 @@
-"""Per-step metrics: phase timers, the step line, and metrics.jsonl."""
+"""Per-step metrics: phase timers, the step line, metrics.jsonl, TensorBoard,
+and the Ray dashboard (``ray.util.metrics``)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,81 @@ class MetricsLog:
                 for i, r in enumerate(v):
                     self.tb.add_scalar(f"acceptance_rate/pos{i + 1}", r, step)
         self.tb.flush()
+
+
+# (record key, phase tag) of the step's seconds, as in the step line
+PHASES = (("time_rollout_s", "rollout"), ("rollout_generation_s", "rollout_generation"),
+          ("time_policy_s", "policy"), ("time_draft_s", "draft"),
+          ("time_draft_exposed_s", "draft_exposed"), ("time_sync_s", "sync"),
+          ("time_step_s", "step"))
+
+
+class DashboardMetrics:
+    """Exports each step's figures through ``ray.util.metrics``, so they
+    appear in Prometheus (each node's ``--metrics-export-port``) and the Ray
+    dashboard's metrics view, named ``ray_rayspec_*``.
+
+    Gauges (last step's value) tagged ``run`` (the run directory's name),
+    ``method`` (speculative method or ``none``) and ``replica`` (a Serve
+    replica id, or ``all`` for the sum over replicas):
+
+    - ``rayspec_rollout_tokens_per_s``: output tokens / generation second;
+    - ``rayspec_acceptance_length``: tokens per verification step, 1 + accepted / drafts;
+    - ``rayspec_acceptance_rate``: per draft position (tag ``position``, 1..k);
+
+    and per run: ``rayspec_reward_mean``, ``rayspec_policy_version`` (the
+    version that sampled the step), ``rayspec_step``, ``rayspec_phase_seconds``
+    (tag ``phase``: rollout, rollout_generation, policy, draft, draft_exposed,
+    sync, step). The histogram ``rayspec_response_tokens`` counts every
+    sample's response length (tokens).
+
+    Must be created inside a Ray worker or driver (``ray.init`` done). Ray
+    exports a process's metrics while it lives (the rank-0 Train worker here).
+    """
+
+    def __init__(self, run: str, method: str | None, max_new_tokens: int):
+        from ray.util.metrics import Gauge, Histogram
+
+        self.run, self.method = run, method or "none"
+        per_replica = ("run", "method", "replica")
+        self.tokens_per_s = Gauge("rayspec_rollout_tokens_per_s",
+                                  "rollout output tokens per second of generation", per_replica)
+        self.acceptance_length = Gauge("rayspec_acceptance_length",
+                                       "tokens per verification step (1 + accepted / drafts)",
+                                       per_replica)
+        self.acceptance_rate = Gauge("rayspec_acceptance_rate",
+                                     "acceptance rate at draft position", per_replica + ("position",))
+        self.reward = Gauge("rayspec_reward_mean", "mean reward of the step's samples", ("run",))
+        self.policy_version = Gauge("rayspec_policy_version",
+                                    "policy version that sampled the step's rollouts", ("run",))
+        self.step = Gauge("rayspec_step", "RL steps done", ("run",))
+        self.phase = Gauge("rayspec_phase_seconds", "seconds of the step's phase", ("run", "phase"))
+        # powers of two up to the response cap: a length histogram in tokens
+        bounds = [2.0 ** i for i in range(max(1, math.ceil(math.log2(max(2, max_new_tokens)))) + 1)]
+        self.response_tokens = Histogram("rayspec_response_tokens", "response length (tokens)",
+                                         boundaries=bounds, tag_keys=("run",))
+
+    def record(self, m: dict[str, Any]) -> None:
+        """Set the gauges from one metrics.jsonl record (``rl_step``'s)."""
+        run = {"run": self.run}
+        per_replica = {"all": {"tokens_per_s": m["rollout_tokens_per_s"],
+                               "acceptance_length": m["acceptance_length"],
+                               "acceptance_rate_per_pos": m["acceptance_rate_per_pos"]}}
+        per_replica.update(m.get("replicas", {}))
+        for replica, s in per_replica.items():
+            tags = {**run, "method": self.method, "replica": str(replica)}
+            self.tokens_per_s.set(s["tokens_per_s"], tags)
+            self.acceptance_length.set(s["acceptance_length"], tags)
+            for i, r in enumerate(s["acceptance_rate_per_pos"], 1):
+                self.acceptance_rate.set(r, {**tags, "position": str(i)})
+        self.reward.set(m["reward_mean"], run)
+        self.policy_version.set(m["policy_version"], run)
+        self.step.set(m["step"], run)
+        for key, phase in PHASES:
+            if key in m:
+                self.phase.set(m[key], {**run, "phase": phase})
+        for n in m.get("response_lens", []):
+            self.response_tokens.observe(n, run)
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from rayspec.batch import RolloutBatch
 from rayspec.config import RunConfig, draft_online
 from rayspec.data import PromptSource, chat_prompt_ids, load_problems, math_reward
-from rayspec.metrics import MetricsLog, PhaseTimer, format_step_line, plot_run
+from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, plot_run
 from rayspec.rollout import serve as rollout
 from rayspec.scheduler.pipeline import RolloutPipeline
 from rayspec.train.grpo import group_advantages
@@ -48,6 +48,8 @@ class StepContext:
         lag = cfg.scheduler.max_policy_lag if cfg.scheduler.mode == "async" else 0
         self.pipeline = RolloutPipeline(self.submit_rollout, lag)
         self.log = MetricsLog(cfg.trainer.run_dir)
+        self.dashboard = DashboardMetrics(Path(cfg.trainer.run_dir).name,
+                                          cfg.rollout.speculative_config.method, cfg.grpo.max_new_tokens)
         self.sleep_reported = False
 
     def submit_rollout(self):
@@ -238,6 +240,7 @@ def rl_worker_loop(config: dict) -> None:
         version += 1
         if rank == 0:
             ctx.log.write(record)
+            ctx.dashboard.record(record)
             log.info(format_step_line(record))
             _warn_on_policy_mismatch(record, cfg)
         ray.train.report({k: v for k, v in (record or {"step": step}).items()
