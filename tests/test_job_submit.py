@@ -1,13 +1,21 @@
-"""``ray job submit`` end to end: a ``ray start --head`` cluster on loopback,
-``jobs.grpo`` submitted through the Jobs SDK with the repo as working_dir,
-and the step metrics read back from the node's Prometheus endpoint while
-the job runs (what the Ray dashboard's metrics view shows)."""
+"""``ray job submit`` end to end on a ``ray start --head`` cluster on loopback,
+through the Jobs SDK with the repo as working_dir:
+
+- ``jobs.grpo``: the job succeeds, its logs hold the step lines, and the step
+  metrics are read back from the node's Prometheus endpoint while it runs
+  (what the Ray dashboard's metrics view shows);
+- ``jobs.serve``: a run's policy and EAGLE-3 head stay deployed after the job
+  returns, answer OpenAI chat completions (plain and streaming) on
+  127.0.0.1, and vLLM's spec-decode counters on the endpoint show that the
+  answers were decoded speculatively.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -31,30 +39,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _scrape(port: int) -> dict[str, list[str]]:
-    """rayspec samples on the metrics endpoint: {metric name: [sample lines]}."""
+def _scrape(port: int, prefix: str = "rayspec_") -> dict[str, list[str]]:
+    """Samples of the metrics named ``ray_<prefix>*`` on the node's metrics
+    endpoint: {metric name without ``ray_``: [sample lines]}."""
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     except OSError:
         return {}
     out: dict[str, list[str]] = {}
     for line in text.splitlines():
-        m = re.match(r"ray_(rayspec_\w+)\{", line)
+        m = re.match(rf"ray_({prefix}\w*)\{{", line)
         if m:
             out.setdefault(m.group(1), []).append(line)
     return out
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def head_node():
     """A one-node Ray cluster started with ``ray start --head`` on 127.0.0.1;
-    yields (JobSubmissionClient, metrics port); stops its jobs (``ray stop``
+    yields (JobSubmissionClient, metrics port, the Serve HTTP port); stops its jobs (``ray stop``
     leaves a job's driver process running) and the cluster afterwards."""
     from ray.job_submission import JobSubmissionClient
 
     # short temp dir: Ray's unix sockets live under it (108-byte path limit)
     temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")
-    dash, metrics = _free_port(), _free_port()
+    dash, metrics, http = _free_port(), _free_port(), _free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled",
            # export every second, so a short job's gauges reach the endpoint
            "RAY_metrics_report_interval_ms": "1000"}
@@ -65,7 +74,7 @@ def head_node():
                    env=env, check=True, capture_output=True, timeout=180)
     try:
         client = JobSubmissionClient(f"http://127.0.0.1:{dash}")
-        yield client, metrics
+        yield client, metrics, http
         for job in client.list_jobs():
             if not job.status.is_terminal():
                 client.stop_job(job.submission_id)
@@ -88,7 +97,7 @@ def _wait(client, job: str, timeout_s: float, on_poll=lambda: None):
 def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llama_dir, tmp_path):
     from ray.job_submission import JobStatus
 
-    client, metrics_port = head_node
+    client, metrics_port, _ = head_node
     run_dir = tmp_path / "job"
     job = client.submit_job(
         entrypoint=(f"{sys.executable} -m jobs.grpo model.path={tiny_llama_dir} model.dtype=float32 "
@@ -117,3 +126,62 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
     assert any('phase="policy"' in line for line in seen["rayspec_phase_seconds"])
     (count,) = [line for line in seen["rayspec_response_tokens_count"]]
     assert float(count.rsplit(" ", 1)[1]) >= len(recs[0]["response_lens"])
+
+
+@pytest.fixture
+def finished_run(tmp_path, tiny_llama_dir) -> Path:
+    """A run directory as jobs.grpo leaves it: config.yaml, policy/, draft_head/."""
+    from omegaconf import OmegaConf
+
+    from rayspec.config import load_config
+    from rayspec.draft.eagle3 import init_head, save_head
+    from rayspec.models import load_policy
+    from rayspec.rollout.endpoint import load_run
+
+    run = tmp_path / "trained"
+    cfg = load_config(None, [f"model.path={tiny_llama_dir}", "model.dtype=float32",
+                             f"trainer.run_dir={run}"])
+    run.mkdir()
+    OmegaConf.save(OmegaConf.structured(cfg), run / "config.yaml")
+    shutil.copytree(tiny_llama_dir, run / "policy")
+    save_head(init_head(load_policy(tiny_llama_dir), None, seed=0), run / "draft_head")
+    assert load_run(run)[2]["model"] == str(run / "draft_head")
+    return run
+
+
+@pytest.mark.slow
+def test_job_submit_serves_the_trained_policy_with_speculation(head_node, finished_run):
+    from openai import OpenAI
+    from ray.job_submission import JobStatus
+
+    client, metrics_port, http_port = head_node
+    job = client.submit_job(
+        entrypoint=f"{sys.executable} -m jobs.serve {finished_run} --port {http_port} --model-id tiny",
+        runtime_env={"working_dir": str(REPO), "excludes": ["runs", "*.egg-info"]},
+    )
+    status = _wait(client, job, 600)
+    logs = client.get_job_logs(job)
+    assert status == JobStatus.SUCCEEDED, logs[-3000:]
+    assert f"serving 'tiny' at http://127.0.0.1:{http_port}/v1" in logs and "'eagle3'" in logs
+
+    # the app outlives the job that deployed it
+    api = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none")
+    assert [m.id for m in api.models.list().data] == ["tiny"]
+    messages = [{"role": "user", "content": "What is 12 plus 30?"}]
+    out = api.chat.completions.create(model="tiny", messages=messages, max_tokens=24,
+                                      temperature=1.0, seed=0)
+    assert out.choices[0].message.content and out.usage.completion_tokens == 24
+    chunks = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=16,
+                                              temperature=0.0, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(chunks) > 2 and text
+
+    # vLLM's own counters: the engine proposed drafts for these requests
+    drafts = {}
+    deadline = time.time() + 60
+    while time.time() < deadline and not drafts:
+        drafts = {k: v for k, v in _scrape(metrics_port, "vllm_spec_decode_").items()
+                  if k.startswith("vllm_spec_decode_num_drafts")}
+        time.sleep(1)
+    (lines,) = drafts.values()
+    assert any('model_name="tiny"' in line and float(line.rsplit(" ", 1)[1]) > 0 for line in lines), lines

@@ -1,0 +1,79 @@
+"""Serve a finished run's policy with its EAGLE-3 head, OpenAI-compatible:
+``python -m jobs.serve <run dir> [--host 127.0.0.1] [--port 8000] ...``.
+
+Examples::
+
+    python -m jobs.serve runs/default            # embedded cluster; Ctrl-C stops it
+    curl 127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "default", "messages": [{"role": "user", "content": "2+3?"}]}'
+    ray job submit -- python -m jobs.serve $PWD/runs/default   # stays deployed on the cluster
+
+On an embedded cluster the command serves until interrupted. Joining a
+running cluster (``ray.address`` / RAY_ADDRESS, as under ``ray job submit``)
+it deploys the app and returns; ``serve shutdown`` or ``serve.delete`` removes
+it. Speculation shows in ``/v1/models/<id>`` (the engine config) and in
+vLLM's ``ray_vllm_spec_decode_*`` counters on the Prometheus endpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from rayspec.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jobs.serve", description=__doc__.split("\n")[0])
+    p.add_argument("run_dir", help="a jobs.grpo run directory (config.yaml, policy/, draft_head/)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="HTTP bind address (default loopback; 0.0.0.0 exposes it to the network)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-id", default=None, help="OpenAI model name (default: run dir name)")
+    p.add_argument("--num-replicas", type=int, default=1)
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="k to serve with (default: the run's)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")
+
+    from rayspec.rollout.endpoint import APP_NAME, RunDirError, build_app, llm_config
+
+    try:
+        llm = llm_config(args.run_dir, args.model_id, args.num_replicas, args.num_speculative_tokens)
+    except (RunDirError, ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    import ray
+    from ray import serve
+
+    from rayspec.config import load_config
+    from rayspec.scheduler import init_ray
+
+    cfg = load_config(os.path.join(args.run_dir, "config.yaml"))
+    embedded = cfg.ray.address is None and not os.environ.get("RAY_ADDRESS")
+    init_ray(cfg)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app([llm]), name=APP_NAME, route_prefix="/")
+    spec = llm.engine_kwargs.get("speculative_config")
+    model_id = llm.model_loading_config.model_id
+    print(f"serving '{model_id}' at http://{args.host}:{args.port}/v1 "
+          f"(speculative_config={spec})", flush=True)
+    if not embedded:
+        return 0
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""jobs.serve's run-directory checks and the ray.serve.llm config it builds
+(no cluster: tests/test_job_submit.py serves a run for real)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from omegaconf import OmegaConf
+
+from jobs.serve import main as serve_main
+from rayspec.config import load_config
+from rayspec.rollout.endpoint import RunDirError, llm_config, load_run
+
+
+def _run_dir(tmp_path, model_dir, *overrides, head=True):
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(None, [f"model.path={model_dir}", "model.dtype=float32", *overrides])
+    OmegaConf.save(OmegaConf.structured(cfg), run / "config.yaml")
+    shutil.copytree(model_dir, run / "policy")
+    if head:
+        (run / "draft_head").mkdir()
+        (run / "draft_head" / "model.safetensors").write_bytes(b"")
+    return run
+
+
+def test_load_run_names_what_is_missing(tmp_path, tiny_llama_dir):
+    with pytest.raises(RunDirError, match="nope: no such run directory"):
+        load_run(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RunDirError, match=r"empty/config.yaml: missing"):
+        load_run(tmp_path / "empty")
+    run = _run_dir(tmp_path, tiny_llama_dir, head=False)
+    with pytest.raises(RunDirError, match=r"run/draft_head: no EAGLE-3 head"):
+        load_run(run)
+    shutil.rmtree(run / "policy")
+    with pytest.raises(RunDirError, match=r"run/policy: no trained policy"):
+        load_run(run)
+
+
+def test_cli_reports_a_bad_run_dir_without_starting_ray(tmp_path, capsys):
+    assert serve_main([str(tmp_path / "missing")]) == 2
+    assert f"error: {tmp_path / 'missing'}: no such run directory" in capsys.readouterr().err
+
+
+def test_llm_config_serves_policy_with_the_runs_head(tmp_path, tiny_llama_dir):
+    run = _run_dir(tmp_path, tiny_llama_dir, "rollout.engine_kwargs.max_model_len=512")
+    llm = llm_config(run, num_speculative_tokens=2)
+    assert llm.model_loading_config.model_id == "run"
+    assert llm.model_loading_config.model_source == str(run / "policy")
+    ek = llm.engine_kwargs
+    assert ek["speculative_config"] == {"method": "eagle3", "num_speculative_tokens": 2,
+                                        "model": str(run / "draft_head")}
+    assert ek["dtype"] == "float32" and ek["max_model_len"] == 512 and "seed" not in ek
+    assert llm.placement_group_config["bundles"] == [{"CPU": 0.5}]
+    assert llm.runtime_env["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert llm.log_engine_metrics
+    with pytest.raises(ValueError, match="num_speculative_tokens=0"):
+        llm_config(run, num_speculative_tokens=0)
+
+
+def test_llm_config_without_speculation_and_on_gpus(tmp_path, tiny_llama_dir):
+    run = _run_dir(tmp_path, tiny_llama_dir, "rollout.speculative_config.method=null",
+                   "rollout.num_gpus_per_replica=1", "rollout.engine_kwargs.tensor_parallel_size=2",
+                   head=False)
+    llm = llm_config(run, model_id="m", num_replicas=2)
+    assert "speculative_config" not in llm.engine_kwargs
+    assert llm.placement_group_config["bundles"] == [{"CPU": 1, "GPU": 1}] * 2
+    assert llm.deployment_config["num_replicas"] == 2
