@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(cfg)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app([llm]), name=APP_NAME, route_prefix="/")
+    if not serve.status().proxies:
+        serve.delete(APP_NAME)
+        print("error: Ray Serve already runs on this cluster without an HTTP proxy (a jobs.grpo "
+              "run in progress?), so --host/--port cannot apply; `serve shutdown` or wait for "
+              "the run to end", file=sys.stderr)
+        return 2
     spec = llm.engine_kwargs.get("speculative_config")
     model_id = llm.model_loading_config.model_id
     print(f"serving '{model_id}' at http://{args.host}:{args.port}/v1 "

@@ -60,6 +60,9 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
     ak = cfg.rollout.adaptive_k
     adaptive = ({"margin": ak.margin, "calibration_tokens": ak.calibration_tokens}
                 if ak.enabled else None)
+    # the rollout app is reached through handles only: no HTTP proxy (no-op
+    # where Serve already runs)
+    serve.start(proxy_location="Disabled")
     app = deployment.bind(model=model_dir, speculative_config=spec, dtype=cfg.model.dtype,
                           engine_kwargs=engine_kwargs, env=env, cpu_cores_by_node=cores,
                           adaptive_k=adaptive)

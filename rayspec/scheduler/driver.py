@@ -95,7 +95,7 @@ def run(cfg: RunConfig) -> Path:
     from ray.train.torch import TorchTrainer
 
     from rayspec.draft.trainer import DraftTrainer
-    from rayspec.rollout.serve import deploy_rollout
+    from rayspec.rollout.serve import APP_NAME as ROLLOUT_APP, deploy_rollout
     from rayspec.train.loop import DRAFT_TRAINER_NAME, rl_worker_loop
 
     cfg = _absolute(cfg)
@@ -113,7 +113,6 @@ def run(cfg: RunConfig) -> Path:
     t0 = time.perf_counter()
     log.info("deploying %d rollout replica(s) (speculative_config=%s)", cfg.rollout.num_replicas,
              cfg.rollout.speculative_config)
-    serve.start(proxy_location="Disabled")
     deploy_rollout(cfg, model_dir, draft_dir, plan)
     draft = None
     if draft_online(cfg):
@@ -137,7 +136,12 @@ def run(cfg: RunConfig) -> Path:
         if draft is not None:
             ray.get(draft.save.remote(str(run_dir / "draft_head")))
     finally:
-        serve.delete("rayspec-rollout")
+        serve.delete(ROLLOUT_APP)
+        # Serve was started for the rollout app (without HTTP proxies): shut it
+        # down unless other apps use it, so a later `jobs.serve` can start it
+        # with its HTTP options.
+        if not serve.status().applications:
+            serve.shutdown()
         if draft is not None:
             ray.kill(draft)
     return run_dir
