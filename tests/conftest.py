@@ -11,6 +11,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CACHE_DIR = os.environ.get("RAYSPEC_CACHE_DIR", "~/.cache/rayspec")
+# what every metrics.jsonl record holds (README "Running")
+STEP_RECORD_KEYS = {"step", "reward_mean", "acceptance_length", "acceptance_rate_per_pos",
+                    "rollout_tokens_per_s", "time_rollout_s", "time_policy_s", "time_draft_s",
+                    "time_sync_s", "policy_version", "response_lens", "prompt_len_mean", "sample"}
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import STEP_RECORD_KEYS
+
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 GAUGES = ("rayspec_rollout_tokens_per_s", "rayspec_acceptance_length", "rayspec_acceptance_rate",
@@ -102,7 +104,7 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
     job = client.submit_job(
         entrypoint=(f"{sys.executable} -m jobs.grpo model.path={tiny_llama_dir} model.dtype=float32 "
                     f"trainer.steps=2 trainer.run_dir={run_dir} grpo.max_new_tokens=24 "
-                    "data.prompts_per_step=2 draft.steps_per_rl_step=1"),
+                    "data.prompts_per_step=2 draft.steps_per_rl_step=2 rollout.adaptive_k.enabled=true"),
         runtime_env={"working_dir": str(REPO), "excludes": [".venv", ".git", "runs", "*.egg-info"]},
     )
     seen: dict[str, list[str]] = {}  # the latest export of each metric
@@ -113,6 +115,22 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
     assert f"done: {run_dir / 'metrics.jsonl'}" in logs
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2]
+    # adaptive k: the first rollout drafts k=3 at every batch size (nothing
+    # measured yet); each step reports the schedule its rollout used
+    assert recs[0]["num_drafts"] > 0
+    assert list(recs[0]["replicas"].values())[0]["k_schedule"] == [[1, 64, 3]]  # max_num_seqs 64
+    for r in recs:
+        assert STEP_RECORD_KEYS <= r.keys()
+        assert list(r["replicas"].values())[0]["k_schedule"][0][0] == 1
+        assert len(r["acceptance_rate_per_pos"]) == 3
+        assert r["rollout_tokens_per_s"] > 0
+        assert r["time_policy_s"] > 0 and r["time_draft_s"] > 0 and r["time_sync_s"] > 0
+        assert r["sample"]["question"] and isinstance(r["sample"]["response"], str)
+        assert r["sample"]["reward"] in (0.0, 1.0)
+    assert [r["policy_version"] for r in recs] == [0, 1]
+    assert [r["draft_version"] for r in recs] == [1, 2]
+    assert (run_dir / "draft_head" / "model.safetensors").is_file()
+    assert (run_dir / "policy" / "model.safetensors").is_file()
 
     # the dashboard's metrics: the per-step gauges, tagged with run, method and replica
     assert set(GAUGES) <= seen.keys(), sorted(seen)

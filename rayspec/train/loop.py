@@ -178,6 +178,10 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         "response_lens": resp_lens,  # per sample: the performance model's concurrency decay
         "prompt_len_mean": sum(len(p) for p in batch.prompt_ids) / len(batch.prompt_ids),
         "replicas": {rid: s.summary() for rid, s in sorted(stats.replicas.items())},
+        # one rollout for people reading the log: the step's first sample
+        "sample": {"question": problems[batch.group[0]].question,
+                   "answer": problems[batch.group[0]].answer,
+                   "response": batch.texts[0], "reward": batch.rewards[0]},
         **train_m,
     }
     if draft is not None:
