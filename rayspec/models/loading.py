@@ -157,6 +157,68 @@ def make_tiny_llama(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
     return out
 
 
+def make_tiny_ernie_mtp(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike,
+                        *, hidden_size: int = 128, num_layers: int = 2, seed: int = 0) -> Path:
+    """A random ERNIE-4.5 (``Ernie4_5_MoeForCausalLM``, every layer dense) with
+    one native MTP layer, for testing ``method: mtp`` without a hub download.
+
+    vLLM 0.32 serves its MTP layer as ``ErnieMTP`` (one draft token per step,
+    so k = 1). The MTP weights, which transformers neither creates nor loads,
+    are written under the checkpoint names vLLM's loader maps
+    (``model.mtp_emb_norm.0``, ``model.mtp_hidden_norm.0``,
+    ``model.mtp_linear_proj.0``: [hidden, 2 * hidden] over [embedding;
+    hidden state], ``model.mtp_block.0.*``: a Llama decoder layer).
+
+    Args:
+        out_dir: where to write the HF directory.
+        tokenizer_dir: an HF directory whose tokenizer (and vocab size) to reuse.
+        hidden_size: model width; a multiple of 64 (vLLM's CPU attention head size).
+        num_layers: decoder layers of the target.
+        seed: torch seed of the random init.
+
+    Returns:
+        ``out_dir`` as a Path.
+    """
+    from safetensors.torch import load_file, save_file
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+    tok = load_tokenizer(tokenizer_dir)
+    h, inter = hidden_size, 2 * hidden_size
+    config = Ernie4_5_MoeConfig(
+        vocab_size=len(tok), hidden_size=h, intermediate_size=inter, num_hidden_layers=num_layers,
+        num_attention_heads=h // 64, num_key_value_heads=h // 64, max_position_embeddings=2048,
+        hidden_act="silu", use_bias=False, tie_word_embeddings=True,
+        # MoE from layer num_layers on: none, so neither target nor MTP layer needs MoE kernels
+        moe_num_experts=4, moe_k=2, moe_num_shared_experts=0, moe_intermediate_size=64,
+        moe_layer_start_index=num_layers, moe_layer_end_index=num_layers,
+        num_nextn_predict_layers=1, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = Ernie4_5_MoeForCausalLM(config)
+    with torch.no_grad():  # peaked next-token distributions, as in make_tiny_llama
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+        model.model.norm.weight.fill_(8.0)
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    weights = load_file(out / "model.safetensors")
+    rand = lambda *shape: torch.randn(*shape) * 0.08  # noqa: E731
+    mtp = {"mtp_emb_norm.0.weight": torch.ones(h), "mtp_hidden_norm.0.weight": torch.ones(h),
+           "mtp_linear_proj.0.weight": rand(h, 2 * h),
+           "mtp_block.0.input_layernorm.weight": torch.ones(h),
+           "mtp_block.0.post_attention_layernorm.weight": torch.ones(h),
+           "mtp_block.0.mlp.gate_proj.weight": rand(inter, h),
+           "mtp_block.0.mlp.up_proj.weight": rand(inter, h),
+           "mtp_block.0.mlp.down_proj.weight": rand(h, inter)}
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        mtp[f"mtp_block.0.self_attn.{name}.weight"] = rand(h, h)
+    weights.update({f"model.{k}": v for k, v in mtp.items()})
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 def truncated_copy(src: str | os.PathLike, out_dir: str | os.PathLike, num_layers: int) -> Path:
     """A draft model for ``method: draft_model``: the policy's first
     ``num_layers`` decoder layers with its own embedding, final norm and
