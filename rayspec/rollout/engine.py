@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -236,8 +237,10 @@ class SpecVLLMEngine:
             schedule = list(self.k_schedule)
             before = read_counters(self.llm.get_metrics())
             t0 = time.perf_counter()
+            # vLLM's progress bar where someone watches (an in-process engine,
+            # e.g. jobs.warmstart_draft, on a terminal); replicas log to files
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
-                                     params, use_tqdm=False)
+                                     params, use_tqdm=sys.stderr.isatty())
             wall = time.perf_counter() - t0
             stats_after = read_counters(self.llm.get_metrics())
             version = self.policy_version  # a refit waiting on the lock may land next
