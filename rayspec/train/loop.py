@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -263,6 +264,10 @@ def save_policy(engine, tokenizer, out: Path, dtype: torch.dtype, rank: int) -> 
     sd = full_state_dict(engine, dtype, rank)
     if rank != 0:
         return
+    if not sys.stderr.isatty():  # transformers' "Writing model shards" bar: only where someone watches
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         engine.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
