@@ -82,6 +82,10 @@ def head_node():
                 client.stop_job(job.submission_id)
                 _wait(client, job.submission_id, 60)
     finally:
+        # Serve apps first, so their vLLM engines shut down: `ray stop` kills
+        # the replicas and would leave each engine's EngineCore orphaned
+        subprocess.run([str(Path(RAY).with_name("serve")), "shutdown", "-y",
+                        f"--address=http://127.0.0.1:{dash}"], env=env, capture_output=True, timeout=120)
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
