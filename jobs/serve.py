@@ -11,8 +11,9 @@ Examples::
 On an embedded cluster the command serves until interrupted. Joining a
 running cluster (``ray.address`` / RAY_ADDRESS, as under ``ray job submit``)
 it deploys the app and returns; ``serve shutdown`` or ``serve.delete`` removes
-it. Speculation shows in ``/v1/models/<id>`` (the engine config) and in
-vLLM's ``ray_vllm_spec_decode_*`` counters on the Prometheus endpoint.
+it. Speculation shows in the printed speculative_config and in vLLM's
+``ray_vllm_spec_decode_*`` counters on the Prometheus endpoint
+(``ray.serve.llm``'s model card carries no engine config).
 """
 
 from __future__ import annotations
