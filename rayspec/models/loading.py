@@ -157,6 +157,59 @@ def make_tiny_llama(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
     return out
 
 
+def make_markov_llama(out_dir: str | os.PathLike, logits: torch.Tensor, *,
+                      num_layers: int = 8, seed: int = 0) -> Path:
+    """A Llama whose next-token distribution depends on the last token only: a
+    Markov chain with transition logits ``logits``, for exact sampling tests.
+
+    Every layer's ``o_proj`` and ``down_proj`` are zero, so attention and MLP
+    (random q/k/v/gate/up, still computed, KV cache included) add nothing to
+    the residual stream; the embedding of token i is the basis vector e_i,
+    which the final RMSNorm scales to ``sqrt(hidden) * e_i``, and ``lm_head``
+    is ``logits.T / sqrt(hidden)``. The model's logits after token i are then
+    ``logits[i]`` up to the norm's epsilon. ``rayspec.rollout.lossless.
+    transition_probs`` reads the exact distribution back from the saved model.
+    No tokenizer is written: engines need ``skip_tokenizer_init=True``.
+
+    Args:
+        out_dir: where to write the HF directory.
+        logits: float tensor [V, V], row i the next-token logits after token
+            i; V <= 64 (one hidden dimension per token, hidden size 64, the
+            smallest head vLLM's CPU attention takes). Token V-1 is the EOS id.
+        num_layers: decoder layers (>= 6 so EAGLE-3's aux layers are distinct).
+        seed: torch seed of the random (zero-contribution) attention and MLP weights.
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        ValueError: ``logits`` not square or V > 64.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab, hidden = logits.shape[0], 64
+    if logits.dim() != 2 or logits.shape[1] != vocab or vocab > hidden:
+        raise ValueError(f"logits must be [V, V] with V <= {hidden}, got {tuple(logits.shape)}")
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers, num_attention_heads=1, num_key_value_heads=1,
+        head_dim=hidden, max_position_embeddings=2048, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=vocab - 1, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab, hidden))
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[:, :vocab] = logits.float().T / hidden ** 0.5
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def make_tiny_ernie_mtp(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike,
                         *, hidden_size: int = 128, num_layers: int = 2, seed: int = 0) -> Path:
     """A random ERNIE-4.5 (``Ernie4_5_MoeForCausalLM``, every layer dense) with
