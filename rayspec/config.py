@@ -367,6 +367,8 @@ def load_config(path: str | os.PathLike | None = None,
     except OmegaConfBaseException as e:
         msg = (getattr(e, "msg", None) or str(e)).splitlines()[0]
         full = getattr(e, "full_key", None) or key
+        if key and full and key.startswith(f"{full}."):
+            full = key  # an unknown section: name the whole override, not its first part
         raise ConfigError(f"invalid config{where}: key '{full}': {msg}") from None
     try:
         validate(cfg)
@@ -380,6 +382,10 @@ def load_config(path: str | os.PathLike | None = None,
 def _check(ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -430,13 +436,18 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.trainer.steps >= 1, "trainer.steps", cfg.trainer.steps, "must be >= 1")
     _check(cfg.train.num_workers >= 1, "train.num_workers", cfg.train.num_workers, "must be >= 1")
     _check(cfg.rollout.num_replicas >= 1, "rollout.num_replicas", cfg.rollout.num_replicas, "must be >= 1")
-    stage = cfg.train.deepspeed.get("zero_optimization", {}).get("stage", 0)
-    _check(stage in (0, 1, 2, 3), "train.deepspeed.zero_optimization.stage", stage, "expected 0-3")
+    zero = cfg.train.deepspeed.get("zero_optimization", {})
+    _check(isinstance(zero, dict), "train.deepspeed.zero_optimization", zero,
+           "expected a mapping (DeepSpeed's zero_optimization section)")
+    stage = zero.get("stage", 0)
+    _check(_is_int(stage) and stage in (0, 1, 2, 3), "train.deepspeed.zero_optimization.stage",
+           stage, "expected 0-3")
     seqs = cfg.data.prompts_per_step * cfg.grpo.group_size
     micro = cfg.train.deepspeed.get("train_micro_batch_size_per_gpu", 1)
     _check(seqs % (cfg.train.num_workers) == 0, "train.num_workers", cfg.train.num_workers,
            f"must divide the {seqs} sequences per step (prompts_per_step * group_size)")
-    _check(micro >= 1, "train.deepspeed.train_micro_batch_size_per_gpu", micro, "must be >= 1")
+    _check(_is_int(micro) and micro >= 1, "train.deepspeed.train_micro_batch_size_per_gpu", micro,
+           "must be an integer >= 1")
     _check(cfg.draft.steps_per_rl_step >= 0, "draft.steps_per_rl_step",
            cfg.draft.steps_per_rl_step, "must be >= 0")
     _check(cfg.draft.ttt_steps >= 1, "draft.ttt_steps", cfg.draft.ttt_steps, "must be >= 1")

@@ -7,8 +7,10 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from rayspec.config import BUNDLED_MODEL, ConfigError, RunConfig, load_config, to_dict
+from rayspec.config import BUNDLED_MODEL, ConfigError, RunConfig, load_config, to_dict, validate
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -97,9 +99,16 @@ def test_draft_model_with_existing_dir(tmp_path):
      "rollout.adaptive_k.enabled", "True"),
     (["rollout.adaptive_k.enabled=true", "rollout.adaptive_k.calibration_tokens=1"],
      "rollout.adaptive_k.calibration_tokens", "1"),
+    (["rollout.speculative_config.draft_sample_method=top1"],
+     "rollout.speculative_config.draft_sample_method", "top1"),
+    (["train.deepspeed.train_micro_batch_size_per_gpu=abc"],
+     "train.deepspeed.train_micro_batch_size_per_gpu", "abc"),
+    (["train.deepspeed.zero_optimization=3"], "train.deepspeed.zero_optimization", "3"),
+    (["nosuch.key=1"], "nosuch.key", None),
 ], ids=["unknown-key", "k<1", "unknown-method", "missing-model", "group-size-1", "wrong-type",
         "draft-model-no-path", "draft-model-missing-dir", "num-workers-not-dividing",
-        "unknown-dataset", "adaptive-without-speculation", "adaptive-calibration-too-short"])
+        "unknown-dataset", "adaptive-without-speculation", "adaptive-calibration-too-short",
+        "bad-draft-sample-method", "micro-batch-not-int", "zero-section-not-a-map", "unknown-section"])
 def test_bad_override_names_key_and_value(overrides, key, value):
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, overrides)
@@ -157,3 +166,42 @@ def test_missing_preset_and_invalid_value_in_preset_name_the_file(tmp_path):
     preset.write_text("grpo:\n  group_size: 1\n")
     with pytest.raises(ConfigError, match=r"grpo.group_size=1.*g1.yaml"):
         load_config(preset)
+
+
+LEAVES = sorted(_flat(to_dict(RunConfig())))
+VALUES = st.one_of(
+    st.integers(-3, 100), st.floats(-2, 2, allow_nan=False), st.booleans(), st.none(),
+    st.sampled_from(["eagle3", "draft_model", "ngram", "mtp", "split", "async", "gsm8k", "float32",
+                     "abc", "''", "[1, 2]", "{a: 1}", "/nonexistent"]))
+
+
+def _render(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(LEAVES + ["rollout.bogus", "nosuch.key", "trainer"]), VALUES),
+                max_size=4))
+def test_any_overrides_give_a_valid_config_or_a_config_error_naming_a_key(pairs):
+    """Property: whatever the overrides, load_config returns a config that
+    validates, with the overridden values, or raises ConfigError (never
+    another exception) whose message names an overridden key or the schema
+    key a cross-key check failed on."""
+    overrides = [f"{k}={_render(v)}" for k, v in pairs]
+    try:
+        cfg = load_config(DEFAULT, overrides)
+    except ConfigError as e:
+        msg = str(e)
+        assert any(k in msg for k, _ in pairs) or any(leaf in msg for leaf in LEAVES), msg
+        return
+    validate(cfg)
+    flat = _flat(to_dict(cfg))
+    for k, v in dict(pairs).items():  # the last override of a key wins
+        if k in flat and not isinstance(v, str) and k != "data.path":
+            # OmegaConf coerces to the field's type: str fields take the text,
+            # bool fields take integers as C does (0 false, others true)
+            got = flat[k]
+            same = got == v or str(got).lower() == _render(v) or (
+                isinstance(got, bool) and isinstance(v, int) and got == bool(v)) or (
+                isinstance(v, (int, float)) and isinstance(got, (int, float)) and float(got) == float(v))
+            assert same, (k, v, got)
