@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_dir = run(cfg)
-    except ClusterFitError as e:
+    except (ConfigError, ClusterFitError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"done: {run_dir / 'metrics.jsonl'}")

@@ -83,7 +83,8 @@ def load_gsm8k(path: str, split: str = "train") -> list[Problem]:
 
     Raises:
         ValueError: a bad row (invalid JSON, missing key, answer without a
-            ``#### N`` line); the message names the file and the 1-based line.
+            ``#### N`` line; the message names the file and the 1-based line),
+            or a file without rows.
         FileNotFoundError: ``path`` is a local directory without ``<split>.jsonl``,
             or looks like a local path ("/", ".", "~") that does not exist.
         ImportError: ``path`` is a hub id and ``datasets`` is not installed.
@@ -91,7 +92,10 @@ def load_gsm8k(path: str, split: str = "train") -> list[Problem]:
     p = Path(path).expanduser()
     file = p / f"{split}.jsonl" if p.is_dir() else p
     if file.is_file():
-        return _read_gsm8k_jsonl(file)
+        problems = _read_gsm8k_jsonl(file)
+        if not problems:
+            raise ValueError(f"{file}: no GSM8K rows (empty file)")
+        return problems
     # A hub id is "owner/name"; anything path-like that is missing is a typo, not a hub id.
     if p.exists() or path.startswith((".", "/", "~")):
         raise FileNotFoundError(f"GSM8K path {path}: no file {file}")

@@ -9,6 +9,7 @@ written to a temp dir and renamed so a crash never leaves half a model.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from rayspec.config import BUNDLED_MODEL
+from rayspec.config import BUNDLED_MODEL, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +85,104 @@ def materialize_bundled_model(cache_dir: str | os.PathLike) -> Path:
 
 
 def resolve_model_path(path: str, cache_dir: str) -> Path:
-    """``model.path`` -> an HF directory (materialising the bundled model)."""
+    """``model.path`` -> an HF directory (materialising the bundled model).
+
+    Raises:
+        ConfigError: see ``check_causal_lm_dir``.
+    """
     if path == BUNDLED_MODEL:
         return materialize_bundled_model(cache_dir)
     p = Path(path).expanduser()
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"model.path={path}: no config.json in that directory")
+    check_causal_lm_dir(p, "model.path")
     return p
+
+
+def check_causal_lm_dir(path: str | os.PathLike, key: str) -> dict:
+    """Check that ``path`` is a causal LM rayspec loads safely; returns its config.json.
+
+    Safe means: weights in safetensors (a pickle checkpoint such as
+    ``pytorch_model.bin`` can run code when loaded, so it is refused, not
+    loaded) and no custom modelling code (``auto_map``: transformers and vLLM
+    run with ``trust_remote_code`` off).
+
+    Args:
+        path: an HF model directory.
+        key: the config key that named it, for the error message.
+
+    Raises:
+        ConfigError: no directory or config.json, config.json not JSON, an
+            architecture that is not ``*ForCausalLM``, custom code, or no
+            ``*.safetensors`` file; the message names ``key``, the path and
+            what is wrong.
+    """
+    p = Path(path).expanduser()
+    where = f"{key}={path}"
+    if not p.is_dir():
+        raise ConfigError(f"{where}: not a directory")
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{where}: no config.json in that directory (not a Hugging Face model)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{where}: cannot read {cfg_file}: {e}") from None
+    archs = cfg.get("architectures") or []
+    if not any(a.endswith("ForCausalLM") for a in archs):
+        raise ConfigError(f"{where}: {cfg_file} architectures={archs}: not a causal LM "
+                          "(expected a *ForCausalLM architecture)")
+    if cfg.get("auto_map"):
+        raise ConfigError(f"{where}: {cfg_file} has auto_map (custom modelling code), which rayspec "
+                          "does not run: trust_remote_code is off")
+    if not any(p.glob("*.safetensors")):
+        pickles = sorted(f.name for f in p.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".pkl"))
+        raise ConfigError(f"{where}: no *.safetensors weights{f' (found {pickles})' if pickles else ''}; "
+                          "pickle checkpoints are not loaded because loading one can run code: "
+                          "convert with save_pretrained(safe_serialization=True)")
+    return cfg
+
+
+def check_draft_matches_policy(policy_cfg: dict, draft_dir: str | os.PathLike, method: str) -> None:
+    """Check ``rollout.speculative_config.model`` against the policy before any engine starts.
+
+    eagle3: the head reads the verifier's hidden states and proposes in its
+    vocabulary, so ``hidden_size`` and ``vocab_size`` must equal the
+    policy's and its aux layers must exist in the policy. draft_model: a
+    safetensors causal LM (``check_causal_lm_dir``) with the policy's
+    ``vocab_size`` (same tokenizer).
+
+    Args:
+        policy_cfg: the policy's config.json (from ``check_causal_lm_dir``).
+        draft_dir: the draft directory.
+        method: ``speculative_config.method``.
+
+    Raises:
+        ConfigError: naming the key, the draft's config.json, the field and both values.
+    """
+    key = "rollout.speculative_config.model"
+    d = Path(draft_dir).expanduser()
+    if method == "eagle3":
+        cfg_file = d / "config.json"
+        if not cfg_file.is_file() or not (d / "model.safetensors").is_file():
+            raise ConfigError(f"{key}={draft_dir}: expected an EAGLE-3 head (config.json and "
+                              "model.safetensors)")
+        cfg = json.loads(cfg_file.read_text())
+        # vLLM reads a head's target width from target_hidden_size when it differs
+        pairs = (("target_hidden_size" if "target_hidden_size" in cfg else "hidden_size", "hidden_size"),
+                 ("vocab_size", "vocab_size"))
+    elif method == "draft_model":
+        cfg, cfg_file = check_causal_lm_dir(d, key), d / "config.json"
+        pairs = (("vocab_size", "vocab_size"),)
+    else:
+        return
+    for f, pf in pairs:
+        if cfg.get(f) != policy_cfg.get(pf):
+            raise ConfigError(f"{key}={draft_dir}: {cfg_file} {f}={cfg.get(f)} does not match the "
+                              f"policy's {pf}={policy_cfg.get(pf)}")
+    aux = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
+    layers = policy_cfg.get("num_hidden_layers", 0)
+    if any(not 0 <= i < layers for i in aux):
+        raise ConfigError(f"{key}={draft_dir}: {cfg_file} eagle_aux_hidden_state_layer_ids={aux} "
+                          f"name layers the {layers}-layer policy does not have")
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -20,8 +20,9 @@ from pathlib import Path
 import ray
 from omegaconf import OmegaConf
 
-from rayspec.config import RunConfig, draft_online
-from rayspec.models import load_policy, resolve_model_path
+from rayspec.config import ConfigError, RunConfig, draft_online
+from rayspec.data import load_problems
+from rayspec.models import check_causal_lm_dir, check_draft_matches_policy, load_policy, resolve_model_path
 from rayspec.scheduler.placement import cluster_nodes, plan_placement
 
 log = logging.getLogger(__name__)
@@ -82,11 +83,34 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
     return str(head_dir), head_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
 
 
+def check_inputs(cfg: RunConfig) -> str:
+    """Check the policy, the draft and the dataset before anything starts or
+    is written; returns the policy's HF directory (the bundled model is
+    materialised here).
+
+    Raises:
+        ConfigError: naming the key and file at fault (see
+            ``check_causal_lm_dir``, ``check_draft_matches_policy``; a
+            missing, empty or malformed dataset file with its line number).
+    """
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    policy_cfg = check_causal_lm_dir(model_dir, "model.path")
+    spec = cfg.rollout.speculative_config
+    if spec.model is not None:
+        check_draft_matches_policy(policy_cfg, spec.model, spec.method)
+    try:
+        load_problems(cfg.data.name, cfg.data.path, cfg.data.split, cfg.data.num_problems,
+                      cfg.data.seed, cfg.data.level)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"data.path={cfg.data.path}: {e}") from None
+    return str(model_dir)
+
+
 def run(cfg: RunConfig) -> Path:
     """Run ``cfg.trainer.steps`` GRPO steps; returns the run directory.
 
     Raises:
-        ConfigError / FileNotFoundError: bad config or missing model/data.
+        ConfigError: bad config, model, draft or data (``check_inputs``).
         ClusterFitError: the layout does not fit the cluster.
         Both before any role is started.
     """
@@ -99,6 +123,7 @@ def run(cfg: RunConfig) -> Path:
     from rayspec.train.loop import DRAFT_TRAINER_NAME, rl_worker_loop
 
     cfg = _absolute(cfg)
+    model_dir = check_inputs(cfg)
     init_ray(cfg)
     plan = plan_placement(cfg, cluster_nodes())
     log.info("scheduler mode %s%s; %s", cfg.scheduler.mode,
@@ -107,7 +132,6 @@ def run(cfg: RunConfig) -> Path:
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
-    model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     draft_dir, aux_ids = prepare_draft(cfg, model_dir, run_dir)
 
     t0 = time.perf_counter()

@@ -1,0 +1,133 @@
+"""Bad models, drafts and datasets stop ``jobs.grpo`` before Ray starts or
+anything is written, with exit status 2 and a message naming the key and the
+file (docs/bad-input.md lists every bad input and the test that tries it).
+Pickle checkpoints and custom modelling code are refused, not loaded: the
+code they carry never runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import grpo
+
+MARKER = "rayspec-test-code-ran"
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory, tiny_llama_dir) -> Path:
+    from rayspec.draft.eagle3 import init_head, save_head
+    from rayspec.models import load_policy
+
+    return save_head(init_head(load_policy(tiny_llama_dir)), tmp_path_factory.mktemp("head") / "head")
+
+
+def _edit_json(path: Path, **changes) -> None:
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def _copy(src: Path, dst: Path, **config_changes) -> Path:
+    shutil.copytree(src, dst)
+    if config_changes:
+        _edit_json(dst / "config.json", **config_changes)
+    return dst
+
+
+class _Evil:
+    """Pickles to a call that writes MARKER: what loading an untrusted pickle can do."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.path), "pwned"))
+
+
+def _policy(kind: str, tmp: Path, tiny: Path) -> Path:
+    if kind == "no-config":
+        d = tmp / "empty"
+        d.mkdir()
+        return d
+    if kind == "not-causal-lm":
+        return _copy(tiny, tmp / "bert", architectures=["BertModel"], model_type="bert")
+    if kind == "custom-code":
+        d = _copy(tiny, tmp / "custom", auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+        (d / "modeling_x.py").write_text(f"open({str(tmp / MARKER)!r}, 'w').write('ran')\n")
+        return d
+    if kind == "pickle-weights":
+        d = _copy(tiny, tmp / "pickled")
+        (d / "model.safetensors").unlink()
+        torch.save({"evil": _Evil(tmp / MARKER)}, d / "pytorch_model.bin")
+        return d
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind, fragments", [
+    ("no-config", ["model.path=", "no config.json"]),
+    ("not-causal-lm", ["model.path=", "architectures=['BertModel']", "not a causal LM"]),
+    ("custom-code", ["model.path=", "auto_map", "trust_remote_code is off"]),
+    ("pickle-weights", ["model.path=", "no *.safetensors weights", "pytorch_model.bin", "pickle"]),
+])
+def test_bad_policy_stops_the_run(kind, fragments, tmp_path, tiny_llama_dir, capsys):
+    model = _policy(kind, tmp_path, tiny_llama_dir)
+    run_dir = tmp_path / "run"
+    assert grpo.main([f"model.path={model}", f"trainer.run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert str(model) in err and all(f in err for f in fragments), err
+    assert not run_dir.exists()
+    assert not (tmp_path / MARKER).exists(), "a refused checkpoint's code ran"
+
+
+@pytest.mark.parametrize("method, draft, fragments", [
+    ("eagle3", "head-hidden", ["target_hidden_size=256", "policy's hidden_size=128"]),
+    ("eagle3", "head-vocab", ["vocab_size=1000", "policy's vocab_size=49152"]),
+    ("eagle3", "head-aux-layers", ["eagle_aux_hidden_state_layer_ids=[1, 3, 12]", "8-layer policy"]),
+    ("eagle3", "no-head", ["expected an EAGLE-3 head"]),
+    ("draft_model", "other-vocab", ["vocab_size=32", "policy's vocab_size=49152"]),
+    ("draft_model", "pickle-weights", ["no *.safetensors weights"]),
+])
+def test_draft_that_does_not_match_the_policy_stops_the_run(method, draft, fragments, tmp_path,
+                                                           tiny_llama_dir, head_dir, capsys):
+    from rayspec.models import make_markov_llama
+    from rayspec.rollout.lossless import markov_logits
+
+    d = {"head-hidden": lambda: _copy(head_dir, tmp_path / "h", hidden_size=256, target_hidden_size=256),
+         "head-vocab": lambda: _copy(head_dir, tmp_path / "h", vocab_size=1000),
+         "head-aux-layers": lambda: _copy(head_dir, tmp_path / "h",
+                                          eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 12]}),
+         "no-head": lambda: _policy("no-config", tmp_path, tiny_llama_dir),
+         "other-vocab": lambda: make_markov_llama(tmp_path / "markov", markov_logits()),
+         "pickle-weights": lambda: _policy("pickle-weights", tmp_path, tiny_llama_dir)}[draft]()
+    run_dir = tmp_path / "run"
+    assert grpo.main([f"model.path={tiny_llama_dir}", f"rollout.speculative_config.method={method}",
+                      f"rollout.speculative_config.model={d}", f"trainer.run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.speculative_config.model=" in err and all(f in err for f in fragments), err
+    assert not run_dir.exists()
+    assert not (tmp_path / MARKER).exists()
+
+
+@pytest.mark.parametrize("content, fragments", [
+    (None, ["no file", "train.jsonl"]),
+    ("", ["train.jsonl", "no GSM8K rows"]),
+    ('{"question": "q", "answer": "#### 1"}\n{"question": "q"}\n', ["train.jsonl:2", "lacks key 'answer'"]),
+    ('{"question": "q", "answer": "#### 1"}\n{"question": "q", "answer": "#### x"}\n',
+     ["train.jsonl:2", "not a number"]),
+], ids=["missing", "empty", "row-without-answer", "answer-not-a-number"])
+def test_bad_dataset_stops_the_run(content, fragments, tmp_path, tiny_llama_dir, capsys):
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    if content is not None:
+        (data / "train.jsonl").write_text(content)
+    run_dir = tmp_path / "run"
+    assert grpo.main([f"model.path={tiny_llama_dir}", "data.name=gsm8k", f"data.path={data}",
+                      f"trainer.run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert f"data.path={data}" in err and all(f in err for f in fragments), err
+    assert not run_dir.exists()
