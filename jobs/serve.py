@@ -27,7 +27,7 @@ import time
 from rayspec.config import ConfigError
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jobs.serve", description=__doc__.split("\n")[0])
     p.add_argument("run_dir", help="a jobs.grpo run directory (config.yaml, policy/, draft_head/)")
     p.add_argument("--host", default="127.0.0.1",
@@ -37,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-replicas", type=int, default=1)
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="k to serve with (default: the run's)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")
 
     from rayspec.rollout.endpoint import APP_NAME, RunDirError, build_app, llm_config
