@@ -144,6 +144,16 @@ def _prompts(tokens: int) -> tuple[list[list[int]], int]:
     return prompts, -(-tokens // (len(prompts) * LENGTH))
 
 
+def engine_in_process(model: str | Path, spec: dict | None, engine_kwargs: dict):
+    """A float32 ``SpecVLLMEngine`` whose engine core and worker run in this
+    process: seconds to start instead of two more interpreters importing vLLM."""
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+
+    env = {**cpu_engine_env(1, "all"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return SpecVLLMEngine(str(model), spec, dtype="float32", env=env,
+                          engine_kwargs={**engine_kwargs, "distributed_executor_backend": "uni"})
+
+
 def sample_engine(case: str, paths: dict[str, Path], args, tokens: int) -> dict:
     """Sample one case with ``SpecVLLMEngine`` in this process.
 
@@ -151,14 +161,7 @@ def sample_engine(case: str, paths: dict[str, Path], args, tokens: int) -> dict:
         {temperature: {"token": (prompt_ids, response_ids), "sequence": response_ids,
         "acceptance_length": float, "draft_tokens": int}} (acceptance of the token run).
     """
-    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
-
-    # engine core and worker in this process: seconds to start instead of
-    # two more interpreters importing vLLM
-    env = {**cpu_engine_env(1, "all"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    engine = SpecVLLMEngine(str(paths["target"]), speculative_config(case, paths, args.k),
-                            dtype="float32", env=env,
-                            engine_kwargs={**ENGINE_KWARGS, "distributed_executor_backend": "uni"})
+    engine = engine_in_process(paths["target"], speculative_config(case, paths, args.k), ENGINE_KWARGS)
     try:
         return _sample(lambda prompts, **kw: engine.generate(prompts, **kw), args, tokens)
     finally:

@@ -191,3 +191,28 @@ def test_eagle3_rollout_app_is_lossless(tmp_path):
         (1.0, "token"), (1.0, "sequence"), (0.7, "token"), (0.7, "sequence")}
     for r in rows:
         assert r["passed"] and r["via"] == "serve" and r["draft_tokens"] > 10_000, r
+
+
+def test_greedy_compare_finds_the_first_differing_token():
+    from jobs.check_greedy import compare
+
+    assert compare([[1, 2, 3], [4, 5], [6, 7, 8]], [[1, 2, 3], [4, 9], [6, 7]]) == (1, [1, 2])
+
+
+@pytest.mark.slow
+def test_greedy_continuations_with_and_without_speculation(tmp_path, tiny_llama_dir, gsm8k_dir):
+    """fp32 greedy on GSM8K prompts: each draft kind's continuations are
+    compared token by token with plain decoding's (the tiny model's peaked
+    distributions leave no near-ties, so they match)."""
+    out = tmp_path / "greedy.json"
+    proc = subprocess.run([sys.executable, "-m", "jobs.check_greedy", "--model", str(tiny_llama_dir),
+                           "--data-path", str(gsm8k_dir), "--prompts", "8", "--max-tokens", "32",
+                           "--draft-layers", "4", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {r["method"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"none (batch 1)", "eagle3", "draft_model", "ngram"}
+    for r in rows.values():
+        assert r["prompts"] == 8 and len(r["first_diff"]) == 8 - r["identical"]
+        assert r["identical_rate"] >= 0.75, r
+    assert rows["ngram"]["acceptance_length"] > 1.0  # the speculative engines did speculate
