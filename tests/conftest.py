@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,59 @@ def engine_kwargs(**kw):
     base = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 16, "seed": 0}
     base.update(kw)
     return base
+
+
+# Planted bad checkpoints for tests/test_bad_input.py and tests/test_security.py.
+MARKER = "rayspec-test-code-ran"  # a file that exists only if a checkpoint's code ran
+
+
+@pytest.fixture(scope="session")
+def head_dir(tmp_path_factory, tiny_llama_dir) -> Path:
+    """A fresh EAGLE-3 head (vLLM format) for the tiny Llama."""
+    from rayspec.draft.eagle3 import init_head, save_head
+    from rayspec.models import load_policy
+
+    return save_head(init_head(load_policy(tiny_llama_dir)), tmp_path_factory.mktemp("head") / "head")
+
+
+def copy_model_dir(src: Path, dst: Path, **config_changes) -> Path:
+    """Copy an HF/head directory, updating keys of its config.json."""
+    shutil.copytree(src, dst)
+    if config_changes:
+        cfg_file = dst / "config.json"
+        cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), **config_changes}))
+    return dst
+
+
+class PicklePayload:
+    """Pickles to a call that writes ``path``: what loading an untrusted pickle can do."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.path), "pwned"))
+
+
+def planted_policy(kind: str, tmp: Path, tiny: Path) -> Path:
+    """A bad policy directory under ``tmp``: ``no-config``, ``not-causal-lm``,
+    ``custom-code`` (auto_map code that writes MARKER on import) or
+    ``pickle-weights`` (only a pytorch_model.bin that writes MARKER when unpickled)."""
+    if kind == "no-config":
+        d = tmp / "empty"
+        d.mkdir()
+        return d
+    if kind == "not-causal-lm":
+        return copy_model_dir(tiny, tmp / "bert", architectures=["BertModel"], model_type="bert")
+    if kind == "custom-code":
+        d = copy_model_dir(tiny, tmp / "custom", auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+        (d / "modeling_x.py").write_text(f"open({str(tmp / MARKER)!r}, 'w').write('ran')\n")
+        return d
+    if kind == "pickle-weights":
+        import torch
+
+        d = copy_model_dir(tiny, tmp / "pickled")
+        (d / "model.safetensors").unlink()
+        torch.save({"evil": PicklePayload(tmp / MARKER)}, d / "pytorch_model.bin")
+        return d
+    raise ValueError(kind)

@@ -6,66 +6,10 @@ code they carry never runs."""
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
-import torch
 
 from jobs import grpo
-
-MARKER = "rayspec-test-code-ran"
-
-
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory, tiny_llama_dir) -> Path:
-    from rayspec.draft.eagle3 import init_head, save_head
-    from rayspec.models import load_policy
-
-    return save_head(init_head(load_policy(tiny_llama_dir)), tmp_path_factory.mktemp("head") / "head")
-
-
-def _edit_json(path: Path, **changes) -> None:
-    cfg = json.loads(path.read_text())
-    cfg.update(changes)
-    path.write_text(json.dumps(cfg))
-
-
-def _copy(src: Path, dst: Path, **config_changes) -> Path:
-    shutil.copytree(src, dst)
-    if config_changes:
-        _edit_json(dst / "config.json", **config_changes)
-    return dst
-
-
-class _Evil:
-    """Pickles to a call that writes MARKER: what loading an untrusted pickle can do."""
-
-    def __init__(self, path: Path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (Path.write_text, (Path(self.path), "pwned"))
-
-
-def _policy(kind: str, tmp: Path, tiny: Path) -> Path:
-    if kind == "no-config":
-        d = tmp / "empty"
-        d.mkdir()
-        return d
-    if kind == "not-causal-lm":
-        return _copy(tiny, tmp / "bert", architectures=["BertModel"], model_type="bert")
-    if kind == "custom-code":
-        d = _copy(tiny, tmp / "custom", auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"})
-        (d / "modeling_x.py").write_text(f"open({str(tmp / MARKER)!r}, 'w').write('ran')\n")
-        return d
-    if kind == "pickle-weights":
-        d = _copy(tiny, tmp / "pickled")
-        (d / "model.safetensors").unlink()
-        torch.save({"evil": _Evil(tmp / MARKER)}, d / "pytorch_model.bin")
-        return d
-    raise ValueError(kind)
+from tests.conftest import MARKER, copy_model_dir, planted_policy
 
 
 @pytest.mark.parametrize("kind, fragments", [
@@ -75,7 +19,7 @@ def _policy(kind: str, tmp: Path, tiny: Path) -> Path:
     ("pickle-weights", ["model.path=", "no *.safetensors weights", "pytorch_model.bin", "pickle"]),
 ])
 def test_bad_policy_stops_the_run(kind, fragments, tmp_path, tiny_llama_dir, capsys):
-    model = _policy(kind, tmp_path, tiny_llama_dir)
+    model = planted_policy(kind, tmp_path, tiny_llama_dir)
     run_dir = tmp_path / "run"
     assert grpo.main([f"model.path={model}", f"trainer.run_dir={run_dir}"]) == 2
     err = capsys.readouterr().err
@@ -97,13 +41,13 @@ def test_draft_that_does_not_match_the_policy_stops_the_run(method, draft, fragm
     from rayspec.models import make_markov_llama
     from rayspec.rollout.lossless import markov_logits
 
-    d = {"head-hidden": lambda: _copy(head_dir, tmp_path / "h", hidden_size=256, target_hidden_size=256),
-         "head-vocab": lambda: _copy(head_dir, tmp_path / "h", vocab_size=1000),
-         "head-aux-layers": lambda: _copy(head_dir, tmp_path / "h",
+    d = {"head-hidden": lambda: copy_model_dir(head_dir, tmp_path / "h", hidden_size=256, target_hidden_size=256),
+         "head-vocab": lambda: copy_model_dir(head_dir, tmp_path / "h", vocab_size=1000),
+         "head-aux-layers": lambda: copy_model_dir(head_dir, tmp_path / "h",
                                           eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 12]}),
-         "no-head": lambda: _policy("no-config", tmp_path, tiny_llama_dir),
+         "no-head": lambda: planted_policy("no-config", tmp_path, tiny_llama_dir),
          "other-vocab": lambda: make_markov_llama(tmp_path / "markov", markov_logits()),
-         "pickle-weights": lambda: _policy("pickle-weights", tmp_path, tiny_llama_dir)}[draft]()
+         "pickle-weights": lambda: planted_policy("pickle-weights", tmp_path, tiny_llama_dir)}[draft]()
     run_dir = tmp_path / "run"
     assert grpo.main([f"model.path={tiny_llama_dir}", f"rollout.speculative_config.method={method}",
                       f"rollout.speculative_config.model={d}", f"trainer.run_dir={run_dir}"]) == 2

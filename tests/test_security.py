@@ -7,7 +7,7 @@ import psutil
 import pytest
 import torch
 
-from tests.test_bad_input import MARKER, _copy, _Evil, _policy, head_dir  # noqa: F401 (fixture)
+from tests.conftest import MARKER, PicklePayload, copy_model_dir, planted_policy
 
 
 def test_no_model_code_runs_by_default(tmp_path, tiny_llama_dir):
@@ -21,17 +21,17 @@ def test_no_model_code_runs_by_default(tmp_path, tiny_llama_dir):
 
     assert EngineArgs(model="x").trust_remote_code is False
     assert "trust_remote_code" not in RunConfig().rollout.engine_kwargs
-    model = load_policy(_policy("custom-code", tmp_path, tiny_llama_dir))
+    model = load_policy(planted_policy("custom-code", tmp_path, tiny_llama_dir))
     assert type(model).__name__ == "LlamaForCausalLM"
     assert not (tmp_path / MARKER).exists()
 
 
-def test_head_loads_from_safetensors_only(tmp_path, head_dir):  # noqa: F811
+def test_head_loads_from_safetensors_only(tmp_path, head_dir):
     from rayspec.draft.eagle3 import load_head
 
-    h = _copy(head_dir, tmp_path / "h")
+    h = copy_model_dir(head_dir, tmp_path / "h")
     (h / "model.safetensors").unlink()
-    torch.save({"evil": _Evil(tmp_path / MARKER)}, h / "pytorch_model.bin")
+    torch.save({"evil": PicklePayload(tmp_path / MARKER)}, h / "pytorch_model.bin")
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_head(h)
     assert not (tmp_path / MARKER).exists()

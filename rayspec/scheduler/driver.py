@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from rayspec.config import ConfigError, RunConfig, draft_online
 from rayspec.data import load_problems
-from rayspec.models import check_causal_lm_dir, check_draft_matches_policy, load_policy, resolve_model_path
+from rayspec.models import check_draft_matches_policy, load_policy, resolve_model_path
 from rayspec.scheduler.placement import cluster_nodes, plan_placement
 
 log = logging.getLogger(__name__)
@@ -90,11 +90,11 @@ def check_inputs(cfg: RunConfig) -> str:
 
     Raises:
         ConfigError: naming the key and file at fault (see
-            ``check_causal_lm_dir``, ``check_draft_matches_policy``; a
+            ``resolve_model_path``, ``check_draft_matches_policy``; a
             missing, empty or malformed dataset file with its line number).
     """
-    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    policy_cfg = check_causal_lm_dir(model_dir, "model.path")
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)  # checks a local policy
+    policy_cfg = json.loads((model_dir / "config.json").read_text())
     spec = cfg.rollout.speculative_config
     if spec.model is not None:
         check_draft_matches_policy(policy_cfg, spec.model, spec.method)
