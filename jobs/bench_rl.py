@@ -24,8 +24,9 @@ per-step lists) and ``<run-dir>/rl.png`` (the runs' curves overlaid).
 
 Resumable: a run whose ``<run-dir>/<run>/metrics.jsonl`` already holds
 ``--steps`` records is read back, not run again (each run takes tens of
-minutes on a CPU); a run directory holding an unfinished run is refused,
-never overwritten.
+minutes on a CPU); an unfinished run (or one with fewer steps) continues
+from its last checkpoint; one without a checkpoint is refused, never
+overwritten.
 """
 
 from __future__ import annotations
@@ -125,20 +126,23 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    done = {}
+    from rayspec.scheduler import checkpoints, init_ray, run
+
+    done, resume = {}, set()
     for name, cfg in cfgs:
         run_dir = Path(cfg.trainer.run_dir)
         if not run_dir.exists() or not any(run_dir.iterdir()):
             continue
         records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
         if len(records) < ns.steps:
-            print(f"error: {run_dir} holds an unfinished run ({len(records)} of {ns.steps} steps); "
-                  "remove it to run it again", file=sys.stderr)
+            if checkpoints(run_dir):
+                resume.add(name)  # continued from its last checkpoint below
+                continue
+            print(f"error: {run_dir} holds an unfinished run ({len(records)} of {ns.steps} steps) "
+                  "without a checkpoint; remove it to run it again", file=sys.stderr)
             return 2
         done[name] = summarize(name, records[:ns.steps])
     logging.basicConfig(level=cfgs[0][1].logging.level, format="%(asctime)s %(name)s: %(message)s")
-    from rayspec.scheduler import init_ray, run
-
     if len(done) < len(cfgs):
         init_ray(cfgs[0][1])
     rows = []
@@ -148,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(done[name])
             continue
         print(f"=== {name}: {ns.steps} steps -> {cfg.trainer.run_dir}", flush=True)
-        run(cfg)
+        run(cfg, resume=name in resume)
         rows.append(summarize(name, read_metrics(cfg.trainer.run_dir)))
     print(format_table(rows))
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,11 @@ Examples::
     python -m jobs.grpo                                   # offline default
     python -m jobs.grpo data.name=gsm8k data.path=../shared/data/gsm8k trainer.steps=3
     ray job submit --working-dir . -- python -m jobs.grpo trainer.steps=3
+    python -m jobs.grpo resume=runs/default trainer.steps=20   # continue from the last checkpoint
 
 Prints one line per step and writes ``<trainer.run_dir>/metrics.jsonl``.
+``resume=<run dir>`` continues a run with its saved ``config.yaml`` (plus any
+overrides) from its latest checkpoint.
 """
 
 from __future__ import annotations
@@ -25,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     preset = DEFAULT_PRESET
     if argv and argv[0].endswith((".yaml", ".yml")):
         preset = Path(argv.pop(0))
+    resume = [a.split("=", 1)[1] for a in argv if a.startswith("resume=")]
+    argv = [a for a in argv if not a.startswith("resume=")]
     try:
+        if resume:
+            preset, argv = resume_args(resume, preset, argv)
         cfg = load_config(preset, argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -34,12 +41,31 @@ def main(argv: list[str] | None = None) -> int:
     from rayspec.scheduler import ClusterFitError, run
 
     try:
-        run_dir = run(cfg)
+        run_dir = run(cfg, resume=bool(resume))
     except (ConfigError, ClusterFitError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"done: {run_dir / 'metrics.jsonl'}")
     return 0
+
+
+def resume_args(resume: list[str], preset: Path, overrides: list[str]) -> tuple[Path, list[str]]:
+    """(preset, overrides) that continue the run in ``resume[0]``: its saved
+    config.yaml, the given overrides, and its own run_dir.
+
+    Raises:
+        ConfigError: several resume=, a preset beside it, or no config.yaml.
+    """
+    if len(resume) > 1:
+        raise ConfigError(f"resume= given {len(resume)} times")
+    if preset != DEFAULT_PRESET:
+        raise ConfigError(f"resume={resume[0]} continues a run with its own config.yaml; "
+                          f"give key=value overrides, not the preset {preset}")
+    run_dir = Path(resume[0]).expanduser().resolve()
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"resume={resume[0]}: {saved} not found (not a rayspec run directory?)")
+    return saved, [*overrides, f"trainer.run_dir={run_dir}"]
 
 
 if __name__ == "__main__":

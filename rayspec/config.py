@@ -144,6 +144,11 @@ class RolloutConfig:
         cpu_omp_threads_bind: VLLM_CPU_OMP_THREADS_BIND (``all``: every core
             the placement plan gives the rollout role on the replica's node;
             vLLM's own ``auto`` keeps one core back).
+        engine_env: further environment variables of the replicas, set
+            before vLLM starts (e.g. ``VLLM_ENABLE_V1_MULTIPROCESSING: "0"``
+            with ``engine_kwargs.distributed_executor_backend: uni`` runs the
+            engine core in the replica's process: rollouts then repeat
+            exactly for a given seed, see docs/faults.md).
         adaptive_k: see AdaptiveKConfig.
     """
 
@@ -161,6 +166,7 @@ class RolloutConfig:
     )
     cpu_kvcache_space_gib: int = 1
     cpu_omp_threads_bind: str = "all"
+    engine_env: dict[str, str] = field(default_factory=dict)
     adaptive_k: AdaptiveKConfig = field(default_factory=AdaptiveKConfig)
 
 
@@ -278,13 +284,24 @@ class TrainerConfig:
 
     Args:
         steps: RL steps.
-        run_dir: output directory (metrics.jsonl, draft head, logs).
-        seed: global seed (torch, prompt order).
+        run_dir: output directory (metrics.jsonl, draft head, logs,
+            checkpoints under ``ray_train/``).
+        seed: global seed (torch, prompt order, rollout sampling).
+        save_steps: checkpoint every this many RL steps, and after the last
+            (policy + optimizer as a DeepSpeed checkpoint, draft head + its
+            optimizer, data cursor, RNG states, step counter), through
+            ``ray.train.report(checkpoint=...)``; 0: only after the last step.
+        num_to_keep: checkpoints kept (Ray Train ``CheckpointConfig.num_to_keep``).
+        max_failures: Train worker group restarts from the last checkpoint
+            before the run fails (Ray Train ``FailureConfig.max_failures``).
     """
 
     steps: int = 10
     run_dir: str = "runs/default"
     seed: int = 0
+    save_steps: int = 5
+    num_to_keep: int = 2
+    max_failures: int = 1
 
 
 @dataclass
@@ -434,6 +451,11 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.grpo.clip_eps > 0, "grpo.clip_eps", cfg.grpo.clip_eps, "must be > 0")
     _check(cfg.grpo.kl_coef >= 0, "grpo.kl_coef", cfg.grpo.kl_coef, "must be >= 0")
     _check(cfg.trainer.steps >= 1, "trainer.steps", cfg.trainer.steps, "must be >= 1")
+    _check(cfg.trainer.save_steps >= 0, "trainer.save_steps", cfg.trainer.save_steps,
+           "must be >= 0 (0: checkpoint after the last step only)")
+    _check(cfg.trainer.num_to_keep >= 1, "trainer.num_to_keep", cfg.trainer.num_to_keep, "must be >= 1")
+    _check(cfg.trainer.max_failures >= 0, "trainer.max_failures", cfg.trainer.max_failures,
+           "must be >= 0")
     _check(cfg.train.num_workers >= 1, "train.num_workers", cfg.train.num_workers, "must be >= 1")
     _check(cfg.rollout.num_replicas >= 1, "rollout.num_replicas", cfg.rollout.num_replicas, "must be >= 1")
     zero = cfg.train.deepspeed.get("zero_optimization", {})

@@ -82,6 +82,26 @@ class MetricsLog:
                     self.tb.add_scalar(f"acceptance_rate/pos{i + 1}", r, step)
         self.tb.flush()
 
+    def discard_after(self, step: int) -> int:
+        """Move the records of steps after ``step`` (an attempt that failed
+        after the checkpoint being resumed) to ``metrics.discarded.jsonl``, so
+        metrics.jsonl holds one record per step; returns how many moved.
+        metrics.jsonl is replaced atomically (TensorBoard keeps both)."""
+        if not self.path.is_file():
+            return 0
+        keep, drop = [], []
+        for line in self.path.read_text().splitlines(keepends=True):
+            (drop if json.loads(line)["step"] > step else keep).append(line)
+        if drop:
+            with open(self.run_dir / "metrics.discarded.jsonl", "a") as f:
+                f.writelines(drop)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(keep))
+            os.replace(tmp, self.path)
+        return len(drop)
+
 
 # (record key, phase tag) of the step's seconds, as in the step line
 PHASES = (("time_rollout_s", "rollout"), ("rollout_generation_s", "rollout_generation"),

@@ -75,3 +75,40 @@ def test_bad_dataset_stops_the_run(content, fragments, tmp_path, tiny_llama_dir,
     err = capsys.readouterr().err
     assert f"data.path={data}" in err and all(f in err for f in fragments), err
     assert not run_dir.exists()
+
+
+def _planted_checkpoint(run_dir):
+    ckpt = run_dir / "ray_train" / "train" / "checkpoint_2026-01-01_00-00-00.000000"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text('{"step": 2}')
+    return ckpt
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["resume={run}"], ["resume=", "config.yaml not found"]),
+    (["resume={run}", "resume={run}"], ["resume= given 2 times"]),
+    (["jobs/configs/gsm8k.yaml", "resume={run}"], ["own config.yaml", "gsm8k.yaml"]),
+    (["resume={empty}"], ["no checkpoint under"]),
+    (["trainer.run_dir={old}"], ["holds checkpoints of an earlier run", "resume="]),
+], ids=["not-a-run-dir", "twice", "with-preset", "no-checkpoint", "new-run-over-old"])
+def test_bad_resume_stops_the_run(args, fragments, tmp_path, tiny_llama_dir, capsys):
+    """resume= errors, and a new run into a directory with checkpoints, stop
+    before anything starts; the old run's files are untouched."""
+    from omegaconf import OmegaConf
+
+    from rayspec.config import load_config
+
+    empty, old = tmp_path / "empty", tmp_path / "old"
+    for d in (empty, old):
+        d.mkdir()
+        OmegaConf.save(OmegaConf.structured(load_config(None, [f"model.path={tiny_llama_dir}",
+                                                               f"trainer.run_dir={d}"])), d / "config.yaml")
+    ckpt = _planted_checkpoint(old)
+    (old / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    before = {p: p.read_bytes() for p in old.rglob("*") if p.is_file()}
+    argv = [a.format(run=tmp_path / "nothing", empty=empty, old=old) for a in args]
+    assert grpo.main([*argv, f"model.path={tiny_llama_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert all(f in err for f in fragments), err
+    assert {p: p.read_bytes() for p in old.rglob("*") if p.is_file()} == before
+    assert ckpt.is_dir()

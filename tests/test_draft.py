@@ -130,6 +130,57 @@ def test_draft_trainer_trains_on_features_as_they_arrive(tiny_policy, tmp_path):
         trainer.train(verifier, 1, expect=1, timeout_s=0.1)
 
 
+def test_draft_trainer_state_roundtrips_through_checkpoint_files(tiny_policy, tmp_path):
+    """get_state -> safetensors/JSON -> set_state on a fresh trainer: the next
+    step (which replays the buffer) trains exactly as the original does; a
+    train() call still waiting from before the restore is abandoned."""
+    import threading
+    import time
+
+    from rayspec.train.checkpoint import load_draft_state, save_draft_state
+
+    save_head(init_head(tiny_policy), tmp_path / "head")
+    g = torch.Generator().manual_seed(2)
+    batches = [RolloutBatch([torch.randint(0, 1000, (6,), generator=g).tolist() for _ in range(4)],
+                            [torch.randint(0, 1000, (8,), generator=g).tolist() for _ in range(4)],
+                            [[0.0] * 8] * 4, [0, 1, 2, 3]) for _ in range(3)]
+    verifier = _verifier(tiny_policy)
+
+    def trainer():
+        return DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=2, num_threads=1,
+                            buffer_steps=2, seed=3)
+
+    original = trainer()
+    for b in batches[:2]:
+        original.submit_features(_features(tiny_policy, b, 0, chunk=2))
+        original.train(verifier, 3, expect=2)
+    save_draft_state(original.get_state(), tmp_path)
+    restored = trainer()
+    stale = {}
+
+    def wait_for_features():  # a call from a failed attempt, waiting for features that never come
+        try:
+            restored.train(verifier, 1, expect=1, timeout_s=60)
+        except RuntimeError as e:
+            stale["error"] = str(e)
+
+    waiting = threading.Thread(target=wait_for_features)
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive()
+    assert restored.set_state(*load_draft_state(tmp_path)) == 2
+    waiting.join(timeout=10)
+    assert "abandoned" in stale["error"]
+    outs = []
+    for t in (original, restored):
+        t.submit_features(_features(tiny_policy, batches[2], 0, chunk=2))
+        outs.append(t.train(verifier, 6, expect=2))  # 2 new chunks, then 4 replayed
+    assert outs[0]["draft_loss"] == outs[1]["draft_loss"]
+    assert outs[0]["draft_version"] == outs[1]["draft_version"] == 3
+    for (k, a), b in zip(original.head.state_dict().items(), restored.head.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
 @pytest.mark.slow
 def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp_path):
     """The DraftTrainer's head, loaded into a running vLLM replica in place,

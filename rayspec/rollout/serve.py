@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
 import ray
@@ -36,7 +37,8 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
     spec = dict(vars(cfg.rollout.speculative_config))
     if draft_dir is not None:
         spec["model"] = draft_dir
-    env = cpu_engine_env(cfg.rollout.cpu_kvcache_space_gib, cfg.rollout.cpu_omp_threads_bind)
+    env = {**cpu_engine_env(cfg.rollout.cpu_kvcache_space_gib, cfg.rollout.cpu_omp_threads_bind),
+           **{k: str(v) for k, v in cfg.rollout.engine_env.items()}}
     engine_kwargs = dict(cfg.rollout.engine_kwargs)
     cores = None
     if plan is not None:
@@ -75,19 +77,46 @@ def get_rollout_handle() -> serve.handle.DeploymentHandle:
 
 
 class PendingRollout:
-    """Rollout shards in flight on the replicas (``submit``); ``result()`` joins them."""
+    """Rollout shards in flight on the replicas (``submit``); ``result()`` joins them.
 
-    def __init__(self, responses: list):
-        self._responses = responses
+    A shard whose replica dies mid-generation is sent again through the
+    handle (Serve routes it to a live replica, or queues it until the
+    controller has replaced the dead one); the lost attempt returns nothing,
+    so no sample is duplicated, and with a per-shard seed the retry draws
+    the same samples.
+    """
+
+    def __init__(self, handle, shards: list[dict[str, Any]], max_retries: int = 2):
+        self._handle, self._shards, self.max_retries = handle, shards, max_retries
+        self._responses = [handle.generate.remote(**kw) for kw in shards]
+        self.retries = 0
+
+    def _shard_result(self, i: int):
+        for attempt in range(self.max_retries + 1):
+            try:
+                return self._responses[i].result()
+            except ray.exceptions.RayActorError as e:
+                if attempt == self.max_retries:
+                    raise
+                kw = self._shards[i]
+                log.warning("rollout replica died generating prompts %d..%d (%s); retrying the shard "
+                            "(%d/%d)", kw["group_offset"], kw["group_offset"] + len(kw["prompt_ids"]) - 1,
+                            type(e).__name__, attempt + 1, self.max_retries)
+                self.retries += 1
+                self._responses[i] = self._handle.generate.remote(**kw)
 
     def result(self) -> tuple[RolloutBatch, SpecStats]:
-        """Wait for every shard.
+        """Wait for every shard, retrying those whose replica died.
 
         Returns:
             (RolloutBatch grouped by prompt in input order, SpecStats summed
             over replicas, with each replica's own in ``.replicas``).
+
+        Raises:
+            ray.exceptions.RayActorError: a shard's replica died on every
+                one of its ``max_retries + 1`` attempts.
         """
-        parts = [r.result() for r in self._responses]
+        parts = [self._shard_result(i) for i in range(len(self._responses))]
         stats = SpecStats()
         for _, s in parts:
             stats = stats + s
@@ -99,13 +128,29 @@ class PendingRollout:
             r.cancel()
 
 
-def submit(handle, prompt_ids: list[list[int]], num_shards: int, **sampling: Any) -> PendingRollout:
+def shard_seed(seed: int, *keys: int) -> int:
+    """A 62-bit seed for (seed, keys...), e.g. (trainer.seed, RL step, first prompt)."""
+    # a str seed is hashed with SHA-512: stable across processes, unlike hash()
+    return random.Random(":".join(map(str, (seed, *keys)))).getrandbits(62)
+
+
+def submit(handle, prompt_ids: list[list[int]], num_shards: int, seed: int | None = None,
+           **kwargs: Any) -> PendingRollout:
     """Shard prompts over the replicas through the Serve handle (contiguous
-    shards, one per replica); returns without waiting."""
+    shards, one per replica); returns without waiting.
+
+    Args:
+        seed: each shard samples with ``shard_seed(seed, first prompt)``
+            (None: the replicas' own random streams).
+        kwargs: further ``SpecVLLMEngine.generate`` arguments (sampling,
+            ``refits``).
+    """
     num_shards = max(1, min(num_shards, len(prompt_ids)))
     bounds = [round(i * len(prompt_ids) / num_shards) for i in range(num_shards + 1)]
-    return PendingRollout([handle.generate.remote(prompt_ids[a:b], group_offset=a, **sampling)
-                           for a, b in zip(bounds, bounds[1:]) if b > a])
+    return PendingRollout(handle, [
+        {"prompt_ids": prompt_ids[a:b], "group_offset": a,
+         "seed": None if seed is None else shard_seed(seed, a), **kwargs}
+        for a, b in zip(bounds, bounds[1:]) if b > a])
 
 
 def generate(handle, prompt_ids: list[list[int]], num_shards: int,

@@ -85,6 +85,13 @@ class RefitExtension:
         # either reload can untie the verifier's output layer.
         _retie_embeddings(self.model_runner.get_model())
 
+    def rayspec_seed(self, seed: int) -> None:
+        """Reseed the worker's torch generator, which vLLM's sampler, rejection
+        sampler and drafters draw from for requests without their own seed."""
+        import torch
+
+        torch.manual_seed(seed)
+
     def rayspec_load_policy(self, path: str) -> None:
         """Load HF-named policy weights from a safetensors file into the verifier."""
         self._reload(self.model_runner.get_model(), path)

@@ -2,7 +2,7 @@
 (``placement``), sync/async rollouts with bounded policy lag (``pipeline``)
 and the driver that starts everything (``driver``)."""
 
-from rayspec.scheduler.driver import init_ray, run
+from rayspec.scheduler.driver import checkpoints, init_ray, run
 from rayspec.scheduler.placement import ClusterFitError, PlacementPlan, plan_placement
 
-__all__ = ["ClusterFitError", "PlacementPlan", "init_ray", "plan_placement", "run"]
+__all__ = ["ClusterFitError", "PlacementPlan", "checkpoints", "init_ray", "plan_placement", "run"]

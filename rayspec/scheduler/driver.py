@@ -28,6 +28,7 @@ from rayspec.scheduler.placement import cluster_nodes, plan_placement
 log = logging.getLogger(__name__)
 
 NAMESPACE = "rayspec"
+TRAIN_STORAGE, TRAIN_NAME = "ray_train", "train"  # <run_dir>/ray_train/train/checkpoint_*
 
 
 def init_ray(cfg: RunConfig) -> None:
@@ -106,15 +107,47 @@ def check_inputs(cfg: RunConfig) -> str:
     return str(model_dir)
 
 
-def run(cfg: RunConfig) -> Path:
-    """Run ``cfg.trainer.steps`` GRPO steps; returns the run directory.
+def checkpoints(run_dir: str | Path) -> list[Path]:
+    """The Ray Train checkpoint directories of a run, oldest first."""
+    return sorted(p for p in (Path(run_dir) / TRAIN_STORAGE / TRAIN_NAME).glob("checkpoint_*") if p.is_dir())
+
+
+def check_resume(cfg: RunConfig, resume: bool) -> None:
+    """A run directory with checkpoints is continued only when asked to, so
+    a new run never silently resumes an old one (nor overwrites it).
 
     Raises:
-        ConfigError: bad config, model, draft or data (``check_inputs``).
+        ConfigError: ``resume`` without a checkpoint to resume, or a new run
+            in a directory that holds one.
+    """
+    found = checkpoints(cfg.trainer.run_dir)
+    if resume and not found:
+        raise ConfigError(f"resume={cfg.trainer.run_dir}: no checkpoint under "
+                          f"{Path(cfg.trainer.run_dir) / TRAIN_STORAGE / TRAIN_NAME}")
+    if not resume and found:
+        raise ConfigError(f"trainer.run_dir={cfg.trainer.run_dir} holds checkpoints of an earlier run "
+                          f"(latest {found[-1].name}): continue it with `python -m jobs.grpo "
+                          f"resume={cfg.trainer.run_dir}`, or choose another trainer.run_dir")
+
+
+def run(cfg: RunConfig, resume: bool = False) -> Path:
+    """Run GRPO steps up to ``cfg.trainer.steps``; returns the run directory.
+
+    Args:
+        cfg: the run's config.
+        resume: continue the run in ``cfg.trainer.run_dir`` from its latest
+            checkpoint (Ray Train restores a run of the same storage path
+            and name).
+
+    Raises:
+        ConfigError: bad config, model, draft or data (``check_inputs``), or
+            a checkpoint where none is expected / none where resume is
+            (``check_resume``).
         ClusterFitError: the layout does not fit the cluster.
-        Both before any role is started.
+        All before any role is started.
     """
     from ray import serve
+    from ray.train import CheckpointConfig, FailureConfig
     from ray.train import RunConfig as TrainRunConfig
     from ray.train.torch import TorchTrainer
 
@@ -123,6 +156,7 @@ def run(cfg: RunConfig) -> Path:
     from rayspec.train.loop import DRAFT_TRAINER_NAME, rl_worker_loop
 
     cfg = _absolute(cfg)
+    check_resume(cfg, resume)
     model_dir = check_inputs(cfg)
     init_ray(cfg)
     plan = plan_placement(cfg, cluster_nodes())
@@ -154,11 +188,20 @@ def run(cfg: RunConfig) -> Path:
                                "aux_layer_ids": aux_ids if draft is not None else None,
                                "cores": plan.cores.get("train", {})},
             scaling_config=plan.scaling_config(),
-            run_config=TrainRunConfig(name="train", storage_path=str(run_dir / "ray_train")),
+            # storage_path must be shared by all nodes (NFS, or a cloud URI) on a multi-node cluster
+            run_config=TrainRunConfig(
+                name=TRAIN_NAME, storage_path=str(run_dir / TRAIN_STORAGE),
+                checkpoint_config=CheckpointConfig(num_to_keep=cfg.trainer.num_to_keep),
+                failure_config=FailureConfig(max_failures=cfg.trainer.max_failures)),
         )
         trainer.fit()
         if draft is not None:
-            ray.get(draft.save.remote(str(run_dir / "draft_head")))
+            try:
+                ray.get(draft.save.remote(str(run_dir / "draft_head")))
+            except ray.exceptions.RayActorError:
+                log.warning("the DraftTrainer died during the run: %s is not its final head; "
+                            "the last checkpoint with a draft state holds the newest one",
+                            run_dir / "draft_head")
     finally:
         serve.delete(ROLLOUT_APP)
         # Serve was started for the rollout app (without HTTP proxies): shut it

@@ -24,8 +24,13 @@ landed, so each new batch samples the newest policy the trainer has sent.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from typing import Any, Callable
+
+import ray
+
+log = logging.getLogger(__name__)
 
 
 class PolicyLagError(RuntimeError):
@@ -49,6 +54,7 @@ class RolloutPipeline:
         self.max_policy_lag = max_policy_lag
         self._ahead: collections.deque = collections.deque()
         self._refits: list = []
+        self.last_retries = 0  # shards of the last batch retried after their replica died
 
     def refit(self, response, *keep) -> None:
         """Track a refit sent to the replicas (a Serve broadcast response);
@@ -57,14 +63,21 @@ class RolloutPipeline:
 
     def wait_refits(self) -> float:
         """Wait until every pending refit has landed; returns seconds waited.
+        A replica that died meanwhile is skipped: the one Serve starts in its
+        place loads the newest weights before its first rollout (``refits``
+        of ``SpecVLLMEngine.generate``).
 
         Raises:
-            Whatever a replica raised while loading the weights.
+            Whatever a live replica raised while loading the weights.
         """
         t0 = time.perf_counter()
         refits, self._refits = self._refits, []
         for r, _ in refits:
-            r.results()
+            try:
+                r.results()
+            except ray.exceptions.RayActorError as e:
+                log.warning("a rollout replica died during a weight sync (%s); its replacement "
+                            "catches up before generating", type(e).__name__)
         return time.perf_counter() - t0
 
     def next(self, trainer_version: int):
@@ -83,6 +96,7 @@ class RolloutPipeline:
             self._ahead.append(self._submit())
         pending, extra = self._ahead.popleft()
         batch, stats = pending.result()
+        self.last_retries = getattr(pending, "retries", 0)
         lag = trainer_version - batch.policy_version
         if not 0 <= lag <= self.max_policy_lag:
             raise PolicyLagError(
@@ -91,6 +105,10 @@ class RolloutPipeline:
         while len(self._ahead) < self.max_policy_lag:
             self._ahead.append(self._submit())
         return batch, stats, extra, lag
+
+    def ahead(self) -> list:
+        """The ``extra`` of each batch generating ahead, oldest first."""
+        return [extra for _, extra in self._ahead]
 
     def close(self) -> None:
         """End of run: cancel the batches generated ahead (nothing will train

@@ -26,6 +26,7 @@ from rayspec.data import PromptSource, chat_prompt_ids, load_problems, math_rewa
 from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, plot_run
 from rayspec.rollout import serve as rollout
 from rayspec.scheduler.pipeline import RolloutPipeline
+from rayspec.train.checkpoint import report_checkpoint, restore_checkpoint
 from rayspec.train.grpo import group_advantages
 from rayspec.train.policy import (build_engine, deepspeed_config, full_state_dict, num_micro_batches,
                                   policy_update, verifier_output_weights)
@@ -52,23 +53,50 @@ class StepContext:
         self.dashboard = DashboardMetrics(Path(cfg.trainer.run_dir).name,
                                           cfg.rollout.speculative_config.method, cfg.grpo.max_new_tokens)
         self.sleep_reported = False
+        self.batches = 0  # batches drawn: the RL step the last submitted batch trains at
+        # the newest weights sent, {"policy" | "draft": (version, ObjectRef)}: every
+        # rollout carries them so a replica Serve restarted catches up first
+        self.latest: dict[str, tuple[int, Any]] = {}
+        self.draft_alive = True
+        self.draft_version = 0
 
     def submit_rollout(self):
-        """Start the next prompts' rollouts on the replicas; (pending, problems)."""
+        """Start the next prompts' rollouts on the replicas; returns
+        (pending, (problems, the prompt cursor before them))."""
         cfg = self.cfg
+        cursor = self.prompts.state_dict()
         problems = self.prompts.next_batch()
+        self.batches += 1
         pending = rollout.submit(
             self.rollout, [chat_prompt_ids(self.tokenizer, p) for p in problems], cfg.rollout.num_replicas,
+            seed=rollout.shard_seed(cfg.trainer.seed, self.batches), refits=dict(self.latest),
             n=cfg.grpo.group_size, temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
             max_tokens=cfg.grpo.max_new_tokens)
-        return pending, problems
+        return pending, (problems, cursor)
 
-    def refit(self, method: str, *args) -> None:
+    def refit(self, method: str, weights, version: int) -> None:
         """Send weights to every replica; sync mode waits for them to land,
         async leaves them queued behind the rollouts in flight."""
-        self.pipeline.refit(self.rollout.broadcast(method, *args), *args)
+        self.latest["policy" if method == "update_weights" else "draft"] = (version, weights)
+        self.pipeline.refit(self.rollout.broadcast(method, weights, version), weights)
         if self.cfg.scheduler.mode == "sync":
             self.pipeline.wait_refits()
+
+    def trainer_state(self, step: int, version: int) -> dict[str, Any]:
+        """What a checkpoint after ``step`` resumes from. Batches generated
+        ahead (async) are not kept: the cursor is the one before them."""
+        ahead = self.pipeline.ahead()
+        return {"step": step, "policy_version": version, "draft_version": self.draft_version,
+                "prompts": ahead[0][1] if ahead else self.prompts.state_dict()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue after ``state``'s step: its prompt cursor and batch count;
+        metrics.jsonl records of later steps (a failed attempt) move to
+        metrics.discarded.jsonl."""
+        self.prompts.load_state_dict(state["prompts"])
+        self.batches = state["step"]
+        self.draft_version = state.get("draft_version", 0)
+        self.log.discard_after(state["step"])
 
     def release_replicas(self) -> None:
         """Colocated: replicas free their memory while the policy trains."""
@@ -106,7 +134,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
     t_start = time.time()
     with timer("rollout"):
         if rank == 0:
-            batch, stats, problems, lag = ctx.pipeline.next(version)
+            batch, stats, (problems, _), lag = ctx.pipeline.next(version)
             score(batch, problems)
             if cfg.scheduler.layout == "colocate":
                 ctx.release_replicas()
@@ -120,7 +148,9 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         # Starts now and trains on each micro-batch's features as they come.
         draft_call = draft.train.remote(ray.put(verifier), cfg.draft.steps_per_rl_step,
                                         expect=world * num_micro_batches(engine, len(shard)))
-    on_features = (lambda ref: draft.submit_features.remote([ref])) if train_draft else None
+    # chunk order micro-batch-major: the DraftTrainer's order whatever the ranks' timing
+    on_features = (lambda ref, micro: draft.submit_features.remote([ref], [micro * world + rank])) \
+        if train_draft else None
     with timer("policy"):
         train_m, refs = policy_update(engine, shard, cfg, pad_id,
                                       aux_layer_ids if train_draft else None, ref_model, on_features)
@@ -133,9 +163,14 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
     draft_m: dict[str, Any] = {}
     if draft_call is not None:
         with timer("draft"):
-            draft_m = ray.get(draft_call)
-        with timer("sync"):
-            ctx.refit("update_draft", draft.vllm_weights.remote(), draft_m["draft_version"])
+            try:
+                draft_m = ray.get(draft_call)
+            except ray.exceptions.RayActorError as e:
+                draft_died(ctx, step, e)
+        if draft_m:
+            ctx.draft_version = draft_m["draft_version"]
+            with timer("sync"):
+                ctx.refit("update_draft", draft.vllm_weights.remote(), ctx.draft_version)
     dist.barrier()  # feature ObjectRefs are owned by their ranks: keep them alive until used
     del refs
     if rank != 0:
@@ -154,6 +189,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         "layout": cfg.scheduler.layout,
         "mode": cfg.scheduler.mode,
         "policy_lag": lag,
+        "rollout_retries": ctx.pipeline.last_retries,
         "time_step_s": window,
         # what the trainer waited for the batch (all of its generation in sync mode)
         "time_rollout_s": timer.seconds.get("rollout", 0.0),
@@ -168,7 +204,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         "idle_train_s": max(0.0, window - timer.seconds.get("policy", 0.0)
                             - timer.seconds.get("gather", 0.0)),
         "policy_version": batch.policy_version,
-        "draft_version": draft_m.get("draft_version", 0),
+        "draft_version": ctx.draft_version,
         "draft_loss": draft_m.get("draft_loss", float("nan")),
         "draft_top1_per_step": draft_m.get("draft_top1_per_step", []),
         "num_drafts": stats.num_drafts,
@@ -179,6 +215,8 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         "response_lens": resp_lens,  # per sample: the performance model's concurrency decay
         "prompt_len_mean": sum(len(p) for p in batch.prompt_ids) / len(batch.prompt_ids),
         "replicas": {rid: s.summary() for rid, s in sorted(stats.replicas.items())},
+        # the problems trained on (index in the dataset): a resumed run's are checkable
+        "problem_ids": [p.index for p in problems],
         # one rollout for people reading the log: the step's first sample
         "sample": {"question": problems[batch.group[0]].question,
                    "answer": problems[batch.group[0]].answer,
@@ -188,7 +226,16 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
     if draft is not None:
         record["idle_draft_s"] = max(0.0, window - _overlap(
             [(draft_m["start_time"], draft_m["end_time"])] if draft_m else [], t_start, t_end))
+        record["draft_alive"] = int(ctx.draft_alive)
     return record
+
+
+def draft_died(ctx: StepContext, step: int, err: Exception) -> None:
+    """The DraftTrainer is gone: the run goes on with the head the replicas hold."""
+    ctx.draft_alive = False
+    log.warning("step %d: the DraftTrainer died (%s); the run continues with draft head version %d "
+                "on the replicas, no longer trained (checkpoints from now on hold no draft state)",
+                step, type(err).__name__, ctx.draft_version)
 
 
 def _warn_on_policy_mismatch(record: dict[str, Any], cfg: RunConfig) -> None:
@@ -239,7 +286,14 @@ def rl_worker_loop(config: dict) -> None:
     ctx = StepContext(cfg, tokenizer) if rank == 0 else None
     draft = ray.get_actor(DRAFT_TRAINER_NAME) if config["aux_layer_ids"] else None
     version = 0
-    for step in range(1, cfg.trainer.steps + 1):
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        version = resume(checkpoint, engine, ctx, draft, cfg, rank)
+    else:
+        reset_replicas(engine, ctx, cfg, rank)
+    for step in range(version + 1, cfg.trainer.steps + 1):
+        if draft is not None and not _broadcast_object(ctx.draft_alive if rank == 0 else None, rank):
+            draft = None
         record = rl_step(step, engine, ctx, draft, cfg, rank, world, tokenizer.pad_token_id,
                          config["aux_layer_ids"], ref_model, version)
         version += 1
@@ -248,13 +302,76 @@ def rl_worker_loop(config: dict) -> None:
             ctx.dashboard.record(record)
             log.info(format_step_line(record))
             _warn_on_policy_mismatch(record, cfg)
-        ray.train.report({k: v for k, v in (record or {"step": step}).items()
-                          if isinstance(v, (int, float))})
+        metrics = {k: v for k, v in (record or {"step": step}).items() if isinstance(v, (int, float))}
+        every = cfg.trainer.save_steps
+        if step == cfg.trainer.steps or (every and step % every == 0):
+            save_checkpoint(metrics, engine, ctx, draft, step, version, rank)
+        else:
+            ray.train.report(metrics)
     if rank == 0:
         ctx.pipeline.close()
     save_policy(engine, tokenizer, Path(cfg.trainer.run_dir) / "policy", _dtype(cfg.model.dtype), rank)
     if rank == 0:
         log.info("curves: %s", plot_run(cfg.trainer.run_dir))
+
+
+def save_checkpoint(metrics: dict[str, Any], engine, ctx: StepContext | None, draft, step: int,
+                    version: int, rank: int) -> None:
+    """Checkpoint after ``step`` (collective): every rank's DeepSpeed shard and
+    RNG state, rank 0's trainer state and the DraftTrainer's state."""
+    draft_state = trainer_state = None
+    if rank == 0:
+        if draft is not None and ctx.draft_alive:
+            try:
+                draft_state = ray.get(draft.get_state.remote())
+            except ray.exceptions.RayActorError as e:
+                draft_died(ctx, step, e)
+        trainer_state = ctx.trainer_state(step, version)
+    report_checkpoint(metrics, engine, rank, trainer_state, draft_state)
+    if rank == 0:
+        log.info("step %d: checkpoint saved", step)
+
+
+def resume(checkpoint, engine, ctx: StepContext | None, draft, cfg: RunConfig, rank: int) -> int:
+    """Restore a checkpoint (a resumed run, or Train workers restarted after a
+    failure) and send its weights to the replicas; returns the policy version
+    (= the last step the checkpoint finished). Collective."""
+    state, draft_state = restore_checkpoint(checkpoint, engine, rank)
+    version = state["policy_version"]
+    sd = full_state_dict(engine, _dtype(cfg.model.dtype), rank)
+    if rank != 0:
+        return version
+    ctx.restore(state)
+    ctx.refit("update_weights", ray.put(sd), version)
+    del sd
+    if draft is not None:
+        if draft_state is None:
+            log.warning("checkpoint %s holds no draft state: the DraftTrainer continues from its "
+                        "current head", checkpoint.path)
+        else:
+            try:
+                ctx.draft_version = ray.get(draft.set_state.remote(*draft_state))
+                ctx.refit("update_draft", draft.vllm_weights.remote(), ctx.draft_version)
+            except ray.exceptions.RayActorError as e:
+                draft_died(ctx, state["step"], e)
+    log.info("resumed from %s after step %d (policy version %d, draft version %d, prompt cursor %s)",
+             checkpoint.path, state["step"], version, ctx.draft_version, state["prompts"])
+    ctx.pipeline.wait_refits()
+    return version
+
+
+def reset_replicas(engine, ctx: StepContext | None, cfg: RunConfig, rank: int) -> None:
+    """Starting at version 0: if the replicas hold a later policy (the worker
+    group restarted before the first checkpoint), send them this one.
+    Collective."""
+    stale = rank == 0 and any(v["policy"] != 0 for v in rollout.broadcast(ctx.rollout, "versions"))
+    if not _broadcast_object(stale, rank):
+        return
+    sd = full_state_dict(engine, _dtype(cfg.model.dtype), rank)
+    if rank == 0:
+        log.warning("no checkpoint to restore: the run starts over from step 1 and resets the replicas")
+        ctx.refit("update_weights", ray.put(sd), 0)
+        ctx.pipeline.wait_refits()
 
 
 def save_policy(engine, tokenizer, out: Path, dtype: torch.dtype, rank: int) -> None:

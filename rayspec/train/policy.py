@@ -60,8 +60,9 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
         pad_id: tokenizer pad id.
         aux_layer_ids: EAGLE-3 aux layers to capture, or None for no capture.
         ref_model: frozen reference policy for the KL term (kl_coef > 0).
-        on_features: called with each micro-batch's feature ObjectRef as
-            soon as it exists (the DraftTrainer trains while this runs).
+        on_features: called with each micro-batch's feature ObjectRef and
+            the micro-batch's index as soon as it exists (the DraftTrainer
+            trains while this runs).
 
     Returns:
         (metrics averaged over micro-batches, list of ObjectRefs of feature
@@ -104,7 +105,7 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
                 "loss_mask": t["response_mask"],
             }))
             if on_features is not None:
-                on_features(feature_refs[-1])
+                on_features(feature_refs[-1], n_micro - 1)
     return {k: v / n_micro for k, v in sums.items()}, feature_refs
 
 

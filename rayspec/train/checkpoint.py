@@ -1,0 +1,128 @@
+"""RL checkpoints through Ray Train: written with ``ray.train.report(checkpoint=...)``,
+read back with ``ray.train.get_checkpoint()`` when a run resumes or its
+worker group restarts after a failure.
+
+One checkpoint directory (Ray Train merges every rank's files into it and
+registers it only once all ranks have reported, so a crash mid-write never
+leaves a checkpoint that a resume would pick)::
+
+    policy/            DeepSpeed ``save_checkpoint``: fp32 weights, optimizer
+                       (each rank its ZeRO partition), DeepSpeed's own state
+    rng_rank<r>.json   torch / Python / NumPy RNG states of rank r
+    trainer_state.json step, policy version, data cursor of the next batch
+    draft.safetensors  DraftTrainer: head, AdamW state, replay buffer
+    draft.json         (only with online draft training)
+
+Everything rayspec writes is JSON or safetensors; DeepSpeed's own files are
+``torch.save`` pickles, read by DeepSpeed with ``weights_only=False``: resume
+only run directories you trust (your own runs).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+POLICY_TAG = "policy"
+TRAINER_STATE = "trainer_state.json"
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+            "python": _listify(random.getstate()),
+            "numpy": [np_state[0], np_state[1].tolist(), *map(_plain, np_state[2:])]}
+
+
+def _set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(s["torch"])), dtype=torch.uint8))
+    random.setstate(_tuplify(s["python"]))
+    kind, keys, *rest = s["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+
+
+def _plain(x):
+    return x.item() if hasattr(x, "item") else x
+
+
+def _listify(x):
+    return [_listify(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tuplify(x):
+    return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x
+
+
+def report_checkpoint(metrics: dict[str, Any], engine, rank: int,
+                      trainer_state: dict[str, Any] | None,
+                      draft_state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None) -> None:
+    """Write this rank's part of a checkpoint and report it with ``metrics``.
+    Collective: every rank calls it at the same step.
+
+    Args:
+        metrics: numeric metrics of the step (``ray.train.report``).
+        engine: the policy's DeepSpeed engine (``save_checkpoint`` is collective).
+        rank: world rank.
+        trainer_state: rank 0: {"step", "policy_version", "prompts" (the
+            PromptSource cursor of the next batch to train)}; None elsewhere.
+        draft_state: rank 0 with online draft training: ``DraftTrainer.get_state()``.
+    """
+    import ray.train
+
+    with tempfile.TemporaryDirectory(prefix="rayspec-ckpt-") as tmp:
+        d = Path(tmp)
+        engine.save_checkpoint(str(d / "policy"), tag=POLICY_TAG)
+        (d / f"rng_rank{rank}.json").write_text(json.dumps(_rng_state()))
+        if trainer_state is not None:
+            (d / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+        if draft_state is not None:
+            save_draft_state(draft_state, d)
+        # Ray Train copies the directory into the run's storage before returning
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def restore_checkpoint(checkpoint, engine, rank: int) -> tuple[dict[str, Any], tuple | None]:
+    """Load a checkpoint written by ``report_checkpoint`` into ``engine`` and
+    this process's RNGs. Collective (DeepSpeed ``load_checkpoint``).
+
+    Returns:
+        (trainer_state, draft_state or None); see ``report_checkpoint``.
+
+    Raises:
+        FileNotFoundError: the checkpoint lacks this rank's files (written
+            with another number of Train workers).
+    """
+    with checkpoint.as_directory() as tmp:
+        d = Path(tmp)
+        rng = d / f"rng_rank{rank}.json"
+        if not rng.is_file():
+            raise FileNotFoundError(f"{rng}: checkpoint {d} has no state for rank {rank} "
+                                    "(was it written with another train.num_workers?)")
+        load_path, _ = engine.load_checkpoint(str(d / "policy"), tag=POLICY_TAG,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None:
+            raise FileNotFoundError(f"{d / 'policy'}: no DeepSpeed checkpoint '{POLICY_TAG}'")
+        _set_rng_state(json.loads(rng.read_text()))
+        state = json.loads((d / TRAINER_STATE).read_text())
+        draft = load_draft_state(d) if (d / "draft.json").is_file() else None
+    return state, draft
+
+
+def save_draft_state(state: tuple[dict[str, torch.Tensor], dict[str, Any]], d: Path) -> None:
+    """``DraftTrainer.get_state()`` as ``d/draft.safetensors`` + ``d/draft.json``."""
+    tensors, meta = state
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "draft.safetensors"))
+    (d / "draft.json").write_text(json.dumps(meta))
+
+
+def load_draft_state(d: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What ``save_draft_state`` wrote (safetensors and JSON: no pickle)."""
+    return load_file(str(d / "draft.safetensors")), json.loads((d / "draft.json").read_text())
