@@ -29,6 +29,7 @@ from rayspec.config import ConfigError, load_config
 from rayspec.scheduler import checkpoints, init_ray, run
 from rayspec.scheduler.driver import NAMESPACE
 from rayspec.train.loop import DRAFT_TRAINER_NAME
+from tests.conftest import IN_PROCESS
 
 STEPS = 4
 
@@ -49,11 +50,6 @@ def _cfg(tiny, run_dir, steps=STEPS, *more):
                               "trainer.max_failures=1", "grpo.max_new_tokens=24",
                               "data.prompts_per_step=2", "draft.steps_per_rl_step=2", *IN_PROCESS, *more])
 
-
-# the engine core in the replica's process: requests all queued before it
-# steps, so a reseeded rollout repeats exactly (see the module doc)
-IN_PROCESS = ["rollout.engine_env.VLLM_ENABLE_V1_MULTIPROCESSING=0",
-              "rollout.engine_kwargs.distributed_executor_backend=uni"]
 
 
 def _records(run_dir):

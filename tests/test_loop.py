@@ -14,7 +14,7 @@ import ray
 
 from rayspec.config import load_config
 from rayspec.scheduler import init_ray, run
-from tests.conftest import STEP_RECORD_KEYS
+from tests.conftest import IN_PROCESS, STEP_RECORD_KEYS
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_tiny_loop_async_split_two_replicas(ray_session, tiny_llama_dir, tmp_pat
                              "trainer.steps=3", f"trainer.run_dir={run_dir}",
                              "grpo.max_new_tokens=24", "data.prompts_per_step=2",
                              "draft.steps_per_rl_step=2", "rollout.num_replicas=2",
-                             "scheduler.layout=split", "scheduler.mode=async"])
+                             "scheduler.layout=split", "scheduler.mode=async", *IN_PROCESS])
     run(cfg)
     recs = _records(run_dir)
     assert [r["policy_lag"] for r in recs] == [0, 1, 1]
