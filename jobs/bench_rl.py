@@ -18,6 +18,15 @@ sets ``rollout.speculative_config``, ``draft.enabled``, ``trainer.steps`` and
   rollout back to at least the speed of ``none`` where speculation does not
   pay.
 
+RL equivalence: ``--none-seeds 1,2`` adds ``none`` runs at other
+``trainer.seed`` values (the same prompts: ``data.seed`` is fixed), whose
+per-step reward range is the seed-to-seed spread; each speculative run's
+mean |reward - none| at the same seed is reported against it (speculation is
+lossless, so it may change the curve only as much as another sampling seed
+does). Every run also reports its logprob agreement: the median over steps
+of ``token_mult_prob_error`` (mean |p_trainer / p_vllm - 1| of the sampled
+tokens, NeMo-RL's name).
+
 Per step and run: acceptance length, rollout tokens/s, reward and step
 seconds. Prints a table (per step), writes JSON (one object per run with the
 per-step lists) and ``<run-dir>/rl.png`` (the runs' curves overlaid).
@@ -42,16 +51,45 @@ from rayspec.config import ConfigError, load_config
 from rayspec.metrics import read_metrics
 
 DEFAULT_PRESET = Path(__file__).parent / "configs" / "gsm8k.yaml"
-SERIES = ("acceptance_length", "rollout_tokens_per_s", "reward_mean", "time_step_s", "time_rollout_s")
+SERIES = ("acceptance_length", "rollout_tokens_per_s", "reward_mean", "time_step_s", "time_rollout_s",
+          "token_mult_prob_error")
 
 
-def runs(warm_head: str) -> dict[str, list[str]]:
-    """The overrides of each run."""
-    eagle = ["rollout.speculative_config.method=eagle3", f"rollout.speculative_config.model={warm_head}"]
-    return {"none": ["rollout.speculative_config.method=null", "draft.enabled=false"],
-            "frozen": eagle + ["draft.enabled=false"],
-            "online": eagle + ["draft.enabled=true"],
-            "adaptive": eagle + ["draft.enabled=false", "rollout.adaptive_k.enabled=true"]}
+def runs(warm_head: str | None) -> dict[str, list[str]]:
+    """The overrides of each run. Without a warm head ``online`` starts from a
+    fresh head and the runs that never train it are not offered."""
+    eagle = ["rollout.speculative_config.method=eagle3",
+             f"rollout.speculative_config.model={warm_head if warm_head else 'null'}"]
+    table = {"none": ["rollout.speculative_config.method=null", "draft.enabled=false"],
+             "online": eagle + ["draft.enabled=true"]}
+    if warm_head:
+        table["frozen"] = eagle + ["draft.enabled=false"]
+        table["adaptive"] = eagle + ["draft.enabled=false", "rollout.adaptive_k.enabled=true"]
+    return table
+
+
+def compare_to_none(rows: list[dict]) -> None:
+    """RL equivalence: for each speculative run, its per-step reward
+    difference to ``none`` at the same seed, beside the seed-to-seed spread
+    of ``none`` (the largest difference between two ``none@<seed>`` runs at
+    each step). Adds ``reward_diff_vs_none`` (list), ``..._mean`` and
+    ``within_seed_spread`` (mean difference <= mean spread) to those rows,
+    and ``seed_spread`` (list) to the ``none`` row. Needs >= 2 none runs."""
+    nones = [r for r in rows if r["run"].split("@")[0] == "none"]
+    if len(nones) < 2:
+        return
+    steps = min(r["steps"] for r in rows)
+    spread = [max(abs(a["reward_mean"][t] - b["reward_mean"][t]) for a in nones for b in nones)
+              for t in range(steps)]
+    nones[0]["seed_spread"] = spread
+    nones[0]["seed_spread_mean"] = statistics.mean(spread)
+    for r in rows:
+        if r["run"].split("@")[0] == "none" or "@" in r["run"]:
+            continue
+        diff = [abs(r["reward_mean"][t] - nones[0]["reward_mean"][t]) for t in range(steps)]
+        r["reward_diff_vs_none"] = diff
+        r["reward_diff_vs_none_mean"] = statistics.mean(diff)
+        r["within_seed_spread"] = statistics.mean(diff) <= statistics.mean(spread)
 
 
 def summarize(name: str, records: list[dict]) -> dict:
@@ -60,7 +98,7 @@ def summarize(name: str, records: list[dict]) -> dict:
     out = {"run": name, "steps": len(records),
            "steps_seconds_total": sum(r["time_step_s"] for r in records)}
     for key in SERIES:
-        out[key] = [r[key] for r in records]
+        out[key] = [r.get(key, float("nan")) for r in records]
         out[f"{key}_median"] = statistics.median(out[key])
     return out
 
@@ -76,6 +114,14 @@ def format_table(rows: list[dict]) -> str:
     lines.append("median  " + "  ".join(
         f"{r['acceptance_length_median']:>10.2f}{r['rollout_tokens_per_s_median']:>9.1f}"
         f"{statistics.mean(r['reward_mean']):>9.3f}" for r in rows) + "   (reward: mean)")
+    lines.append("logprob agreement (token_mult_prob_error, median over steps): " + ", ".join(
+        f"{r['run']} {r['token_mult_prob_error_median']:.2e}" for r in rows))
+    spread = next((r for r in rows if "seed_spread" in r), None)
+    if spread is not None:
+        lines.append(f"reward seed-to-seed spread of none (mean over steps): {spread['seed_spread_mean']:.3f}")
+        lines += [f"  {r['run']}: mean |reward - none| {r['reward_diff_vs_none_mean']:.3f} -> "
+                  f"{'within' if r['within_seed_spread'] else 'OUTSIDE'} the spread"
+                  for r in rows if "reward_diff_vs_none" in r]
     return "\n".join(lines)
 
 
@@ -103,9 +149,13 @@ def plot(rows: list[dict], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.bench_rl", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--warm-head", required=True, help="EAGLE-3 head from jobs.warmstart_draft")
+    ap.add_argument("--warm-head", help="EAGLE-3 head from jobs.warmstart_draft (needed by frozen, "
+                    "adaptive; without it online starts from a fresh head)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--runs", default="none,frozen,online", help="which of none,frozen,online,adaptive")
+    ap.add_argument("--none-seeds", default="",
+                    help="further trainer.seed values for extra `none` runs (none@<seed>): the "
+                    "seed-to-seed reward spread the speculative runs are compared with")
     ap.add_argument("--out", default="bench_rl.json")
     ap.add_argument("--run-dir", default="runs/bench_rl")
     ap.add_argument("args", nargs="*", help="[preset.yaml] key=value overrides")
@@ -114,15 +164,24 @@ def main(argv: list[str] | None = None) -> int:
     if overrides and overrides[0].endswith((".yaml", ".yml")):
         preset = Path(overrides.pop(0))
     root = Path(ns.run_dir)
-    table = runs(str(Path(ns.warm_head).resolve()))
+    table = runs(str(Path(ns.warm_head).resolve()) if ns.warm_head else None)
     names = [n for n in ns.runs.split(",") if n]
     bad = [n for n in names if n not in table]
     if bad:
-        print(f"error: --runs: unknown {bad}, expected some of {list(table)}", file=sys.stderr)
+        print(f"error: --runs: unknown {bad}, expected some of {list(table)}"
+              + ("" if ns.warm_head else " (frozen and adaptive need --warm-head)"), file=sys.stderr)
+        return 2
+    try:
+        seeds = [int(x) for x in ns.none_seeds.split(",") if x]
+    except ValueError:
+        print(f"error: --none-seeds={ns.none_seeds}: expected comma-separated integers", file=sys.stderr)
         return 2
     try:
         cfgs = [(n, load_config(preset, overrides + table[n] + [
             f"trainer.steps={ns.steps}", f"trainer.run_dir={root / n}"])) for n in names]
+        cfgs += [(f"none@{s}", load_config(preset, overrides + table["none"] + [
+            f"trainer.steps={ns.steps}", f"trainer.seed={s}", f"trainer.run_dir={root / f'none-seed{s}'}"]))
+            for s in seeds]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -154,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"=== {name}: {ns.steps} steps -> {cfg.trainer.run_dir}", flush=True)
         run(cfg, resume=name in resume)
         rows.append(summarize(name, read_metrics(cfg.trainer.run_dir)))
+    compare_to_none(rows)
     print(format_table(rows))
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(rows, indent=2) + "\n")

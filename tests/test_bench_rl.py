@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from jobs.bench_rl import DEFAULT_PRESET, format_table, main, plot, runs, summarize
 from rayspec.config import load_config
 
@@ -33,7 +35,7 @@ def test_table_and_plot(tmp_path):
             summarize("online", _records([2.0, 2.1, 2.2]))]
     assert rows[0]["acceptance_length_median"] == 1.8 and rows[0]["steps_seconds_total"] == 150.0
     table = format_table(rows)
-    assert "frozen" in table and table.count("\n") == 4
+    assert "frozen" in table and table.count("\n") == 5  # header, 3 steps, medians, logprob agreement
     assert plot(rows, tmp_path / "rl.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -64,3 +66,31 @@ def test_finished_runs_are_read_back_not_rerun(tmp_path, gsm8k_dir):
     assert [r["run"] for r in rows] == ["frozen", "online"]
     assert rows[1]["acceptance_length"] == [1.5, 1.6, 1.7]
     assert (tmp_path / "r" / "rl.png").exists()
+
+
+def test_none_seeds_add_spread_runs_and_equivalence_verdict(tmp_path, gsm8k_dir, capsys):
+    """--none-seeds adds none@<seed> runs differing only in trainer.seed;
+    compare_to_none puts each speculative run's reward difference to none
+    beside the none runs' spread."""
+    from jobs.bench_rl import compare_to_none
+
+    def row(name, rewards):
+        recs = _records([1.0] * len(rewards))
+        for r, x in zip(recs, rewards):
+            r["reward_mean"], r["token_mult_prob_error"] = x, 1e-3
+        return summarize(name, recs)
+
+    rows = [row("none", [0.1, 0.2, 0.3]), row("online", [0.1, 0.25, 0.3]),
+            row("frozen", [0.5, 0.6, 0.7]), row("none@1", [0.2, 0.2, 0.2])]
+    compare_to_none(rows)
+    assert rows[0]["seed_spread"] == pytest.approx([0.1, 0.0, 0.1])
+    assert rows[1]["within_seed_spread"] and not rows[2]["within_seed_spread"]
+    assert abs(rows[2]["reward_diff_vs_none_mean"] - 0.4) < 1e-9
+    table = format_table(rows)
+    assert "OUTSIDE the spread" in table and "logprob agreement" in table
+    assert main(["--none-seeds", "1,x", "--runs", "none", f"data.path={gsm8k_dir}"]) == 2
+    assert "--none-seeds=1,x" in capsys.readouterr().err
+    assert main(["--runs", "frozen", f"data.path={gsm8k_dir}"]) == 2
+    assert "need --warm-head" in capsys.readouterr().err
+    fresh = runs(None)
+    assert "rollout.speculative_config.model=null" in fresh["online"] and "frozen" not in fresh
