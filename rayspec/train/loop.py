@@ -290,6 +290,8 @@ def rl_worker_loop(config: dict) -> None:
     if checkpoint is not None:
         version = resume(checkpoint, engine, ctx, draft, cfg, rank)
     else:
+        if rank == 0:  # records of an attempt that failed before any checkpoint
+            ctx.log.discard_after(0)
         reset_replicas(engine, ctx, cfg, rank)
     for step in range(version + 1, cfg.trainer.steps + 1):
         if draft is not None and not _broadcast_object(ctx.draft_alive if rank == 0 else None, rank):
