@@ -14,8 +14,8 @@ equal whatever the engine draws: steps, prompts, samples per prompt.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import signal
 import threading
 import time
@@ -130,7 +130,7 @@ def _kill(pid: int) -> None:
     """SIGKILL a process and its children (a replica's vLLM engine core)."""
     proc = psutil.Process(pid)
     for p in [*proc.children(recursive=True), proc]:
-        with __import__("contextlib").suppress(psutil.NoSuchProcess):
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGKILL)
 
 

@@ -173,7 +173,7 @@ class DraftTrainer:
                         tensors[f"buffer.{si}.{ci}.{k}"] = v.clone()
             meta = {"version": self.version, "param_groups": opt["param_groups"],
                     "opt_params": sorted(opt["state"]), "buffer": [len(st) for st in self._buffer],
-                    "rng": _to_json(self._rng.getstate())}
+                    "rng": self._rng.getstate()}
         return tensors, meta
 
     def set_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
@@ -192,7 +192,7 @@ class DraftTrainer:
             for si, n in enumerate(meta["buffer"]):
                 self._buffer.append([{k.split(".", 3)[3]: v for k, v in tensors.items()
                                       if k.startswith(f"buffer.{si}.{ci}.")} for ci in range(n)])
-            self._rng.setstate(_from_json(meta["rng"]))
+            self._rng.setstate(meta["rng"])
             self.version = int(meta["version"])
         return self.version
 
@@ -237,11 +237,3 @@ class _StepChunks:
             self.arrived += 1
         r = self.early.pop(i)
         return ray.get(r) if isinstance(r, ray.ObjectRef) else r
-
-
-def _to_json(x):
-    return [_to_json(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def _from_json(x):
-    return tuple(_from_json(v) for v in x) if isinstance(x, list) else x

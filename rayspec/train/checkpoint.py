@@ -36,10 +36,9 @@ TRAINER_STATE = "trainer_state.json"
 
 
 def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    kind, keys, *rest = np.random.get_state()
     return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-            "python": _listify(random.getstate()),
-            "numpy": [np_state[0], np_state[1].tolist(), *map(_plain, np_state[2:])]}
+            "python": random.getstate(), "numpy": [kind, keys.tolist(), *rest]}
 
 
 def _set_rng_state(s: dict[str, Any]) -> None:
@@ -49,15 +48,8 @@ def _set_rng_state(s: dict[str, Any]) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
 
 
-def _plain(x):
-    return x.item() if hasattr(x, "item") else x
-
-
-def _listify(x):
-    return [_listify(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
 def _tuplify(x):
+    """JSON's lists back into the tuples ``random.setstate`` wants."""
     return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x
 
 
@@ -125,4 +117,6 @@ def save_draft_state(state: tuple[dict[str, torch.Tensor], dict[str, Any]], d: P
 
 def load_draft_state(d: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """What ``save_draft_state`` wrote (safetensors and JSON: no pickle)."""
-    return load_file(str(d / "draft.safetensors")), json.loads((d / "draft.json").read_text())
+    meta = json.loads((d / "draft.json").read_text())
+    meta["rng"] = _tuplify(meta["rng"])
+    return load_file(str(d / "draft.safetensors")), meta

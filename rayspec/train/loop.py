@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rayspec.batch import RolloutBatch
-from rayspec.config import RunConfig, draft_online
+from rayspec.config import RunConfig
 from rayspec.data import PromptSource, chat_prompt_ids, load_problems, math_reward
 from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, plot_run
 from rayspec.rollout import serve as rollout
