@@ -67,3 +67,51 @@ def test_entry_point_registered():
 
     eps = {ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert "rayspec.rollout.vllm_patches:register" in eps
+
+
+def _recovered_case(num_draft_tokens, seeded: bool):
+    """A verification step: num_draft_tokens per request, target/draft
+    probabilities over a 1000-token vocabulary, per-request generators."""
+    torch.manual_seed(0)
+    n = sum(num_draft_tokens)
+    target = torch.softmax(torch.randn(n, 1000) * 3, dim=-1)
+    draft = torch.softmax(torch.randn(n, 1000) * 3, dim=-1)
+    cu = torch.tensor(num_draft_tokens).cumsum(0).to(torch.int32)
+    draft_ids = draft.argmax(-1).to(torch.int32)
+    gens = {i: torch.Generator().manual_seed(100 + i) for i in range(len(num_draft_tokens))} if seeded else {}
+    from types import SimpleNamespace
+
+    return (max(num_draft_tokens), list(num_draft_tokens), cu, draft_ids, draft, target,
+            SimpleNamespace(generators=gens), torch.device("cpu"))
+
+
+def test_recovered_tokens_skip_noise_for_requests_without_drafts():
+    """Upstream draws [batch, vocab] Exp(1) noise even for a step where no
+    request drafted (dynamic speculation at k = 0): the global generator
+    moves, which is the work the patch removes. Patched, that step draws
+    nothing; with drafts, the recovered tokens equal upstream's for seeded
+    requests (a request without drafts in between changes nothing)."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    vllm_patches.register()
+    current_platform.register_triton_kernel_overrides()
+    upstream = vllm_patches.upstream_sample_recovered_tokens()
+    assert upstream is not vllm_patches._sample_recovered_tokens
+
+    for fn, draws in ((upstream, True), (vllm_patches._sample_recovered_tokens, False)):
+        args = list(_recovered_case([0, 0, 0], seeded=False))
+        args[3], args[4], args[5] = torch.empty(0, dtype=torch.int32), None, torch.empty(0, 1000)
+        state = torch.get_rng_state()
+        out = fn(*args)
+        assert out.numel() == 0
+        assert (not torch.equal(state, torch.get_rng_state())) == draws
+
+    mixed = [2, 0, 1, 3]
+    want = upstream(*_recovered_case(mixed, seeded=True))
+    got = vllm_patches._sample_recovered_tokens(*_recovered_case(mixed, seeded=True))
+    assert got.tolist() == want.tolist()
+    # not a constant: other seeds recover other tokens
+    other = _recovered_case(mixed, seeded=True)
+    other[6].generators = {i: torch.Generator().manual_seed(7 + i) for i in range(4)}
+    assert vllm_patches._sample_recovered_tokens(*other).tolist() != want.tolist()
