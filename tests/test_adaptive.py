@@ -65,6 +65,61 @@ def test_probe_after_draft_refit_and_partial_positions():
     assert ctl.rates[0] == pytest.approx(0.45) and ctl.rates[1:] == [0.0, 0.0]
 
 
+def test_idle_drafter_returns_no_drafts_without_its_forward():
+    """The wrapped ``propose``: an idle drafter asked for 0 tokens skips its
+    forward; asked for k > 0, or not idle, it runs as before."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rayspec.rollout.adaptive import _propose_unless_idle
+
+    class Proposer:
+        device = torch.device("cpu")
+        calls = 0
+
+        def propose(self, num_speculative_tokens, common_attn_metadata=None):
+            self.calls += 1
+            return torch.zeros(common_attn_metadata.batch_size(), num_speculative_tokens, dtype=torch.int64)
+
+    Proposer.propose = _propose_unless_idle(Proposer.propose)
+    cad = SimpleNamespace(batch_size=lambda: 5)
+    p = Proposer()
+    assert p.propose(num_speculative_tokens=0, common_attn_metadata=cad).shape == (5, 0) and p.calls == 1
+    p.rayspec_idle = True
+    out = p.propose(num_speculative_tokens=0, common_attn_metadata=cad)
+    assert out.shape == (5, 0) and out.dtype == torch.int64 and p.calls == 1
+    assert p.propose(num_speculative_tokens=2, common_attn_metadata=cad).shape == (5, 2) and p.calls == 2
+
+
+@pytest.mark.slow
+def test_idle_drafter_drafts_again_with_its_kv(tiny_llama_dir):
+    """A schedule of 0 everywhere idles the drafter (no drafts; that it
+    skips its forward is the unit test above); switching back drafts with
+    the draft's KV intact: the policy
+    as its own draft model, greedy, has every draft accepted, also on
+    prompts first seen while idle (their prefix-cached blocks would hold no
+    draft KV: without the cache reset, 0 of 92 drafts were accepted)."""
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+
+    eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "draft_model", "num_speculative_tokens": 2,
+                                              "model": str(tiny_llama_dir),
+                                              "num_speculative_tokens_per_batch_size": uniform(2, 4)},
+                         dtype="float32", engine_kwargs=engine_kwargs(max_num_seqs=4),
+                         env=cpu_engine_env(1, "all"))
+    try:
+        prompts = [[(7 * i + j) % 5000 + 100 for j in range(300)] for i in range(2)]
+        eng.set_k_schedule(uniform(0, 4))
+        _, stats = eng.generate(prompts, n=1, temperature=0.0, max_tokens=16)
+        assert stats.num_drafts == 0
+        eng.set_k_schedule([(1, 1, 0), (2, 4, 2)])
+        _, stats = eng.generate(prompts, n=1, temperature=0.0, max_tokens=16)
+        assert stats.num_draft_tokens > 0
+        assert stats.accepted_per_pos == [stats.num_drafts] * 2
+    finally:
+        eng.shutdown()
+
+
 @pytest.fixture(scope="module")
 def tiny_head(tiny_llama_dir, tmp_path_factory):
     head = tmp_path_factory.mktemp("adaptive") / "head"

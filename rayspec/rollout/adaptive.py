@@ -13,6 +13,16 @@ rebuilds the scheduler's lookup with vLLM's own
 ``build_dynamic_sd_schedule_lookup``. The engine must be built with a schedule
 (any), so its scheduler runs the dynamic path.
 
+At k = 0 vLLM 0.32 still runs the drafter's forward over every step's tokens
+(``SpecDecodeBaseProposer.propose``: "to keep the drafter KV cache in sync"),
+so a sequence can draft again when its batch shrinks into a k > 0 range.
+When the schedule is 0 at every batch size, no sequence can draft before the
+schedule changes, so the utility also marks the drafter idle and a wrapped
+``propose`` returns no drafts without that forward (on 2 CPU cores it was
+3-4 ms a step, 7% of a step at one sequence). Leaving the idle state resets
+the prefix cache: blocks cached meanwhile hold no draft KV. rayspec changes
+the schedule only between ``generate`` calls, with no request in flight.
+
 Controller (``AdaptiveK``): with per-position acceptance rates r_i (P(draft
 position i accepted), vLLM's ``spec_decode_num_accepted_tokens_per_pos`` /
 ``num_drafts``), a step with k drafts emits E(k) = 1 + sum_{i<k} r_i tokens per
@@ -32,6 +42,7 @@ are updated after every rollout.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -56,19 +67,52 @@ def _set_schedule(self, schedule: list) -> list:
                            "build it with a schedule to switch k at run time")
     sched.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
         [tuple(r) for r in schedule], sched.scheduler_config.max_num_seqs, sched.num_spec_tokens)
+    idle = all(r[2] == 0 for r in schedule)
+    if idle != getattr(self, "rayspec_drafter_idle", False):
+        self.collective_rpc(_set_drafter_idle, args=(idle,))
+        if not idle:
+            self.reset_prefix_cache()
+        self.rayspec_drafter_idle = idle
     return [list(r) for r in schedule]
 
 
+def _set_drafter_idle(worker, idle: bool) -> None:
+    """Worker-side half of ``_set_schedule`` (sent by collective_rpc)."""
+    drafter = getattr(worker.model_runner, "drafter", None)
+    if drafter is not None:
+        drafter.rayspec_idle = idle
+
+
+def _propose_unless_idle(propose):
+    """Wrap ``SpecDecodeBaseProposer.propose``: an idle drafter asked for 0
+    tokens returns [batch, 0] int64 draft ids without its forward pass."""
+    @functools.wraps(propose)
+    def wrapped(self, num_speculative_tokens, *args, **kwargs):
+        if num_speculative_tokens == 0 and getattr(self, "rayspec_idle", False):
+            import torch
+
+            return torch.empty(kwargs["common_attn_metadata"].batch_size(), 0,
+                               dtype=torch.int64, device=self.device)
+        return propose(self, num_speculative_tokens, *args, **kwargs)
+
+    wrapped.rayspec_wrapped = True
+    return wrapped
+
+
 def register() -> None:
-    """vLLM general-plugin hook: add the schedule utility to EngineCore where
-    this vLLM has dynamic speculative decoding (idempotent)."""
+    """vLLM general-plugin hook: add the schedule utility to EngineCore and
+    the idle check to the drafters' ``propose``, where this vLLM has dynamic
+    speculative decoding (idempotent)."""
     try:
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.spec_decode.dynamic import utils  # noqa: F401  (feature check)
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     except ImportError:
         return
     if not hasattr(EngineCore, UTILITY):
         setattr(EngineCore, UTILITY, _set_schedule)
+    if not getattr(SpecDecodeBaseProposer.propose, "rayspec_wrapped", False):
+        SpecDecodeBaseProposer.propose = _propose_unless_idle(SpecDecodeBaseProposer.propose)
 
 
 def set_schedule(llm, schedule: list[tuple[int, int, int]]) -> None:
