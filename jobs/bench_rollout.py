@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _cell(engine, prompts, conc: int, temperature: float, max_tokens: int, ignore_eos: bool):
     """Run ``conc`` sequences; returns (SpecStats, seconds per engine step
     (exact when every sequence runs to ``max_tokens``), tokens/s, SHA-1 of
-    the responses' token ids).
+    the responses' token ids, response lengths in tokens).
 
     Sequence i samples with seed i, so cells that stop at EOS draw the same
     responses wherever the engine samples the same way (no speculation, or a
@@ -135,11 +135,12 @@ def _cell(engine, prompts, conc: int, temperature: float, max_tokens: int, ignor
     # every engine step emits one token per sequence plus its accepted drafts
     steps = (tokens - stats.num_accepted_tokens) / conc
     digest = hashlib.sha1(json.dumps([list(c.token_ids) for o in outs for c in o.outputs]).encode())
-    return stats, wall / steps, tokens / wall, digest.hexdigest()
+    return stats, wall / steps, tokens / wall, digest.hexdigest(), [len(c.token_ids) for o in outs for c in o.outputs]
 
 
-def _record(method: str, draft: str, k: int, conc, temperature: float, stats, step_s: float,
-            tps: float, digest: str, shape: str, **extra) -> dict:
+def _record(method: str, draft: str, k: int, conc, temperature: float, cell: tuple, shape: str,
+            **extra) -> dict:
+    stats, step_s, tps, digest, _ = cell
     rates = stats.acceptance_rate_per_pos[:k] if k else []
     return {"method": method, "draft": draft, "k": k, "concurrency": conc, "temperature": temperature,
             "shape": shape, "tokens_per_s": tps, "output_tokens": stats.output_tokens, "responses_sha1": digest,
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                     if spec is not None:
                         engine.set_k_schedule(uniform(k, max_seqs))
                     cells.append(_record(method, draft or method, k, c, t,
-                                         *_cell(engine, prompts, c, t, args.max_tokens, ignore_eos=True), "fixed"))
+                                         _cell(engine, prompts, c, t, args.max_tokens, ignore_eos=True), "fixed"))
                 cells.extend(_rollout_cells(engine, method, draft or method, prompts, args, cells, max_seqs, costs))
         finally:
             engine.shutdown()
@@ -291,22 +292,23 @@ def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_se
     for t in args.temperature:
         if method == "none":
             out.append(_record("none", "none", 0, n, t,
-                               *_cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False),
+                               _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False),
                                "rollout"))
             continue
         mine = [c for c in cells if c["method"] == method and c["draft"] == draft and c["temperature"] == t
                 and c["shape"] == "fixed" and c["k"]]
         k_best = max(mine, key=lambda c: (c["concurrency"] == max(args.concurrency), c["tokens_per_s"]))["k"]
         engine.set_k_schedule(uniform(k_best, max_seqs))
-        stats, *rest = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
-        out.append(_record(method, draft, k_best, n, t, stats, *rest, "rollout"))
+        cell = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
+        out.append(_record(method, draft, k_best, n, t, cell, "rollout"))
         # a fresh controller, given this draft's acceptance at this temperature
-        # from the fixed-k rollout just run
+        # and the rollout's shape from the fixed-k rollout just run
         costs[method] = engine.enable_adaptive(margin=args.adaptive_margin, cost=costs.get(method))
-        engine.adaptive.update(stats.accepted_per_pos, stats.num_drafts, k_best)
+        engine.adaptive.update(cell[0].accepted_per_pos, cell[0].num_drafts, k_best)
+        engine.adaptive.observe(cell[4])
         engine.set_k_schedule(engine.adaptive.schedule())
         out.append(_record("adaptive", draft, engine.adaptive.k_max, n, t,
-                           *_cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False), "rollout",
+                           _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False), "rollout",
                            k_schedule=format_schedule(engine.k_schedule), rates_used=engine.adaptive.rates[:]))
         engine.adaptive = None
         engine.set_k_schedule(uniform(engine.speculative_config["num_speculative_tokens"], max_seqs))

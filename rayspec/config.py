@@ -118,11 +118,15 @@ class AdaptiveKConfig:
         calibration_tokens: new tokens per calibration run when a replica
             starts (it times plain and k-draft steps at batch sizes 1, 4,
             16, ... up to max_num_seqs).
+        probe_every: while no k pays, a draft refit is tried at one
+            sequence in flight every this many refits (each try keeps the
+            drafter's KV in sync for a whole rollout).
     """
 
     enabled: bool = False
     margin: float = 1.05
     calibration_tokens: int = 16
+    probe_every: int = 4
 
 
 @dataclass
@@ -425,6 +429,7 @@ def validate(cfg: RunConfig) -> None:
         _check(ak.margin > 0, "rollout.adaptive_k.margin", ak.margin, "must be > 0")
         _check(ak.calibration_tokens >= 2, "rollout.adaptive_k.calibration_tokens",
                ak.calibration_tokens, "must be >= 2")
+        _check(ak.probe_every >= 1, "rollout.adaptive_k.probe_every", ak.probe_every, "must be >= 1")
     if spec.method == "draft_model":
         _check(spec.model is not None, "rollout.speculative_config.model", spec.model,
                "method draft_model needs a draft model directory")

@@ -53,6 +53,39 @@ def test_good_draft_speculates_in_the_tail_only_and_bad_draft_never():
     assert bad.schedule() == [(1, 64, 0)]
 
 
+def test_rollout_shape_decides_whether_a_tail_schedule_pays():
+    """Drafting in the tail keeps the drafter in sync at every batch size:
+    kept when the rollout spends long enough in the tail, dropped when the
+    tail is too short to repay the sync cost of the full batch."""
+    cost = StepCost(CPU_COST.concurrency, CPU_COST.plain_s, CPU_COST.spec_s, 3,
+                    sync_s=[0.022, 0.032, 0.104])
+    ctl = AdaptiveK(k_max=3, max_num_seqs=64, cost=cost)
+    ctl.update([600, 400, 250], num_drafts=1000, positions=3)
+    tail = ctl.schedule()
+    assert format_schedule(tail) == "1:3 2:2 3-8:1 9-64:0"  # no shape known yet: per-b choice
+    # 16 sequences; 15 stop at 100 tokens, one runs to 512
+    ctl.observe([100] * 15 + [512])
+    assert ctl.positions == {16: 100, 1: 412}
+    assert ctl.schedule() == tail
+    assert ctl.rollout_seconds(tail) < ctl.rollout_seconds(uniform(0, 64))
+    # all 16 run to 500 tokens but one to 502: the tail cannot repay the sync cost
+    ctl.observe([500] * 15 + [502])
+    assert ctl.positions == {16: 500, 1: 2}
+    assert ctl.schedule() == uniform(0, 64)
+    # k = 0 everywhere idles the drafter: it costs plain steps, not sync steps
+    assert ctl.rollout_seconds(uniform(0, 64)) == pytest.approx(500 * cost.seconds(16, 0) + 2 * cost.seconds(1, 0))
+
+
+def test_probe_every_n_draft_refits():
+    ctl = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, probe_every=3)
+    ctl.update([0, 0, 0], num_drafts=100, positions=3)
+    for _ in range(2):
+        ctl.draft_changed()
+        assert ctl.schedule() == [(1, 16, 0)]
+    ctl.draft_changed()
+    assert ctl.schedule() == [(1, 1, 1), (2, 16, 0)]
+
+
 def test_probe_after_draft_refit_and_partial_positions():
     ctl = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST)
     ctl.update([0, 0, 0], num_drafts=100, positions=3)
@@ -142,7 +175,7 @@ def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head):
     try:
         cost = eng.adaptive.cost
         assert cost.concurrency == [1, 4, 8] and cost.k == 3
-        assert all(s > 0 for s in cost.plain_s + cost.spec_s)
+        assert len(cost.sync_s) == 3 and all(s > 0 for s in cost.plain_s + cost.spec_s + cost.sync_s)
         prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
         for k in (0, 2):
             eng.set_k_schedule(uniform(k, 8))

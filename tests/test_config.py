@@ -99,6 +99,8 @@ def test_draft_model_with_existing_dir(tmp_path):
      "rollout.adaptive_k.enabled", "True"),
     (["rollout.adaptive_k.enabled=true", "rollout.adaptive_k.calibration_tokens=1"],
      "rollout.adaptive_k.calibration_tokens", "1"),
+    (["rollout.adaptive_k.enabled=true", "rollout.adaptive_k.probe_every=0"],
+     "rollout.adaptive_k.probe_every", "0"),
     (["rollout.speculative_config.draft_sample_method=top1"],
      "rollout.speculative_config.draft_sample_method", "top1"),
     (["train.deepspeed.train_micro_batch_size_per_gpu=abc"],
@@ -107,7 +109,7 @@ def test_draft_model_with_existing_dir(tmp_path):
     (["nosuch.key=1"], "nosuch.key", None),
 ], ids=["unknown-key", "k<1", "unknown-method", "missing-model", "group-size-1", "wrong-type",
         "draft-model-no-path", "draft-model-missing-dir", "num-workers-not-dividing",
-        "unknown-dataset", "adaptive-without-speculation", "adaptive-calibration-too-short",
+        "unknown-dataset", "adaptive-without-speculation", "adaptive-calibration-too-short", "adaptive-probe-every-0",
         "bad-draft-sample-method", "micro-batch-not-int", "zero-section-not-a-map", "unknown-section"])
 def test_bad_override_names_key_and_value(overrides, key, value):
     with pytest.raises(ConfigError) as e:

@@ -30,13 +30,17 @@ sequence (Leviathan et al. 2023, Sec. 3.1, without the i.i.d. assumption). With
 t(b, k) the measured seconds of one engine step at b sequences in flight, the
 throughput is b * E(k) / t(b, k); the controller picks, for each b, the k in
 0..K that maximises it, and k = 0 unless a speculative k beats plain decoding
-by ``margin``. After a draft refit (``probe``), when the rates say no k pays
-anywhere, batch size 1 drafts one token anyway: without drafts there is no
-acceptance to measure, and an online-trained draft would never be tried
-again; the probe costs at most the steps run with one sequence left.
-t(b, k) comes from a calibration on the engine itself (plain and k=K steps at
-a few concurrencies, linear in k between them, log-linear in b); the rates
-are updated after every rollout.
+by ``margin``. A schedule that drafts at some batch sizes keeps the drafter
+in sync at the others (below), so it is kept only if the last rollout's shape
+(token positions spent at each b) would run ``margin`` faster with it than
+with k = 0 everywhere. Every ``probe_every`` draft refits (``probe``), when
+the rates say no k pays anywhere, batch size 1 drafts one token anyway:
+without drafts there is no acceptance to measure, and an online-trained
+draft would never be tried again; the probe costs the drafter's sync for one
+rollout and the steps run with one sequence left. t(b, k) comes from a
+calibration on the engine itself (plain, k = 0 with the drafter in sync, and
+k=K steps at a few concurrencies, linear in k between them, log-linear in
+b); the rates are updated after every rollout.
 """
 
 from __future__ import annotations
@@ -52,9 +56,11 @@ log = logging.getLogger(__name__)
 UTILITY = "rayspec_set_num_speculative_tokens_per_batch_size"
 
 
-def _set_schedule(self, schedule: list) -> list:
+def _set_schedule(self, schedule: list, drafter_idle: bool | None = None) -> list:
     """EngineCore utility: replace the scheduler's batch-size -> k lookup.
 
+    ``drafter_idle`` None: idle iff k is 0 everywhere; False keeps the
+    drafter's KV-sync forward running at k = 0 (calibration times it).
     Returns the normalised schedule. Raises RuntimeError when the engine was
     built without ``num_speculative_tokens_per_batch_size`` (its scheduler
     pads every decode to k+1 tokens and cannot switch).
@@ -67,7 +73,7 @@ def _set_schedule(self, schedule: list) -> list:
                            "build it with a schedule to switch k at run time")
     sched.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
         [tuple(r) for r in schedule], sched.scheduler_config.max_num_seqs, sched.num_spec_tokens)
-    idle = all(r[2] == 0 for r in schedule)
+    idle = all(r[2] == 0 for r in schedule) if drafter_idle is None else drafter_idle
     if idle != getattr(self, "rayspec_drafter_idle", False):
         self.collective_rpc(_set_drafter_idle, args=(idle,))
         if not idle:
@@ -115,9 +121,10 @@ def register() -> None:
         SpecDecodeBaseProposer.propose = _propose_unless_idle(SpecDecodeBaseProposer.propose)
 
 
-def set_schedule(llm, schedule: list[tuple[int, int, int]]) -> None:
+def set_schedule(llm, schedule: list[tuple[int, int, int]], drafter_idle: bool | None = None) -> None:
     """Apply ``schedule`` ([(lo, hi, k)], inclusive batch-size ranges) to a
     running ``vllm.LLM`` (engine core in its own process or in-process).
+    ``drafter_idle``: see ``_set_schedule`` (None: idle iff k = 0 everywhere).
 
     Raises:
         RuntimeError: the engine has no dynamic schedule, or this vLLM lacks
@@ -126,9 +133,9 @@ def set_schedule(llm, schedule: list[tuple[int, int, int]]) -> None:
     core = llm.llm_engine.engine_core
     args = [list(r) for r in schedule]
     if hasattr(core, "call_utility"):
-        core.call_utility(UTILITY, args)
+        core.call_utility(UTILITY, args, drafter_idle)
     else:  # InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-        getattr(core.engine_core, UTILITY)(args)
+        getattr(core.engine_core, UTILITY)(args, drafter_idle)
 
 
 def uniform(k: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
@@ -178,15 +185,19 @@ class StepCost:
 
     Attributes:
         concurrency: calibrated batch sizes b, ascending.
-        plain_s: seconds of a plain decode step at each b.
+        plain_s: seconds of a plain decode step at each b (drafter idle).
         spec_s: seconds of a step with k = ``k`` drafts at each b.
         k: the speculative k calibrated.
+        sync_s: seconds of a k = 0 step whose drafter keeps its KV in sync,
+            as it must while the schedule drafts at any batch size (empty:
+            as ``plain_s``).
     """
 
     concurrency: list[int]
     plain_s: list[float]
     spec_s: list[float]
     k: int
+    sync_s: list[float] = field(default_factory=list)
 
     def _interp(self, ys: list[float], b: int) -> float:
         xs = self.concurrency
@@ -202,6 +213,10 @@ class StepCost:
         """t(b, k): linear in k between the plain and the k=K step."""
         t0 = self._interp(self.plain_s, b)
         return t0 + (self._interp(self.spec_s, b) - t0) * k / self.k
+
+    def sync_seconds(self, b: int) -> float:
+        """t(b, 0) with the drafter kept in sync."""
+        return self._interp(self.sync_s, b) if self.sync_s else self.seconds(b, 0)
 
     def cost_ratio(self, b: int) -> float:
         """c(b): extra cost of one draft token (drafting it and verifying it)
@@ -220,8 +235,12 @@ class AdaptiveK:
         margin: a speculative k is chosen only if its predicted throughput is
             at least ``margin`` times plain decoding's (1.0: any gain).
         ema: weight of the newest rollout in the acceptance rates.
-        probe: the draft changed since the rates were measured (set by the
-            engine on a draft refit; cleared by the next measurement).
+        probe_every: draft refits between probes (1: after every refit).
+        probe: the draft changed since the rates were measured (set by
+            ``draft_changed`` every ``probe_every`` refits; cleared by the
+            next measurement).
+        positions: token positions per batch size in the last rollout
+            ({b: n}, ``observe``): how long a rollout stays at each b.
     """
 
     k_max: int
@@ -229,8 +248,45 @@ class AdaptiveK:
     cost: StepCost
     margin: float = 1.05
     ema: float = 0.5
+    probe_every: int = 1
     rates: list[float] = field(default_factory=list)
     probe: bool = False
+    positions: dict[int, int] = field(default_factory=dict)
+    _refits: int = 0
+
+    def draft_changed(self) -> None:
+        """A draft refit: probe again every ``probe_every`` of them."""
+        self._refits += 1
+        if self._refits >= self.probe_every:
+            self._refits = 0
+            self.probe = True
+
+    def observe(self, response_lens: list[int]) -> None:
+        """Record how many token positions the last rollout spent at each
+        batch size: its sequences start together (up to max_num_seqs) and
+        leave at their lengths (tokens), so positions L_(i-1)..L_(i) of the
+        ascending lengths run with n - i + 1 sequences in flight."""
+        lens = sorted(response_lens)
+        n, prev, out = len(lens), 0, {}
+        for i, length in enumerate(lens):
+            if length > prev:
+                b = min(n - i, self.max_num_seqs)
+                out[b] = out.get(b, 0) + length - prev
+                prev = length
+        self.positions = out
+
+    def rollout_seconds(self, schedule: list[tuple[int, int, int]]) -> float:
+        """Predicted seconds of the last rollout's shape under ``schedule``:
+        sum over b of positions(b) / E(k_b) * t(b, k_b), where a k = 0 step
+        costs t_sync(b) unless k is 0 at every batch size."""
+        ks = {b: k for lo, hi, k in schedule for b in range(lo, hi + 1)}
+        idle = all(k == 0 for _, _, k in schedule)
+        total = 0.0
+        for b, n in self.positions.items():
+            k = ks.get(b, 0)
+            step = self.cost.seconds(b, k) if k or idle else self.cost.sync_seconds(b)
+            total += n / expected_tokens(self.rates, k) * step
+        return total
 
     def update(self, accepted_per_pos: list[int], num_drafts: int, positions: int) -> None:
         """Fold one rollout's counters into the per-position rates.
@@ -265,11 +321,19 @@ class AdaptiveK:
 
     def schedule(self) -> list[tuple[int, int, int]]:
         """[(lo, hi, k)] covering 1..max_num_seqs, adjacent equal k merged.
-        Before any acceptance is measured: k_max everywhere (to measure it)."""
+        Before any acceptance is measured: k_max everywhere (to measure it).
+        A schedule that drafts somewhere keeps the drafter in sync at the
+        batch sizes where it does not; it is kept only if the last rollout's
+        shape (``observe``) would run ``margin`` faster with it than with
+        k = 0 everywhere."""
         if not self.rates:
             return uniform(self.k_max, self.max_num_seqs)
         out = merge_schedule([self.best_k(b) for b in range(1, self.max_num_seqs + 1)])
-        if self.probe and all(k == 0 for _, _, k in out):
+        zero = uniform(0, self.max_num_seqs)
+        if (self.positions and out != zero
+                and self.rollout_seconds(out) * self.margin > self.rollout_seconds(zero)):
+            out = zero
+        if self.probe and out == zero:
             out = [(1, 1, 1)] + ([(2, self.max_num_seqs, 0)] if self.max_num_seqs > 1 else [])
         return out
 

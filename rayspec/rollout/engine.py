@@ -87,7 +87,7 @@ class SpecVLLMEngine:
             the rollout role; the replica binds vLLM's CPU threads to its
             node's set (VLLM_CPU_OMP_THREADS_BIND). None: ``env`` as given.
         adaptive_k: adaptive speculation (``rayspec.rollout.adaptive``):
-            {"margin", "calibration_tokens"}; the engine is calibrated once
+            {"margin", "calibration_tokens", "probe_every"}; the engine is calibrated once
             here and re-chooses k per batch size after every ``generate``.
             None: k as configured.
     """
@@ -142,10 +142,12 @@ class SpecVLLMEngine:
             self.enable_adaptive(**adaptive_k)
 
     def enable_adaptive(self, margin: float = 1.05, calibration_tokens: int = 16,
-                        cost: Optional[adaptive_k_mod.StepCost] = None) -> adaptive_k_mod.StepCost:
+                        cost: Optional[adaptive_k_mod.StepCost] = None,
+                        probe_every: int = 1) -> adaptive_k_mod.StepCost:
         """Turn on adaptive speculation: calibrate the step cost (unless
         ``cost`` is given) and start with k = num_speculative_tokens everywhere
-        until acceptance is measured. Returns the step cost.
+        until acceptance is measured; probe a draft that does not pay every
+        ``probe_every`` draft refits. Returns the step cost.
 
         Raises:
             RuntimeError: no speculative_config, or built without a schedule.
@@ -154,32 +156,37 @@ class SpecVLLMEngine:
             raise RuntimeError("adaptive speculation needs a speculative_config")
         k = self.speculative_config["num_speculative_tokens"]
         cost = cost or self.calibrate(k, tokens=calibration_tokens)
-        self.adaptive = adaptive_k_mod.AdaptiveK(k, self.max_num_seqs, cost, margin=margin)
+        self.adaptive = adaptive_k_mod.AdaptiveK(k, self.max_num_seqs, cost, margin=margin,
+                                                 probe_every=probe_every)
         self.set_k_schedule(self.adaptive.schedule())
         log.info("adaptive k: calibrated step seconds %s", cost)
         return cost
 
-    def set_k_schedule(self, schedule: list[tuple[int, int, int]]) -> None:
+    def set_k_schedule(self, schedule: list[tuple[int, int, int]],
+                       drafter_idle: Optional[bool] = None) -> None:
         """Draft k tokens at batch sizes lo..hi for each (lo, hi, k) (vLLM's
-        ``num_speculative_tokens_per_batch_size`` format), from the next step on.
+        ``num_speculative_tokens_per_batch_size`` format), from the next step
+        on. The drafter idles (no forward at all) while k is 0 everywhere,
+        unless ``drafter_idle`` is False.
 
         Raises:
             RuntimeError: the engine was built without a schedule.
         """
-        adaptive_k_mod.set_schedule(self.llm, schedule)
+        adaptive_k_mod.set_schedule(self.llm, schedule, drafter_idle)
         self.k_schedule = [tuple(r) for r in schedule]
 
     def calibrate(self, k: int, concurrencies: Optional[list[int]] = None,
                   tokens: int = 16) -> adaptive_k_mod.StepCost:
-        """Measure the seconds of one engine step, plain and with k drafts, at
-        several batch sizes (default 1, 4, 16, ... up to max_num_seqs).
+        """Measure the seconds of one engine step at several batch sizes
+        (default 1, 4, 16, ... up to max_num_seqs): plain (k = 0, drafter
+        idle), k = 0 with the drafter kept in sync, and k drafts.
 
         Each batch size runs b copies of a 32-token periodic prompt greedily
         for ``tokens`` new tokens (ignore_eos; the repetition gives n-gram and
         suffix drafters something to propose at every step, as a model
-        drafter always does) with k = 0 and with k drafts, minus a 1-token
-        run (the prefill); each sequence then takes tokens - 1 - accepted / b
-        steps (accepted: vLLM's accepted-draft count). Leaves the schedule at k.
+        drafter always does), minus a 1-token run (the prefill); each
+        sequence then takes tokens - 1 - accepted / b steps (accepted: vLLM's
+        accepted-draft count). Leaves the schedule at k.
 
         Raises:
             RuntimeError: the engine was built without a schedule.
@@ -198,17 +205,17 @@ class SpecVLLMEngine:
             wall = time.perf_counter() - t0
             return wall, read_counters(self.llm.get_metrics())["num_accepted_tokens"] - before["num_accepted_tokens"]
 
-        plain, spec = [], []
+        plain, sync, spec = [], [], []
         with self._busy_section():
             self._wake()
             for b in bs:
-                for kk, out in ((0, plain), (k, spec)):
-                    self.set_k_schedule(adaptive_k_mod.uniform(kk, self.max_num_seqs))
+                for kk, idle, out in ((0, None, plain), (0, False, sync), (k, None, spec)):
+                    self.set_k_schedule(adaptive_k_mod.uniform(kk, self.max_num_seqs), drafter_idle=idle)
                     prefill, _ = run(b, 1)
                     wall, accepted = run(b, tokens)
                     steps = tokens - 1 - accepted / b
                     out.append(max(wall - prefill, 1e-6) / max(steps, 1.0))
-        return adaptive_k_mod.StepCost(bs, plain, spec, k)
+        return adaptive_k_mod.StepCost(bs, plain, spec, k, sync_s=sync)
 
     def generate(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, max_tokens: int = 128, group_offset: int = 0,
@@ -275,15 +282,17 @@ class SpecVLLMEngine:
         stats = diff_counters(before, stats_after, n_tok, wall)
         stats.k_schedule = schedule if self.adaptive is not None else []
         if self.adaptive is not None:
-            self._adapt(stats, schedule)
+            self._adapt(stats, schedule, [len(r) for r in batch.response_ids])
         stats.replicas = {self.replica_id: dataclasses.replace(stats)}
         return batch, stats
 
-    def _adapt(self, stats: SpecStats, schedule: list) -> None:
-        """Fold this rollout's acceptance into the controller; switch k if its
-        choice changed (under the lock: a rollout may be waiting)."""
+    def _adapt(self, stats: SpecStats, schedule: list, response_lens: list[int]) -> None:
+        """Fold this rollout's acceptance and shape into the controller;
+        switch k if its choice changed (under the lock: a rollout may be
+        waiting)."""
         drafted = [k for _, _, k in schedule if k > 0]
         self.adaptive.update(stats.accepted_per_pos, stats.num_drafts, min(drafted, default=0))
+        self.adaptive.observe(response_lens)
         new = self.adaptive.schedule()
         if new != [tuple(r) for r in schedule]:
             with self._busy_section():
@@ -363,7 +372,7 @@ class SpecVLLMEngine:
         with self._load(state_dict, "draft"):
             self.draft_version = version
             if self.adaptive is not None:  # the rates were the old draft's
-                self.adaptive.probe = True
+                self.adaptive.draft_changed()
                 self.set_k_schedule(self.adaptive.schedule())
         return version
 
