@@ -46,6 +46,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
@@ -110,10 +111,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _cell(engine, prompts, conc: int, temperature: float, max_tokens: int, ignore_eos: bool):
-    """Run ``conc`` sequences; returns (SpecStats, seconds per engine step
-    (exact when every sequence runs to ``max_tokens``), tokens/s, SHA-1 of
-    the responses' token ids, response lengths in tokens).
+class Cell(NamedTuple):
+    """One measured cell: vLLM's spec-decode counters, seconds per engine step
+    (exact when every sequence runs to max_tokens), tokens/s, SHA-1 of the
+    responses' token ids, response lengths (tokens)."""
+
+    stats: Any
+    step_s: float
+    tokens_per_s: float
+    digest: str
+    response_lens: list[int]
+
+
+def _cell(engine, prompts, conc: int, temperature: float, max_tokens: int, ignore_eos: bool) -> Cell:
+    """Run ``conc`` sequences (see ``Cell``).
 
     Sequence i samples with seed i, so cells that stop at EOS draw the same
     responses wherever the engine samples the same way (no speculation, or a
@@ -135,10 +146,11 @@ def _cell(engine, prompts, conc: int, temperature: float, max_tokens: int, ignor
     # every engine step emits one token per sequence plus its accepted drafts
     steps = (tokens - stats.num_accepted_tokens) / conc
     digest = hashlib.sha1(json.dumps([list(c.token_ids) for o in outs for c in o.outputs]).encode())
-    return stats, wall / steps, tokens / wall, digest.hexdigest(), [len(c.token_ids) for o in outs for c in o.outputs]
+    return Cell(stats, wall / steps, tokens / wall, digest.hexdigest(),
+                [len(c.token_ids) for o in outs for c in o.outputs])
 
 
-def _record(method: str, draft: str, k: int, conc, temperature: float, cell: tuple, shape: str,
+def _record(method: str, draft: str, k: int, conc, temperature: float, cell: Cell, shape: str,
             **extra) -> dict:
     stats, step_s, tps, digest, _ = cell
     rates = stats.acceptance_rate_per_pos[:k] if k else []
@@ -304,8 +316,8 @@ def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_se
         # a fresh controller, given this draft's acceptance at this temperature
         # and the rollout's shape from the fixed-k rollout just run
         costs[method] = engine.enable_adaptive(margin=args.adaptive_margin, cost=costs.get(method))
-        engine.adaptive.update(cell[0].accepted_per_pos, cell[0].num_drafts, k_best)
-        engine.adaptive.observe(cell[4])
+        engine.adaptive.update(cell.stats.accepted_per_pos, cell.stats.num_drafts, k_best)
+        engine.adaptive.observe(cell.response_lens)
         engine.set_k_schedule(engine.adaptive.schedule())
         out.append(_record("adaptive", draft, engine.adaptive.k_max, n, t,
                            _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False), "rollout",

@@ -252,7 +252,7 @@ class AdaptiveK:
     rates: list[float] = field(default_factory=list)
     probe: bool = False
     positions: dict[int, int] = field(default_factory=dict)
-    _refits: int = 0
+    _refits: int = field(default=0, init=False, repr=False)  # since the last probe
 
     def draft_changed(self) -> None:
         """A draft refit: probe again every ``probe_every`` of them."""
