@@ -450,7 +450,9 @@ def validate(cfg: RunConfig) -> None:
            cfg.data.prompts_per_step, "must be >= 1")
     _check(cfg.grpo.group_size >= 2, "grpo.group_size", cfg.grpo.group_size,
            "GRPO needs >= 2 samples per prompt to form a group baseline")
-    _check(cfg.grpo.temperature >= 0, "grpo.temperature", cfg.grpo.temperature, "must be >= 0")
+    _check(cfg.grpo.temperature > 0, "grpo.temperature", cfg.grpo.temperature,
+           "must be > 0: 0 is greedy, and vLLM samples one response per prompt greedily "
+           "(GRPO needs grpo.group_size >= 2)")
     _check(0 < cfg.grpo.top_p <= 1, "grpo.top_p", cfg.grpo.top_p, "must be in (0, 1]")
     _check(cfg.grpo.max_new_tokens >= 1, "grpo.max_new_tokens", cfg.grpo.max_new_tokens, "must be >= 1")
     _check(cfg.grpo.clip_eps > 0, "grpo.clip_eps", cfg.grpo.clip_eps, "must be > 0")

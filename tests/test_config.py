@@ -87,6 +87,7 @@ def test_draft_model_with_existing_dir(tmp_path):
     (["rollout.speculative_config.method=medusa2"], "rollout.speculative_config.method", "medusa2"),
     (["model.path=/nonexistent/dir"], "model.path", "/nonexistent/dir"),
     (["grpo.group_size=1"], "grpo.group_size", "1"),
+    (["grpo.temperature=0"], "grpo.temperature", "0"),
     (["trainer.steps=abc"], "trainer.steps", "abc"),
     (["rollout.speculative_config.method=draft_model"], "rollout.speculative_config.model",
      "draft_model"),
@@ -107,7 +108,7 @@ def test_draft_model_with_existing_dir(tmp_path):
      "train.deepspeed.train_micro_batch_size_per_gpu", "abc"),
     (["train.deepspeed.zero_optimization=3"], "train.deepspeed.zero_optimization", "3"),
     (["nosuch.key=1"], "nosuch.key", None),
-], ids=["unknown-key", "k<1", "unknown-method", "missing-model", "group-size-1", "wrong-type",
+], ids=["unknown-key", "k<1", "unknown-method", "missing-model", "group-size-1", "greedy", "wrong-type",
         "draft-model-no-path", "draft-model-missing-dir", "num-workers-not-dividing",
         "unknown-dataset", "adaptive-without-speculation", "adaptive-calibration-too-short", "adaptive-probe-every-0",
         "bad-draft-sample-method", "micro-batch-not-int", "zero-section-not-a-map", "unknown-section"])

@@ -59,22 +59,25 @@ def test_warmstart_job_raises_heldout_acceptance_and_resumes(tiny_llama_dir, gsm
     from jobs.warmstart_draft import main
 
     out = tmp_path / "warm"
-    common = ["--out", str(out), "--train-prompts", "8", "--heldout-prompts", "2", "--samples", "4",
-              "--heldout-samples", "4", "--save-every", "20", f"model.path={tiny_llama_dir}",
-              "model.dtype=float32", "data.name=gsm8k", f"data.path={gsm8k_dir}",
+    # 64 x 4 samples and 8 held-out prompts x 4: fewer gave a held-out gain
+    # (about 0.02) within the sampling noise of 2 held-out prompts
+    common = ["--out", str(out), "--train-prompts", "64", "--heldout-prompts", "8", "--samples", "4",
+              "--heldout-samples", "4", "--save-every", "50", f"model.path={tiny_llama_dir}",
+              "model.dtype=float32", "data.name=gsm8k", f"data.path={gsm8k_dir}", "draft.lr=3e-3",
               "grpo.max_new_tokens=32", "rollout.engine_kwargs.max_num_seqs=32"]
-    assert main(common + ["--steps", "40"]) == 0
+    assert main(common + ["--steps", "100"]) == 0
     res = json.loads((out / "result.json").read_text())
     corpus = (out / "corpus.jsonl").read_text()
-    assert len(read_corpus(out / "corpus.jsonl")) == 32
-    assert res["train"]["steps"] == 40
-    # the fresh head accepts nothing; 40 steps on a random tiny policy teach it a little
+    assert len(read_corpus(out / "corpus.jsonl")) == 256
+    assert res["train"]["steps"] == 100
+    # the fresh head accepts nothing; 100 steps on a random tiny policy teach it
+    # a little (1.08 here; the standard error over ~1000 held-out tokens is ~0.01)
     assert res["before"]["acceptance_length"] == 1.0
-    assert res["after"]["acceptance_length"] > 1.0, res
+    assert res["after"]["acceptance_length"] > 1.03, res
     head = load_head(out / HEAD)
     assert head.cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     # resume: same corpus, training continues to the new total
-    assert main(common + ["--steps", "50"]) == 0
+    assert main(common + ["--steps", "110"]) == 0
     assert (out / "corpus.jsonl").read_text() == corpus
-    assert json.loads((out / "trainer_state.json").read_text())["step"] == 50
+    assert json.loads((out / "trainer_state.json").read_text())["step"] == 110
     assert json.loads((out / "result.json").read_text())["before"] == res["before"]
