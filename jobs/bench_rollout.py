@@ -13,8 +13,8 @@ same GSM8K prompts (chat template) at a fixed concurrency: ``concurrency``
 sequences start together and each generates ``--max-tokens`` tokens
 (ignore_eos, so the concurrency holds for the whole cell); speculative
 engines also run k = 0, which shows what the engine costs when it drafts
-nothing (an EAGLE/draft-model engine still runs the draft over each step's
-tokens to keep the draft's KV cache). ``rollout`` cells
+nothing (k = 0 at every batch size idles the drafter:
+``rayspec.rollout.adaptive``). ``rollout`` cells
 then run one GRPO-shaped rollout (``--rollout-prompts`` x
 ``--group-size`` samples, natural EOS, so the batch drains into a long
 tail) for no speculation, the best fixed k and the adaptive controller.
@@ -152,8 +152,10 @@ def _cell(engine, prompts, conc: int, temperature: float, max_tokens: int, ignor
 
 def _record(method: str, draft: str, k: int, conc, temperature: float, cell: Cell, shape: str,
             **extra) -> dict:
-    stats, step_s, tps, digest, _ = cell
+    stats, step_s, tps, digest, lens = cell
     rates = stats.acceptance_rate_per_pos[:k] if k else []
+    if shape == "rollout":  # how the batch drained (rayspec.perfmodel replays it)
+        extra["response_lens"] = lens
     return {"method": method, "draft": draft, "k": k, "concurrency": conc, "temperature": temperature,
             "shape": shape, "tokens_per_s": tps, "output_tokens": stats.output_tokens, "responses_sha1": digest,
             "wall_s": stats.wall_s, "seconds_per_step": step_s,

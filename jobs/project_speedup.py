@@ -4,7 +4,7 @@ cluster with the performance model (``rayspec.perfmodel``).
     python -m jobs.project_speedup --model qwen3-8b --hardware h100 --replicas 8 \\
         --acceptance-length 2.3 --response-mean 4096 --max-new-tokens 16384
     python -m jobs.project_speedup --model <hf dir> --hardware gb200 --run runs/gsm8k
-    python -m jobs.project_speedup --validate [--bench docs/benchmarks/rollout_quick.json]
+    python -m jobs.project_speedup --validate [--bench docs/benchmarks/rollout_quick_one_openmp.json]
 
 The workload comes from ``--run`` (a rayspec run directory: response
 lengths, prompt length, acceptance per position) or from the flags
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--policy-lag", type=int, default=1, help="async only")
     ap.add_argument("--train-devices", type=int, help="default: the rollout devices (colocated)")
     ap.add_argument("--validate", action="store_true", help="print the validation tables and exit")
-    ap.add_argument("--bench", default=str(Path(__file__).resolve().parents[1] / "docs/benchmarks/rollout_quick.json"),
+    ap.add_argument("--bench", default=str(Path(__file__).resolve().parents[1] / "docs/benchmarks/rollout_quick_one_openmp.json"),
                     help="--validate: jobs.bench_rollout --quick JSON measured on the cpu preset's machine")
     ap.add_argument("--out", default="projection.json", help="JSON output")
     ap.add_argument("--plot", help="plot path (default: --out with .png)")

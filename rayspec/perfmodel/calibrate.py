@@ -100,9 +100,11 @@ def plain_points(cells: list[dict], prompt_lens: dict[int, float]) -> list[tuple
 
 def cell_seconds(eng: Engine, b: int, prompt_len: float, tokens: float, k: int = 0, e: float = 1.0) -> float:
     """Modelled wall seconds of a bench cell: prefill of b prompts, then
-    tokens / E steps at the mid-cell context."""
+    tokens / E steps at the mid-cell context. The bench sets one k for every
+    batch size, so at k = 0 the drafter idles."""
     ctx = b * (prompt_len + tokens / 2)
-    return eng.prefill_seconds(b, prompt_len) + tokens / e * eng.step_seconds(b, ctx, k, accepted=e)
+    return (eng.prefill_seconds(b, prompt_len, drafter_idle=k == 0)
+            + tokens / e * eng.step_seconds(b, ctx, k, accepted=e, drafter_idle=k == 0))
 
 
 def fit_plain(points: list[tuple[int, float, float, float]], target: ModelShape, base: Hardware) -> Hardware:

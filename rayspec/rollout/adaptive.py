@@ -73,7 +73,7 @@ def _set_schedule(self, schedule: list, drafter_idle: bool | None = None) -> lis
                            "build it with a schedule to switch k at run time")
     sched.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
         [tuple(r) for r in schedule], sched.scheduler_config.max_num_seqs, sched.num_spec_tokens)
-    idle = all(r[2] == 0 for r in schedule) if drafter_idle is None else drafter_idle
+    idle = drafts_nowhere(schedule) if drafter_idle is None else drafter_idle
     if idle != getattr(self, "rayspec_drafter_idle", False):
         self.collective_rpc(_set_drafter_idle, args=(idle,))
         if not idle:
@@ -141,6 +141,11 @@ def set_schedule(llm, schedule: list[tuple[int, int, int]], drafter_idle: bool |
 def uniform(k: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
     """The schedule that drafts k tokens at every batch size."""
     return [(1, max_num_seqs, k)]
+
+
+def drafts_nowhere(schedule) -> bool:
+    """k is 0 in every (lo, hi, k) range: the drafter may idle."""
+    return all(r[2] == 0 for r in schedule)
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -280,7 +285,7 @@ class AdaptiveK:
         sum over b of positions(b) / E(k_b) * t(b, k_b), where a k = 0 step
         costs t_sync(b) unless k is 0 at every batch size."""
         ks = {b: k for lo, hi, k in schedule for b in range(lo, hi + 1)}
-        idle = all(k == 0 for _, _, k in schedule)
+        idle = drafts_nowhere(schedule)
         total = 0.0
         for b, n in self.positions.items():
             k = ks.get(b, 0)
