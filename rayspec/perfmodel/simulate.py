@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from rayspec.perfmodel.hardware import Hardware
 from rayspec.perfmodel.shapes import ModelShape
-from rayspec.rollout.adaptive import expected_tokens, merge_schedule
+from rayspec.rollout.adaptive import drafts_nowhere, expected_tokens, merge_schedule
 
 DRAFT_METHODS = ("none", "eagle3", "draft_model", "mtp", "ngram")
 
@@ -223,7 +223,8 @@ def simulate_rollout(engine: Engine, lengths: list[int], prompt_len: float, k_sc
     if not lengths:
         raise ValueError("lengths: empty (no sequences to roll out)")
     k_of = _k_lookup(k_schedule)
-    idle = not any(k_of(b) for b in range(1, engine.max_num_seqs + 1))
+    # the engine's rule (rayspec.rollout.adaptive): idle iff k is 0 in every range
+    idle = k_schedule == 0 if isinstance(k_schedule, int) else drafts_nowhere(k_schedule)
     if engine.method == "none" and not idle:
         raise ValueError("k > 0 with method none")
     runs = [_replica(engine, lengths[r::engine.replicas], prompt_len, k_of, rates, idle)
