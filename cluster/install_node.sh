@@ -34,6 +34,15 @@ if [ "$flavor" = cpu ]; then
   pip install -q torch==2.13.0
   pip install -q -c "$constraints" -e "$repo[cpu,test]"
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # DeepSpeed JIT-compiles its CPU ops (ZeRO's FusedAdam, the shared-memory
+  # all-reduce) into ~/.cache/torch_extensions on first use: ~80 s on 2
+  # cores, which would otherwise stall the node's first Train workers while
+  # the rollout replica waits. Build them here, once per node.
+  "$venv/bin/python" -c "
+from deepspeed.accelerator import get_accelerator
+for name in ('FusedAdamBuilder', 'ShareMemCommBuilder'):
+    get_accelerator().create_op_builder(name).load()
+" >/dev/null
 else
   pip install -q -e "$repo[cuda,test]"
 fi
