@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import signal
 import threading
 import time
@@ -81,19 +82,48 @@ def _same_samples(got, want):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_session, tiny_llama_dir, tmp_path_factory):
+def uninterrupted_dir(ray_session, tiny_llama_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("faults") / "uninterrupted"
     run(_cfg(tiny_llama_dir, run_dir))
-    return _records(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_dir):
+    return _records(uninterrupted_dir)
+
+
+def _stopped_after_step_2(src, dst):
+    """A copy of a finished 4-step run as a run stopped while step 4's
+    checkpoint was written leaves it: Ray Train has registered step 2's
+    checkpoint only, metrics.jsonl already holds steps 3 and 4, and
+    ``draft_head/`` holds a head newer than the checkpoint's. Ray Train's
+    snapshot (checkpoint_manager_snapshot.json, Ray 2.60) names checkpoints
+    relative to its storage path, so the copy resumes from its own; it is
+    rolled back to what it held after step 2's report."""
+    shutil.copytree(src, dst)
+    train = dst / "ray_train" / "train"
+    snapshot = train / "checkpoint_manager_snapshot.json"
+    state = json.loads(snapshot.read_text())
+    step2, step4 = state["checkpoint_results"]
+    assert step4["metrics"]["step"] == STEPS and state["latest_checkpoint_result"] == step4
+    shutil.rmtree(train / step4["checkpoint_dir_name"])
+    state.update(checkpoint_results=[step2], latest_checkpoint_result=step2,
+                 checkpoint_report_indices=state["checkpoint_report_indices"][:1],
+                 current_report_index=state["checkpoint_report_indices"][0] + 1)
+    snapshot.write_text(json.dumps(state))
 
 
 @pytest.mark.slow
-def test_resume_continues_as_if_never_stopped(uninterrupted, tiny_llama_dir, tmp_path):
-    """2 steps, then ``jobs.grpo resume=<dir> trainer.steps=4``: steps 3-4
-    consume the prompts the uninterrupted run did, draw its samples and
-    compute its losses, the DraftTrainer's included."""
+def test_resume_continues_as_if_never_stopped(uninterrupted_dir, uninterrupted, tiny_llama_dir,
+                                              tmp_path):
+    """A run stopped after step 2's checkpoint, then ``jobs.grpo
+    resume=<dir> trainer.steps=4``: steps 3-4 consume the prompts the
+    uninterrupted run did, draw its samples and compute its losses, the
+    DraftTrainer's included; the stopped attempt's records of steps 3-4 are
+    set aside."""
     run_dir = tmp_path / "resumed"
-    run(_cfg(tiny_llama_dir, run_dir, 2))
+    _stopped_after_step_2(uninterrupted_dir, run_dir)
     (ckpt,) = checkpoints(run_dir)
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["policy_version"] == 2
@@ -109,6 +139,8 @@ def test_resume_continues_as_if_never_stopped(uninterrupted, tiny_llama_dir, tmp
     assert grpo_main([f"resume={run_dir}", f"trainer.steps={STEPS}"]) == 0
     got = _records(run_dir)
     _same_samples(got, uninterrupted)
+    discarded = [json.loads(line) for line in (run_dir / "metrics.discarded.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in discarded] == [3, 4]
     # the DraftTrainer resumed with its head, optimizer and replay buffer
     for key in ("draft_version", "draft_loss", "num_accepted_tokens"):
         assert [r[key] for r in got] == [r[key] for r in uninterrupted], key
