@@ -86,12 +86,7 @@ def _recovered_case(num_draft_tokens, seeded: bool):
             SimpleNamespace(generators=gens), torch.device("cpu"))
 
 
-def test_recovered_tokens_skip_noise_for_requests_without_drafts():
-    """Upstream draws [batch, vocab] Exp(1) noise even for a step where no
-    request drafted (dynamic speculation at k = 0): the global generator
-    moves, which is the work the patch removes. Patched, that step draws
-    nothing; with drafts, the recovered tokens equal upstream's for seeded
-    requests (a request without drafts in between changes nothing)."""
+def _patched_recovered():
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
@@ -99,8 +94,18 @@ def test_recovered_tokens_skip_noise_for_requests_without_drafts():
     current_platform.register_triton_kernel_overrides()
     upstream = vllm_patches.upstream_sample_recovered_tokens()
     assert upstream is not vllm_patches._sample_recovered_tokens
+    return upstream, vllm_patches._sample_recovered_tokens
 
-    for fn, draws in ((upstream, True), (vllm_patches._sample_recovered_tokens, False)):
+
+def test_recovered_tokens_draw_noise_once_and_only_for_requests_with_drafts():
+    """Upstream draws [batch, vocab] Exp(1) noise from the global generator
+    even for a step where no request drafted (dynamic speculation at k = 0),
+    and again for every seeded request from its own. Patched, a step without
+    drafts draws nothing, and a batch of seeded requests leaves the global
+    generator alone; a seeded request's recovered tokens are a function of
+    its generator (a request without drafts in between changes nothing)."""
+    upstream, patched = _patched_recovered()
+    for fn, draws in ((upstream, True), (patched, False)):
         args = list(_recovered_case([0, 0, 0], seeded=False))
         args[3], args[4], args[5] = torch.empty(0, dtype=torch.int32), None, torch.empty(0, 1000)
         state = torch.get_rng_state()
@@ -109,13 +114,54 @@ def test_recovered_tokens_skip_noise_for_requests_without_drafts():
         assert (not torch.equal(state, torch.get_rng_state())) == draws
 
     mixed = [2, 0, 1, 3]
-    want = upstream(*_recovered_case(mixed, seeded=True))
-    got = vllm_patches._sample_recovered_tokens(*_recovered_case(mixed, seeded=True))
-    assert got.tolist() == want.tolist()
+    for fn, draws in ((upstream, True), (patched, False)):
+        args = _recovered_case(mixed, seeded=True)
+        state = torch.get_rng_state()
+        fn(*args)
+        assert (not torch.equal(state, torch.get_rng_state())) == draws
+    want = patched(*_recovered_case(mixed, seeded=True))
+    assert patched(*_recovered_case(mixed, seeded=True)).tolist() == want.tolist()
+    without = _recovered_case([2, 1, 3], seeded=True)  # request 1 (no drafts) left out
+    without[6].generators = {0: torch.Generator().manual_seed(100), 1: torch.Generator().manual_seed(102),
+                             2: torch.Generator().manual_seed(103)}
+    assert patched(*without).tolist() == want.tolist()
     # not a constant: other seeds recover other tokens
     other = _recovered_case(mixed, seeded=True)
     other[6].generators = {i: torch.Generator().manual_seed(7 + i) for i in range(4)}
-    assert vllm_patches._sample_recovered_tokens(*other).tolist() != want.tolist()
+    assert patched(*other).tolist() != want.tolist()
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_recovered_tokens_follow_the_residual_distribution(with_draft_probs):
+    """20 000 draft positions over a 6-token vocabulary, recovered by the
+    patched sampler: their frequencies match max(p - q, 0) normalised
+    (Leviathan et al. 2023, Sec. 2.3; q one-hot at the draft token when the
+    draft's probabilities are not given, as for EAGLE's greedy drafts), by a
+    chi-square test at 1e-3 (seeded, so it does not flake). Tokens outside
+    the residual's support never appear."""
+    from types import SimpleNamespace
+
+    from scipy.stats import chisquare
+
+    _, patched = _patched_recovered()
+    n = 20_000
+    p = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])
+    q = torch.tensor([0.10, 0.40, 0.10, 0.10, 0.25, 0.05])
+    draft_id = 1
+    residual = (p - q).clamp(min=0) if with_draft_probs else p.clone()
+    if not with_draft_probs:
+        residual[draft_id] = 0
+    residual /= residual.sum()
+    torch.manual_seed(1)
+    out = patched(1, [1] * n, torch.arange(1, n + 1, dtype=torch.int32),
+                  torch.full((n,), draft_id, dtype=torch.int32),
+                  q.expand(n, 6).contiguous() if with_draft_probs else None, p.expand(n, 6).contiguous(),
+                  SimpleNamespace(generators={}), torch.device("cpu"))
+    counts = torch.bincount(out.long(), minlength=6).double()
+    assert counts[residual == 0].sum() == 0
+    support = residual > 0
+    expected = n * residual[support].double() / residual[support].double().sum()
+    assert chisquare(counts[support], expected).pvalue > 1e-3
 
 
 @pytest.mark.slow
