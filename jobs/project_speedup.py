@@ -4,7 +4,8 @@ cluster with the performance model (``rayspec.perfmodel``).
     python -m jobs.project_speedup --model qwen3-8b --hardware h100 --replicas 8 \\
         --acceptance-length 2.3 --response-mean 4096 --max-new-tokens 16384
     python -m jobs.project_speedup --model <hf dir> --hardware gb200 --run runs/gsm8k
-    python -m jobs.project_speedup --validate [--bench docs/benchmarks/rollout_quick_one_openmp.json]
+    python -m jobs.project_speedup --validate [--bench docs/benchmarks/rollout_quick_one_openmp.json] \
+        [--hw rejection_noise_s_per_logit=43e-9]
 
 The workload comes from ``--run`` (a rayspec run directory: response
 lengths, prompt length, acceptance per position) or from the flags
@@ -141,7 +142,7 @@ def validate(ns) -> dict:
 
     cells = json.loads(Path(ns.bench).read_text())
     target = ModelShape.from_hf_config("smollm2-135m")
-    hw = fit_plain(plain_points(cells, QUICK_PROMPT_LENS), target, hardware.get("cpu"))
+    hw = fit_plain(plain_points(cells, QUICK_PROMPT_LENS), target, hardware.get("cpu", **_overrides(ns.hw)))
     rows = here(cells, hw, target, QUICK_PROMPT_LENS, max_num_seqs=32, rollout_cap=128)
     print(f"1. here: calibrated on the plain cells of {ns.bench}; tolerance {HERE_TOLERANCE:.0%}")
     print(f"{'method':<10}{'draft':<11}{'shape':<9}{'k':>2}{'conc':>5}{'measured':>10}{'model':>8}{'error':>8}")

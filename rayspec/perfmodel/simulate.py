@@ -4,7 +4,8 @@ batch drains, plain or speculative, summed over one rollout.
 Engine step (one vLLM decode step on one replica of ``tp`` devices, b
 sequences in flight, context c_i tokens each, k draft tokens):
 
-    t(b, k) = step_overhead + b E token_overhead + T_fwd(target, b (k+1) tokens) + draft(b, k)
+    t(b, k) = step_overhead + b E token_overhead + T_fwd(target, b (1 + f k) tokens) + draft(b, k)
+              + [k > 0, T > 0] f b vocab rejection_noise_per_logit
     T_fwd(m, n) = forward_overhead + layers * layer_overhead
                   + max(FLOPs(m, n) / (peak * eff_f * tp), bytes(m, n) / (bw * eff_b * tp))
                   + 2 * layers * all-reduce(n * h * dtype) if tp > 1
@@ -18,7 +19,12 @@ in vLLM 0.32, to keep the draft's KV cache whole, unless the schedule is 0 at
 every batch size: rayspec's engine then idles the drafter,
 ``rayspec.rollout.adaptive``); n-gram drafting costs no forward. With
 per-position acceptance rates r_i each sequence advances E(k) = 1 + sum_{i<k}
-r_i tokens per step in expectation (``rayspec.rollout.adaptive``).
+r_i tokens per step in expectation (``rayspec.rollout.adaptive``). At
+temperature > 0 the rejection sampler draws one Exp(1) noise row over the
+vocabulary per drafting request for its recovered tokens. f is the fraction
+of sequences that draft in a step: 1 for a draft model or head; an n-gram
+drafter drafts only where the context has a match, and its per-position
+rates then count over all sequences (f times the rates per drafting step).
 
 The rollout is simulated in expectation: sequences with their own response
 lengths are spread round-robin over the replicas, admitted while the batch
@@ -52,6 +58,10 @@ class Engine:
         tp: tensor-parallel devices per replica.
         replicas: data-parallel replicas.
         max_num_seqs: vLLM's cap on sequences in flight per replica.
+        temperature: sampling temperature (0: greedy, no rejection noise).
+        draft_fraction: f, the fraction of sequences that draft in a
+            speculative step (n-gram: those with a match); the others verify
+            one token and draw no noise.
     """
 
     target: ModelShape
@@ -61,12 +71,16 @@ class Engine:
     tp: int = 1
     replicas: int = 1
     max_num_seqs: int = 256
+    temperature: float = 1.0
+    draft_fraction: float = 1.0
 
     def __post_init__(self):
         if self.method not in DRAFT_METHODS:
             raise ValueError(f"method {self.method!r}: unknown (one of {', '.join(DRAFT_METHODS)})")
         if self.method in ("eagle3", "draft_model", "mtp") and self.draft is None:
             raise ValueError(f"method {self.method}: needs a draft shape")
+        if not 0 < self.draft_fraction <= 1:
+            raise ValueError(f"draft_fraction={self.draft_fraction}: must be in (0, 1]")
         if self.tp < 1 or self.replicas < 1 or self.max_num_seqs < 1:
             raise ValueError(f"tp={self.tp}, replicas={self.replicas}, max_num_seqs={self.max_num_seqs}: "
                              "must be >= 1")
@@ -123,8 +137,11 @@ class Engine:
             drafter_idle: the k schedule is 0 at every batch size, so the
                 drafter does not run (only meaningful with k = 0).
         """
+        drafting = b * self.draft_fraction if k > 0 else 0.0
         t = self.hw.step_overhead_s + b * accepted * self.hw.token_overhead_s
-        t += self.forward_seconds(self.target, b * (k + 1), ctx_sum, k + 1)
+        t += self.forward_seconds(self.target, b + drafting * k, ctx_sum, 1 + drafting * k / b)
+        if self.temperature > 0:
+            t += drafting * self.target.vocab_size * self.hw.rejection_noise_s_per_logit
         if self.draft is not None and not (drafter_idle and k == 0):
             # at k = 0 vLLM 0.32 still runs the draft over the step's tokens
             # (its KV cache must cover every position for later drafts)

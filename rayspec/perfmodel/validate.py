@@ -32,7 +32,8 @@ def here(cells: list[dict], hw: hardware.Hardware, target: ModelShape,
 
     Fixed-concurrency cells: prefill, then tokens / E steps of t(b, k) at
     the cell's mid context (``calibrate.cell_seconds``), E the cell's
-    measured acceptance length. Rollout cells: a
+    measured acceptance length (n-gram: over the fraction of sequences that
+    drafted, ``ngram_draft_fractions``). Rollout cells: a
     simulated rollout of the cell's own response lengths
     (``response_lens``; older runs without them: capped-exponential lengths
     at the cell's mean, cap ``rollout_cap``) under the cell's k or k
@@ -51,16 +52,19 @@ def here(cells: list[dict], hw: hardware.Hardware, target: ModelShape,
         One row per cell: method, draft, shape, k, concurrency, measured and
         predicted tokens/s, relative error (predicted / measured - 1).
     """
+    fractions = ngram_draft_fractions(cells)
     rows = []
     for c in cells:
         draft_kind = "ngram" if c["draft"] == "ngram" else ("none" if c["draft"] == "none" else "eagle3")
         method = draft_kind if c["method"] == "adaptive" else c["method"]
         draft = target.eagle3_head() if method == "eagle3" else None
-        eng = Engine(target, hw, method, draft, max_num_seqs=max_num_seqs)
-        rates = c.get("acceptance_rate_per_pos") or []
+        f = fractions.get(c["k"], 1.0) if method == "ngram" else 1.0
+        eng = Engine(target, hw, method, draft, max_num_seqs=max_num_seqs, temperature=c.get("temperature", 1.0),
+                     draft_fraction=f)
+        rates = [f * r for r in c.get("acceptance_rate_per_pos") or []]
         b = c["concurrency"]
         if c["shape"] == "fixed":
-            e = c["acceptance_length"] if c["k"] else 1.0
+            e = 1.0 + f * (c["acceptance_length"] - 1.0) if c["k"] else 1.0
             pred = c["output_tokens"] / cell_seconds(eng, b, prompt_lens[b], c["output_tokens"] / b, c["k"], e)
         else:
             lengths = c.get("response_lens") or capped_exponential_lengths(
@@ -71,6 +75,21 @@ def here(cells: list[dict], hw: hardware.Hardware, target: ModelShape,
         rows.append(dict(method=c["method"], draft=c["draft"], shape=c["shape"], k=c["k"], concurrency=b,
                          measured=c["tokens_per_s"], predicted=pred, error=pred / c["tokens_per_s"] - 1.0))
     return rows
+
+
+def ngram_draft_fractions(cells: list[dict]) -> dict[int, float]:
+    """{k: f}: the fraction of sequence-steps in which the n-gram drafter
+    found a match and drafted, from the fixed-concurrency ngram cells of a
+    ``jobs.bench_rollout`` run, averaged over concurrencies. Per cell: steps
+    = wall_s / seconds_per_step, accepted = output_tokens - steps b, drafts =
+    accepted / (acceptance_length - 1), f = drafts / (steps b)."""
+    per_k: dict[int, list[float]] = {}
+    for c in cells:
+        if c["method"] == "ngram" and c["shape"] == "fixed" and c["k"] and c["acceptance_length"] > 1:
+            seq_steps = c["wall_s"] / c["seconds_per_step"] * c["concurrency"]
+            drafts = (c["output_tokens"] - seq_steps) / (c["acceptance_length"] - 1)
+            per_k.setdefault(c["k"], []).append(min(1.0, max(drafts / seq_steps, 1e-3)))
+    return {k: sum(v) / len(v) for k, v in per_k.items()}
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,17 @@ def _expand_kernel_impl(output: torch.Tensor, input_val: torch.Tensor,
     output[: expanded.numel()] = expanded.to(output.dtype)
 
 
+def exp_noise_rows(generators: list, vocab_size: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """Exp(1) noise [len(generators), vocab_size] in ``dtype``: row j is
+    -log1p(-U), U ~ U[0, 1) drawn in float64 from ``generators[j]`` (None:
+    the global generator), so a row is 0 only where U is exactly 0 (2^-53)."""
+    u = torch.empty((len(generators), vocab_size), dtype=torch.float64, device=device)
+    for row, generator in zip(u, generators):
+        row.uniform_(generator=generator)
+    return u.neg_().log1p_().neg_().to(dtype)
+
+
 def _sample_recovered_tokens(max_spec_len: int, num_draft_tokens: list[int],
                              cu_num_draft_tokens: torch.Tensor, draft_token_ids: torch.Tensor,
                              draft_probs, target_probs: torch.Tensor, sampling_metadata,
@@ -85,10 +96,8 @@ def _sample_recovered_tokens(max_spec_len: int, num_draft_tokens: list[int],
     rows = [i for i, n in enumerate(num_draft_tokens) if n > 0]
     if not rows:
         return recovered
-    u = torch.empty((len(rows), target_probs.shape[-1]), dtype=torch.float64, device=device)
-    for j, i in enumerate(rows):
-        u[j].uniform_(generator=sampling_metadata.generators.get(i))
-    q = u.neg_().log1p_().neg_().to(torch.float64 if use_fp64_gumbel else torch.float32)
+    q = exp_noise_rows([sampling_metadata.generators.get(i) for i in rows], target_probs.shape[-1],
+                       torch.float64 if use_fp64_gumbel else torch.float32, device)
     q.reciprocal_()
     if len(rows) == len(num_draft_tokens):
         inv_q = q
