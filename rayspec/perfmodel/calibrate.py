@@ -1,12 +1,12 @@
 """Calibrate a hardware preset on plain (no-speculation) decoding.
 
-Three quantities are timed directly on the machine: the sustained matmul
+Four quantities are timed directly on the machine: the sustained matmul
 FLOP/s at the model's own layer shapes (``measure_matmul_flops``), the
-memory bandwidth a one-token matmul reaches (``measure_mem_bw``) and the
+memory bandwidth a one-token matmul reaches (``measure_mem_bw``), the
 dispatch cost of one decoder layer too small to be bound by either
-(``measure_layer_overhead``), and the rejection sampler's noise per
-vocabulary entry (``measure_rejection_noise``). ``fit_plain`` then fits the two remaining
-overheads to measured plain cells (prefill, then decode) at several
+(``measure_layer_overhead``) and the rejection sampler's noise per
+vocabulary entry (``measure_rejection_noise``). ``fit_plain`` then fits the
+two remaining overheads to measured plain cells (prefill, then decode) at several
 concurrencies (``jobs.bench_rollout`` cells with ``method: none``): the
 fixed seconds per engine step and the seconds per emitted token, minimising
 the squared relative error of the modelled cell time

@@ -95,7 +95,8 @@ _GPU = dict(flops_efficiency=0.6, bw_efficiency=0.8, step_overhead_s=1e-3, forwa
 
 
 def _gpu(name: str, mem_bw: float, **kw) -> Hardware:
-    return Hardware(name, mem_bw=mem_bw, rejection_noise_s_per_logit=8 / (0.8 * mem_bw), **_GPU, **kw)
+    return Hardware(name, mem_bw=mem_bw, rejection_noise_s_per_logit=8 / (_GPU["bw_efficiency"] * mem_bw),
+                    **_GPU, **kw)
 
 
 PRESETS: dict[str, Hardware] = {
