@@ -6,7 +6,7 @@
         [--temperature 1.0,0] [--max-tokens 64] [--dtype float32]
 
 One engine per method (no speculation, eagle3, draft_model, ngram, suffix),
-built once with the largest k and a batch-size schedule, so k is switched at
+built once per round with the largest k and a batch-size schedule, so k is switched at
 run time (``rayspec.rollout.adaptive``) instead of rebuilding; EAGLE-3 heads
 are swapped into the same engine through the refit path. Every cell runs the
 same GSM8K prompts (chat template) at a fixed concurrency: ``concurrency``
@@ -33,6 +33,15 @@ t_0 the no-speculation cell's seconds per step (wall / tokens per sequence)
 at the same concurrency and temperature. c therefore counts drafting *and*
 verifying the extra token, which on a CPU is most of it.
 
+``--repeats N`` runs the whole grid N times in rounds, engines rebuilt each
+round and their order reversed every other round (A B C, C B A, ...), so a
+slow drift of the machine lands on every method alike. Each cell's speedup is
+then the median over rounds of its tokens/s over the same round's
+no-speculation cell (a paired ratio: what drifts between rounds cancels), with
+the smallest and largest of those ratios beside it; tokens/s, seconds per
+step, c and the limit are medians. The plain cells' own spread over rounds is
+printed as the noise a speedup has to clear.
+
 Prints a table, writes JSON (``--out``: a list of cells) and a plot of speedup
 against concurrency per method (``--plot``, default beside ``--out``).
 """
@@ -43,6 +52,7 @@ import argparse
 import hashlib
 import json
 import logging
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -93,6 +103,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--group-size", type=int, help="samples per prompt in the rollout cells; default 8")
     ap.add_argument("--rollout-max-tokens", type=int, help="response cap of the rollout cells; default 256")
     ap.add_argument("--adaptive-margin", type=float, default=1.05)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds over the whole grid, method order reversed every other round; "
+                         "speedups are medians of per-round paired ratios")
     ap.add_argument("--kv-cache-gib", type=int, default=2)
     ap.add_argument("--out", default="bench_rollout.json")
     ap.add_argument("--plot", default=None)
@@ -107,6 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         ap.error(f"--methods: unknown {bad}, expected some of {METHODS}")
+    if args.repeats < 1:
+        ap.error(f"--repeats: {args.repeats}, expected >= 1")
     args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
     return args
 
@@ -176,9 +191,70 @@ def _finish(cells: list[dict]) -> None:
             c.update(acceptance_rate=a, cost_ratio=cr, physical_limit=physical_limit(a, c["k"], cr))
 
 
+MEDIAN_KEYS = ("tokens_per_s", "speedup", "wall_s", "seconds_per_step", "acceptance_length",
+               "acceptance_rate", "cost_ratio", "physical_limit")
+
+
+def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One cell per (method, draft, shape, k, concurrency, temperature) from
+    ``rounds`` (each a list of cells already through ``_finish``).
+
+    ``MEDIAN_KEYS`` and the per-position acceptance rates become medians over
+    rounds; ``speedup`` is thus the median of paired per-round ratios.
+    Added: ``repeats`` (rounds), ``tokens_per_s_runs`` and ``speedup_runs``
+    (per round), ``speedup_min`` / ``speedup_max``; ``k_schedule_runs``
+    where the adaptive controller chose differently between rounds and
+    ``responses_sha1_runs`` where the seeded responses differed. Other
+    fields (response lengths) come from the first round.
+
+    Raises:
+        ValueError: a cell is missing from some round (the rounds ran
+            different grids).
+    """
+    key = lambda c: (c["method"], c["draft"], c["shape"], c["k"], c["concurrency"], c["temperature"])  # noqa: E731
+    groups: dict[tuple, list[dict]] = {}
+    for cells in rounds:
+        for c in cells:
+            groups.setdefault(key(c), []).append(c)
+    out = []
+    for k, runs in groups.items():
+        if len(runs) != len(rounds):
+            raise ValueError(f"cell {k} ran in {len(runs)} of {len(rounds)} rounds")
+        cell = dict(runs[0], repeats=len(runs), tokens_per_s_runs=[r["tokens_per_s"] for r in runs])
+        for name in MEDIAN_KEYS:
+            values = [r[name] for r in runs if r[name] is not None]
+            cell[name] = statistics.median(values) if values else None
+        cell["acceptance_rate_per_pos"] = [statistics.median(p) for p in
+                                           zip(*(r["acceptance_rate_per_pos"] for r in runs))]
+        speedups = [r["speedup"] for r in runs if r["speedup"] is not None]
+        cell.update(speedup_runs=speedups, speedup_min=min(speedups, default=None),
+                    speedup_max=max(speedups, default=None))
+        for name in ("k_schedule", "responses_sha1"):
+            values = [r.get(name) for r in runs]
+            if len(set(values)) > 1:
+                cell[f"{name}_runs"] = values
+        out.append(cell)
+    return out
+
+
+def plain_noise(cells: list[dict]) -> float | None:
+    """Largest relative spread of a no-speculation cell's tokens/s over
+    rounds, (max - min) / median; None with one round."""
+    spreads = [(max(c["tokens_per_s_runs"]) - min(c["tokens_per_s_runs"])) / c["tokens_per_s"]
+               for c in cells if c["method"] == "none" and len(c.get("tokens_per_s_runs", [])) > 1]
+    return max(spreads, default=None)
+
+
+def _range(c: dict) -> str:
+    """Smallest-largest paired speedup over rounds; '-' for one round."""
+    if c.get("repeats", 1) < 2 or c.get("speedup_min") is None:
+        return "-"
+    return f"{c['speedup_min']:.2f}-{c['speedup_max']:.2f}"
+
+
 def format_table(cells: list[dict]) -> str:
     head = (f"{'method':<10}{'draft':<12}{'shape':<8}{'T':>4}{'conc':>6}{'k':>3}{'tok/s':>8}{'speedup':>8}"
-            f"{'acc len':>8}{'a':>6}{'c':>6}{'limit':>7}  accept/pos | k schedule")
+            f"{'range':>11}{'acc len':>8}{'a':>6}{'c':>6}{'limit':>7}  accept/pos | k schedule")
     rows = [head, "-" * len(head)]
     # a missing figure keeps the column's width: ">6.2f" -> "-" formatted ">6"
     f = lambda v, spec: format(v, spec) if v is not None else format("-", spec[:-3])  # noqa: E731
@@ -186,6 +262,7 @@ def format_table(cells: list[dict]) -> str:
         rates = ",".join(f"{r:.2f}" for r in c["acceptance_rate_per_pos"])
         rows.append(f"{c['method']:<10}{c['draft']:<12}{c['shape']:<8}{c['temperature']:>4.1f}"
                     f"{c['concurrency']:>6}{c['k']:>3}{c['tokens_per_s']:>8.1f}{f(c['speedup'], '>8.2f')}"
+                    f"{_range(c):>11}"
                     f"{c['acceptance_length']:>8.2f}{f(c['acceptance_rate'], '>6.2f')}"
                     f"{f(c['cost_ratio'], '>6.2f')}{f(c['physical_limit'], '>7.2f')}  [{rates}]"
                     + (f" | {c['k_schedule']}" if c.get("k_schedule") else ""))
@@ -204,19 +281,39 @@ def plot(cells: list[dict], path: str) -> None:
     for ax, t in zip(axes[0], temps):
         fixed = [c for c in cells if c["shape"] == "fixed" and c["temperature"] == t and c["speedup"]]
         for label in sorted({(c["method"], c["draft"]) for c in fixed}):
-            best: dict[int, float] = {}
+            best: dict[int, dict] = {}
             for c in fixed:
-                if (c["method"], c["draft"]) == label:
-                    best[c["concurrency"]] = max(best.get(c["concurrency"], 0.0), c["speedup"])
+                b = best.get(c["concurrency"])
+                if (c["method"], c["draft"]) == label and (b is None or c["speedup"] > b["speedup"]):
+                    best[c["concurrency"]] = c
             xs = sorted(best)
+            ys = [best[x]["speedup"] for x in xs]
+            # bars: smallest to largest paired speedup over rounds (none with one round)
+            err = [[y - best[x].get("speedup_min", y) for x, y in zip(xs, ys)],
+                   [best[x].get("speedup_max", y) - y for x, y in zip(xs, ys)]]
             name = label[0] if label[0] == label[1] or not label[1] else f"{label[0]} ({label[1]})"
-            ax.plot(xs, [best[x] for x in xs], marker="o", label=name + ("" if label[0] == "none" else ", best k"))
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3,
+                        label=name + ("" if label[0] == "none" else ", best k"))
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set(xlabel="sequences in flight", ylabel="speedup vs no speculation", title=f"temperature {t}")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _speculative_config(method: str, draft_dir, kmax: int, max_seqs: int) -> dict | None:
+    """The engine's speculative_config: built with the largest k and a
+    batch-size schedule, so k changes at run time; None for no speculation."""
+    if method == "none":
+        return None
+    spec = {"method": method, "num_speculative_tokens": kmax,
+            "num_speculative_tokens_per_batch_size": uniform(kmax, max_seqs)}
+    if method in ("eagle3", "draft_model"):
+        spec["model"] = str(draft_dir)
+    if method == "ngram":
+        spec.update(prompt_lookup_max=4, prompt_lookup_min=2)
+    return spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,40 +351,43 @@ def main(argv: list[str] | None = None) -> int:
     env = cpu_engine_env(args.kv_cache_gib, "all")
     # k = 0 on a speculative engine: what speculation costs when it drafts nothing
     grid = [(t, c, k) for t in args.temperature for c in args.concurrency for k in sorted({0, *args.k})]
-    cells: list[dict] = []
+    rounds: list[list[dict]] = []
     costs: dict = {}  # method -> calibrated step cost (adaptive), once per engine
+    k_best: dict = {}  # (method, draft, temperature) -> the rollout's fixed k, chosen in round 1
     t_start = time.time()
-    for method in args.methods:
-        drafts = {"none": [("", None)], "eagle3": list(heads.items()),
-                  "draft_model": [(f"layers{args.draft_layers}",
-                                   truncated_copy(model_dir, work / f"draft_{args.draft_layers}l", args.draft_layers))],
-                  "ngram": [("", None)], "suffix": [("", None)]}[method]
-        spec = None
-        if method != "none":
-            spec = {"method": method, "num_speculative_tokens": kmax,
-                    "num_speculative_tokens_per_batch_size": uniform(kmax, max_seqs)}
-            if method in ("eagle3", "draft_model"):
-                spec["model"] = str(drafts[0][1])
-            if method == "ngram":
-                spec.update(prompt_lookup_max=4, prompt_lookup_min=2)
-        engine = SpecVLLMEngine(str(model_dir), spec, dtype=args.dtype, engine_kwargs=engine_kwargs, env=env)
-        try:
-            _cell(engine, prompts, 2, 1.0, 8, ignore_eos=True)  # first-call warm-up, untimed
-            for draft, d in drafts:
-                if method == "eagle3" and d != drafts[0][1]:
-                    engine.update_draft(vllm_state_dict(load_head(d)), engine.draft_version + 1)
-                todo = [(t, c, 0) for t in args.temperature for c in args.concurrency] if method == "none" else grid
-                for t, c, k in tqdm(todo, desc=f"{method} {draft}".strip(), disable=None):
-                    if spec is not None:
-                        engine.set_k_schedule(uniform(k, max_seqs))
-                    cells.append(_record(method, draft or method, k, c, t,
-                                         _cell(engine, prompts, c, t, args.max_tokens, ignore_eos=True), "fixed"))
-                cells.extend(_rollout_cells(engine, method, draft or method, prompts, args, cells, max_seqs, costs))
-        finally:
-            engine.shutdown()
-    _finish(cells)
+    for r in range(args.repeats):
+        cells: list[dict] = []
+        for method in args.methods if r % 2 == 0 else args.methods[::-1]:
+            drafts = {"none": [("", None)], "eagle3": list(heads.items()),
+                      "draft_model": [(f"layers{args.draft_layers}",
+                                       truncated_copy(model_dir, work / f"draft_{args.draft_layers}l",
+                                                      args.draft_layers))],
+                      "ngram": [("", None)], "suffix": [("", None)]}[method]
+            spec = _speculative_config(method, drafts[0][1], kmax, max_seqs)
+            engine = SpecVLLMEngine(str(model_dir), spec, dtype=args.dtype, engine_kwargs=engine_kwargs, env=env)
+            try:
+                _cell(engine, prompts, 2, 1.0, 8, ignore_eos=True)  # first-call warm-up, untimed
+                for draft, d in drafts:
+                    if method == "eagle3" and d != drafts[0][1]:
+                        engine.update_draft(vllm_state_dict(load_head(d)), engine.draft_version + 1)
+                    todo = [(t, c, 0) for t in args.temperature for c in args.concurrency] if method == "none" else grid
+                    desc = f"{method} {draft}".strip() + (f", round {r + 1}/{args.repeats}" if args.repeats > 1 else "")
+                    for t, c, k in tqdm(todo, desc=desc, disable=None):
+                        if spec is not None:
+                            engine.set_k_schedule(uniform(k, max_seqs))
+                        cells.append(_record(method, draft or method, k, c, t,
+                                             _cell(engine, prompts, c, t, args.max_tokens, ignore_eos=True), "fixed"))
+                    cells.extend(_rollout_cells(engine, method, draft or method, prompts, args, cells, max_seqs,
+                                                costs, k_best))
+            finally:
+                engine.shutdown()
+        _finish(cells)
+        rounds.append(cells)
+    cells = combine_rounds(rounds)
     print(format_table(cells))
-    print(f"({len(cells)} cells in {time.time() - t_start:.0f} s)")
+    noise = plain_noise(cells)
+    print(f"({len(cells)} cells x {args.repeats} rounds in {time.time() - t_start:.0f} s"
+          + (f"; no speculation's own tokens/s spread over rounds: up to {noise:.0%})" if noise is not None else ")"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(cells, indent=1))
     plot(cells, args.plot)
@@ -295,11 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_seqs, costs) -> list[dict]:
+def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_seqs, costs,
+                   k_best: dict) -> list[dict]:
     """GRPO-shaped rollouts (natural EOS, draining batch) at each temperature:
     no speculation; else the best fixed k >= 1 of the fixed cells at full
-    concurrency, then the adaptive controller, told the acceptance that
-    rollout measured."""
+    concurrency (chosen in the first round, then kept in ``k_best``), then
+    the adaptive controller, told the acceptance that rollout measured."""
     n = args.rollout_prompts * args.group_size
     rollout_prompts = [p for p in prompts[:args.rollout_prompts] for _ in range(args.group_size)]
     out = []
@@ -309,16 +410,19 @@ def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_se
                                _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False),
                                "rollout"))
             continue
-        mine = [c for c in cells if c["method"] == method and c["draft"] == draft and c["temperature"] == t
-                and c["shape"] == "fixed" and c["k"]]
-        k_best = max(mine, key=lambda c: (c["concurrency"] == max(args.concurrency), c["tokens_per_s"]))["k"]
-        engine.set_k_schedule(uniform(k_best, max_seqs))
+        if (method, draft, t) not in k_best:
+            mine = [c for c in cells if c["method"] == method and c["draft"] == draft and c["temperature"] == t
+                    and c["shape"] == "fixed" and c["k"]]
+            k_best[method, draft, t] = max(
+                mine, key=lambda c: (c["concurrency"] == max(args.concurrency), c["tokens_per_s"]))["k"]
+        k = k_best[method, draft, t]
+        engine.set_k_schedule(uniform(k, max_seqs))
         cell = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
-        out.append(_record(method, draft, k_best, n, t, cell, "rollout"))
+        out.append(_record(method, draft, k, n, t, cell, "rollout"))
         # a fresh controller, given this draft's acceptance at this temperature
         # and the rollout's shape from the fixed-k rollout just run
         costs[method] = engine.enable_adaptive(margin=args.adaptive_margin, cost=costs.get(method))
-        engine.adaptive.update(cell.stats.accepted_per_pos, cell.stats.num_drafts, k_best)
+        engine.adaptive.update(cell.stats.accepted_per_pos, cell.stats.num_drafts, k)
         engine.adaptive.observe(cell.response_lens)
         engine.set_k_schedule(engine.adaptive.schedule())
         out.append(_record("adaptive", draft, engine.adaptive.k_max, n, t,

@@ -1,6 +1,6 @@
 """jobs.bench_rollout on the tiny policy: every cell has the figures the
-issue asks for, speedups are against the no-speculation cell of the same
-run, the adaptive controller has its rollout cell, and a plot is written."""
+issue asks for, speedups are paired with the no-speculation cell of the same
+round, the adaptive controller has its rollout cell, and a plot is written."""
 
 from __future__ import annotations
 
@@ -32,27 +32,59 @@ def test_table_columns_line_up_where_a_figure_is_missing():
     assert row0.index("[") == row1.index("[") == head.index("accept/pos")
 
 
+def _cell(method, conc, tps, speedup, k=0, **kw):
+    return {"method": method, "draft": method, "shape": "fixed", "k": k, "concurrency": conc, "temperature": 1.0,
+            "tokens_per_s": tps, "speedup": speedup, "wall_s": 1.0, "seconds_per_step": 1.0 / tps,
+            "acceptance_length": 1.0, "acceptance_rate": None, "cost_ratio": None, "physical_limit": None,
+            "acceptance_rate_per_pos": [0.0] * k, **kw}
+
+
+def test_combine_rounds_takes_medians_of_paired_ratios():
+    from jobs.bench_rollout import combine_rounds, plain_noise
+
+    # the machine slows down 20% in round 2; the paired ratios do not see it
+    rounds = [[_cell("none", 8, 100.0, 1.0), _cell("ngram", 8, 90.0, 0.9, k=1, acceptance_rate_per_pos=[0.4])],
+              [_cell("none", 8, 80.0, 1.0), _cell("ngram", 8, 76.0, 0.95, k=1, acceptance_rate_per_pos=[0.5])],
+              [_cell("none", 8, 90.0, 1.0), _cell("ngram", 8, 90.0, 1.0, k=1, acceptance_rate_per_pos=[0.6])]]
+    none, ngram = combine_rounds(rounds)
+    assert ngram["speedup"] == 0.95 and (ngram["speedup_min"], ngram["speedup_max"]) == (0.9, 1.0)
+    assert ngram["tokens_per_s"] == 90.0 and ngram["tokens_per_s_runs"] == [90.0, 76.0, 90.0]
+    assert ngram["acceptance_rate_per_pos"] == [0.5] and ngram["repeats"] == 3
+    assert none["speedup"] == 1.0 and plain_noise([none, ngram]) == pytest.approx(20 / 90)
+    assert "k_schedule_runs" not in ngram
+    with pytest.raises(ValueError, match="ngram"):
+        combine_rounds([rounds[0], rounds[1][:1]])
+
+
 @pytest.mark.slow
-def test_bench_rollout_cells(tiny_llama_dir, gsm8k_dir, tmp_path):
+def test_bench_rollout_cells(tiny_llama_dir, gsm8k_dir, tmp_path, monkeypatch):
     from jobs.bench_rollout import main
+
+    # engine core in this process (as conftest.IN_PROCESS): 4 engines start ~20 s sooner each
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     out = tmp_path / "cells.json"
     assert main(["--model", str(tiny_llama_dir), "--data-path", str(gsm8k_dir), "--methods", "none,eagle3",
-                 "--k", "1,2", "--concurrency", "1,4", "--temperature", "1.0", "--max-tokens", "8",
-                 "--rollout-prompts", "2", "--group-size", "2", "--rollout-max-tokens", "16",
+                 "--k", "2", "--concurrency", "1,4", "--temperature", "1.0", "--max-tokens", "8",
+                 "--rollout-prompts", "2", "--group-size", "2", "--rollout-max-tokens", "16", "--repeats", "2",
                  "--out", str(out), "--work-dir", str(tmp_path / "work")]) == 0
     cells = json.loads(out.read_text())
     for c in cells:
         for key in ("method", "k", "concurrency", "temperature", "tokens_per_s", "speedup",
                     "acceptance_length", "physical_limit"):
             assert key in c, (key, c)
-        assert c["tokens_per_s"] > 0
+        assert c["tokens_per_s"] > 0 and c["repeats"] == 2 and len(c["tokens_per_s_runs"]) == 2
+        # rebuilt each round, the engines draw the same seeded responses and
+        # the controller makes the same choice
+        assert "responses_sha1_runs" not in c and "k_schedule_runs" not in c
     fixed = [c for c in cells if c["shape"] == "fixed"]
     assert {(c["method"], c["k"], c["concurrency"]) for c in fixed} == {
-        ("none", 0, 1), ("none", 0, 4), *(("eagle3", k, c) for k in (0, 1, 2) for c in (1, 4))}
+        ("none", 0, 1), ("none", 0, 4), *(("eagle3", k, c) for k in (0, 2) for c in (1, 4))}
     none = {c["concurrency"]: c for c in fixed if c["method"] == "none"}
     for c in fixed:
-        assert c["speedup"] == pytest.approx(c["tokens_per_s"] / none[c["concurrency"]]["tokens_per_s"])
+        # median of two paired ratios: their mean, not the ratio of mean tokens/s
+        paired = [t / n for t, n in zip(c["tokens_per_s_runs"], none[c["concurrency"]]["tokens_per_s_runs"])]
+        assert c["speedup_runs"] == pytest.approx(paired) and c["speedup"] == pytest.approx(sum(paired) / 2)
         assert c["output_tokens"] == 8 * c["concurrency"]  # ignore_eos: constant concurrency
         if c["method"] == "eagle3" and c["k"] == 0:
             assert c["acceptance_rate_per_pos"] == [] and c["acceptance_length"] == 1.0
