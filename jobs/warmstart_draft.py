@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayspec.draft.warmstart import CORPUS, HEAD, read_corpus, split_prompts, train_head, write_corpus
     from rayspec.models import load_policy, load_tokenizer, resolve_model_path
     from rayspec.rollout.adaptive import uniform
-    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+    from rayspec.rollout.engine import SpecVLLMEngine, replica_env
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         str(model_dir), {"method": "eagle3", "model": str(out / HEAD), "num_speculative_tokens": k,
                          "num_speculative_tokens_per_batch_size": uniform(k, seqs)},
         dtype=cfg.model.dtype, engine_kwargs=dict(cfg.rollout.engine_kwargs),
-        env=cpu_engine_env(cfg.rollout.cpu_kvcache_space_gib, cfg.rollout.cpu_omp_threads_bind))
+        env=replica_env(cfg.rollout))
     try:
         held = [chat_prompt_ids(tok, p) for p in held_p]
         if "before" not in result:

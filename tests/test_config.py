@@ -208,3 +208,14 @@ def test_any_overrides_give_a_valid_config_or_a_config_error_naming_a_key(pairs)
                 isinstance(got, bool) and isinstance(v, int) and got == bool(v)) or (
                 isinstance(v, (int, float)) and isinstance(got, (int, float)) and float(got) == float(v))
             assert same, (k, v, got)
+
+
+def test_replica_env_puts_engine_env_over_the_cpu_backend_settings():
+    from rayspec.rollout.engine import replica_env
+
+    cfg = load_config(None, ["rollout.cpu_kvcache_space_gib=3", "rollout.cpu_omp_threads_bind=0",
+                             "rollout.engine_env.VLLM_ENABLE_V1_MULTIPROCESSING=0",
+                             "rollout.engine_env.VLLM_CPU_OMP_THREADS_BIND=1"])
+    env = replica_env(cfg.rollout)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["NUMBA_THREADING_LAYER"] == "workqueue"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"

@@ -57,6 +57,13 @@ def cpu_engine_env(kvcache_space_gib: int, omp_threads_bind: str) -> dict[str, s
             "NUMBA_THREADING_LAYER": "workqueue"}
 
 
+def replica_env(rollout) -> dict[str, str]:
+    """A rollout engine's environment from ``cfg.rollout``: the CPU
+    backend's (``cpu_engine_env``), then the user's ``engine_env`` over it."""
+    return {**cpu_engine_env(rollout.cpu_kvcache_space_gib, rollout.cpu_omp_threads_bind),
+            **{k: str(v) for k, v in rollout.engine_env.items()}}
+
+
 def speculative_config_for_vllm(spec: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Drop null keys; None when speculation is off (method null)."""
     if not spec or spec.get("method") is None:

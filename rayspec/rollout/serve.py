@@ -10,7 +10,7 @@ import ray
 from ray import serve
 
 from rayspec.batch import RolloutBatch
-from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+from rayspec.rollout.engine import SpecVLLMEngine, replica_env
 from rayspec.rollout.spec_stats import SpecStats
 
 log = logging.getLogger(__name__)
@@ -37,8 +37,7 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
     spec = dict(vars(cfg.rollout.speculative_config))
     if draft_dir is not None:
         spec["model"] = draft_dir
-    env = {**cpu_engine_env(cfg.rollout.cpu_kvcache_space_gib, cfg.rollout.cpu_omp_threads_bind),
-           **{k: str(v) for k, v in cfg.rollout.engine_env.items()}}
+    env = replica_env(cfg.rollout)
     engine_kwargs = dict(cfg.rollout.engine_kwargs)
     cores = None
     if plan is not None:
