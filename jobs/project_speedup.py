@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--acceptance-length", type=float, default=2.0, help="measured acceptance length at --k")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens the acceptance was measured at")
     ap.add_argument("--k-max", type=int, default=5, help="largest k to project")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="sampling temperature (0: greedy, the rejection sampler draws no noise)")
     ap.add_argument("--mode", default="sync", choices=["sync", "async"])
     ap.add_argument("--policy-lag", type=int, default=1, help="async only")
     ap.add_argument("--train-devices", type=int, help="default: the rollout devices (colocated)")
@@ -84,6 +86,8 @@ def _draft(target: ModelShape, ns) -> ModelShape | None:
 
 
 def project(ns) -> dict:
+    if ns.temperature < 0:
+        raise ValueError(f"--temperature {ns.temperature}: must be >= 0")
     target = ModelShape.from_hf_config(ns.model)
     hw = hardware.get(ns.hardware, **_overrides(ns.hw))
     if ns.run:
@@ -94,8 +98,8 @@ def project(ns) -> dict:
                         ns.prompt_len, geometric_rates(ns.acceptance_length, ns.k, ns.k_max), "flags")
     devices = ns.tp * ns.replicas
     pipe = Pipeline(ns.mode, ns.train_devices or devices, ns.policy_lag if ns.mode == "async" else 0)
-    plain = Engine(target, hw, "none", None, ns.tp, ns.replicas, ns.max_num_seqs)
-    spec = Engine(target, hw, ns.method, _draft(target, ns), ns.tp, ns.replicas, ns.max_num_seqs)
+    plain = Engine(target, hw, "none", None, ns.tp, ns.replicas, ns.max_num_seqs, ns.temperature)
+    spec = Engine(target, hw, ns.method, _draft(target, ns), ns.tp, ns.replicas, ns.max_num_seqs, ns.temperature)
     base = rl_step(plain, work, pipe, 0)
     rows = [dict(k="none", rollout_s=base.rollout_s, step_s=base.step_s, rollout_speedup=1.0, step_speedup=1.0)]
     runs = {"none": base}
@@ -107,6 +111,7 @@ def project(ns) -> dict:
         rows.append(dict(k=name, rollout_s=st.rollout_s, step_s=st.step_s,
                          rollout_speedup=base.rollout_s / st.rollout_s, step_speedup=base.step_s / st.step_s))
     return dict(model=target.name, hardware=hw.to_dict(), method=ns.method, tp=ns.tp, replicas=ns.replicas,
+                temperature=ns.temperature,
                 pipeline=vars(pipe), workload=dict(sequences=len(work.lengths), prompt_len=work.prompt_len,
                                                    response_mean=sum(work.lengths) / len(work.lengths),
                                                    rates=work.rates, source=work.source),
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not ns.validate:
-        print(f"{result['model']} on {ns.replicas} x {ns.tp} {ns.hardware}, {ns.method}, {ns.mode}; "
+        print(f"{result['model']} on {ns.replicas} x {ns.tp} {ns.hardware}, {ns.method}, {ns.mode}, "
+              f"T={ns.temperature:g}; "
               f"{result['workload']['sequences']} sequences, mean response "
               f"{result['workload']['response_mean']:.0f} tokens")
         print(f"{'k':<15}{'rollout s':>10}{'speedup':>9}{'step s':>9}{'speedup':>9}")

@@ -233,4 +233,11 @@ def test_project_speedup_job(tmp_path, capsys):
     assert [r["k"] for r in res["rows"]] == ["none", "k=1", "k=2", "k=3", "best schedule"]
     assert res["num_speculative_tokens_per_batch_size"][0][0] == 1 and out.with_suffix(".png").exists()
     assert "best schedule" in capsys.readouterr().out
+    # greedy: the same projection less the rejection sampler's noise
+    greedy = tmp_path / "greedy.json"
+    assert main(["--model", "qwen3-8b", "--hardware", "h200", "--sequences", "64", "--response-mean", "500",
+                 "--max-new-tokens", "2000", "--k-max", "3", "--temperature", "0", "--out", str(greedy)]) == 0
+    t0, t1 = ({r["k"]: r["rollout_s"] for r in json.loads(f.read_text())["rows"]} for f in (greedy, out))
+    assert t0["none"] == t1["none"] and all(t0[k] < t1[k] for k in ("k=1", "k=2", "k=3"))
+    assert main(["--temperature", "-1", "--out", str(out)]) == 2
     assert main(["--hardware", "tpu9", "--out", str(out)]) == 2
