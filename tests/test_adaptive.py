@@ -126,7 +126,7 @@ def test_idle_drafter_returns_no_drafts_without_its_forward():
 
 
 @pytest.mark.slow
-def test_idle_drafter_drafts_again_with_its_kv(tiny_llama_dir):
+def test_idle_drafter_drafts_again_with_its_kv(tiny_llama_dir, in_process_engine_core):
     """A schedule of 0 everywhere idles the drafter (no drafts; that it
     skips its forward is the unit test above); switching back drafts with
     the draft's KV intact: the policy
@@ -161,7 +161,7 @@ def tiny_head(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head):
+def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head, in_process_engine_core):
     """One engine: k=0 drafts nothing, k=2 drafts 2 per step, without a
     rebuild; the adaptive controller turns a useless draft off after one
     rollout and probes again after a draft refit."""
@@ -197,11 +197,11 @@ def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head):
 
 
 @pytest.mark.slow
-def test_engine_without_schedule_refuses_to_switch(tiny_llama_dir, tiny_head):
+def test_engine_without_schedule_refuses_to_switch(tiny_llama_dir, tiny_head, in_process_engine_core):
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
 
-    eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "ngram", "num_speculative_tokens": 2,
-                                              "prompt_lookup_max": 3, "prompt_lookup_min": 2},
+    eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "eagle3", "num_speculative_tokens": 2,
+                                              "model": str(tiny_head)},
                          dtype="float32", engine_kwargs=engine_kwargs(max_num_seqs=4),
                          env=cpu_engine_env(1, "all"))
     try:

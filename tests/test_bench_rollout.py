@@ -57,11 +57,8 @@ def test_combine_rounds_takes_medians_of_paired_ratios():
 
 
 @pytest.mark.slow
-def test_bench_rollout_cells(tiny_llama_dir, gsm8k_dir, tmp_path, monkeypatch):
+def test_bench_rollout_cells(tiny_llama_dir, gsm8k_dir, tmp_path, in_process_engine_core):
     from jobs.bench_rollout import main
-
-    # engine core in this process (as conftest.IN_PROCESS): 4 engines start ~20 s sooner each
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     out = tmp_path / "cells.json"
     assert main(["--model", str(tiny_llama_dir), "--data-path", str(gsm8k_dir), "--methods", "none,eagle3",

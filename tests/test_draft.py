@@ -182,7 +182,7 @@ def test_draft_trainer_state_roundtrips_through_checkpoint_files(tiny_policy, tm
 
 
 @pytest.mark.slow
-def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp_path):
+def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp_path, in_process_engine_core):
     """The DraftTrainer's head, loaded into a running vLLM replica in place,
     is accepted more often than the untrained head on the same prompts."""
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env

@@ -19,7 +19,7 @@ def tiny_ernie_mtp_dir(tmp_path_factory, smollm2_dir):
 
 
 @pytest.mark.slow
-def test_mtp_from_config_drafts_and_greedy_matches_the_policy(tiny_ernie_mtp_dir):
+def test_mtp_from_config_drafts_and_greedy_matches_the_policy(tiny_ernie_mtp_dir, in_process_engine_core):
     from rayspec.models import load_policy
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env, speculative_config_for_vllm
 

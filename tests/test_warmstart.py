@@ -55,7 +55,7 @@ def test_split_prompts_is_disjoint_and_checks_size():
 
 
 @pytest.mark.slow
-def test_warmstart_job_raises_heldout_acceptance_and_resumes(tiny_llama_dir, gsm8k_dir, tmp_path):
+def test_warmstart_job_raises_heldout_acceptance_and_resumes(tiny_llama_dir, gsm8k_dir, tmp_path, in_process_engine_core):
     from jobs.warmstart_draft import main
 
     out = tmp_path / "warm"
