@@ -25,8 +25,11 @@ differs from the plain one only in what the engine costs.
 
 Per cell: output tokens/s, acceptance length, acceptance rate per position,
 speedup against no speculation in the same run, and the physical limit
-E / (1 + k c), with E = (1 - a^(k+1)) / (1 - a) from the measured per-token
-acceptance rate a (``geometric_rate`` of the per-position rates) and c the
+(1 + f (E - 1)) / (1 + k c), with E = (1 - a^(k+1)) / (1 - a) from the
+measured per-token acceptance rate a (``geometric_rate`` of the per-position
+rates), f the fraction of sequence-steps that carried a draft
+(``draft_fraction``: 1 for a model drafter, the share with a match for
+n-gram and suffix) and c the
 measured cost of one draft token in plain steps: c = (t_k / t_0 - 1) / k, t_k
 the cell's seconds per verification step (wall / (drafts / concurrency)) and
 t_0 the no-speculation cell's seconds per step (wall / tokens per sequence)
@@ -171,10 +174,13 @@ def _record(method: str, draft: str, k: int, conc, temperature: float, cell: Cel
     rates = stats.acceptance_rate_per_pos[:k] if k else []
     if shape == "rollout":  # how the batch drained (rayspec.perfmodel replays it)
         extra["response_lens"] = lens
+    # each sequence-step emits one token plus its accepted drafts
+    seq_steps = max(stats.output_tokens - stats.num_accepted_tokens, 1)
     return {"method": method, "draft": draft, "k": k, "concurrency": conc, "temperature": temperature,
             "shape": shape, "tokens_per_s": tps, "output_tokens": stats.output_tokens, "responses_sha1": digest,
             "wall_s": stats.wall_s, "seconds_per_step": step_s,
-            "acceptance_length": stats.acceptance_length, "acceptance_rate_per_pos": rates, **extra}
+            "acceptance_length": stats.acceptance_length, "acceptance_rate_per_pos": rates,
+            "draft_fraction": stats.num_drafts / seq_steps if k else None, **extra}
 
 
 def _finish(cells: list[dict]) -> None:
@@ -188,11 +194,12 @@ def _finish(cells: list[dict]) -> None:
         if c["k"] and b and c["shape"] == "fixed":
             a = geometric_rate(c["acceptance_rate_per_pos"])
             cr = (c["seconds_per_step"] / b["seconds_per_step"] - 1.0) / c["k"]
-            c.update(acceptance_rate=a, cost_ratio=cr, physical_limit=physical_limit(a, c["k"], cr))
+            c.update(acceptance_rate=a, cost_ratio=cr,
+                     physical_limit=physical_limit(a, c["k"], cr, c["draft_fraction"]))
 
 
 MEDIAN_KEYS = ("tokens_per_s", "speedup", "wall_s", "seconds_per_step", "acceptance_length",
-               "acceptance_rate", "cost_ratio", "physical_limit")
+               "acceptance_rate", "cost_ratio", "physical_limit", "draft_fraction")
 
 
 def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
@@ -222,7 +229,7 @@ def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
             raise ValueError(f"cell {k} ran in {len(runs)} of {len(rounds)} rounds")
         cell = dict(runs[0], repeats=len(runs), tokens_per_s_runs=[r["tokens_per_s"] for r in runs])
         for name in MEDIAN_KEYS:
-            values = [r[name] for r in runs if r[name] is not None]
+            values = [r[name] for r in runs if r.get(name) is not None]
             cell[name] = statistics.median(values) if values else None
         cell["acceptance_rate_per_pos"] = [statistics.median(p) for p in
                                            zip(*(r["acceptance_rate_per_pos"] for r in runs))]

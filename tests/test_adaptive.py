@@ -23,6 +23,7 @@ def test_expected_tokens_and_limits():
     # Leviathan et al. Eq. 1: a=0.5, k=3 -> (1 - 0.5^4) / 0.5 = 1.875 tokens per step
     assert physical_limit(0.5, 3, 0.0) == pytest.approx(1.875)
     assert physical_limit(0.5, 3, 0.1) == pytest.approx(1.875 / 1.3)
+    assert physical_limit(0.5, 3, 0.1, draft_fraction=0.2) == pytest.approx((1 + 0.2 * 0.875) / 1.3)
     # i.i.d. rates r_i = a^i give back a
     assert geometric_rate([0.6, 0.36, 0.216]) == pytest.approx(0.6)
 

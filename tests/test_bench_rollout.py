@@ -88,6 +88,8 @@ def test_bench_rollout_cells(tiny_llama_dir, gsm8k_dir, tmp_path, in_process_eng
         if c["k"]:
             assert len(c["acceptance_rate_per_pos"]) == c["k"]
             assert c["physical_limit"] > 0 and c["cost_ratio"] is not None
+            # a head drafts at every decode step; only the prefill step's token comes without one
+            assert 7 / 8 - 0.01 <= c["draft_fraction"] <= 1.0
     rollout = {c["method"]: c for c in cells if c["shape"] == "rollout"}
     assert set(rollout) == {"none", "eagle3", "adaptive"}
     assert rollout["adaptive"]["k_schedule"] and rollout["adaptive"]["k"] == 2

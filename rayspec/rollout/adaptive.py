@@ -175,13 +175,16 @@ def extrapolate_rates(rates: list[float], k_max: int) -> list[float]:
     return list(rates) + [rates[-1] * a ** (j + 1) for j in range(k_max - len(rates))]
 
 
-def physical_limit(a: float, k: int, c: float) -> float:
+def physical_limit(a: float, k: int, c: float, draft_fraction: float = 1.0) -> float:
     """Speedup bound for acceptance rate a, k drafts and cost ratio c
     (Leviathan et al. 2023, Eq. 1 and Thm 3.8): E = (1 - a^(k+1)) / (1 - a)
     tokens per verification step, over the cost 1 + k*c of one step in plain
-    steps."""
+    steps. ``draft_fraction`` f: the share of sequence-steps that carry a
+    draft (an n-gram drafter drafts only where it finds a match), a the rate
+    over those and c the cost averaged over all: 1 + f (E - 1) tokens per
+    sequence-step."""
     e = (1.0 - a ** (k + 1)) / (1.0 - a) if a < 1 else k + 1.0
-    return e / (1.0 + k * c)
+    return (1.0 + draft_fraction * (e - 1.0)) / (1.0 + k * c)
 
 
 @dataclass
