@@ -48,6 +48,8 @@ def test_kl_term_is_zero_at_reference_and_positive_away():
     _, m0 = grpo_loss(lp, lp, torch.zeros(1), mask, 0.2, ref_logprobs=lp, kl_coef=0.1)
     _, m1 = grpo_loss(lp, lp, torch.zeros(1), mask, 0.2, ref_logprobs=lp - 0.5, kl_coef=0.1)
     assert m0["kl"] == pytest.approx(0.0) and m1["kl"] > 0
+    _, off = grpo_loss(lp, lp, torch.zeros(1), mask, 0.2, ref_logprobs=lp - 0.5, kl_coef=0.0)
+    assert "kl" not in off  # unmeasured, not 0
 
 
 def test_token_mult_prob_error():

@@ -61,14 +61,15 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
         kl_coef: KL weight.
 
     Returns:
-        (scalar loss, metrics: clip_frac, kl, ratio_mean).
+        (scalar loss, metrics: clip_frac, ratio_mean, and kl where the KL
+        term is on).
     """
     log_ratio = (logprobs - old_logprobs) * mask
     ratio = log_ratio.exp()
     adv = advantages[:, None]
     surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     per_token = -surr
-    kl = torch.zeros((), dtype=logprobs.dtype)
+    kl = None  # not measured without the term: logging 0.0 would claim the policy sits at the reference
     if kl_coef > 0 and ref_logprobs is not None:
         d = (ref_logprobs - logprobs) * mask
         k3 = d.exp() - d - 1
@@ -77,8 +78,9 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     loss = masked_mean(per_token, mask, dim=1).mean()
     with torch.no_grad():
         clipped = ((ratio - 1).abs() > clip_eps).float()
-        metrics = {"clip_frac": masked_mean(clipped, mask).item(), "kl": float(kl),
-                   "ratio_mean": masked_mean(ratio, mask).item()}
+        metrics = {"clip_frac": masked_mean(clipped, mask).item(), "ratio_mean": masked_mean(ratio, mask).item()}
+        if kl is not None:
+            metrics["kl"] = float(kl)
     return loss, metrics
 
 
