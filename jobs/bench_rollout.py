@@ -3,12 +3,12 @@
     python -m jobs.bench_rollout [--quick] [--out bench_rollout.json]
         [--data-path ../shared/data/gsm8k] [--eagle3 NAME=DIR ...]
         [--draft-layers 6] [--k 1,2,3,4,5] [--concurrency 1,8,32,128]
-        [--temperature 1.0,0] [--max-tokens 64] [--dtype float32]
+        [--temperature 1.0,0] [--max-tokens 64] [--dtype float32] [--repeats 1]
 
 One engine per method (no speculation, eagle3, draft_model, ngram, suffix),
-built once per round with the largest k and a batch-size schedule, so k is switched at
-run time (``rayspec.rollout.adaptive``) instead of rebuilding; EAGLE-3 heads
-are swapped into the same engine through the refit path. Every cell runs the
+built once per round with the largest k and a batch-size schedule, so k is
+switched at run time (``rayspec.rollout.adaptive``) instead of rebuilding;
+EAGLE-3 heads are swapped into the same engine through the refit path. Every cell runs the
 same GSM8K prompts (chat template) at a fixed concurrency: ``concurrency``
 sequences start together and each generates ``--max-tokens`` tokens
 (ignore_eos, so the concurrency holds for the whole cell); speculative
