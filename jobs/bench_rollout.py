@@ -427,8 +427,9 @@ def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_se
         cell = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
         out.append(_record(method, draft, k, n, t, cell, "rollout"))
         # a fresh controller, given this draft's acceptance at this temperature
-        # and the rollout's shape from the fixed-k rollout just run
-        costs[method] = engine.enable_adaptive(margin=args.adaptive_margin, cost=costs.get(method))
+        # and the rollout's shape from the fixed-k rollout just run (rates=[]:
+        # not the warm head's recorded held-out rates)
+        costs[method] = engine.enable_adaptive(margin=args.adaptive_margin, cost=costs.get(method), rates=[])
         engine.adaptive.update(cell.stats.accepted_per_pos, cell.stats.num_drafts, k)
         engine.adaptive.observe(cell.response_lens)
         engine.set_k_schedule(engine.adaptive.schedule())

@@ -17,8 +17,9 @@
    measured on the held-out prompts again ("after").
 
 ``DIR`` holds ``corpus.jsonl``, ``draft_head/`` (load it with
-``rollout.speculative_config.model=DIR/draft_head``), the optimizer state and
-``result.json``. Re-running with the same ``DIR`` resumes: the corpus is
+``rollout.speculative_config.model=DIR/draft_head``; its ``acceptance.json``
+holds the "after" rates, where adaptive speculation starts from), the
+optimizer state and ``result.json``. Re-running with the same ``DIR`` resumes: the corpus is
 reused, training continues from the saved step, and ``--steps`` is the total.
 """
 
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayspec.draft.eagle3 import init_head, load_head, save_head, vllm_state_dict
     from rayspec.draft.warmstart import CORPUS, HEAD, read_corpus, split_prompts, train_head, write_corpus
     from rayspec.models import load_policy, load_tokenizer, resolve_model_path
-    from rayspec.rollout.adaptive import uniform
+    from rayspec.rollout.adaptive import uniform, write_acceptance
     from rayspec.rollout.engine import SpecVLLMEngine, replica_env
 
     out = Path(args.out)
@@ -130,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                       heldout_prompts=len(held), model=str(model_dir), dtype=cfg.model.dtype,
                       data=cfg.data.name, k=k, temperature=cfg.grpo.temperature)
         result_path.write_text(json.dumps(result, indent=1))
+        write_acceptance(out / HEAD, result["after"]["acceptance_rate_per_pos"], k=k,
+                         temperature=cfg.grpo.temperature, data=cfg.data.name, heldout_prompts=len(held),
+                         heldout_samples=args.heldout_samples, policy=str(model_dir), train_steps=trained["steps"])
     finally:
         engine.shutdown()
     print(f"{'':<8}{'acc len':>9}{'tok/s':>8}  accept/pos   (held-out: {len(held)} prompts x "

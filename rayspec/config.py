@@ -113,6 +113,9 @@ class AdaptiveKConfig:
 
     Args:
         enabled: adapt k (``num_speculative_tokens`` is then the largest k).
+            Acceptance starts from the draft's recorded held-out rates
+            (``acceptance.json`` beside it, from ``jobs.warmstart_draft``)
+            where there are some.
         margin: speculate only where the predicted throughput beats plain
             decoding by this factor.
         calibration_tokens: new tokens per calibration run when a replica

@@ -8,8 +8,9 @@ import pytest
 from rayspec.draft.eagle3 import init_head, save_head
 from rayspec.models import load_policy
 from rayspec.rollout.adaptive import (AdaptiveK, StepCost, expected_tokens, format_schedule,
-                                      geometric_rate, parse_schedule, physical_limit, uniform)
-from tests.conftest import engine_kwargs
+                                      geometric_rate, parse_schedule, physical_limit, read_acceptance,
+                                      uniform, write_acceptance)
+from tests.conftest import copy_model_dir, engine_kwargs
 
 # Step seconds shaped like SmolLM2 on 2 CPU cores (DESIGN.md): a k=3 step costs
 # ~1.45x a plain one at 1 sequence and ~3x at 64.
@@ -97,6 +98,37 @@ def test_probe_after_draft_refit_and_partial_positions():
     ctl.update([90, 0, 0], num_drafts=100, positions=1)
     assert not ctl.probe
     assert ctl.rates[0] == pytest.approx(0.45) and ctl.rates[1:] == [0.0, 0.0]
+
+
+def test_acceptance_record_round_trips_and_bad_ones_name_the_file(tmp_path):
+    assert read_acceptance(tmp_path) is None and read_acceptance(None) is None
+    path = write_acceptance(tmp_path, [0.21, 0.06, 0.02], k=3, temperature=1.0)
+    assert read_acceptance(tmp_path) == [0.21, 0.06, 0.02]
+    assert not list(tmp_path.glob("*.tmp"))
+    for text, fragment in (("{", "not an acceptance record"), ('{"k": 3}', "not an acceptance record"),
+                           ('{"acceptance_rate_per_pos": [0.5, NaN]}', "list of rates in [0, 1]"),
+                           ('{"acceptance_rate_per_pos": 0.5}', "list of rates in [0, 1]")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=str(path)) as e:
+            read_acceptance(tmp_path)
+        assert fragment in str(e.value)
+
+
+def test_run_copies_the_heads_acceptance_record(head_dir, tmp_path):
+    """The RL driver serves a copy of the configured head; its recorded
+    acceptance travels with it, so adaptive replicas start from it."""
+    from rayspec.config import load_config
+    from rayspec.scheduler.driver import prepare_draft
+
+    head = copy_model_dir(head_dir, tmp_path / "warm")
+    write_acceptance(head, [0.4, 0.1])
+    cfg = load_config(None, ["rollout.speculative_config.method=eagle3",
+                             f"rollout.speculative_config.model={head}"])
+    served, _ = prepare_draft(cfg, "unused: the head is given", tmp_path / "run")
+    assert read_acceptance(served) == [0.4, 0.1]
+    (head / "acceptance.json").unlink()
+    served, _ = prepare_draft(cfg, "unused", tmp_path / "run")
+    assert read_acceptance(served) is None  # save_head replaced the copy whole
 
 
 def test_idle_drafter_returns_no_drafts_without_its_forward():
@@ -193,6 +225,21 @@ def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head, in_
         assert eng.k_schedule == [(1, 8, 0)]
         eng.update_draft(vllm_state_dict(load_head(tiny_head)), 1)
         assert eng.k_schedule == [(1, 1, 1), (2, 8, 0)]
+        # a fresh controller starts from the head's recorded acceptance
+        # (jobs.warmstart_draft's held-out rates), extrapolated to k = 3, not
+        # from k = 3 everywhere: rates that pay nowhere turn drafting off at once
+        write_acceptance(tiny_head, [0.05, 0.01])
+        try:
+            eng.enable_adaptive(cost=eng.adaptive.cost)
+            assert eng.adaptive.rates == pytest.approx([0.05, 0.01, 0.01 * geometric_rate([0.05, 0.01])])
+            assert eng.k_schedule == [(1, 8, 0)]
+            write_acceptance(tiny_head, [0.9, 0.8, 0.7])
+            eng.enable_adaptive(cost=eng.adaptive.cost)
+            assert eng.k_schedule[0][:1] + eng.k_schedule[0][2:] == (1, 3)  # k = 3 at one sequence
+            eng.enable_adaptive(cost=eng.adaptive.cost, rates=[])  # measure first, as before
+            assert eng.adaptive.rates == [] and eng.k_schedule == [(1, 8, 3)]
+        finally:
+            (tiny_head / "acceptance.json").unlink()
     finally:
         eng.shutdown()
 

@@ -10,6 +10,7 @@ import torch
 
 from rayspec.draft.eagle3 import init_head, load_head, save_head
 from rayspec.draft.warmstart import HEAD, read_corpus, split_prompts, train_head
+from rayspec.rollout.adaptive import read_acceptance
 from rayspec.models import load_policy
 
 
@@ -76,6 +77,8 @@ def test_warmstart_job_raises_heldout_acceptance_and_resumes(tiny_llama_dir, gsm
     assert res["after"]["acceptance_length"] > 1.03, res
     head = load_head(out / HEAD)
     assert head.cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    # the "after" rates are recorded beside the head, for adaptive speculation
+    assert read_acceptance(out / HEAD) == res["after"]["acceptance_rate_per_pos"]
     # resume: same corpus, training continues to the new total
     assert main(common + ["--steps", "110"]) == 0
     assert (out / "corpus.jsonl").read_text() == corpus

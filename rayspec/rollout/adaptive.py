@@ -40,20 +40,27 @@ draft would never be tried again; the probe costs the drafter's sync for one
 rollout and the steps run with one sequence left. t(b, k) comes from a
 calibration on the engine itself (plain, k = 0 with the drafter in sync, and
 k=K steps at a few concurrencies, linear in k between them, log-linear in
-b); the rates are updated after every rollout.
+b); the rates are updated after every rollout. They start from the draft's
+held-out rates where ``jobs.warmstart_draft`` recorded them beside the head
+(``acceptance.json``); without them the first rollout drafts k_max at every
+batch size to measure them.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 UTILITY = "rayspec_set_num_speculative_tokens_per_batch_size"
+ACCEPTANCE_FILE = "acceptance.json"
 
 
 def _set_schedule(self, schedule: list, drafter_idle: bool | None = None) -> list:
@@ -173,6 +180,40 @@ def extrapolate_rates(rates: list[float], k_max: int) -> list[float]:
         return list(rates)
     a = geometric_rate(rates)
     return list(rates) + [rates[-1] * a ** (j + 1) for j in range(k_max - len(rates))]
+
+
+def write_acceptance(draft_dir, rates: list[float], **meta) -> Path:
+    """Record a draft's measured acceptance rates per position beside it
+    (``draft_dir/acceptance.json``: ``acceptance_rate_per_pos`` and ``meta``,
+    e.g. the k, temperature and prompts they were measured with), written
+    atomically. ``save_head`` replaces the whole directory, so a head
+    rewritten later (trained further) loses the record. Returns the file."""
+    path = Path(draft_dir) / ACCEPTANCE_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"acceptance_rate_per_pos": list(rates), **meta}, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def read_acceptance(draft_dir) -> list[float] | None:
+    """The acceptance rates per position recorded beside a draft
+    (``write_acceptance``), or None where there is no record (or no
+    ``draft_dir``).
+
+    Raises:
+        ValueError: the record is not JSON or its ``acceptance_rate_per_pos``
+            is not a list of rates in [0, 1] (the file is named).
+    """
+    path = Path(draft_dir) / ACCEPTANCE_FILE if draft_dir else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        rates = json.loads(path.read_text())["acceptance_rate_per_pos"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not an acceptance record ({type(e).__name__}: {e})") from None
+    if not (isinstance(rates, list) and all(isinstance(r, (int, float)) and 0 <= r <= 1 for r in rates)):
+        raise ValueError(f"{path}: acceptance_rate_per_pos must be a list of rates in [0, 1], got {rates!r}")
+    return [float(r) for r in rates]
 
 
 def physical_limit(a: float, k: int, c: float, draft_fraction: float = 1.0) -> float:

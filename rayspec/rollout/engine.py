@@ -164,21 +164,35 @@ class SpecVLLMEngine:
 
     def enable_adaptive(self, margin: float = 1.05, calibration_tokens: int = 16,
                         cost: Optional[adaptive_k_mod.StepCost] = None,
-                        probe_every: int = 1) -> adaptive_k_mod.StepCost:
+                        probe_every: int = 1,
+                        rates: Optional[list[float]] = None) -> adaptive_k_mod.StepCost:
         """Turn on adaptive speculation: calibrate the step cost (unless
-        ``cost`` is given) and start with k = num_speculative_tokens everywhere
-        until acceptance is measured; probe a draft that does not pay every
+        ``cost`` is given) and choose k per batch size from acceptance rates
+        per draft position ``rates``; probe a draft that does not pay every
         ``probe_every`` draft refits. Returns the step cost.
+
+        ``rates`` None: the draft's held-out rates where
+        ``jobs.warmstart_draft`` recorded them beside it
+        (``adaptive.read_acceptance``). With no rates (None and no record,
+        or []) the first rollout drafts num_speculative_tokens at every batch
+        size to measure them.
 
         Raises:
             RuntimeError: no speculative_config, or built without a schedule.
+            ValueError: the draft's acceptance record is malformed.
         """
         if self.speculative_config is None:
             raise RuntimeError("adaptive speculation needs a speculative_config")
         k = self.speculative_config["num_speculative_tokens"]
+        if rates is None:
+            rates = adaptive_k_mod.read_acceptance(self.speculative_config.get("model"))
+            if rates:
+                log.info("adaptive k: starting from the draft's recorded acceptance rates %s",
+                         [round(r, 3) for r in rates])
         cost = cost or self.calibrate(k, tokens=calibration_tokens)
         self.adaptive = adaptive_k_mod.AdaptiveK(k, self.max_num_seqs, cost, margin=margin,
-                                                 probe_every=probe_every)
+                                                 probe_every=probe_every,
+                                                 rates=adaptive_k_mod.extrapolate_rates(rates or [], k))
         self.set_k_schedule(self.adaptive.schedule())
         log.info("adaptive k: calibrated step seconds %s", cost)
         return cost

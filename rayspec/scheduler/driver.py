@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from omegaconf import OmegaConf
 from rayspec.config import ConfigError, RunConfig, draft_online
 from rayspec.data import load_problems
 from rayspec.models import check_draft_matches_policy, load_policy, resolve_model_path
+from rayspec.rollout.adaptive import ACCEPTANCE_FILE, read_acceptance
 from rayspec.scheduler.placement import cluster_nodes, plan_placement
 
 log = logging.getLogger(__name__)
@@ -66,8 +68,9 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
     """The draft checkpoint replicas start with, and the aux layers to capture.
 
     For eagle3 the head lives in ``<run_dir>/draft_head``: a copy of
-    ``speculative_config.model`` when given, else the head already there, else
-    a new head for the policy. The aux layers are the head's own.
+    ``speculative_config.model`` when given (with its acceptance record,
+    where adaptive speculation starts from), else the head already there,
+    else a new head for the policy. The aux layers are the head's own.
     """
     spec = cfg.rollout.speculative_config
     if spec.method != "eagle3":
@@ -77,6 +80,8 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
     head_dir = run_dir / "draft_head"
     if spec.model is not None:
         save_head(load_head(spec.model), head_dir)
+        if read_acceptance(spec.model) is not None:
+            shutil.copyfile(Path(spec.model) / ACCEPTANCE_FILE, head_dir / ACCEPTANCE_FILE)
     elif not (head_dir / "model.safetensors").is_file():
         save_head(init_head(load_policy(model_dir), cfg.draft.aux_hidden_state_layer_ids,
                             seed=cfg.trainer.seed), head_dir)
@@ -99,6 +104,10 @@ def check_inputs(cfg: RunConfig) -> str:
     spec = cfg.rollout.speculative_config
     if spec.model is not None:
         check_draft_matches_policy(policy_cfg, spec.model, spec.method)
+        try:
+            read_acceptance(spec.model)
+        except ValueError as e:
+            raise ConfigError(f"rollout.speculative_config.model={spec.model}: {e}") from None
     try:
         load_problems(cfg.data.name, cfg.data.path, cfg.data.split, cfg.data.num_problems,
                       cfg.data.seed, cfg.data.level)
