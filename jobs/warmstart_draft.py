@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -127,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                              micro_batch=args.micro_batch, save_every=args.save_every, seed=cfg.trainer.seed)
         engine.update_draft(vllm_state_dict(load_head(out / HEAD)), 1)
         result["after"] = acceptance(engine, held, args.heldout_samples, cfg)
-        result.update(train=trained, train_seconds=time.perf_counter() - t0, corpus_samples=len(samples),
+        if not math.isnan(trained["draft_loss"]) or "train" not in result:
+            # a rerun that trained no further keeps the last training figures
+            result.update(train=trained, train_seconds=time.perf_counter() - t0)
+        result.update(corpus_samples=len(samples),
                       heldout_prompts=len(held), model=str(model_dir), dtype=cfg.model.dtype,
                       data=cfg.data.name, k=k, temperature=cfg.grpo.temperature)
         result_path.write_text(json.dumps(result, indent=1))
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         r = result[name]
         rates = ",".join(f"{x:.2f}" for x in r["acceptance_rate_per_pos"])
         print(f"{name:<8}{r['acceptance_length']:>9.2f}{r['tokens_per_s']:>8.1f}  [{rates}]")
+    trained = result["train"]
     print(f"head: {out / HEAD}  ({trained['steps']} steps, loss {trained['draft_loss']:.3f}, "
           f"top-1 {trained['draft_top1']:.2f})")
     return 0

@@ -83,4 +83,10 @@ def test_warmstart_job_raises_heldout_acceptance_and_resumes(tiny_llama_dir, gsm
     assert main(common + ["--steps", "110"]) == 0
     assert (out / "corpus.jsonl").read_text() == corpus
     assert json.loads((out / "trainer_state.json").read_text())["step"] == 110
-    assert json.loads((out / "result.json").read_text())["before"] == res["before"]
+    resumed = json.loads((out / "result.json").read_text())
+    assert resumed["before"] == res["before"] and resumed["train"]["steps"] == 110
+    # a rerun with nothing left to train re-measures, keeping the training figures
+    assert main(common + ["--steps", "110"]) == 0
+    again = json.loads((out / "result.json").read_text())
+    assert again["train"] == resumed["train"] and again["train_seconds"] == resumed["train_seconds"]
+    assert read_acceptance(out / HEAD) == again["after"]["acceptance_rate_per_pos"]
