@@ -3,6 +3,8 @@ step cost, and switching k in a running vLLM engine."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from rayspec.draft.eagle3 import init_head, save_head
@@ -158,6 +160,24 @@ def test_idle_drafter_returns_no_drafts_without_its_forward():
     assert p.propose(num_speculative_tokens=2, common_attn_metadata=cad).shape == (5, 2) and p.calls == 2
 
 
+def test_step_without_drafts_samples_without_the_rejection_sampler():
+    """The wrapped ``_sample``: spec-decode metadata with no drafts is
+    dropped (the plain sampler runs), drafts or async scheduling keep it."""
+    from types import SimpleNamespace
+
+    from rayspec.rollout.adaptive import _plain_sample_without_drafts
+
+    seen = []
+    sample = _plain_sample_without_drafts(lambda self, logits, md: seen.append(md))
+    runner = SimpleNamespace(use_async_scheduling=False)
+    no_drafts, drafts = SimpleNamespace(max_spec_len=0), SimpleNamespace(max_spec_len=2)
+    sample(runner, None, no_drafts)
+    sample(runner, None, drafts)
+    sample(runner, None, None)
+    sample(SimpleNamespace(use_async_scheduling=True), None, no_drafts)
+    assert seen == [None, drafts, None, no_drafts]
+
+
 @pytest.mark.slow
 def test_idle_drafter_drafts_again_with_its_kv(tiny_llama_dir, in_process_engine_core):
     """A schedule of 0 everywhere idles the drafter (no drafts; that it
@@ -194,10 +214,12 @@ def tiny_head(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head, in_process_engine_core):
+def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head, in_process_engine_core, monkeypatch):
     """One engine: k=0 drafts nothing, k=2 drafts 2 per step, without a
     rebuild; the adaptive controller turns a useless draft off after one
     rollout and probes again after a draft refit."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
     from rayspec.draft.eagle3 import load_head, vllm_state_dict
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
 
@@ -210,12 +232,21 @@ def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head, in_
         assert cost.concurrency == [1, 4, 8] and cost.k == 3
         assert len(cost.sync_s) == 3 and all(s > 0 for s in cost.plain_s + cost.spec_s + cost.sync_s)
         prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
+        rejection_calls = []
+        forward = RejectionSampler.forward
+        monkeypatch.setattr(RejectionSampler, "forward",
+                            lambda *a, **kw: rejection_calls.append(1) or forward(*a, **kw))
         for k in (0, 2):
             eng.set_k_schedule(uniform(k, 8))
+            rejection_calls.clear()
             _, stats = eng.generate(prompts, n=2, max_tokens=12)
             assert stats.k_schedule == [(1, 8, k)]
             assert stats.num_draft_tokens == k * stats.num_drafts
             assert (stats.num_drafts > 0) == (k > 0)
+            # at k = 0 every step samples as a plain engine does (seen where
+            # the engine core runs in this process: in_process_engine_core)
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+                assert (len(rejection_calls) > 0) == (k > 0), (k, len(rejection_calls))
         # an untrained head accepts (almost) nothing: drafting costs more than it gives
         eng.adaptive.cost = StepCost([1, 8], [0.01, 0.02], [0.02, 0.06], 3)
         eng.adaptive.rates = []

@@ -21,7 +21,9 @@ schedule changes, so the utility also marks the drafter idle and a wrapped
 ``propose`` returns no drafts without that forward (on 2 CPU cores it was
 3-4 ms a step, 7% of a step at one sequence). Leaving the idle state resets
 the prefix cache: blocks cached meanwhile hold no draft KV. rayspec changes
-the schedule only between ``generate`` calls, with no request in flight.
+the schedule only between ``generate`` calls, with no request in flight. A
+step in which no request drafts samples with the plain sampler, not vLLM's
+rejection sampler (``_plain_sample_without_drafts``).
 
 Controller (``AdaptiveK``): with per-position acceptance rates r_i (P(draft
 position i accepted), vLLM's ``spec_decode_num_accepted_tokens_per_pos`` /
@@ -112,20 +114,49 @@ def _propose_unless_idle(propose):
     return wrapped
 
 
+def _plain_sample_without_drafts(sample):
+    """Wrap ``GPUModelRunner._sample``: a step in which no request carries a
+    draft samples with the plain sampler.
+
+    vLLM 0.32 builds spec-decode metadata for every step of a speculative
+    engine, drafts or not, so a step at k = 0 still runs the rejection
+    sampler: the bonus tokens through the same sampler, then a [batch, vocab]
+    logits copy, two index_puts and a second log-softmax for the logprobs,
+    none of which a plain engine does (about 2 ms of a 107 ms step at 16
+    sequences on 2 CPU cores). With no drafts the rejection sampler returns
+    exactly the sampler's tokens and logprobs ([batch, 1] int32 ids, the same
+    generators drawn), so the plain call is the same computation. Left alone
+    under async scheduling, whose spec path also updates draft bookkeeping.
+    """
+    @functools.wraps(sample)
+    def wrapped(self, logits, spec_decode_metadata):
+        if (spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0
+                and not self.use_async_scheduling):
+            spec_decode_metadata = None
+        return sample(self, logits, spec_decode_metadata)
+
+    wrapped.rayspec_wrapped = True
+    return wrapped
+
+
 def register() -> None:
-    """vLLM general-plugin hook: add the schedule utility to EngineCore and
-    the idle check to the drafters' ``propose``, where this vLLM has dynamic
-    speculative decoding (idempotent)."""
+    """vLLM general-plugin hook: add the schedule utility to EngineCore, the
+    idle check to the drafters' ``propose`` and the plain sampler to steps
+    without drafts, where this vLLM has dynamic speculative decoding
+    (idempotent)."""
     try:
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.spec_decode.dynamic import utils  # noqa: F401  (feature check)
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:
         return
     if not hasattr(EngineCore, UTILITY):
         setattr(EngineCore, UTILITY, _set_schedule)
     if not getattr(SpecDecodeBaseProposer.propose, "rayspec_wrapped", False):
         SpecDecodeBaseProposer.propose = _propose_unless_idle(SpecDecodeBaseProposer.propose)
+    if not getattr(GPUModelRunner._sample, "rayspec_wrapped", False):
+        GPUModelRunner._sample = _plain_sample_without_drafts(GPUModelRunner._sample)
 
 
 def set_schedule(llm, schedule: list[tuple[int, int, int]], drafter_idle: bool | None = None) -> None:
