@@ -10,8 +10,8 @@ import torch
 
 from rayspec.draft.eagle3 import init_head, load_head, save_head
 from rayspec.draft.warmstart import HEAD, read_corpus, split_prompts, train_head
-from rayspec.rollout.adaptive import read_acceptance
 from rayspec.models import load_policy
+from rayspec.rollout.adaptive import read_acceptance
 
 
 def _samples(n: int) -> list[tuple[list[int], list[int]]]:

@@ -80,8 +80,9 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
     head_dir = run_dir / "draft_head"
     if spec.model is not None:
         save_head(load_head(spec.model), head_dir)
-        if read_acceptance(spec.model) is not None:
-            shutil.copyfile(Path(spec.model) / ACCEPTANCE_FILE, head_dir / ACCEPTANCE_FILE)
+        record = Path(spec.model) / ACCEPTANCE_FILE  # validated by check_inputs
+        if record.is_file():
+            shutil.copyfile(record, head_dir / ACCEPTANCE_FILE)
     elif not (head_dir / "model.safetensors").is_file():
         save_head(init_head(load_policy(model_dir), cfg.draft.aux_hidden_state_layer_ids,
                             seed=cfg.trainer.seed), head_dir)
