@@ -1,0 +1,213 @@
+"""Engine-step benchmark: where one decode step's time goes, plain and
+speculative, next to the performance model's t(b, k).
+
+    python -m jobs.bench_step [--concurrency 1,8,32] [--k 0,1,3] [--max-tokens 64]
+        [--prompt-len 100] [--eagle3 DIR] [--hardware cpu] [--out bench_step.json]
+
+One EAGLE-3 engine (an untrained head unless ``--eagle3`` names one: a
+head's cost does not depend on its training) runs its engine core in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so vLLM's model runner can be
+timed. Each cell runs ``concurrency`` synthetic prompts of ``--prompt-len``
+tokens to ``--max-tokens`` new tokens (ignore_eos: the concurrency holds) at
+temperature 1 with k fixed at every batch size; k = 0 idles the drafter and
+samples with the plain sampler (``rayspec.rollout.adaptive``), so it is a
+plain step. Per decode step (no prompt tokens scheduled), in ms:
+
+- ``target``: ``GPUModelRunner.execute_model``: the target's forward over
+  b (1 + k) query tokens, its LM head and input preparation;
+  ``forward`` is the transformer body alone (``_model_forward``);
+- ``sampler``: ``_sample``: the plain sampler, or the rejection sampler
+  (Leviathan et al. 2023) with drafts;
+- ``drafter``: the drafter's k passes (``SpecDecodeBaseProposer.propose``);
+- ``step``: ``execute_model`` + ``sample_tokens``, everything the worker does.
+
+Beside them the model's t(b, k) and target forward
+(``rayspec.perfmodel.simulate``, preset ``--hardware``) at the cell's mid
+context and measured acceptance length. The timers wrap private methods of
+vLLM 0.32's model runner; another version may lack them (the job then names
+the missing one).
+
+Prints a table and writes JSON (``--out``: a list of cells).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from unittest import mock
+
+from jobs.bench_rollout import _cell, _ints, _speculative_config
+
+RUNNER_TIMERS = {"execute_model": "target", "_model_forward": "forward", "_sample": "sampler",
+                 "sample_tokens": "sample_tokens"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m jobs.bench_step", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="bundled:smollm2-135m-instruct")
+    ap.add_argument("--cache-dir", default="~/.cache/rayspec")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--eagle3", help="an EAGLE-3 head directory (default: an untrained head)")
+    ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
+    ap.add_argument("--k", type=_ints, default=[0, 1, 3])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=100)
+    ap.add_argument("--hardware", default="cpu", help="performance-model preset for the model columns")
+    ap.add_argument("--kv-cache-gib", type=int, default=2)
+    ap.add_argument("--out", default="bench_step.json")
+    ap.add_argument("--work-dir", default="/tmp/rayspec-bench-rollout",
+                    help="the untrained head goes here (one folder per policy, shared with jobs.bench_rollout)")
+    args = ap.parse_args(argv)
+    from rayspec.perfmodel import hardware
+
+    try:
+        hardware.get(args.hardware)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+@contextlib.contextmanager
+def step_timers(k: int):
+    """Time vLLM's model runner per decode step while the block runs.
+
+    Args:
+        k: the cell's draft tokens; a step is a decode step when no new
+            request is scheduled and no request runs more than 1 + k query
+            tokens (prefill steps are left out).
+
+    Yields:
+        dict {name: [seconds summed over decode steps, calls]} for ``target``,
+        ``forward``, ``sampler``, ``sample_tokens`` and ``drafter``.
+
+    Raises:
+        RuntimeError: vLLM's model runner or proposer lacks a timed method
+            (named): another vLLM version than 0.32.
+    """
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    acc: dict = collections.defaultdict(lambda: [0.0, 0])
+    decode = [False]
+    targets = [(GPUModelRunner, m, name) for m, name in RUNNER_TIMERS.items()]
+    targets.append((SpecDecodeBaseProposer, "propose", "drafter"))
+    missing = [f"{cls.__name__}.{m}" for cls, m, _ in targets if not hasattr(cls, m)]
+    if missing:
+        raise RuntimeError(f"vLLM's model runner has no {', '.join(missing)}: jobs.bench_step times vLLM 0.32")
+
+    def timed(fn, name):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if name == "target":
+                so = args[1]
+                decode[0] = bool(so.num_scheduled_tokens) and not so.scheduled_new_reqs and \
+                    max(so.num_scheduled_tokens.values()) <= 1 + k
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if decode[0]:
+                    acc[name][0] += time.perf_counter() - t
+                    acc[name][1] += 1
+        return wrapper
+
+    originals = [(cls, m, getattr(cls, m)) for cls, m, _ in targets]
+    try:
+        for cls, m, name in targets:
+            setattr(cls, m, timed(getattr(cls, m), name))
+        yield acc
+    finally:
+        for cls, m, fn in originals:
+            setattr(cls, m, fn)
+
+
+def _model_row(hw_name: str, model_dir, b: int, k: int, e: float, prompt_len: int, max_tokens: int) -> dict:
+    from rayspec.perfmodel import hardware
+    from rayspec.perfmodel.shapes import ModelShape
+    from rayspec.perfmodel.simulate import Engine
+
+    target = ModelShape.from_hf_config(str(model_dir))
+    eng = Engine(target, hardware.get(hw_name), "eagle3", target.eagle3_head())
+    ctx = b * (prompt_len + max_tokens / 2)
+    return {"model_step_ms": 1e3 * eng.step_seconds(b, ctx, k, e, drafter_idle=k == 0),
+            "model_forward_ms": 1e3 * eng.forward_seconds(target, b * (1 + k), ctx, 1 + k)}
+
+
+def format_table(cells: list[dict]) -> str:
+    cols = ("concurrency", "k", "acceptance_length", "step_ms", "target_ms", "forward_ms", "sampler_ms",
+            "drafter_ms", "model_step_ms", "model_forward_ms")
+    lines = ["  b  k      E   step  target forward sampler drafter | model: step forward"]
+    for c in cells:
+        lines.append("{:>3} {:>2} {:>6.2f} {:>6.1f} {:>7.1f} {:>7.1f} {:>7.1f} {:>7.1f} | {:>11.1f} {:>7.1f}".format(
+            *(c[key] for key in cols)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    from rayspec.draft.eagle3 import init_head, save_head
+    from rayspec.models import load_policy, resolve_model_path
+
+    model_dir = resolve_model_path(args.model, args.cache_dir)
+    head = Path(args.eagle3) if args.eagle3 else (
+        Path(args.work_dir) / hashlib.sha1(str(Path(model_dir).resolve()).encode()).hexdigest()[:12]
+        / "untrained_head")
+    if not (head / "config.json").is_file():
+        if args.eagle3:
+            raise SystemExit(f"error: --eagle3 {args.eagle3}: no EAGLE-3 head there (config.json)")
+        save_head(init_head(load_policy(model_dir)), head)
+    max_seqs = max(args.concurrency)
+    # the timers patch the model runner in this process, so the engine core
+    # must run here; the caller's environment is restored afterwards
+    with mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
+        cells = _run(args, model_dir, head, max_seqs)
+    print(format_table(cells))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(cells, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _run(args, model_dir, head: Path, max_seqs: int) -> list[dict]:
+    from tqdm import tqdm
+
+    from rayspec.rollout.adaptive import uniform
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+
+    engine = SpecVLLMEngine(str(model_dir), _speculative_config("eagle3", head, max(args.k), max_seqs),
+                            dtype=args.dtype, env=cpu_engine_env(args.kv_cache_gib, "all"),
+                            engine_kwargs={"enforce_eager": True, "max_num_seqs": max_seqs, "seed": 0,
+                                           "max_model_len": args.prompt_len + args.max_tokens + 16,
+                                           "enable_prefix_caching": False})
+    cells = []
+    try:
+        for b in tqdm(args.concurrency, desc="concurrency", disable=None):
+            prompts = [[100 + (7 * i + j) % 3000 for j in range(args.prompt_len)] for i in range(b)]
+            for k in args.k:
+                engine.set_k_schedule(uniform(k, max_seqs))
+                _cell(engine, prompts, b, 1.0, 4, ignore_eos=True)  # warm-up at this shape, untimed
+                with step_timers(k) as acc:
+                    cell = _cell(engine, prompts, b, 1.0, args.max_tokens, ignore_eos=True)
+                steps = acc["target"][1]
+                ms = {name: 1e3 * acc[name][0] / max(steps, 1) for name in (*RUNNER_TIMERS.values(), "drafter")}
+                e = cell.stats.acceptance_length if k else 1.0
+                cells.append({"concurrency": b, "k": k, "acceptance_length": e, "decode_steps": steps,
+                              "step_ms": ms["target"] + ms["sample_tokens"], "target_ms": ms["target"],
+                              "forward_ms": ms["forward"], "sampler_ms": ms["sampler"], "drafter_ms": ms["drafter"],
+                              **_model_row(args.hardware, model_dir, b, k, e, args.prompt_len, args.max_tokens)})
+    finally:
+        engine.shutdown()
+    return cells
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
