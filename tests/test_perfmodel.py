@@ -8,7 +8,8 @@ import pytest
 
 from jobs.project_speedup import QUICK_PROMPT_LENS
 from rayspec.perfmodel import hardware
-from rayspec.perfmodel.calibrate import cell_seconds, fit_plain, measure_rejection_noise, plain_points
+from rayspec.perfmodel.calibrate import (cell_seconds, fit_plain, measure_overlap, measure_rejection_noise,
+                                         overlap_from_timings, plain_points)
 from rayspec.perfmodel.pipeline import Pipeline, Workload, capped_exponential_lengths, geometric_rates, rl_step
 from rayspec.perfmodel.shapes import ModelShape
 from rayspec.perfmodel.simulate import Engine, best_schedule, simulate_rollout
@@ -62,6 +63,34 @@ def test_verification_is_nearly_free_when_memory_bound_and_not_when_compute_boun
     assert spec.step_seconds(8, 8000, 0) > eng.step_seconds(8, 8000, 0)
     # ... unless k is 0 at every batch size: rayspec idles the drafter
     assert spec.step_seconds(8, 8000, 0, drafter_idle=True) == eng.step_seconds(8, 8000, 0)
+
+
+def test_overlap_between_the_roofline_max_and_the_sum():
+    target = ModelShape.from_hf_config("smollm2-135m")
+    hw = hardware.get("cpu")
+    compute, memory = (x / r for x, r in zip(Engine(target, hw).forward_work(target, 16, 1600, 1),
+                                              (hw.peak_flops, hw.mem_bw)))
+    fixed = target.layers * hw.layer_overhead_s
+    for overlap, expected in ((1.0, max(compute, memory)), (0.0, compute + memory)):
+        eng = Engine(target, hw.with_overrides(overlap=overlap))
+        assert eng.forward_seconds(target, 16, 1600, 1) - fixed == pytest.approx(expected)
+    assert overlap_from_timings(3.0, 1.0, 2.0) == 0.0 and overlap_from_timings(2.0, 1.0, 2.0) == 1.0
+    assert overlap_from_timings(2.5, 2.0, 1.0) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="overlap=1.5"):
+        hw.with_overrides(overlap=1.5)
+    # vLLM's own CPU linear (small and quick) runs and gives a fraction
+    assert 0.0 <= measure_overlap(target, tokens=(16,), nbytes=16 * 2**20, repeats=2) <= 1.0
+
+
+def test_verified_tokens_pay_the_per_token_cost_whatever_is_accepted():
+    """A CPU forward costs per query token whether it is a sequence or a
+    draft, so a verification step's per-token cost counts b (1 + k) tokens,
+    not the b E it emits."""
+    target = ModelShape.from_hf_config("smollm2-135m")
+    eng = Engine(target, hardware.get("cpu", token_overhead_s=1.0), "ngram")
+    rejected, accepted = (eng.step_seconds(8, 8000, 3, accepted=e) for e in (1.0, 4.0))
+    assert rejected == accepted
+    assert rejected - eng.step_seconds(8, 8000, 0) > 24.0
 
 
 def test_rejection_noise_is_paid_per_drafting_sequence_at_temperature_above_0():
@@ -162,7 +191,7 @@ def test_validation_here_predicts_every_speculative_cell_from_plain_ones():
     vLLM the bench ran). The plain rollout cell (natural EOS, draining batch,
     replayed from its own lengths) and every speculative and adaptive cell
     are predictions within tolerance; without the rejection sampler's noise
-    EAGLE-3 at 8-16 sequences is not."""
+    some EAGLE-3 cells are not."""
     cells = json.loads(BENCH.read_text())
     target = ModelShape.from_hf_config("smollm2-135m")
     errors = {}
@@ -175,7 +204,7 @@ def test_validation_here_predicts_every_speculative_cell_from_plain_ones():
     with_noise = errors[BENCH_NOISE_S_PER_LOGIT]
     assert abs(with_noise[("none", "none", "rollout", 0, 16)]) <= HERE_TOLERANCE
     assert all(abs(e) <= HERE_TOLERANCE for key, e in with_noise.items() if key[0] != "none"), with_noise
-    assert errors[0.0][("eagle3", "warm", "fixed", 1, 8)] > HERE_TOLERANCE
+    assert any(e > HERE_TOLERANCE for key, e in errors[0.0].items() if key[0] == "eagle3"), errors[0.0]
 
 
 def test_validation_replays_a_rollout_cells_own_lengths():

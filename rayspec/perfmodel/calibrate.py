@@ -1,14 +1,15 @@
 """Calibrate a hardware preset on plain (no-speculation) decoding.
 
-Four quantities are timed directly on the machine: the sustained matmul
+Five quantities are timed directly on the machine: the sustained matmul
 FLOP/s at the model's own layer shapes (``measure_matmul_flops``), the
-memory bandwidth a one-token matmul reaches (``measure_mem_bw``), the
-dispatch cost of one decoder layer too small to be bound by either
+memory bandwidth a one-token matmul reaches (``measure_mem_bw``), how far
+the two overlap in vLLM's CPU linear (``measure_overlap``), the dispatch
+cost of one decoder layer too small to be bound by either
 (``measure_layer_overhead``) and the rejection sampler's noise per
 vocabulary entry (``measure_rejection_noise``). ``fit_plain`` then fits the
 two remaining overheads to measured plain cells (prefill, then decode) at several
 concurrencies (``jobs.bench_rollout`` cells with ``method: none``): the
-fixed seconds per engine step and the seconds per emitted token, minimising
+fixed seconds per engine step and the seconds per query token, minimising
 the squared relative error of the modelled cell time
 (``rayspec.perfmodel.simulate``). Nothing speculative enters: the
 speculative cells are left to test the model (``rayspec.perfmodel.validate``).
@@ -72,6 +73,49 @@ def measure_layer_overhead(repeats: int = 1000) -> float:
     pe = rope(x, torch.zeros(1, 1, dtype=torch.long))
     with torch.inference_mode():
         return _time(lambda: layer(x, position_embeddings=pe), repeats)
+
+
+def overlap_from_timings(cold: float, compute: float, memory: float) -> float:
+    """Fraction of the shorter of ``compute`` and ``memory`` seconds hidden
+    under the longer in a pass that took ``cold`` seconds: 1 when cold is
+    their max (the roofline), 0 when it is their sum; clipped to [0, 1]."""
+    hidden = 1.0 - (cold - max(compute, memory)) / min(compute, memory)
+    return min(1.0, max(0.0, hidden))
+
+
+def measure_overlap(shape: ModelShape, tokens: tuple[int, ...] = (8, 16, 32, 64, 128),
+                    nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """How far compute and weight streaming overlap in a forward on this
+    CPU, through vLLM's own CPU linear (``dispatch_cpu_unquantized_gemm``:
+    oneDNN with prepacked weights on x86), at the model's MLP shape
+    (h x intermediate, float32).
+
+    For n query tokens a stack of distinct weights of ``nbytes`` (beyond the
+    caches) is timed cold; the same number of passes over one matrix (in
+    cache) gives the compute time, the one-token pass over the stack the
+    streaming time (``overlap_from_timings``). Returns the median over
+    ``tokens``, each the best of ``repeats``.
+    """
+    import torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    h, inter = shape.hidden_size, shape.intermediate_size or 4 * shape.hidden_size
+
+    def linear():
+        lin = torch.nn.Linear(h, inter, bias=False).requires_grad_(False)
+        dispatch_cpu_unquantized_gemm(lin, remove_weight=True)
+        return lin.cpu_linear
+
+    stack = [linear() for _ in range(max(1, nbytes // (4 * h * inter)))]
+    hot = stack[:1] * len(stack)
+
+    def best(layers, n: int) -> float:
+        x = torch.randn(n, h)
+        return min(_time(lambda: [f(x, None, None) for f in layers], 1) for _ in range(repeats))
+
+    with torch.inference_mode():
+        memory = best(stack, 1)
+        return float(np.median([overlap_from_timings(best(stack, n), best(hot, n), memory) for n in tokens]))
 
 
 def measure_rejection_noise(vocab_size: int, rows: int = 8, repeats: int = 20) -> float:

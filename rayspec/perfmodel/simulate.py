@@ -4,16 +4,19 @@ batch drains, plain or speculative, summed over one rollout.
 Engine step (one vLLM decode step on one replica of ``tp`` devices, b
 sequences in flight, context c_i tokens each, k draft tokens):
 
-    t(b, k) = step_overhead + b E token_overhead + T_fwd(target, b (1 + f k) tokens) + draft(b, k)
+    t(b, k) = step_overhead + b (1 + f k) token_overhead + T_fwd(target, b (1 + f k) tokens) + draft(b, k)
               + [k > 0, T > 0] f b vocab rejection_noise_per_logit
-    T_fwd(m, n) = forward_overhead + layers * layer_overhead
-                  + max(FLOPs(m, n) / (peak * eff_f * tp), bytes(m, n) / (bw * eff_b * tp))
+    T_fwd(m, n) = forward_overhead + layers * layer_overhead + max(C, M) + (1 - overlap) min(C, M)
                   + 2 * layers * all-reduce(n * h * dtype) if tp > 1
+    C = FLOPs(m, n) / (peak * eff_f * tp),  M = bytes(m, n) / (bw * eff_b * tp)
     bytes(m, n) = weights read (MoE: experts touched) + KV cache read (sum_i c_i, once per step)
 
 Verification scores the k drafts and one bonus token per sequence in one
-target pass (Leviathan et al. 2023, Alg. 1); an EAGLE-3 head, MTP module or
-draft model runs k passes (the first over the tokens accepted in the previous
+target pass (Leviathan et al. 2023, Alg. 1), so the per-token work outside
+the roofline is paid per verified token, not per emitted one (a CPU
+forward's cost grows with its query tokens whether they are sequences or
+drafts: docs/performance-model.md); an EAGLE-3 head, MTP module or draft
+model runs k passes (the first over the tokens accepted in the previous
 step, then one token per sequence; at k = 0 the first pass still runs, as
 in vLLM 0.32, to keep the draft's KV cache whole, unless the schedule is 0 at
 every batch size: rayspec's engine then idles the drafter,
@@ -117,7 +120,8 @@ class Engine:
         flops, nbytes = self.forward_work(m, tokens, ctx_sum, q, logit_tokens)
         compute = flops / (hw.peak_flops * hw.flops_efficiency * self.tp)
         memory = nbytes / (hw.mem_bw * hw.bw_efficiency * self.tp)
-        t = hw.forward_overhead_s + m.layers * hw.layer_overhead_s + max(compute, memory)
+        t = hw.forward_overhead_s + m.layers * hw.layer_overhead_s + max(compute, memory) \
+            + (1.0 - hw.overlap) * min(compute, memory)
         if self.tp > 1:  # two ring all-reduces per layer (attention out, MLP out)
             msg = tokens * m.hidden_size * hw.dtype_bytes
             t += 2 * m.layers * (2 * (self.tp - 1) / self.tp * msg / hw.link_bw + hw.collective_latency_s)
@@ -132,13 +136,12 @@ class Engine:
             ctx_sum: their context lengths summed (tokens).
             k: draft tokens per sequence (0: plain decoding).
             accepted: tokens per sequence a step emits, E (the first draft
-                pass runs over the previous step's; output processing is
-                per emitted token).
+                pass runs over the previous step's).
             drafter_idle: the k schedule is 0 at every batch size, so the
                 drafter does not run (only meaningful with k = 0).
         """
         drafting = b * self.draft_fraction if k > 0 else 0.0
-        t = self.hw.step_overhead_s + b * accepted * self.hw.token_overhead_s
+        t = self.hw.step_overhead_s + (b + drafting * k) * self.hw.token_overhead_s
         t += self.forward_seconds(self.target, b + drafting * k, ctx_sum, 1 + drafting * k / b)
         if self.temperature > 0:
             t += drafting * self.target.vocab_size * self.hw.rejection_noise_s_per_logit
