@@ -6,6 +6,8 @@ rejection sampler's noise, and one OpenMP runtime in an n-gram worker."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -165,21 +167,26 @@ def test_recovered_tokens_follow_the_residual_distribution(with_draft_probs):
 
 
 @pytest.mark.slow
-def test_ngram_worker_runs_one_openmp_runtime(tiny_llama_dir):
+def test_ngram_worker_runs_one_openmp_runtime(tiny_llama_dir, monkeypatch):
     """An n-gram engine's worker must not load numba's OpenMP pool (a second
     libgomp beside torch's; the worker's decode steps then run on one core:
     ``rollout.engine.cpu_engine_env``). Read from the live worker process's
-    memory map, so it fails if the engine's environment loses the setting."""
+    memory map, so it fails if the engine's environment loses the setting.
+    The setting does not leak into the caller's environment."""
     import psutil
 
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
     from tests.conftest import engine_kwargs
 
+    env = cpu_engine_env(1, "all")
+    for key in env:  # an in-process engine of an earlier test may have left them
+        monkeypatch.delenv(key, raising=False)
     eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "ngram", "num_speculative_tokens": 2,
                                               "prompt_lookup_max": 3, "prompt_lookup_min": 2},
-                         dtype="float32", engine_kwargs=engine_kwargs(max_num_seqs=4),
-                         env=cpu_engine_env(1, "all"))
+                         dtype="float32", engine_kwargs=engine_kwargs(max_num_seqs=4), env=env)
     try:
+        # the worker got the engine's environment (below); the caller keeps its own
+        assert not set(env) & set(os.environ)
         eng.generate([[1, 2, 3, 1, 2, 3, 1, 2]], n=1, max_tokens=4)  # the drafter has run
         workers = [p for p in psutil.Process().children(recursive=True) if "VLLM::Worker" in p.name()]
         assert workers, "no vLLM worker process found (did the engine start in-process?)"

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
+from unittest import mock
 
 import torch
 from safetensors.torch import save_file
@@ -55,6 +56,21 @@ def cpu_engine_env(kvcache_space_gib: int, omp_threads_bind: str) -> dict[str, s
     return {"VLLM_CPU_KVCACHE_SPACE": str(kvcache_space_gib),
             "VLLM_CPU_OMP_THREADS_BIND": omp_threads_bind,
             "NUMBA_THREADING_LAYER": "workqueue"}
+
+
+@contextlib.contextmanager
+def _engine_env(env: dict[str, str]):
+    """``env`` set while a vLLM engine starts. Its engine core process
+    inherits the environment when it is spawned, so the caller's (a notebook,
+    a bench script) is restored afterwards. An engine core in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) reads vLLM's settings from the
+    environment at run time too, so there ``env`` stays set."""
+    if {**os.environ, **env}.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        os.environ.update(env)
+        yield
+        return
+    with mock.patch.dict(os.environ, env):
+        yield
 
 
 def replica_env(rollout) -> dict[str, str]:
@@ -102,8 +118,10 @@ class SpecVLLMEngine:
             num_speculative_tokens, model, ...) or None for plain decoding.
         dtype: serving dtype (``bfloat16`` / ``float32``).
         engine_kwargs: further ``vllm.LLM`` kwargs.
-        env: environment variables set before the engine starts (vLLM CPU
-            knobs such as VLLM_CPU_KVCACHE_SPACE).
+        env: environment variables set while the engine starts (vLLM CPU
+            knobs such as VLLM_CPU_KVCACHE_SPACE); the caller's environment
+            is restored afterwards unless the engine core runs in this
+            process (``_engine_env``).
         cpu_cores_by_node: {Ray node id: core ids} the placement plan gives
             the rollout role; the replica binds vLLM's CPU threads to its
             node's set (VLLM_CPU_OMP_THREADS_BIND). None: ``env`` as given.
@@ -125,7 +143,6 @@ class SpecVLLMEngine:
             cores = cpu_cores_by_node.get(ray.get_runtime_context().get_node_id())
             if cores:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-        os.environ.update(env)
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -148,10 +165,11 @@ class SpecVLLMEngine:
         self._busy: list[tuple[float, float]] = []  # (start, end) epoch seconds of engine work
         self._busy_since: Optional[float] = None  # start of the work in progress
         self._asleep = False
-        self.llm = LLM(model=str(model), dtype=dtype,
-                       speculative_config=self.speculative_config,
-                       worker_extension_cls=WORKER_EXTENSION,
-                       disable_log_stats=False, **kwargs)
+        with _engine_env(env):
+            self.llm = LLM(model=str(model), dtype=dtype,
+                           speculative_config=self.speculative_config,
+                           worker_extension_cls=WORKER_EXTENSION,
+                           disable_log_stats=False, **kwargs)
         self.policy_version = 0
         self.draft_version = 0
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
