@@ -309,6 +309,23 @@ def plot(cells: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def work_dir_for(work_dir: str, model_dir) -> Path:
+    """The policy's folder under ``--work-dir`` (one per policy path), where
+    its untrained head and truncated draft are made once."""
+    return Path(work_dir) / hashlib.sha1(str(Path(model_dir).resolve()).encode()).hexdigest()[:12]
+
+
+def untrained_head(model_dir, work: Path) -> Path:
+    """An untrained EAGLE-3 head for the policy, saved in ``work`` on first use."""
+    from rayspec.draft.eagle3 import init_head, save_head
+    from rayspec.models import load_policy
+
+    head = work / "untrained_head"
+    if not (head / "config.json").is_file():
+        save_head(init_head(load_policy(model_dir)), head)
+    return head
+
+
 def _speculative_config(method: str, draft_dir, kmax: int, max_seqs: int) -> dict | None:
     """The engine's speculative_config: built with the largest k and a
     batch-size schedule, so k changes at run time; None for no speculation."""
@@ -327,13 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from rayspec.data import chat_prompt_ids, load_gsm8k
-    from rayspec.draft.eagle3 import init_head, load_head, save_head, vllm_state_dict
-    from rayspec.models import load_policy, load_tokenizer, resolve_model_path, truncated_copy
+    from rayspec.draft.eagle3 import load_head, vllm_state_dict
+    from rayspec.models import load_tokenizer, resolve_model_path, truncated_copy
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
 
     model_dir = resolve_model_path(args.model, args.cache_dir)
     # the untrained head and truncated draft are made once per policy
-    work = Path(args.work_dir) / hashlib.sha1(str(Path(model_dir).resolve()).encode()).hexdigest()[:12]
+    work = work_dir_for(args.work_dir, model_dir)
     tok = load_tokenizer(model_dir)
     try:
         problems = load_gsm8k(args.data_path, "train")
@@ -341,9 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --data-path: {e}", file=sys.stderr)
         return 2
     prompts = [chat_prompt_ids(tok, p) for p in problems[:max(args.concurrency + [args.rollout_prompts])]]
-    heads = {"untrained": work / "untrained_head"}
-    if not (heads["untrained"] / "config.json").is_file():
-        save_head(init_head(load_policy(model_dir)), heads["untrained"])
+    heads = {"untrained": untrained_head(model_dir, work)}
     for spec in args.eagle3:
         name, _, d = spec.partition("=")
         if not d or not (Path(d) / "config.json").is_file():

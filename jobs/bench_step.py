@@ -36,7 +36,6 @@ import argparse
 import collections
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -44,7 +43,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
-from jobs.bench_rollout import _cell, _ints, _speculative_config
+from jobs.bench_rollout import _cell, _ints, _speculative_config, untrained_head, work_dir_for
 
 RUNNER_TIMERS = {"execute_model": "target", "_model_forward": "forward", "_sample": "sampler",
                  "sample_tokens": "sample_tokens"}
@@ -129,16 +128,11 @@ def step_timers(k: int):
             setattr(cls, m, fn)
 
 
-def _model_row(hw_name: str, model_dir, b: int, k: int, e: float, prompt_len: int, max_tokens: int) -> dict:
-    from rayspec.perfmodel import hardware
-    from rayspec.perfmodel.shapes import ModelShape
-    from rayspec.perfmodel.simulate import Engine
-
-    target = ModelShape.from_hf_config(str(model_dir))
-    eng = Engine(target, hardware.get(hw_name), "eagle3", target.eagle3_head())
+def _model_row(eng, b: int, k: int, e: float, prompt_len: int, max_tokens: int) -> dict:
+    """The performance model's step and target forward (ms) for a cell."""
     ctx = b * (prompt_len + max_tokens / 2)
     return {"model_step_ms": 1e3 * eng.step_seconds(b, ctx, k, e, drafter_idle=k == 0),
-            "model_forward_ms": 1e3 * eng.forward_seconds(target, b * (1 + k), ctx, 1 + k)}
+            "model_forward_ms": 1e3 * eng.forward_seconds(eng.target, b * (1 + k), ctx, 1 + k)}
 
 
 def format_table(cells: list[dict]) -> str:
@@ -154,17 +148,15 @@ def format_table(cells: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from rayspec.draft.eagle3 import init_head, save_head
-    from rayspec.models import load_policy, resolve_model_path
+    from rayspec.models import resolve_model_path
 
     model_dir = resolve_model_path(args.model, args.cache_dir)
-    head = Path(args.eagle3) if args.eagle3 else (
-        Path(args.work_dir) / hashlib.sha1(str(Path(model_dir).resolve()).encode()).hexdigest()[:12]
-        / "untrained_head")
-    if not (head / "config.json").is_file():
-        if args.eagle3:
+    if args.eagle3:
+        head = Path(args.eagle3)
+        if not (head / "config.json").is_file():
             raise SystemExit(f"error: --eagle3 {args.eagle3}: no EAGLE-3 head there (config.json)")
-        save_head(init_head(load_policy(model_dir)), head)
+    else:
+        head = untrained_head(model_dir, work_dir_for(args.work_dir, model_dir))
     max_seqs = max(args.concurrency)
     # the timers patch the model runner in this process, so the engine core
     # must run here; the caller's environment is restored afterwards
@@ -180,9 +172,14 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args, model_dir, head: Path, max_seqs: int) -> list[dict]:
     from tqdm import tqdm
 
+    from rayspec.perfmodel import hardware
+    from rayspec.perfmodel.shapes import ModelShape
+    from rayspec.perfmodel.simulate import Engine
     from rayspec.rollout.adaptive import uniform
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
 
+    target = ModelShape.from_hf_config(str(model_dir))
+    model = Engine(target, hardware.get(args.hardware), "eagle3", target.eagle3_head())
     engine = SpecVLLMEngine(str(model_dir), _speculative_config("eagle3", head, max(args.k), max_seqs),
                             dtype=args.dtype, env=cpu_engine_env(args.kv_cache_gib, "all"),
                             engine_kwargs={"enforce_eager": True, "max_num_seqs": max_seqs, "seed": 0,
@@ -203,7 +200,7 @@ def _run(args, model_dir, head: Path, max_seqs: int) -> list[dict]:
                 cells.append({"concurrency": b, "k": k, "acceptance_length": e, "decode_steps": steps,
                               "step_ms": ms["target"] + ms["sample_tokens"], "target_ms": ms["target"],
                               "forward_ms": ms["forward"], "sampler_ms": ms["sampler"], "drafter_ms": ms["drafter"],
-                              **_model_row(args.hardware, model_dir, b, k, e, args.prompt_len, args.max_tokens)})
+                              **_model_row(model, b, k, e, args.prompt_len, args.max_tokens)})
     finally:
         engine.shutdown()
     return cells

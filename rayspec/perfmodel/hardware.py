@@ -30,9 +30,9 @@ class Hardware:
             output processing), paid once per step whatever is drafted.
         token_overhead_s: seconds per token of the target's forward beyond
             the roofline (per-token work outside the matmuls: norms,
-            activations, rotary, the sampler's per-row softmax), so verified drafts pay it as query tokens do;
-            per-emitted-token output processing is folded in (in a plain
-            step every token is both).
+            activations, rotary, the sampler's per-row softmax), so verified
+            drafts pay it as query tokens do; per-emitted-token output
+            processing is folded in (in a plain step every token is both).
         forward_overhead_s: fixed seconds per forward pass (kernel launch or
             CUDA-graph replay), paid by the target and by every draft pass.
         layer_overhead_s: fixed seconds per layer per forward pass (eager
