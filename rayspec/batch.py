@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from rayspec.devices import to_device
+
 
 @dataclass
 class RolloutBatch:
@@ -58,8 +60,9 @@ class RolloutBatch:
                 getattr(out, name).extend(getattr(p, name))
         return out
 
-    def to_padded(self, pad_id: int) -> dict[str, torch.Tensor]:
-        """Right-padded tensors for one forward over prompt+response.
+    def to_padded(self, pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Right-padded tensors for one forward over prompt+response, on
+        ``device`` (built on the host, then moved: one copy per tensor).
 
         Returns:
             input_ids [B, L] int64, attention_mask [B, L] int64,
@@ -81,5 +84,5 @@ class RolloutBatch:
             resp_mask[i, len(p) - 1 : n - 1] = 1.0
             old_lp[i, len(p) - 1 : n - 1] = torch.tensor(lp, dtype=torch.float32)
         adv = torch.tensor(self.advantages or [0.0] * B, dtype=torch.float32)
-        return {"input_ids": input_ids, "attention_mask": attn, "response_mask": resp_mask,
-                "rollout_logprobs": old_lp, "advantages": adv}
+        return to_device({"input_ids": input_ids, "attention_mask": attn, "response_mask": resp_mask,
+                          "rollout_logprobs": old_lp, "advantages": adv}, device)

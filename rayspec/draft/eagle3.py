@@ -27,6 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from rayspec.devices import to_host
+
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
@@ -208,8 +210,8 @@ def init_head(policy, aux_layer_ids: Optional[list[int]] = None, seed: int = 0) 
 
 
 def vllm_state_dict(head: Eagle3Head, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The head's weights under vLLM's checkpoint names (CPU tensors)."""
-    return {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
+    """The head's weights under vLLM's checkpoint names (host copies)."""
+    return to_host(head.state_dict(), dtype)
 
 
 def save_head(head: Eagle3Head, out_dir: str | os.PathLike) -> Path:

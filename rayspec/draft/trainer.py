@@ -23,6 +23,7 @@ from typing import Any
 import ray
 import torch
 
+from rayspec.devices import to_device, to_host
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
 from rayspec.draft.loss import eagle3_loss
 
@@ -42,15 +43,21 @@ class DraftTrainer:
         seed: order of replayed chunks.
         cores: CPU cores to pin this actor's threads to (the placement
             plan's cores for the draft role), or None.
+        device: where the head trains (``cuda`` where the actor was given a
+            GPU: Ray's CUDA_VISIBLE_DEVICES makes it ``cuda:0``). Features
+            and the verifier's weights arrive as host tensors and are moved
+            here; everything this actor returns is host memory.
     """
 
     def __init__(self, head_dir: str, lr: float, ttt_steps: int, num_threads: int = 1,
-                 buffer_steps: int = 1, seed: int = 0, cores: list[int] | None = None):
+                 buffer_steps: int = 1, seed: int = 0, cores: list[int] | None = None,
+                 device: str = "cpu"):
         if cores:
             os.sched_setaffinity(0, cores)
             num_threads = min(num_threads, len(cores))
         torch.set_num_threads(num_threads)
-        self.head: Eagle3Head = load_head(head_dir)
+        self.device = torch.device(device)
+        self.head: Eagle3Head = load_head(head_dir).to(self.device)
         # The output layer is the verifier's, frozen and refreshed each step:
         # vLLM drafts with the verifier's own lm_head when the head's equals it
         # at start (init_head copies it), so a separately trained one would
@@ -113,8 +120,8 @@ class DraftTrainer:
         if expect < 1:
             raise RuntimeError("DraftTrainer.train: no features submitted")
         ver = ray.get(verifier_ref) if isinstance(verifier_ref, ray.ObjectRef) else verifier_ref
-        embed = ver["embed"].float()
-        lm_head = ver["lm_head"].float()
+        embed = ver["embed"].to(self.device, torch.float32)
+        lm_head = ver["lm_head"].to(self.device, torch.float32)
         with torch.no_grad():
             self.head.lm_head.weight.copy_(lm_head)
         chunks = _StepChunks(pending, timeout_s)
@@ -130,6 +137,7 @@ class DraftTrainer:
             else:
                 replay = older + newest
                 f = replay[(i - expect) % len(replay)]
+            f = to_device(f, self.device)  # the buffer keeps host copies
             with self._lock:
                 if pending is not self._pending:
                     raise RuntimeError("DraftTrainer.train: abandoned (the trainer was restored from a checkpoint)")
@@ -156,21 +164,22 @@ class DraftTrainer:
         """Everything a resumed run needs to continue training exactly as
         this one would: (tensors, JSON-able metadata).
 
-        Tensors: ``head.<name>`` (head weights, fp32), ``opt.<i>.<key>``
+        Tensors (host memory): ``head.<name>`` (head weights, fp32), ``opt.<i>.<key>``
         (AdamW state of trainable parameter i), ``buffer.<s>.<c>.<key>``
         (replayed features: RL step s, chunk c). Metadata: draft version,
         optimizer param groups, buffer shape, the replay RNG state.
         """
         with self._lock:
-            tensors = {f"head.{k}": v.detach().clone() for k, v in self.head.state_dict().items()}
+            tensors = {f"head.{k}": v for k, v in self.head.state_dict().items()}
             opt = self.opt.state_dict()
             for i, st in opt["state"].items():
                 for k, v in st.items():
-                    tensors[f"opt.{i}.{k}"] = torch.as_tensor(v).clone()
+                    tensors[f"opt.{i}.{k}"] = torch.as_tensor(v)
             for si, step in enumerate(self._buffer):
                 for ci, chunk in enumerate(step):
                     for k, v in chunk.items():
-                        tensors[f"buffer.{si}.{ci}.{k}"] = v.clone()
+                        tensors[f"buffer.{si}.{ci}.{k}"] = v
+            tensors = to_host(tensors)
             meta = {"version": self.version, "param_groups": opt["param_groups"],
                     "opt_params": sorted(opt["state"]), "buffer": [len(st) for st in self._buffer],
                     "rng": self._rng.getstate()}
@@ -197,7 +206,7 @@ class DraftTrainer:
         return self.version
 
     def vllm_weights(self) -> dict[str, torch.Tensor]:
-        """Current head weights under vLLM's checkpoint names (bf16)."""
+        """Current head weights under vLLM's checkpoint names (bf16, host memory)."""
         return vllm_state_dict(self.head)
 
     def save(self, out_dir: str) -> str:

@@ -189,7 +189,8 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
             name=DRAFT_TRAINER_NAME, max_concurrency=2, **plan.draft_options()).remote(
             draft_dir, cfg.draft.lr, cfg.draft.ttt_steps, cfg.draft.torch_threads,
             cfg.draft.buffer_steps, cfg.trainer.seed,
-            plan.cores.get("draft", {}).get(plan.role("draft")[0].node_id))
+            plan.cores.get("draft", {}).get(plan.role("draft")[0].node_id),
+            device="cuda" if cfg.draft.num_gpus > 0 else "cpu")
     log.info("rollout ready in %.0fs", time.perf_counter() - t0)
     try:
         trainer = TorchTrainer(

@@ -80,7 +80,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
         clipped = ((ratio - 1).abs() > clip_eps).float()
         metrics = {"clip_frac": masked_mean(clipped, mask).item(), "ratio_mean": masked_mean(ratio, mask).item()}
         if kl is not None:
-            metrics["kl"] = float(kl)
+            metrics["kl"] = kl.item()
     return loss, metrics
 
 

@@ -279,10 +279,11 @@ def rl_worker_loop(config: dict) -> None:
 
     tokenizer = load_tokenizer(config["model_dir"])
     model = load_policy(config["model_dir"], torch.float32)
-    ref_model = None
-    if cfg.grpo.kl_coef > 0:
-        ref_model = load_policy(config["model_dir"], torch.float32).eval().requires_grad_(False)
     engine = build_engine(model, deepspeed_config(cfg, world))
+    ref_model = None
+    if cfg.grpo.kl_coef > 0:  # frozen, beside the policy on its device, in its compute dtype
+        ref_model = load_policy(config["model_dir"], next(engine.module.parameters()).dtype)
+        ref_model = ref_model.eval().requires_grad_(False).to(engine.device)
     ctx = StepContext(cfg, tokenizer) if rank == 0 else None
     draft = ray.get_actor(DRAFT_TRAINER_NAME) if config["aux_layer_ids"] else None
     version = 0

@@ -11,6 +11,7 @@ import ray
 import torch
 
 from rayspec.batch import RolloutBatch
+from rayspec.devices import to_host
 from rayspec.train.capture import capture_eagle3_features
 from rayspec.train.grpo import grpo_loss, token_logprobs, token_mult_prob_error
 
@@ -51,7 +52,9 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
 
     Every micro-batch forward is with the weights that sampled the batch
     (one optimizer step per RL step), so the captured features are the
-    verifier's own.
+    verifier's own. Inputs go to ``engine.device`` (DeepSpeed moves the
+    module there, never the inputs); the reference policy must already be
+    there. Features enter the object store as host copies.
 
     Args:
         engine: DeepSpeed engine of the policy.
@@ -59,7 +62,8 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
         cfg: RunConfig.
         pad_id: tokenizer pad id.
         aux_layer_ids: EAGLE-3 aux layers to capture, or None for no capture.
-        ref_model: frozen reference policy for the KL term (kl_coef > 0).
+        ref_model: frozen reference policy for the KL term (kl_coef > 0),
+            on ``engine.device``.
         on_features: called with each micro-batch's feature ObjectRef and
             the micro-batch's index as soon as it exists (the DraftTrainer
             trains while this runs).
@@ -77,7 +81,7 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
         part = RolloutBatch(batch.prompt_ids[start:start + micro], batch.response_ids[start:start + micro],
                             batch.rollout_logprobs[start:start + micro], batch.group[start:start + micro],
                             advantages=batch.advantages[start:start + micro])
-        t = part.to_padded(pad_id)
+        t = part.to_padded(pad_id, engine.device)
         with (capture_eagle3_features(engine.module, aux_layer_ids) if aux_layer_ids
               else contextlib.nullcontext({})) as feats:
             logits = engine(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits
@@ -99,10 +103,9 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
         n_micro += 1
         if aux_layer_ids:
             feature_refs.append(ray.put({
-                "input_ids": t["input_ids"],
-                "aux_hidden": feats["aux_hidden"].to(torch.bfloat16),
-                "final_hidden": feats["final_hidden"].to(torch.bfloat16),
-                "loss_mask": t["response_mask"],
+                **to_host({"input_ids": t["input_ids"], "loss_mask": t["response_mask"]}),
+                **to_host({"aux_hidden": feats["aux_hidden"], "final_hidden": feats["final_hidden"]},
+                          torch.bfloat16),
             }))
             if on_features is not None:
                 on_features(feature_refs[-1], n_micro - 1)
@@ -110,7 +113,8 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
 
 
 def full_state_dict(engine, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
-    """Full HF-named policy weights on rank 0 (None elsewhere), in ``dtype``.
+    """Full HF-named policy weights on rank 0 (None elsewhere), in ``dtype``,
+    as host (CPU) copies.
 
     ZeRO-3 shards parameters, so all ranks must enter the gather; stages
     0-2 keep full parameters on every rank.
@@ -121,25 +125,24 @@ def full_state_dict(engine, dtype: torch.dtype, rank: int) -> dict[str, torch.Te
 
         params = list(module.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            sd = {k: v.detach().to(dtype).clone() for k, v in module.state_dict().items()} if rank == 0 else None
+            sd = to_host(module.state_dict(), dtype) if rank == 0 else None
         return sd
     if rank != 0:
         return None
-    return {k: v.detach().to(dtype).clone() for k, v in module.state_dict().items()}
+    return to_host(module.state_dict(), dtype)
 
 
 def verifier_output_weights(engine, rank: int) -> dict[str, torch.Tensor] | None:
-    """The verifier's embedding and output layer [V, H] (bf16) on rank 0, for
-    draft training (the head shares the embedding and learns the verifier's
-    next-token distribution). Collective under ZeRO-3."""
+    """The verifier's embedding and output layer [V, H] (bf16, host copies) on
+    rank 0, for draft training (the head shares the embedding and learns the
+    verifier's next-token distribution). Collective under ZeRO-3."""
     module = engine.module
     params = [module.model.embed_tokens.weight, module.lm_head.weight]
 
     def take():
         if rank != 0:
             return None
-        return {"embed": params[0].detach().to(torch.bfloat16).clone(),
-                "lm_head": params[1].detach().to(torch.bfloat16).clone()}
+        return to_host({"embed": params[0], "lm_head": params[1]}, torch.bfloat16)
 
     if engine.zero_optimization_stage() == 3:
         import deepspeed

@@ -1,0 +1,138 @@
+"""One device discipline: the policy update, the reference policy and the
+DraftTrainer compute on their role's device, and what they hand to the object
+store is host memory.
+
+The models sit on PyTorch's ``meta`` device (shapes and dtypes, no data), so
+a host tensor that reaches them raises, as a CPU tensor reaching a CUDA model
+does: the CPU tests then catch what would otherwise fail on the first GPU
+step. Meta tensors have no values, so ``.item()`` reads 0.0 here and host
+copies are zeros of the right shape (recording the device they came from).
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from rayspec.batch import RolloutBatch
+from rayspec.config import load_config
+from rayspec.draft import eagle3 as eagle3_mod
+from rayspec.draft import trainer as trainer_mod
+from rayspec.draft.trainer import DraftTrainer
+from rayspec.train import policy as policy_mod
+from rayspec.train.policy import full_state_dict, policy_update, verifier_output_weights
+
+META = torch.device("meta")
+
+
+class MetaEngine:
+    """What the trainer uses of DeepSpeed's engine, over a module on ``meta``
+    (DeepSpeed moves the module to its device, never the inputs)."""
+
+    device = META
+
+    def __init__(self, module):
+        self.module = module
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return 2
+
+    def zero_optimization_stage(self) -> int:
+        return 2
+
+    def train(self):
+        self.module.train()
+
+    def __call__(self, **inputs):
+        return self.module(**inputs)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        pass
+
+
+def _meta_policy(model_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # eager attention: transformers' SDPA path reads the padding mask's
+    # values (to skip the mask), which a meta tensor does not have
+    config = AutoConfig.from_pretrained(model_dir)
+    with META:
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+@pytest.fixture
+def copied_from(monkeypatch):
+    """Meta-aware stand-ins for reading values: ``.item()`` is 0.0 and
+    ``to_host`` returns zeros of each tensor's shape. Yields the device type
+    of every tensor copied to the host."""
+    devices: list[str] = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: 0.0 if t.is_meta else item(t))
+
+    def to_host(tensors, dtype=None):
+        devices.extend(v.device.type for v in tensors.values())
+        return {k: torch.zeros(v.shape, dtype=dtype or v.dtype) for k, v in tensors.items()}
+
+    for mod in (policy_mod, trainer_mod, eagle3_mod):
+        monkeypatch.setattr(mod, "to_host", to_host)
+    return devices
+
+
+def _on_host(obj) -> bool:
+    return all(v.device.type == "cpu" for v in obj.values())
+
+
+def test_policy_update_computes_on_the_engine_device_and_puts_host_tensors(
+        tiny_llama_dir, copied_from, monkeypatch):
+    policy = _meta_policy(tiny_llama_dir)
+    reference = _meta_policy(tiny_llama_dir).requires_grad_(False)
+    puts = []
+    monkeypatch.setattr(ray, "put", lambda obj: puts.append(obj) or len(puts))
+    cfg = load_config(None, ["grpo.kl_coef=0.1"])
+    batch = RolloutBatch(prompt_ids=[[1, 2, 3], [4, 5]] * 2, response_ids=[[6, 7], [8, 9, 10]] * 2,
+                         rollout_logprobs=[[-1.0, -2.0], [-1.0, -1.0, -1.0]] * 2, group=[0, 0, 1, 1],
+                         advantages=[1.0, -1.0, 0.5, -0.5])
+    engine = MetaEngine(policy)
+    metrics, refs = policy_update(engine, batch, cfg, pad_id=0, aux_layer_ids=[1, 3, 4], ref_model=reference)
+
+    assert len(refs) == len(puts) == 2  # one feature chunk per micro-batch
+    assert all(_on_host(chunk) for chunk in puts)
+    assert set(copied_from) == {"meta"}  # computed on the device, copied once
+    assert {"loss", "kl", "token_mult_prob_error"} <= set(metrics)
+    grads = [p.grad for p in policy.parameters()]
+    assert all(g is not None and g.is_meta for g in grads)  # the backward ran on the device
+
+    assert _on_host(full_state_dict(engine, torch.bfloat16, rank=0))
+    assert _on_host(verifier_output_weights(engine, rank=0))
+
+
+def test_draft_trainer_trains_on_its_device_and_returns_host_tensors(head_dir, copied_from, monkeypatch):
+    loss_inputs: list[str] = []
+
+    def eagle3_loss(head, *args):
+        # the real loss indexes by the mask's values (data-dependent shapes),
+        # which meta tensors lack; what matters here is where its inputs are
+        loss_inputs.extend(a.device.type for a in args[:-1])
+        return sum(p.sum() for p in head.parameters() if p.requires_grad) * 0.0, [0.0]
+
+    monkeypatch.setattr(trainer_mod, "eagle3_loss", eagle3_loss)
+    draft = DraftTrainer(str(head_dir), lr=1e-3, ttt_steps=1, num_threads=torch.get_num_threads(),
+                         device="meta")
+    assert all(p.is_meta for p in draft.head.parameters())
+    H, V = draft.head.cfg["hidden_size"], draft.head.cfg["vocab_size"]
+    draft.submit_features([{"input_ids": torch.zeros(2, 5, dtype=torch.long),
+                            "aux_hidden": torch.zeros(2, 5, 3 * H, dtype=torch.bfloat16),
+                            "final_hidden": torch.zeros(2, 5, H, dtype=torch.bfloat16),
+                            "loss_mask": torch.zeros(2, 4)}])
+    out = draft.train({"embed": torch.zeros(V, H, dtype=torch.bfloat16),
+                       "lm_head": torch.zeros(V, H, dtype=torch.bfloat16)}, steps=2, expect=1)
+
+    assert out["draft_version"] == 1
+    assert loss_inputs and set(loss_inputs) == {"meta"}
+    assert _on_host(draft.vllm_weights())
+    tensors, _ = draft.get_state()
+    assert _on_host(tensors) and any(k.startswith("opt.") for k in tensors)
