@@ -38,11 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s: %(message)s")
+    from rayspec.rollout.vllm_compat import VllmInternalsError
     from rayspec.scheduler import ClusterFitError, run
 
     try:
         run_dir = run(cfg, resume=bool(resume))
-    except (ConfigError, ClusterFitError) as e:
+    except (ConfigError, ClusterFitError, VllmInternalsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"done: {run_dir / 'metrics.jsonl'}")

@@ -46,6 +46,18 @@ b); the rates are updated after every rollout. They start from the draft's
 held-out rates where ``jobs.warmstart_draft`` recorded them beside the head
 (``acceptance.json``); without them the first rollout drafts k_max at every
 batch size to measure them.
+
+Model runners: the idle drafter and the plain sampler wrap vLLM 0.32's V1
+``GPUModelRunner`` and its drafters (the CPU runner subclasses it). CUDA
+vLLM builds EAGLE-3 and draft-model engines on its V2 runner by default,
+which has neither, so adaptive engines select V1 (``SpecVLLMEngine`` sets
+``VLLM_USE_V2_MODEL_RUNNER=0``). With CUDA graphs on, V1 captures piecewise
+graphs whenever a k schedule is set (vLLM overrides FULL to PIECEWISE for
+dynamic speculative decoding: a k switch changes the verification length,
+and attention runs outside the piecewise graphs), so every k in 0..K keeps a
+graph. The first schedule change checks, in the worker, that the hooks are
+in place, and raises ``VllmInternalsError`` naming the vLLM version when
+they are not (the plugin did not load, or the runner is V2).
 """
 
 from __future__ import annotations
@@ -59,10 +71,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rayspec.rollout.vllm_compat import internals_error
+
 log = logging.getLogger(__name__)
 
 UTILITY = "rayspec_set_num_speculative_tokens_per_batch_size"
 ACCEPTANCE_FILE = "acceptance.json"
+HOOK = "adaptive k"
+_register_error: str | None = None  # why register() could not install the hooks, in this process
 
 
 def _set_schedule(self, schedule: list, drafter_idle: bool | None = None) -> list:
@@ -76,6 +92,9 @@ def _set_schedule(self, schedule: list, drafter_idle: bool | None = None) -> lis
     """
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
+    if not getattr(self, "rayspec_hooks_checked", False):
+        self.collective_rpc(_check_worker_hooks)
+        self.rayspec_hooks_checked = True
     sched = self.scheduler
     if getattr(sched, "dynamic_sd_lookup", None) is None:
         raise RuntimeError("engine built without speculative_config.num_speculative_tokens_per_batch_size; "
@@ -93,9 +112,31 @@ def _set_schedule(self, schedule: list, drafter_idle: bool | None = None) -> lis
 
 def _set_drafter_idle(worker, idle: bool) -> None:
     """Worker-side half of ``_set_schedule`` (sent by collective_rpc)."""
-    drafter = getattr(worker.model_runner, "drafter", None)
-    if drafter is not None:
-        drafter.rayspec_idle = idle
+    worker.model_runner.drafter.rayspec_idle = idle
+
+
+def _check_worker_hooks(worker) -> None:
+    """In a worker: the model runner is V1 (``drafter``), its ``_sample``
+    and, for model drafters, ``propose`` are wrapped by ``register``.
+
+    Raises:
+        VllmInternalsError: naming what is missing and the vLLM version.
+    """
+    runner = worker.model_runner
+    name = f"{type(runner).__module__}.{type(runner).__qualname__}"
+    why = f" (the rayspec_spec_schedule plugin: {_register_error})" if _register_error else ""
+    if not hasattr(runner, "drafter"):
+        raise internals_error(HOOK, f"the model runner {name} has no `drafter` (the V2 runner keeps a "
+                                    "`speculator`; adaptive engines need the V1 runner: "
+                                    "VLLM_USE_V2_MODEL_RUNNER=0)")
+    if not getattr(getattr(type(runner), "_sample", None), "rayspec_wrapped", False):
+        raise internals_error(HOOK, f"{name}._sample is not wrapped{why}")
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    drafter = runner.drafter
+    if isinstance(drafter, SpecDecodeBaseProposer) and \
+            not getattr(type(drafter).propose, "rayspec_wrapped", False):
+        raise internals_error(HOOK, f"{type(drafter).__qualname__}.propose is not wrapped{why}")
 
 
 def _propose_unless_idle(propose):
@@ -142,14 +183,27 @@ def _plain_sample_without_drafts(sample):
 def register() -> None:
     """vLLM general-plugin hook: add the schedule utility to EngineCore, the
     idle check to the drafters' ``propose`` and the plain sampler to steps
-    without drafts, where this vLLM has dynamic speculative decoding
-    (idempotent)."""
+    without drafts (idempotent).
+
+    vLLM loads every installed plugin into every engine, adaptive or not, so
+    a vLLM without these internals is not an error here: the reason is kept
+    and logged, and an adaptive engine raises it at its first schedule
+    change (``_set_schedule``, ``set_schedule``)."""
+    global _register_error
     try:
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.spec_decode.dynamic import utils  # noqa: F401  (feature check)
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:
+
+        for cls, attr in ((SpecDecodeBaseProposer, "propose"), (GPUModelRunner, "_sample")):
+            if not callable(getattr(cls, attr, None)):
+                raise AttributeError(f"{cls.__qualname__}.{attr}")
+    except (ImportError, AttributeError) as e:
+        import vllm
+
+        _register_error = f"vLLM {vllm.__version__} lacks {e}"
+        log.warning("rayspec adaptive k is unavailable: %s", _register_error)
         return
     if not hasattr(EngineCore, UTILITY):
         setattr(EngineCore, UTILITY, _set_schedule)
@@ -165,15 +219,26 @@ def set_schedule(llm, schedule: list[tuple[int, int, int]], drafter_idle: bool |
     ``drafter_idle``: see ``_set_schedule`` (None: idle iff k = 0 everywhere).
 
     Raises:
-        RuntimeError: the engine has no dynamic schedule, or this vLLM lacks
-            the utility (the plugin did not load).
+        RuntimeError: the engine has no dynamic schedule.
+        VllmInternalsError: the engine core lacks the utility (the plugin did
+            not load), or a worker lacks the hooks (``_check_worker_hooks``).
     """
     core = llm.llm_engine.engine_core
     args = [list(r) for r in schedule]
-    if hasattr(core, "call_utility"):
-        core.call_utility(UTILITY, args, drafter_idle)
-    else:  # InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    missing = internals_error(HOOK, f"the engine core has no {UTILITY} (the rayspec_spec_schedule "
+                                    "vllm.general_plugins entry point did not load: is it excluded by "
+                                    "VLLM_PLUGINS?)")
+    if not hasattr(core, "call_utility"):  # InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        if not hasattr(core.engine_core, UTILITY):
+            raise missing
         getattr(core.engine_core, UTILITY)(args, drafter_idle)
+        return
+    try:
+        core.call_utility(UTILITY, args, drafter_idle)
+    except Exception as e:  # vLLM returns the engine core's error as a plain Exception
+        if f"has no attribute '{UTILITY}'" in str(e):
+            raise missing from None
+        raise
 
 
 def uniform(k: int, max_num_seqs: int) -> list[tuple[int, int, int]]:

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from rayspec.batch import RolloutBatch
 from rayspec.rollout import adaptive as adaptive_k_mod
 from rayspec.rollout.spec_stats import SpecStats, diff_counters, read_counters
+from rayspec.rollout.vllm_compat import check_vllm_version, vllm_version
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,17 @@ class SpecVLLMEngine:
         adaptive_k: adaptive speculation (``rayspec.rollout.adaptive``):
             {"margin", "calibration_tokens", "probe_every"}; the engine is calibrated once
             here and re-chooses k per batch size after every ``generate``.
-            None: k as configured.
+            Runs on vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``
+            unless ``env`` says otherwise). None: k as configured.
+
+    Attributes:
+        model_runner: the vLLM model runner class the worker runs
+            (``module.Class``; V1 ``...gpu_model_runner.GPUModelRunner`` /
+            ``...cpu_model_runner.CPUModelRunner``, V2 ``...gpu.model_runner.GPUModelRunner``).
+
+    Raises:
+        VllmInternalsError: the installed vLLM is not the release rayspec's
+            hooks were checked against (``vllm_compat.CHECKED_VLLM``).
     """
 
     def __init__(self, model: str, speculative_config: Optional[dict[str, Any]] = None,
@@ -136,6 +147,7 @@ class SpecVLLMEngine:
                  env: Optional[dict[str, str]] = None,
                  cpu_cores_by_node: Optional[dict[str, list[int]]] = None,
                  adaptive_k: Optional[dict[str, Any]] = None):
+        check_vllm_version()
         env = dict(env or {})
         if cpu_cores_by_node:
             import ray
@@ -153,6 +165,10 @@ class SpecVLLMEngine:
             # a dynamic schedule from the start, so k can be switched at run time
             spec.setdefault("num_speculative_tokens_per_batch_size",
                             adaptive_k_mod.uniform(spec["num_speculative_tokens"], 1 << 16))
+            if env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0") == "0":
+                log.info("adaptive k: vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): the idle-drafter "
+                         "and plain-sampler hooks wrap V1's drafters and sampler; CUDA vLLM would pick "
+                         "V2 for this method, which has neither")
         # Rollout logprobs are the behaviour policy of the importance ratio:
         # they must be of the sampling distribution (after temperature), as
         # the trainer's log_softmax(logits / T) is; vLLM defaults to raw logits.
@@ -170,6 +186,8 @@ class SpecVLLMEngine:
                            speculative_config=self.speculative_config,
                            worker_extension_cls=WORKER_EXTENSION,
                            disable_log_stats=False, **kwargs)
+        self.model_runner = self.llm.collective_rpc("rayspec_model_runner")[0]
+        log.info("replica %s: vLLM %s, model runner %s", self.replica_id, vllm_version(), self.model_runner)
         self.policy_version = 0
         self.draft_version = 0
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None

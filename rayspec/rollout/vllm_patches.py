@@ -41,6 +41,8 @@ import logging
 
 import torch
 
+from rayspec.rollout.vllm_compat import require
+
 log = logging.getLogger(__name__)
 
 AFFECTED_VLLM_VERSIONS = ("0.32.0",)
@@ -140,6 +142,10 @@ def register() -> None:
     """vLLM general-plugin hook: install the fixed expand kernel and the
     recovered-token sampler that skips requests without drafts (idempotent).
 
+    Raises:
+        VllmInternalsError: an affected vLLM lacks a function the fix replaces
+            or calls (the engine would sample speculated tokens lossily).
+
     Set ``RAYSPEC_DISABLE_VLLM_PATCHES=1`` to skip it (tests use this to show
     the bug the patch fixes).
     """
@@ -152,13 +158,19 @@ def register() -> None:
     from vllm.utils import cpu_triton_utils
     from vllm.v1.sample import rejection_sampler
 
-    _upstream_recovered = rejection_sampler.sample_recovered_tokens
+    # An affected version without these would sample lossily: refuse to start.
+    hook = "CPU speculative-sampling fix"
+    require(rejection_sampler, "_sample_recovered_tokens", hook)  # the kernel our sampler calls
+    registry = require(dispatcher, "_registry", hook)
+    require(dispatcher, "register_kernels", hook)
+    upstream_recovered = require(rejection_sampler, "sample_recovered_tokens", hook)
+    upstream_expand = require(cpu_triton_utils, "_expand_kernel_impl", hook)
+    _upstream_recovered, _upstream = upstream_recovered, upstream_expand
     rejection_sampler.sample_recovered_tokens = _sample_recovered_tokens
-    _upstream = cpu_triton_utils._expand_kernel_impl
     cpu_triton_utils._expand_kernel_impl = _expand_kernel_impl
     # If the platform already registered its (buggy) override in this
     # process, replace that registration too.
-    if _KERNEL in dispatcher._registry:
+    if _KERNEL in registry:
         dispatcher.register_kernels({_KERNEL: _expand_kernel_impl})
     _applied = True
     log.warning("rayspec: patched vLLM %s CPU expand_kernel (speculative sampling "

@@ -7,6 +7,12 @@ collective_rpc arguments arrive serialized as lists. Loading goes through
 vLLM's in-place ``reload_weights``, which undoes the CPU backend's weight
 repacking before ``load_weights`` and redoes it after; calling the model's
 ``load_weights`` directly fails once weights are repacked.
+
+Both of vLLM 0.32's model runners are served: the V1 ``GPUModelRunner``
+(CPU, and CUDA with ``VLLM_USE_V2_MODEL_RUNNER=0``) holds its drafter in
+``drafter``, the V2 runner (CUDA's default for EAGLE-3 and draft models) in
+``speculator``; both expose the draft model through ``get_draft_model()``,
+unwrapped from any CUDA-graph wrapper, which is what is reloaded here.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import contextlib
 
 import torch.nn as nn
 from safetensors import safe_open
+
+from rayspec.rollout.vllm_compat import internals_error, require
 
 
 def _iter_file(path: str, skip: tuple[str, ...] = ()):
@@ -35,8 +43,9 @@ def _retie_embeddings(model) -> None:
         return
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if embed is not None and hasattr(model, "lm_head"):
-        model.lm_head.tie_weights(embed)
-        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+        require(model.lm_head, "tie_weights", "refit (re-tying lm_head)")(embed)
+        quant = require(model.lm_head, "quant_method", "refit (re-tying lm_head)")
+        require(quant, "process_weights_after_loading", "refit (re-tying lm_head)")(model.lm_head)
 
 
 @contextlib.contextmanager
@@ -76,7 +85,11 @@ class RefitExtension:
 
     def _reload(self, model, path: str, skip: tuple[str, ...] = ()) -> None:
         from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        try:
+            from vllm.model_executor.model_loader.reload.inplace import reload_weights
+        except ImportError as e:
+            raise internals_error("refit", f"in-place reload_weights is not importable ({e})") from None
 
         with set_current_vllm_config(self.vllm_config):
             reload_weights(self.vllm_config, model, weights_iterator=_iter_file(path, skip),
@@ -86,20 +99,34 @@ class RefitExtension:
         _retie_embeddings(self.model_runner.get_model())
 
     def rayspec_seed(self, seed: int) -> None:
-        """Reseed the worker's torch generator, which vLLM's sampler, rejection
-        sampler and drafters draw from for requests without their own seed."""
+        """Reseed the worker's random streams: torch's generators, which the
+        V1 runner's sampler, rejection sampler and drafters draw from for
+        requests without their own seed, and NumPy's, which the V2 runner
+        draws those requests' seeds from."""
+        import numpy as np
         import torch
 
         torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+
+    def rayspec_model_runner(self) -> str:
+        """The worker's model runner class (``module.Class``)."""
+        runner = type(self.model_runner)
+        return f"{runner.__module__}.{runner.__qualname__}"
 
     def rayspec_load_policy(self, path: str) -> None:
         """Load HF-named policy weights from a safetensors file into the verifier."""
         self._reload(self.model_runner.get_model(), path)
 
     def rayspec_load_draft(self, path: str) -> None:
-        """Load EAGLE-3 head weights (vLLM checkpoint names) into the drafter."""
-        drafter = getattr(self.model_runner, "drafter", None)
-        if drafter is None or not hasattr(drafter, "model"):
+        """Load EAGLE-3 head weights (vLLM checkpoint names) into the drafter.
+
+        Raises:
+            RuntimeError: the engine has no model-based drafter.
+            VllmInternalsError: the model runner has no ``get_draft_model``.
+        """
+        draft_model = require(self.model_runner, "get_draft_model", "draft refit")()
+        if draft_model is None:
             raise RuntimeError("this engine has no model-based drafter to update")
-        with _without_shared_modules(drafter.model, self.model_runner.get_model()) as shared:
-            self._reload(drafter.model, path, skip=shared)
+        with _without_shared_modules(draft_model, self.model_runner.get_model()) as shared:
+            self._reload(draft_model, path, skip=shared)

@@ -25,6 +25,7 @@ from rayspec.config import ConfigError, RunConfig, draft_online
 from rayspec.data import load_problems
 from rayspec.models import check_draft_matches_policy, load_policy, resolve_model_path
 from rayspec.rollout.adaptive import ACCEPTANCE_FILE, read_acceptance
+from rayspec.rollout.vllm_compat import check_vllm_version
 from rayspec.scheduler.placement import cluster_nodes, plan_placement
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,10 @@ def check_inputs(cfg: RunConfig) -> str:
         ConfigError: naming the key and file at fault (see
             ``resolve_model_path``, ``check_draft_matches_policy``; a
             missing, empty or malformed dataset file with its line number).
+        VllmInternalsError: the installed vLLM is not the release rayspec's
+            vLLM hooks were checked against.
     """
+    check_vllm_version()
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)  # checks a local policy
     policy_cfg = json.loads((model_dir / "config.json").read_text())
     spec = cfg.rollout.speculative_config

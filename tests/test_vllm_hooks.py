@@ -1,0 +1,152 @@
+"""rayspec's hooks into vLLM internals fail loudly, naming the vLLM version,
+when what they reach for is missing (another release, or CUDA's V2 model
+runner), instead of going inert; and the refit finds the draft model on both
+of vLLM 0.32's model runners."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch.nn as nn
+
+from rayspec.rollout import adaptive, vllm_compat, vllm_patches
+from rayspec.rollout.vllm_compat import CHECKED_VLLM, VllmInternalsError
+from rayspec.rollout.worker_ext import RefitExtension, _retie_embeddings
+
+
+def test_another_vllm_release_is_refused_at_start_up(monkeypatch):
+    import vllm
+
+    vllm_compat.check_vllm_version()  # the installed one is the checked one
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(VllmInternalsError, match=rf"vLLM 0\.33\.0 is installed.*checked against vLLM {CHECKED_VLLM}"):
+        vllm_compat.check_vllm_version()
+
+
+class _Worker(RefitExtension):
+    def __init__(self, runner):
+        self.model_runner = runner
+
+
+class _V2Runner:
+    """vLLM 0.32's V2 runner as the refit sees it: ``speculator``, no ``drafter``."""
+
+    def __init__(self):
+        self.target, self.draft = nn.Linear(2, 2), nn.Linear(2, 2)
+        self.speculator = SimpleNamespace(model=self.draft)
+
+    def get_model(self):
+        return self.target
+
+    def get_draft_model(self):
+        return self.draft
+
+
+def test_draft_refit_reloads_the_v2_runners_draft_model(monkeypatch):
+    reloaded = []
+    monkeypatch.setattr(_Worker, "_reload", lambda self, model, path, skip=(): reloaded.append(model))
+    runner = _V2Runner()
+    _Worker(runner).rayspec_load_draft("unused.safetensors")
+    assert reloaded == [runner.draft]
+
+
+def test_draft_refit_without_get_draft_model_names_the_version():
+    runner = SimpleNamespace(drafter=SimpleNamespace(model=nn.Linear(2, 2)), get_model=lambda: None)
+    with pytest.raises(VllmInternalsError, match=r"rayspec draft refit: vLLM \S+ has no SimpleNamespace.get_draft_model"):
+        _Worker(runner).rayspec_load_draft("unused.safetensors")
+
+
+def test_refit_without_in_place_reload_names_the_version(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload.inplace", None)
+    worker = _Worker(_V2Runner())
+    worker.vllm_config = None
+    with pytest.raises(VllmInternalsError, match="refit: in-place reload_weights is not importable"):
+        worker._reload(nn.Linear(2, 2), "unused.safetensors")
+
+
+def test_retie_without_vllms_lm_head_api_names_the_version():
+    model = nn.Module()
+    model.config = SimpleNamespace(tie_word_embeddings=True)
+    model.model = SimpleNamespace(embed_tokens=nn.Embedding(4, 2))
+    model.lm_head = nn.Linear(2, 4)  # a plain Linear: no tie_weights / quant_method
+    with pytest.raises(VllmInternalsError, match=r"re-tying lm_head.*no Linear\.tie_weights"):
+        _retie_embeddings(model)
+
+
+def _v1_runner(sample_wrapped: bool, drafter):
+    def _sample(self, logits, spec_decode_metadata):
+        return None
+
+    if sample_wrapped:
+        _sample.rayspec_wrapped = True
+    cls = type("GPUModelRunner", (), {"_sample": _sample})
+    runner = cls()
+    runner.drafter = drafter
+    return runner
+
+
+def _drafter(propose_wrapped: bool):
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    def propose(self, num_speculative_tokens, *args, **kwargs):
+        return None
+
+    if propose_wrapped:
+        propose.rayspec_wrapped = True
+    # a subclass, so the real class keeps the plugin's wrapper; not __init__ed
+    cls = type("EagleProposer", (SpecDecodeBaseProposer,), {"propose": propose})
+    return object.__new__(cls)
+
+
+@pytest.mark.parametrize("runner, match", [
+    (_V2Runner(), r"has no `drafter` \(the V2 runner keeps a `speculator`.*VLLM_USE_V2_MODEL_RUNNER=0\)"),
+    (_v1_runner(False, _drafter(True)), r"GPUModelRunner\._sample is not wrapped"),
+    (_v1_runner(True, _drafter(False)), r"EagleProposer\.propose is not wrapped"),
+])
+def test_adaptive_hooks_missing_in_the_worker_name_the_version(runner, match):
+    with pytest.raises(VllmInternalsError, match=rf"rayspec adaptive k: .*{match} in vLLM \S+ \(rayspec was checked"):
+        adaptive._check_worker_hooks(SimpleNamespace(model_runner=runner))
+
+
+def test_adaptive_hooks_in_place_pass_the_check():
+    adaptive._check_worker_hooks(SimpleNamespace(model_runner=_v1_runner(True, _drafter(True))))
+    # n-gram / suffix drafters have no forward to idle: only the sampler hook applies
+    adaptive._check_worker_hooks(SimpleNamespace(model_runner=_v1_runner(True, object())))
+
+
+def test_plugin_on_a_vllm_without_its_targets_records_why(monkeypatch, caplog):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    monkeypatch.delattr(GPUModelRunner, "_sample")
+    monkeypatch.setattr(adaptive, "_register_error", None)
+    adaptive.register()  # vLLM loads it into every engine: it must not raise there
+    assert "lacks GPUModelRunner._sample" in adaptive._register_error
+    assert "rayspec adaptive k is unavailable" in caplog.text
+    runner = _v1_runner(False, object())
+    with pytest.raises(VllmInternalsError, match=r"_sample is not wrapped \(the rayspec_spec_schedule plugin: "
+                                                 r"vLLM \S+ lacks GPUModelRunner._sample\)"):
+        adaptive._check_worker_hooks(SimpleNamespace(model_runner=runner))
+
+
+def test_schedule_change_on_an_engine_core_without_the_utility_names_the_version():
+    core = SimpleNamespace(engine_core=object())  # an in-process client whose core lacks the utility
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=core))
+    with pytest.raises(VllmInternalsError, match=rf"has no {adaptive.UTILITY}.*VLLM_PLUGINS"):
+        adaptive.set_schedule(llm, adaptive.uniform(0, 4))
+
+
+def test_cpu_sampler_fix_refuses_an_affected_vllm_without_its_targets(monkeypatch):
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample import rejection_sampler
+
+    monkeypatch.setattr(vllm_patches, "_applied", False)
+    monkeypatch.setattr(vllm_patches, "needs_patch", lambda: True)
+    monkeypatch.delattr(cpu_triton_utils, "_expand_kernel_impl")
+    recovered = rejection_sampler.sample_recovered_tokens
+    with pytest.raises(VllmInternalsError, match=r"CPU speculative-sampling fix: vLLM \S+ has no "
+                                                 r"vllm\.utils\.cpu_triton_utils\._expand_kernel_impl"):
+        vllm_patches.register()
+    assert rejection_sampler.sample_recovered_tokens is recovered  # nothing half-applied
