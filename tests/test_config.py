@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rayspec.config import BUNDLED_MODEL, ConfigError, RunConfig, load_config, to_dict, validate
+from rayspec.config import (BUNDLED_MODEL, GPU_MEMORY_UTILIZATION, PLATFORM_DEFAULT_KEYS, ConfigError, RunConfig,
+                            apply_platform_defaults, load_config, to_dict, validate)
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -67,7 +68,39 @@ def test_overrides():
 
 def test_overrides_without_preset_start_from_dataclass_defaults():
     cfg = load_config(None, ["trainer.steps=3"])
-    assert dataclasses.replace(cfg, trainer=RunConfig().trainer) == RunConfig()
+    assert dataclasses.replace(cfg, trainer=RunConfig().trainer) == apply_platform_defaults(RunConfig())
+
+
+def test_cpu_roles_keep_the_cpu_defaults_and_gpu_roles_get_the_gpu_ones():
+    cpu = load_config(DEFAULT)
+    assert cpu.rollout.engine_kwargs["enforce_eager"] is True
+    assert "gpu_memory_utilization" not in cpu.rollout.engine_kwargs
+    assert cpu.train.deepspeed["bf16"] == {"enabled": False}
+    assert "torch_adam" not in cpu.train.deepspeed["optimizer"]["params"]
+    assert cpu.train.torch_threads_per_worker == 1 and cpu.train.gradient_checkpointing is False
+
+    gpus = ["rollout.num_gpus_per_replica=0.6", "train.gpus_per_worker=0.3"]
+    gpu = load_config(DEFAULT, gpus)
+    assert gpu.rollout.engine_kwargs["enforce_eager"] is False  # CUDA graphs
+    assert gpu.rollout.engine_kwargs["gpu_memory_utilization"] == GPU_MEMORY_UTILIZATION["colocate"]
+    assert gpu.train.deepspeed["bf16"] == {"enabled": True}
+    assert gpu.train.deepspeed["optimizer"]["params"]["torch_adam"] is True  # no nvcc at run time
+    assert gpu.train.torch_threads_per_worker is None and gpu.train.gradient_checkpointing is True
+    split = load_config(DEFAULT, ["scheduler.layout=split", "rollout.num_gpus_per_replica=1",
+                                  "train.gpus_per_worker=1"])
+    assert split.rollout.engine_kwargs["gpu_memory_utilization"] == GPU_MEMORY_UTILIZATION["split"]
+
+    # what the user sets stays, on either platform
+    mine = load_config(DEFAULT, gpus + ["rollout.engine_kwargs.enforce_eager=true",
+                                        "rollout.engine_kwargs.gpu_memory_utilization=0.3",
+                                        "train.deepspeed.bf16.enabled=false",
+                                        "train.deepspeed.optimizer.params.torch_adam=false",
+                                        "train.torch_threads_per_worker=4", "train.gradient_checkpointing=false"])
+    assert mine.rollout.engine_kwargs["enforce_eager"] is True
+    assert mine.rollout.engine_kwargs["gpu_memory_utilization"] == 0.3
+    assert mine.train.deepspeed["bf16"] == {"enabled": False}
+    assert mine.train.deepspeed["optimizer"]["params"]["torch_adam"] is False
+    assert mine.train.torch_threads_per_worker == 4 and mine.train.gradient_checkpointing is False
 
 
 def test_no_speculation_ignores_k():
@@ -200,6 +233,8 @@ def test_any_overrides_give_a_valid_config_or_a_config_error_naming_a_key(pairs)
     validate(cfg)
     flat = _flat(to_dict(cfg))
     for k, v in dict(pairs).items():  # the last override of a key wins
+        if v is None and k in PLATFORM_DEFAULT_KEYS:
+            continue  # null there means: the platform's default
         if k in flat and not isinstance(v, str) and k != "data.path":
             # OmegaConf coerces to the field's type: str fields take the text,
             # bool fields take integers as C does (0 false, others true)

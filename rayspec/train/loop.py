@@ -270,7 +270,8 @@ def rl_worker_loop(config: dict) -> None:
     # Ray Train gives the root logger its console handler (and routes print()
     # through it too, twice on some stdout setups): log, and add no handler.
     logging.getLogger("rayspec").setLevel(cfg.logging.level)
-    torch.set_num_threads(cfg.train.torch_threads_per_worker)
+    if cfg.train.torch_threads_per_worker:
+        torch.set_num_threads(cfg.train.torch_threads_per_worker)
     torch.manual_seed(cfg.trainer.seed)
     tctx = ray.train.get_context()
     rank, world = tctx.get_world_rank(), tctx.get_world_size()
@@ -279,6 +280,10 @@ def rl_worker_loop(config: dict) -> None:
 
     tokenizer = load_tokenizer(config["model_dir"])
     model = load_policy(config["model_dir"], torch.float32)
+    if cfg.train.gradient_checkpointing:
+        # non-reentrant: the EAGLE-3 capture hooks see each layer's input once more in the
+        # backward's recompute, with the same values
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = build_engine(model, deepspeed_config(cfg, world))
     ref_model = None
     if cfg.grpo.kl_coef > 0:  # frozen, beside the policy on its device, in its compute dtype
