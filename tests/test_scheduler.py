@@ -1,6 +1,7 @@
 """The scheduler: placement plans for a few cluster shapes, the too-small
-cluster error, the plan honoured by Ray on a simulated 2 x 8-GPU cluster, and
-the rollout pipeline's policy-lag bound."""
+cluster error, GPU shares that cannot pair replicas and Train ranks per
+device, the device check, the colocated plan honoured by Ray on simulated
+1 x 8 and 2 x 4-GPU clusters, and the rollout pipeline's policy-lag bound."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from rayspec.batch import RolloutBatch
 from rayspec.config import ConfigError, load_config
 from rayspec.scheduler import ClusterFitError, plan_placement
 from rayspec.scheduler.pipeline import PolicyLagError, RolloutPipeline
-from rayspec.scheduler.placement import NODE_LABEL, NodeInfo
+from rayspec.scheduler.placement import NODE_LABEL, NodeInfo, check_device_sharing
 
 ONE_NODE = [NodeInfo("a" * 56, cpus=2, memory=24 * 2**30, cores=(0, 1))]
 TWO_GPU_NODES = [NodeInfo("0" * 56, cpus=16, gpus=8), NodeInfo("1" * 56, cpus=16, gpus=8)]
@@ -23,10 +24,12 @@ def _cfg(*overrides):
     return load_config(None, list(overrides))
 
 
-def _gpu_cfg(layout, gpus):
-    return _cfg(f"scheduler.layout={layout}", "rollout.num_replicas=8", "train.num_workers=8",
-                f"rollout.num_gpus_per_replica={gpus}", f"train.gpus_per_worker={gpus}",
-                "rollout.num_cpus_per_replica=1", "train.cpus_per_worker=1", "data.prompts_per_step=8")
+def _gpu_cfg(layout, replica_gpus, worker_gpus=None, draft_gpus=0, n=8):
+    return _cfg(f"scheduler.layout={layout}", f"rollout.num_replicas={n}", f"train.num_workers={n}",
+                f"rollout.num_gpus_per_replica={replica_gpus}",
+                f"train.gpus_per_worker={replica_gpus if worker_gpus is None else worker_gpus}",
+                f"draft.num_gpus={draft_gpus}", "rollout.num_cpus_per_replica=1", "train.cpus_per_worker=1",
+                "data.prompts_per_step=8")
 
 
 def _nodes(plan, role):
@@ -53,15 +56,55 @@ def test_one_cpu_node_split_gives_rollout_and_training_disjoint_cores():
 
 
 def test_two_gpu_nodes_colocate_lines_roles_up_node_by_node():
-    plan = plan_placement(_gpu_cfg("colocate", 0.5), TWO_GPU_NODES)
+    plan = plan_placement(_gpu_cfg("colocate", 0.6, 0.3), TWO_GPU_NODES)
     n0, n1 = (n.node_id for n in TWO_GPU_NODES)
     assert _nodes(plan, "rollout") == [n0] * 4 + [n1] * 4
     assert _nodes(plan, "train") == [n0] * 4 + [n1] * 4
     assert plan.cores == {"rollout": {}, "train": {}, "draft": {}}  # GPU nodes: no core pinning
     opts = plan.serve_options()
     assert opts["max_replicas_per_node"] == 4
-    assert opts["ray_actor_options"]["num_gpus"] == 0.5
+    assert opts["ray_actor_options"]["num_gpus"] == 0.6
     assert opts["ray_actor_options"]["label_selector"] == {NODE_LABEL: f"in({n0},{n1})"}
+
+
+@pytest.mark.parametrize("shares, n, match", [
+    ((0.5, 0.6, 0), 8, r"num_gpus_per_replica=0.5 must be > 0.5.*add up to 1.1 > 1 \(replica 0.5 \+ Train worker 0.6"),
+    ((0.6, 0.3, 0.2), 8, r"add up to 1.1 > 1"),
+    ((0.6, 0.15, 0), 8, r"gpus_per_worker=0.15 must be > \(1 - 0.6\) / 2"),
+    ((0.6, 0.3, 0.1), 10, r"node 00000000 gets 5 replicas but has 4 GPUs"),
+])
+def test_colocated_gpu_shares_that_cannot_pair_one_replica_and_one_rank_per_device_are_refused(shares, n, match):
+    nodes = [NodeInfo("0" * 56, cpus=16, gpus=4), NodeInfo("1" * 56, cpus=16, gpus=4)]
+    r, t, d = shares
+    with pytest.raises(ClusterFitError, match=match) as e:
+        plan_placement(_cfg(*_gpu_overrides(r, t, d, n)), nodes)
+    assert "rollout.num_gpus_per_replica=0.6 train.gpus_per_worker=0.3 draft.num_gpus=0.1" in str(e.value)
+
+
+def test_colocate_with_more_train_workers_than_replicas_is_refused():
+    with pytest.raises(ClusterFitError, match="gets 8 Train workers but 4 replicas"):
+        plan_placement(_cfg(*_gpu_overrides(0.6, 0.3, 0.1, 8), "rollout.num_replicas=4"), TWO_GPU_NODES[:1])
+
+
+def _gpu_overrides(r, t, d, n):
+    return ["scheduler.layout=colocate", f"rollout.num_replicas={n}", f"train.num_workers={n}",
+            f"rollout.num_gpus_per_replica={r}", f"train.gpus_per_worker={t}", f"draft.num_gpus={d}",
+            "rollout.num_cpus_per_replica=1", "train.cpus_per_worker=1", f"data.prompts_per_step={n}"]
+
+
+def test_device_sharing_check_names_the_device_and_its_occupants():
+    a, b = "a" * 56, "b" * 56
+    paired = {"rollout": [(a, "0"), (a, "1")], "train": [(a, "1"), (a, "0")], "draft": [(a, "0")]}
+    table = check_device_sharing("colocate", paired)
+    assert table.splitlines() == [f"  node aaaaaaaa GPU 0: rollout 0, train 1, draft 0",
+                                  f"  node aaaaaaaa GPU 1: rollout 1, train 0"]
+    assert check_device_sharing("colocate", {"rollout": [(a, None)], "train": [(a, None)]}) == ""  # CPU
+    with pytest.raises(ClusterFitError, match=r"node aaaaaaaa GPU 1 holds 2 train processes \(rollout 1, train 0, train 1\)"):
+        check_device_sharing("colocate", {**paired, "train": [(a, "1"), (a, "1")]})
+    with pytest.raises(ClusterFitError, match=r"node bbbbbbbb GPU 0 holds a Train rank without a replica"):
+        check_device_sharing("colocate", {**paired, "train": [(a, "0"), (b, "0")]})
+    with pytest.raises(ClusterFitError, match=r"'split': node aaaaaaaa GPU 0 holds a replica and a Train rank"):
+        check_device_sharing("split", {"rollout": [(a, "0")], "train": [(a, "0")]})
 
 
 def test_two_gpu_nodes_split_gives_each_side_its_own_node():
@@ -103,13 +146,16 @@ def test_config_rejects_async_colocate_and_fractional_split_gpus():
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
-    """Two simulated nodes with 8 GPUs each (Ray accounting only: no GPU needed)."""
+    """Three simulated nodes, one with 8 GPUs and two with 4 (Ray accounting
+    only, no GPU needed: Ray still assigns GPU ids and sets each process's
+    CUDA_VISIBLE_DEVICES from them)."""
     import ray
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 16, "num_gpus": 8, "object_store_memory": 100 * 2**20, "include_dashboard": False})
-    cluster.add_node(num_cpus=16, num_gpus=8, object_store_memory=100 * 2**20)
+        "num_cpus": 20, "num_gpus": 8, "object_store_memory": 100 * 2**20, "include_dashboard": False})
+    for _ in range(2):
+        cluster.add_node(num_cpus=10, num_gpus=4, object_store_memory=100 * 2**20)
     ray.init(address=cluster.address)
     from ray import serve
 
@@ -120,64 +166,81 @@ def gpu_cluster():
     cluster.shutdown()
 
 
-def _place(plan):
-    """Start the roles with the options the plan hands them: a Serve
-    deployment with ``serve_options()`` for the replicas, one actor per Train
-    worker with the ScalingConfig's resources and label selector, the
-    DraftTrainer's ``draft_options()``. Returns {role: [(node, gpu ids)]}."""
+def _place(plan, storage):
+    """Start the roles as the driver does, in its order, with the options the
+    plan hands them: the Serve deployment (``serve_options()``), the
+    DraftTrainer's actor (``draft_options()``), then a real Ray Train
+    TorchTrainer (``scaling_config()``, gloo). Returns {role: [(node id,
+    physical GPU id)]}: the device each process computes on (a Train rank on
+    the device Ray Train assigned it, as ``rl_worker_loop`` takes it)."""
+    import json
+
     import ray
     from ray import serve
+    from ray.train import RunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     class Probe:  # defined here so Ray pickles it by value (tests/ is not importable by workers)
-        def where(self):
-            ctx = ray.get_runtime_context()
-            return ctx.get_node_id(), tuple(ray.get_gpu_ids()), ctx.get_actor_id()
+        def node_and_gpu(self):
+            from rayspec.scheduler.placement import assigned_gpu
+
+            return ray.get_runtime_context().get_node_id(), assigned_gpu()
+
+    def train_probe(config):
+        import json
+        import os
+
+        import ray.train
+        import ray.train.torch
+
+        from rayspec.scheduler.placement import assigned_gpu
+
+        ctx = ray.train.get_context()
+        used = assigned_gpu(ray.train.torch.get_device().index)  # as rl_worker_loop takes it
+        assert used in [str(g) for g in ray.get_gpu_ids()], (used, ray.get_gpu_ids())
+        with open(os.path.join(config["out"], f"rank{ctx.get_world_rank()}.json"), "w") as f:
+            json.dump([ray.get_runtime_context().get_node_id(), used], f)
 
     n = len(plan.role("rollout"))
     app = serve.deployment(Probe, name="probe").options(num_replicas=n, **plan.serve_options())
     handle = serve.run(app.bind(), name="probe", route_prefix=None)
-    rollout = {tuple(r) for r in handle.broadcast("where").results()}  # one per replica
-    sc = plan.scaling_config()
-    opts = {"train": [{"num_cpus": sc.resources_per_worker.get("CPU", 0),
-                       "num_gpus": sc.resources_per_worker.get("GPU", 0), "label_selector": sel}
-                      for sel in sc.label_selector],
-            "draft": [plan.draft_options()]}
-    actors = {role: [ray.remote(Probe).options(**o).remote() for o in os_] for role, os_ in opts.items()}
-    out = {role: [r[:2] for r in ray.get([a.where.remote() for a in acts], timeout=120)]
-           for role, acts in actors.items()}
-    for acts in actors.values():
-        for a in acts:
-            ray.kill(a)
-    serve.delete("probe")
-    out["rollout"] = sorted(r[:2] for r in rollout)
+    out = {"rollout": sorted(tuple(r) for r in handle.broadcast("node_and_gpu").results())}
     assert len(out["rollout"]) == n
+    draft = ray.remote(Probe).options(**plan.draft_options()).remote() if plan.role("draft") else None
+    if draft is not None:
+        out["draft"] = [tuple(ray.get(draft.node_and_gpu.remote(), timeout=120))]
+    storage.mkdir()
+    TorchTrainer(train_probe, train_loop_config={"out": str(storage)}, scaling_config=plan.scaling_config(),
+                 torch_config=TorchConfig(backend="gloo"),
+                 run_config=RunConfig(name="probe", storage_path=str(storage / "ray"))).fit()
+    out["train"] = [tuple(json.loads((storage / f"rank{i}.json").read_text())) for i in range(len(plan.role("train")))]
+    if draft is not None:
+        ray.kill(draft)
+    serve.delete("probe")
     return out
 
 
 @pytest.mark.slow
-def test_simulated_two_gpu_nodes_honour_the_plan(gpu_cluster):
+def test_simulated_gpu_nodes_hold_what_the_layout_promises(gpu_cluster, tmp_path):
+    """Colocated on 1 node x 8 GPUs and on 2 nodes x 4 GPUs, each device
+    holds exactly one replica and one Train rank (the DraftTrainer joins one
+    of them). (Split gives each role whole GPUs, which Ray never shares: the
+    plan's unit tests cover it.)"""
     from rayspec.scheduler.placement import cluster_nodes
 
     nodes = cluster_nodes()
-    assert len(nodes) == 2 and all(n.gpus == 8 for n in nodes)
-    split = plan_placement(_gpu_cfg("split", 1), nodes)
-    got = _place(split)
-    assert {n for n, _ in got["rollout"]} == {nodes[0].node_id}
-    assert {n for n, _ in got["train"]} == {nodes[1].node_id}
-    # whole, distinct devices per replica / worker
-    assert sorted(g for _, (g,) in got["rollout"]) == list(range(8))
-    assert sorted(g for _, (g,) in got["train"]) == list(range(8))
-
-    colocate = plan_placement(_gpu_cfg("colocate", 0.5), nodes)
-    got = _place(colocate)
-    for role in ("rollout", "train"):
-        per_node = [sum(n == node.node_id for n, _ in got[role]) for node in nodes]
-        assert per_node == [4, 4], role
-    # Ray picks the devices within a node: at most two 0.5-GPU processes per device
-    for node in nodes:
-        per_dev = collections.Counter(g for role in ("rollout", "train")
-                                      for n, gs in got[role] if n == node.node_id for g in gs)
-        assert sum(per_dev.values()) == 8 and max(per_dev.values()) <= 2
+    big, small = [n for n in nodes if n.gpus == 8], [n for n in nodes if n.gpus == 4]
+    assert len(big) == 1 and len(small) == 2
+    for name, shape in (("1x8", big), ("2x4", small)):
+        plan = plan_placement(_gpu_cfg("colocate", 0.6, 0.3, draft_gpus=0.1), shape)
+        got = _place(plan, tmp_path / name)
+        table = check_device_sharing("colocate", got)
+        print(f"colocate {name}:\n{table}")
+        devices = collections.Counter((node, gpu) for role in got for node, gpu in got[role])
+        assert len(devices) == 8 and all(gpu is not None for node, gpu in devices)
+        for role in ("rollout", "train"):
+            assert sorted(got[role]) == sorted(devices), role  # one of each per device
+        assert got["draft"][0] in devices
 
 
 class _FakeReplicas:

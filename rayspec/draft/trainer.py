@@ -205,6 +205,12 @@ class DraftTrainer:
             self.version = int(meta["version"])
         return self.version
 
+    def node_and_gpu(self) -> tuple[str, str | None]:
+        """(Ray node id, physical id of the GPU the head trains on, or None)."""
+        from rayspec.scheduler.placement import assigned_gpu
+
+        return ray.get_runtime_context().get_node_id(), assigned_gpu() if self.device.type == "cuda" else None
+
     def vllm_weights(self) -> dict[str, torch.Tensor]:
         """Current head weights under vLLM's checkpoint names (bf16, host memory)."""
         return vllm_state_dict(self.head)

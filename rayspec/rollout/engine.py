@@ -180,7 +180,7 @@ class SpecVLLMEngine:
         self._lock = threading.Lock()
         self._busy: list[tuple[float, float]] = []  # (start, end) epoch seconds of engine work
         self._busy_since: Optional[float] = None  # start of the work in progress
-        self._asleep = False
+        self._asleep: set[str] = set()  # vLLM memory tags sleep released ("weights", "kv_cache")
         with _engine_env(env):
             self.llm = LLM(model=str(model), dtype=dtype,
                            speculative_config=self.speculative_config,
@@ -391,21 +391,35 @@ class SpecVLLMEngine:
 
     def sleep(self, level: int = 1) -> bool:
         """Release the engine's memory while the policy trains on the same
-        devices (vLLM sleep mode; level 1 offloads weights, drops the KV
-        cache). Returns False where the platform has no sleep mode (CPU):
-        there the colocated roles only take turns on the cores."""
+        devices (vLLM sleep mode; level 1 offloads the weights to host
+        memory and drops the KV cache). Returns False where the platform has
+        no sleep mode (CPU): there the colocated roles only take turns on the
+        cores."""
         if not self.sleep_mode:
             return False
         with self._busy_section():
             if not self._asleep:
                 self.llm.sleep(level=level)
-                self._asleep = True
+                self._asleep = {"weights", "kv_cache"}
         return True
 
-    def _wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def _wake(self, tags: Optional[tuple[str, ...]] = None) -> None:
+        """Reallocate what ``sleep`` released: only ``tags`` (``("weights",)``
+        before a refit, so the new weights land while the KV cache stays
+        released beside the trainer's memory), or everything (None, before
+        generating: vLLM wants every tag awake before it runs)."""
+        want = set(self._asleep) if tags is None else self._asleep & set(tags)
+        if want:
+            self.llm.wake_up(None if want == self._asleep else sorted(want))
+            self._asleep -= want
+
+    def node_and_gpu(self) -> tuple[str, Optional[str]]:
+        """(Ray node id, physical id of the GPU vLLM runs on, or None)."""
+        import ray
+
+        from rayspec.scheduler.placement import assigned_gpu
+
+        return ray.get_runtime_context().get_node_id(), assigned_gpu()
 
     def _write(self, state_dict: dict[str, torch.Tensor], name: str) -> str:
         path = self._weights_dir / f"{name}.safetensors"
@@ -453,7 +467,7 @@ class SpecVLLMEngine:
         rollout), then load them through the worker extension under it."""
         path = self._write(_resolve(state_dict), name)
         with self._busy_section():
-            self._wake()
+            self._wake(("weights",))
             try:
                 self.llm.collective_rpc(f"rayspec_load_{name}", args=(path,))
             finally:

@@ -11,9 +11,14 @@ Layouts:
 
 - ``colocate``: every role is spread over the same nodes in the same
   proportion (replica i and Train worker i land on the same node) and shares
-  its devices through fractional resources (Ray picks the devices within the
-  node; the fractions on one device never exceed 1); the phases of a step
-  take turns.
+  its devices through fractional resources; the phases of a step take turns.
+  On GPU nodes each device holds one replica and one Train rank (and the
+  DraftTrainer joins one of them): Ray gives a fractional GPU request the
+  device with the least free share that fits (best fit; Ray 2.60, checked on
+  a cluster of simulated GPUs), in placement order, and the driver places the
+  replicas first, then the DraftTrainer, then the Train workers. The shares
+  make that pairing the only fit (``_check_gpu_pairing``), and the Train
+  workers check the devices they actually got (``check_device_sharing``).
 - ``split``: the rollout role gets the first nodes its bundles fill, training
   (Train workers + DraftTrainer) the rest. On one node the two sides share it
   with disjoint resources: whole GPUs each, or on a CPU-only node disjoint
@@ -28,6 +33,7 @@ label selector, so the libraries keep their own restart and failure handling.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 from dataclasses import dataclass, field
@@ -291,6 +297,7 @@ def _plan_colocate(roles: dict[str, list[dict[str, float]]], nodes: list[NodeInf
     bundles = _spread("rollout", roles["rollout"], use) + _spread("train", roles["train"], use)
     if "draft" in roles:
         bundles.append(Bundle("draft", 0, dict(roles["draft"][0]), use[0].node_id))
+    _check_gpu_pairing(roles, use, bundles)
     for n in use:
         on = [b for b in bundles if b.node_id == n.node_id]
         for key, have in (("CPU", n.cpus), ("GPU", n.gpus)):
@@ -304,6 +311,98 @@ def _plan_colocate(roles: dict[str, list[dict[str, float]]], nodes: list[NodeInf
                     f"fractions or add nodes.")
     cores = {role: {n.node_id: list(n.cores) for n in use if n.gpus == 0} for role in roles}
     return PlacementPlan("colocate", list(nodes), bundles, cores)
+
+
+PAIRING_EXAMPLE = "rollout.num_gpus_per_replica=0.6 train.gpus_per_worker=0.3 draft.num_gpus=0.1"
+
+
+def _check_gpu_pairing(roles: dict[str, list[dict[str, float]]], use: list[NodeInfo],
+                       bundles: list[Bundle]) -> None:
+    """Colocated on GPUs, Ray's best fit (module doc) pairs one replica and
+    one Train rank per device exactly when, with shares r (replica), t
+    (Train worker) and d (DraftTrainer, 0 off the GPUs):
+
+    - r > 1/2: no device takes two replicas, so each replica gets its own;
+    - r + t + d <= 1: a Train rank (and the DraftTrainer) fits beside a replica;
+    - 2t > 1 - r: no device takes two Train ranks, so each joins the replica
+      device with the least room;
+    - per node, no more Train workers than replicas, and no more replicas
+      than GPUs.
+
+    Raises:
+        ClusterFitError: naming the keys, the shares and an example that pairs.
+    """
+    r, t = (roles[role][0].get("GPU", 0.0) for role in ("rollout", "train"))
+    d = roles["draft"][0].get("GPU", 0.0) if "draft" in roles else 0.0
+    if not (r and t):
+        return  # at most one of the two on GPUs: no device is shared between them
+    why = []
+    if not r > 0.5:
+        why.append(f"rollout.num_gpus_per_replica={r:g} must be > 0.5 (else a device takes two replicas)")
+    if r + t + d > 1 + _EPS:
+        why.append(f"the shares of one device add up to {r + t + d:g} > 1 (replica {r:g} + Train worker "
+                   f"{t:g} + DraftTrainer {d:g})")
+    if not 2 * t > 1 - r:
+        why.append(f"train.gpus_per_worker={t:g} must be > (1 - {r:g}) / 2 (else a device takes two Train ranks)")
+    for n in use:
+        reps, workers = (sum(b.node_id == n.node_id and b.role == role for b in bundles)
+                         for role in ("rollout", "train"))
+        if workers > reps:
+            why.append(f"node {n.node_id[:8]} gets {workers} Train workers but {reps} replicas "
+                       "(a Train rank without a replica's device would share another's)")
+        if reps > n.gpus:
+            why.append(f"node {n.node_id[:8]} gets {reps} replicas but has {n.gpus:g} GPUs")
+    if why:
+        raise ClusterFitError("layout 'colocate' on GPUs puts one rollout replica and one Train worker on "
+                              "each device, with Ray's fractional GPUs: " + "; ".join(why)
+                              + f". For example: {PAIRING_EXAMPLE}")
+
+
+def assigned_gpu(local_index: int = 0) -> str | None:
+    """The physical id of the GPU this process computes on: entry
+    ``local_index`` of CUDA_VISIBLE_DEVICES, which Ray sets to an actor's GPU
+    ids, and Ray Train to the ids of all its workers on the node (a rank then
+    uses ``cuda:<local rank>``, as DeepSpeed does). None without GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = [i for i in visible.split(",") if i] if visible not in ("", "NoDevFiles") else []
+    return ids[local_index] if local_index < len(ids) else None
+
+
+def check_device_sharing(layout: str, occupants: dict[str, list[tuple[str, str | None]]]) -> str:
+    """Check which role landed on which GPU against what ``layout`` promises:
+    no device holds two replicas or two Train ranks, and colocated, every
+    Train rank's device holds a replica.
+
+    Args:
+        layout: ``colocate`` | ``split``.
+        occupants: per role, one (node id, physical GPU id or None) per
+            replica / Train rank / DraftTrainer (``assigned_gpu``).
+
+    Returns:
+        The device table for the log: one line per (node, GPU) with its
+        occupants (empty when no role has a GPU).
+
+    Raises:
+        ClusterFitError: naming the device and its occupants.
+    """
+    per_dev: dict[tuple[str, str], list[str]] = {}
+    for role in ROLES:
+        for i, (node, gpu) in enumerate(occupants.get(role, [])):
+            if gpu is not None:
+                per_dev.setdefault((node, gpu), []).append(f"{role} {i}")
+    table = "\n".join(f"  node {node[:8]} GPU {gpu}: {', '.join(who)}"
+                      for (node, gpu), who in sorted(per_dev.items()))
+    for (node, gpu), who in sorted(per_dev.items()):
+        count = collections.Counter(w.split()[0] for w in who)
+        bad = [f"{count[r]} {r} processes" for r in ("rollout", "train") if count[r] > 1]
+        if layout == "colocate" and count["train"] and not count["rollout"]:
+            bad.append("a Train rank without a replica")
+        if layout == "split" and count["train"] and count["rollout"]:
+            bad.append("a replica and a Train rank")
+        if bad:
+            raise ClusterFitError(f"layout '{layout}': node {node[:8]} GPU {gpu} holds {' and '.join(bad)} "
+                                  f"({', '.join(who)}); the devices:\n{table}")
+    return table
 
 
 def _plan_split(roles: dict[str, list[dict[str, float]]], nodes: list[NodeInfo]) -> PlacementPlan:

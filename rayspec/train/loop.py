@@ -26,6 +26,7 @@ from rayspec.data import PromptSource, chat_prompt_ids, load_problems, math_rewa
 from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, plot_run
 from rayspec.rollout import serve as rollout
 from rayspec.scheduler.pipeline import RolloutPipeline
+from rayspec.scheduler.placement import ClusterFitError, assigned_gpu, check_device_sharing
 from rayspec.train.checkpoint import report_checkpoint, restore_checkpoint
 from rayspec.train.grpo import group_advantages
 from rayspec.train.policy import (build_engine, deepspeed_config, full_state_dict, num_micro_batches,
@@ -112,6 +113,35 @@ def score(batch: RolloutBatch, problems) -> None:
     """Rewards and GRPO advantages, in place."""
     batch.rewards = [math_reward(text, problems[g].answer) for text, g in zip(batch.texts, batch.group)]
     batch.advantages = group_advantages(batch.rewards, batch.group)
+
+
+def check_devices(cfg: RunConfig, ctx: StepContext | None, draft, rank: int, world: int,
+                  gpu_index: int | None) -> None:
+    """Collective, before DeepSpeed allocates: the GPU each Train rank uses
+    (entry ``gpu_index`` of its CUDA_VISIBLE_DEVICES), each replica's and the
+    DraftTrainer's, checked against the layout (``check_device_sharing``);
+    rank 0 logs the device table. Raises ClusterFitError on every rank where
+    a device holds what the layout does not allow."""
+    ranks = [None] * world
+    gpu = assigned_gpu(gpu_index) if gpu_index is not None else None
+    dist.all_gather_object(ranks, (ray.get_runtime_context().get_node_id(), gpu))
+    error = None
+    if rank == 0:
+        occupants = {"rollout": rollout.broadcast(ctx.rollout, "node_and_gpu"), "train": ranks}
+        if draft is not None:
+            try:
+                occupants["draft"] = [ray.get(draft.node_and_gpu.remote())]
+            except ray.exceptions.RayActorError:
+                pass  # the first step finds it dead and goes on without it (draft_died)
+        try:
+            table = check_device_sharing(cfg.scheduler.layout, occupants)
+            if table:
+                log.info("GPUs (%s):\n%s", cfg.scheduler.layout, table)
+        except ClusterFitError as e:
+            error = str(e)
+    error = _broadcast_object(error, rank)
+    if error:
+        raise ClusterFitError(error)
 
 
 def _broadcast_object(obj, rank: int):
@@ -262,6 +292,7 @@ def rl_worker_loop(config: dict) -> None:
             "cores": {node id: CPU cores} of the train role, or absent}.
     """
     import ray.train
+    import ray.train.torch
 
     cfg: RunConfig = config["cfg"]
     cores = (config.get("cores") or {}).get(ray.get_runtime_context().get_node_id())
@@ -279,18 +310,23 @@ def rl_worker_loop(config: dict) -> None:
     from rayspec.models import load_policy, load_tokenizer
 
     tokenizer = load_tokenizer(config["model_dir"])
+    ctx = StepContext(cfg, tokenizer) if rank == 0 else None
+    draft = ray.get_actor(DRAFT_TRAINER_NAME) if config["aux_layer_ids"] else None
+    # The GPU Ray Train gave this worker. DeepSpeed would take cuda:<LOCAL_RANK>, but Ray
+    # Train numbers local ranks per node IP and shares CUDA_VISIBLE_DEVICES per Ray node,
+    # which disagree where one host runs several Ray nodes.
+    gpu_index = ray.train.torch.get_device().index if cfg.train.gpus_per_worker > 0 else None
+    check_devices(cfg, ctx, draft, rank, world, gpu_index)
     model = load_policy(config["model_dir"], torch.float32)
     if cfg.train.gradient_checkpointing:
         # non-reentrant: the EAGLE-3 capture hooks see each layer's input once more in the
         # backward's recompute, with the same values
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine = build_engine(model, deepspeed_config(cfg, world))
+    engine = build_engine(model, deepspeed_config(cfg, world), device_rank=gpu_index)
     ref_model = None
     if cfg.grpo.kl_coef > 0:  # frozen, beside the policy on its device, in its compute dtype
         ref_model = load_policy(config["model_dir"], next(engine.module.parameters()).dtype)
         ref_model = ref_model.eval().requires_grad_(False).to(engine.device)
-    ctx = StepContext(cfg, tokenizer) if rank == 0 else None
-    draft = ray.get_actor(DRAFT_TRAINER_NAME) if config["aux_layer_ids"] else None
     version = 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:

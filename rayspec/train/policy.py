@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import ray
@@ -31,11 +32,17 @@ def deepspeed_config(cfg, world_size: int) -> dict[str, Any]:
     return ds
 
 
-def build_engine(model, ds_config: dict):
-    """deepspeed.initialize over an already initialised torch.distributed group."""
+def build_engine(model, ds_config: dict, device_rank: int | None = None):
+    """deepspeed.initialize over an already initialised torch.distributed group.
+
+    Args:
+        device_rank: the accelerator index the engine computes on (None:
+            DeepSpeed's own choice, ``LOCAL_RANK``).
+    """
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    args = SimpleNamespace(device_rank=device_rank) if device_rank is not None else None
+    engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
                                       config=ds_config)
     return engine
 
