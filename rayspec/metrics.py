@@ -15,18 +15,26 @@ from rayspec.rollout.adaptive import format_schedule
 
 
 class PhaseTimer:
-    """Wall-clock seconds per named phase: ``with timer("rollout"): ...``."""
+    """Wall-clock seconds per named phase: ``with timer("rollout"): ...``.
+
+    Attributes:
+        seconds: {phase: total seconds}.
+        intervals: {phase: [[start, end], ...]} in epoch seconds (a timeline,
+            e.g. to read a device-memory trace by phase).
+    """
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.intervals: dict[str, list[list[float]]] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        t0 = time.perf_counter()
+        t0, start = time.perf_counter(), time.time()
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            self.intervals.setdefault(name, []).append([start, time.time()])
 
 
 def format_step_line(m: dict[str, Any]) -> str:

@@ -41,6 +41,42 @@ def _greedy_hf(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def test_a_sleeping_replica_wakes_only_its_weights_for_a_refit(tmp_path):
+    """Colocated on a GPU, a replica sleeps while the policy trains; a refit
+    reallocates its weights alone (the KV cache stays released beside the
+    trainer's memory), the next rollout the rest. vLLM's sleep mode needs a
+    GPU, so vLLM is a recording stand-in here."""
+    import threading
+
+    from rayspec.rollout.engine import SpecVLLMEngine
+
+    calls = []
+
+    class LLM:
+        def sleep(self, level):
+            calls.append(("sleep", level))
+
+        def wake_up(self, tags=None):
+            calls.append(("wake_up", tags))
+
+        def collective_rpc(self, method, args=()):
+            calls.append((method,))
+
+        def reset_prefix_cache(self):
+            calls.append(("reset_prefix_cache",))
+
+    eng = object.__new__(SpecVLLMEngine)
+    eng.__dict__.update(llm=LLM(), sleep_mode=True, _asleep=set(), _lock=threading.Lock(), _busy=[],
+                        _busy_since=None, _weights_dir=tmp_path, adaptive=None, policy_version=0)
+    assert eng.sleep() and eng.sleep()  # sleeping twice releases once
+    eng.update_weights({"w": torch.zeros(2)}, version=1)
+    eng._wake()  # what generate and calibrate do first
+    eng._wake()
+    assert calls == [("sleep", 1), ("wake_up", ["weights"]), ("rayspec_load_policy",),
+                     ("reset_prefix_cache",), ("wake_up", None)]
+    eng.__dict__.pop("llm")
+
+
 @pytest.fixture(scope="module")
 def spec_engine(tiny_llama_dir, tmp_path_factory):
     """A speculative (EAGLE-3, k=3) fp32 engine of the tiny policy."""

@@ -229,6 +229,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         "time_draft_s": draft_m.get("time_s", 0.0),
         "time_draft_exposed_s": timer.seconds.get("draft", 0.0),
         "time_sync_s": timer.seconds.get("sync", 0.0),
+        "phase_intervals": timer.intervals,  # {phase: [[start, end]]}, epoch seconds
         # seconds of the step each role was not working (replicas: mean over replicas)
         "idle_rollout_s": max(0.0, window - rollout_busy),
         "idle_train_s": max(0.0, window - timer.seconds.get("policy", 0.0)

@@ -1,0 +1,330 @@
+"""GPU smoke test: does rayspec's GPU path work on this node? One GPU, a few minutes.
+
+    python -m jobs.gpu_smoke [--out gpu_smoke.json] [--work-dir /tmp/rayspec-gpu-smoke]
+        [--only versions,refit,adaptive_k,rl_colocate,rl_split]
+
+Run it after ``bash cluster/install_node.sh cuda``, on a node with at least
+one NVIDIA GPU (about 20 GB of GPU memory is plenty). It prints one line per
+check, ``PASS`` or ``FAIL`` with what was measured, and writes them as JSON:
+
+- ``versions``: torch / CUDA / GPU / vLLM / DeepSpeed / Ray, and vLLM is
+  the release rayspec's hooks were checked against
+  (``rayspec.rollout.vllm_compat``).
+- ``model runner``: the runner vLLM picked for a plain EAGLE-3 engine (V2 on
+  CUDA) and the one an adaptive engine selects (V1).
+- ``policy refit``: a ~1 GB fp32 policy, perturbed, loaded into a running
+  EAGLE-3 engine in place; mean |p_vllm / p_policy - 1| of the sampled
+  tokens (``token_mult_prob_error``) < 1e-3.
+- ``draft refit``: a perturbed head loaded into the drafter: its weights
+  are the head's, the verifier's error stays < 1e-3 and the engine drafts.
+- ``weight sync``: seconds and GB/s of the refit above, the production path:
+  ``ray.put`` of the host state dict, then the replica's load (object store
+  read, staging file, vLLM's in-place ``reload_weights``).
+- ``adaptive k``: an adaptive engine (CUDA graphs on) drafts nothing at
+  k = 0, k tokens per step at k = 3, and nothing again at k = 0.
+- ``rl step colocate`` / ``rl step split``: one GRPO step of a tiny model
+  through the real job (Serve replica, Ray Train + DeepSpeed bf16, online
+  EAGLE-3 draft training, refit), colocated on the GPU (replica 0.6, Train
+  worker 0.3, DraftTrainer 0.1 of it) and split (the replica on the GPU,
+  training on the node's CPUs: one GPU cannot be split); the peak GPU memory
+  in use during each phase (device-wide, sampled every 20 ms, this process's
+  own CUDA context included).
+
+Exit status: 0 when every check passes, 1 when one fails, 2 without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+CHECKS = ("versions", "refit", "adaptive_k", "rl_colocate", "rl_split")
+ERROR_BOUND = 1e-3  # token_mult_prob_error after a refit, fp32
+GIB = 2**30
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m jobs.gpu_smoke", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="gpu_smoke.json", help="JSON file of the results")
+    ap.add_argument("--work-dir", default="/tmp/rayspec-gpu-smoke", help="models and run directories go here")
+    ap.add_argument("--cache-dir", default="~/.cache/rayspec", help="the bundled model's cache (tokenizer)")
+    ap.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
+    args = ap.parse_args(argv)
+    args.only = [c for c in args.only.split(",") if c]
+    unknown = sorted(set(args.only) - set(CHECKS))
+    if unknown:
+        ap.error(f"--only: unknown check(s) {unknown}; expected some of {list(CHECKS)}")
+    return args
+
+
+class Report:
+    """PASS / FAIL lines as they come, and the JSON at the end."""
+
+    def __init__(self):
+        self.checks: list[dict] = []
+
+    def add(self, name: str, ok: bool, detail: str, **values) -> None:
+        self.checks.append({"name": name, "ok": bool(ok), "detail": detail, **values})
+        print(f"{'PASS' if ok else 'FAIL'}  {name:<17} {detail}", flush=True)
+
+    def run(self, name: str, fn, *args) -> None:
+        """Run one check function; an exception is that check's FAIL."""
+        try:
+            fn(self, *args)
+        except Exception as e:  # a smoke test reports every failure and goes on
+            self.add(name, False, f"{type(e).__name__}: {e}".splitlines()[0],
+                     traceback=traceback.format_exc())
+
+
+class MemoryTrace:
+    """Device-wide GPU memory in use (``cudaMemGetInfo``), sampled every
+    ``period_s`` in a thread: [(epoch seconds, bytes)]."""
+
+    def __init__(self, period_s: float = 0.02):
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
+
+    def _run(self, period_s: float) -> None:
+        import torch
+
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info(0)
+            self.samples.append((time.time(), total - free))
+            time.sleep(period_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def peak(self, intervals: list[list[float]]) -> int:
+        """Largest sample inside any of ``intervals`` ([[start, end]], epoch s)."""
+        return max((b for t, b in self.samples if any(a <= t <= e for a, e in intervals)), default=0)
+
+
+def _gb(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def check_versions(report: Report) -> None:
+    import deepspeed
+    import ray
+    import torch
+
+    from rayspec.rollout.vllm_compat import CHECKED_VLLM, VllmInternalsError, check_vllm_version, vllm_version
+
+    detail = (f"vLLM {vllm_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+              f"{torch.cuda.get_device_name(0)} {_gb(torch.cuda.get_device_properties(0).total_memory)}, "
+              f"DeepSpeed {deepspeed.__version__}, Ray {ray.__version__}")
+    try:
+        check_vllm_version()
+        ok = True
+    except VllmInternalsError:
+        ok, detail = False, f"{detail}; rayspec's hooks were checked against vLLM {CHECKED_VLLM}"
+    report.add("versions", ok, detail, vllm=vllm_version(), torch=torch.__version__, cuda=torch.version.cuda)
+
+
+def _models(work: Path, cache_dir: str) -> dict[str, Path]:
+    """The bundled tokenizer, a tiny Llama (RL steps, adaptive k) and a
+    ~1 GB fp32 one (refit, weight sync), with fresh EAGLE-3 heads."""
+    from rayspec.draft.eagle3 import init_head, save_head
+    from rayspec.models import load_policy, make_tiny_llama, materialize_bundled_model
+
+    tok = materialize_bundled_model(cache_dir)
+    out = {}
+    for name, kw in (("tiny", {}), ("1gb", {"hidden_size": 1024, "num_layers": 20})):
+        model = work / f"model_{name}"
+        if not (model / "config.json").is_file():
+            make_tiny_llama(model, tok, **kw)
+        head = work / f"head_{name}"
+        if not (head / "config.json").is_file():
+            save_head(init_head(load_policy(model)), head)
+        out[name], out[f"{name}_head"] = model, head
+    return out
+
+
+def _engine_kwargs(gpu_memory_utilization: float) -> dict:
+    # CUDA graphs on: the GPU default (config.apply_platform_defaults)
+    return {"max_model_len": 512, "max_num_seqs": 16, "seed": 0, "enforce_eager": False,
+            "gpu_memory_utilization": gpu_memory_utilization}
+
+
+def _prob_error(engine, policy, prompts: list[list[int]]) -> tuple[float, int]:
+    """token_mult_prob_error of ``engine``'s samples (T = 1) under ``policy``
+    (an HF model on the GPU), and the drafts of that rollout."""
+    import torch
+
+    from rayspec.train.grpo import token_logprobs, token_mult_prob_error
+
+    batch, stats = engine.generate(prompts, n=2, temperature=1.0, max_tokens=48)
+    t = batch.to_padded(0, "cuda")
+    with torch.no_grad():
+        logits = policy(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits
+    lp = token_logprobs(logits, t["input_ids"], 1.0)
+    return token_mult_prob_error(lp, t["rollout_logprobs"], t["response_mask"]), stats.num_drafts
+
+
+def _draft_fc_sum(worker) -> float:
+    """In the vLLM worker: the sum of the drafter's ``fc`` weight."""
+    return float(worker.model_runner.get_draft_model().fc.weight.float().sum())
+
+
+def check_refit(report: Report, models: dict[str, Path]) -> None:
+    import ray
+    import torch
+
+    from rayspec.devices import to_host
+    from rayspec.draft.eagle3 import load_head, vllm_state_dict
+    from rayspec.models import load_policy, load_tokenizer
+    from rayspec.rollout.engine import SpecVLLMEngine
+
+    tok = load_tokenizer(models["1gb"])
+    prompts = [tok(p)["input_ids"] for p in ("What is 12 plus 30?", "Name three prime numbers.")]
+    engine = SpecVLLMEngine(str(models["1gb"]), {"method": "eagle3", "num_speculative_tokens": 3,
+                                                 "model": str(models["1gb_head"])},
+                            dtype="float32", engine_kwargs=_engine_kwargs(0.5))
+    try:
+        report.add("model runner", True, f"EAGLE-3 engine: {engine.model_runner}", runner=engine.model_runner)
+        torch.manual_seed(0)
+        policy = load_policy(models["1gb"], torch.float32).cuda().eval()
+        with torch.no_grad():  # a policy the engine has not seen
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p), alpha=0.01)
+        sd = to_host(policy.state_dict())
+        nbytes = sum(v.numel() * v.element_size() for v in sd.values())
+        t0 = time.perf_counter()
+        ref = ray.put(sd)
+        t1 = time.perf_counter()
+        engine.update_weights(ref, 1)
+        t2 = time.perf_counter()
+        del ref, sd
+        err, _ = _prob_error(engine, policy, prompts)
+        report.add("policy refit", err < ERROR_BOUND, f"token_mult_prob_error {err:.2e} (< {ERROR_BOUND:g}, fp32)",
+                   token_mult_prob_error=err)
+        report.add("weight sync", True, f"{nbytes / 1e9:.2f} GB in {t2 - t0:.2f} s ({nbytes / 1e9 / (t2 - t0):.2f} "
+                   f"GB/s): ray.put {t1 - t0:.2f} s, replica load {t2 - t1:.2f} s",
+                   bytes=nbytes, seconds=t2 - t0, put_s=t1 - t0, load_s=t2 - t1)
+
+        head = load_head(models["1gb_head"])
+        with torch.no_grad():
+            for p in head.parameters():
+                p.add_(torch.randn_like(p), alpha=0.01)
+        weights = vllm_state_dict(head)
+        engine.update_draft(weights, 1)
+        landed = engine.llm.collective_rpc(_draft_fc_sum)[0]
+        want = float(weights["fc.weight"].float().sum())
+        err, drafts = _prob_error(engine, policy, prompts)
+        ok = abs(landed - want) <= 1e-3 * max(1.0, abs(want)) and err < ERROR_BOUND and drafts > 0
+        report.add("draft refit", ok, f"drafter fc sum {landed:.4f} (head {want:.4f}); verifier's "
+                   f"token_mult_prob_error {err:.2e}; {drafts} drafts", token_mult_prob_error=err)
+    finally:
+        engine.shutdown()
+        policy = None
+        torch.cuda.empty_cache()  # the split run's replica asks for 90% of the device
+
+
+def check_adaptive_k(report: Report, models: dict[str, Path]) -> None:
+    from rayspec.rollout.adaptive import uniform
+    from rayspec.rollout.engine import SpecVLLMEngine
+
+    engine = SpecVLLMEngine(str(models["tiny"]), {"method": "eagle3", "num_speculative_tokens": 3,
+                                                  "model": str(models["tiny_head"])},
+                            dtype="bfloat16", engine_kwargs=_engine_kwargs(0.3),
+                            adaptive_k={"calibration_tokens": 8})
+    try:
+        prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
+        got = []
+        for k in (0, 3, 0):
+            engine.set_k_schedule(uniform(k, engine.max_num_seqs))
+            _, stats = engine.generate(prompts, n=2, max_tokens=24)
+            got.append((k, stats.num_drafts, stats.num_draft_tokens))
+        ok = all((drafts > 0) == (k > 0) and tokens == k * drafts for k, drafts, tokens in got)
+        report.add("adaptive k", ok, f"runner {engine.model_runner}; (k, drafts, draft tokens): {got}",
+                   runner=engine.model_runner, steps=got)
+    finally:
+        engine.shutdown()
+
+
+def check_rl_step(report: Report, models: dict[str, Path], work: Path, layout: str) -> None:
+    from rayspec.config import load_config
+    from rayspec.scheduler import run
+
+    run_dir = work / f"rl_{layout}"
+    shares = (["rollout.num_gpus_per_replica=0.6", "train.gpus_per_worker=0.3", "draft.num_gpus=0.1"]
+              if layout == "colocate" else
+              # one GPU cannot be split: the replica takes it, training the CPUs
+              ["rollout.num_gpus_per_replica=1", "train.gpus_per_worker=0", "draft.num_gpus=0",
+               "train.deepspeed.optimizer.params.torch_adam=true"])
+    cfg = load_config(None, [f"model.path={models['tiny']}", "trainer.steps=1", f"trainer.run_dir={run_dir}",
+                             "trainer.save_steps=1", "data.prompts_per_step=2", "grpo.max_new_tokens=32",
+                             "train.num_workers=1", "train.cpus_per_worker=1", "rollout.num_cpus_per_replica=1",
+                             "draft.num_cpus=1", "draft.steps_per_rl_step=2", f"scheduler.layout={layout}",
+                             "rollout.engine_kwargs.max_model_len=512", "rollout.engine_kwargs.max_num_seqs=16",
+                             *shares])
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    t0 = time.perf_counter()
+    with MemoryTrace() as trace:
+        run(cfg)
+    wall = time.perf_counter() - t0
+    (rec,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    peaks = {phase: trace.peak(iv) for phase, iv in rec["phase_intervals"].items()}
+    ok = rec["step"] == 1 and rec["rollout_tokens"] > 0 and rec.get("draft_alive", 1) == 1
+    report.add(f"rl step {layout}", ok,
+               f"{rec['time_step_s']:.1f} s step ({wall:.0f} s with start-up); peak GPU memory "
+               + ", ".join(f"{p} {_gb(b)}" for p, b in peaks.items())
+               + f"; token_mult_prob_error {rec.get('token_mult_prob_error', float('nan')):.2e}",
+               step_s=rec["time_step_s"], peak_bytes=peaks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_smoke: no GPU found (torch.cuda.is_available() is False, torch "
+              f"{torch.__version__}): run it on a GPU node after `bash cluster/install_node.sh cuda`",
+              file=sys.stderr)
+        return 2
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    from rayspec.config import load_config
+    from rayspec.scheduler import init_ray
+
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    report = Report()
+    t0 = time.perf_counter()
+    if "versions" in args.only:
+        report.run("versions", check_versions)
+    models = _models(work, args.cache_dir)
+    # the runs below and the weight sync's ray.put (a 1 GB state dict) share it
+    init_ray(load_config(None, [f"ray.object_store_memory={4 * GIB}"]))
+    if "refit" in args.only:
+        report.run("refit", check_refit, models)
+    if "adaptive_k" in args.only:
+        report.run("adaptive k", check_adaptive_k, models)
+    for layout in ("colocate", "split"):
+        if f"rl_{layout}" in args.only:
+            report.run(f"rl step {layout}", check_rl_step, models, work, layout)
+    failed = [c["name"] for c in report.checks if not c["ok"]]
+    print(f"{len(report.checks) - len(failed)}/{len(report.checks)} passed in {time.perf_counter() - t0:.0f} s"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    Path(args.out).write_text(json.dumps({"checks": report.checks}, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
