@@ -319,9 +319,7 @@ def rl_worker_loop(config: dict) -> None:
     gpu_index = ray.train.torch.get_device().index if cfg.train.gpus_per_worker > 0 else None
     check_devices(cfg, ctx, draft, rank, world, gpu_index)
     model = load_policy(config["model_dir"], torch.float32)
-    if cfg.train.gradient_checkpointing:
-        # non-reentrant: the EAGLE-3 capture hooks see each layer's input once more in the
-        # backward's recompute, with the same values
+    if cfg.train.gradient_checkpointing:  # the EAGLE-3 capture hooks are gone before the recompute
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = build_engine(model, deepspeed_config(cfg, world), device_rank=gpu_index)
     ref_model = None
