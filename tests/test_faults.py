@@ -192,8 +192,16 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
     uninterrupted run's."""
     run_dir = tmp_path / "faults"
     injected: list[str] = []
+    errors: list[BaseException] = []
 
     def inject():
+        try:
+            _inject()
+        except BaseException as e:  # e.g. the state API timing out on a stale ray_current_cluster
+            errors.append(e)
+            raise
+
+    def _inject():
         _wait(lambda: len(_records(run_dir)) >= 1)
         # step 2's generation starts as step 1's record is written and takes ~1.3 s
         # here (a replica runs one call at a time, so it cannot be asked)
@@ -211,6 +219,7 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
     thread.start()
     run(_cfg(tiny_llama_dir, run_dir))
     thread.join(timeout=5)
+    assert not errors, f"fault injection failed after {injected}: {errors[0]!r}"
     assert injected == ["replica", "train worker", "draft trainer"]
     got = _records(run_dir)
     _same_prompts(got, uninterrupted)

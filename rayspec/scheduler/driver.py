@@ -166,7 +166,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     from ray.train.torch import TorchTrainer
 
     from rayspec.draft.trainer import DraftTrainer
-    from rayspec.rollout.serve import APP_NAME as ROLLOUT_APP, broadcast, deploy_rollout
+    from rayspec.rollout.serve import APP_NAME as ROLLOUT_APP, deploy_rollout
     from rayspec.train.loop import DRAFT_TRAINER_NAME, rl_worker_loop
 
     cfg = _absolute(cfg)
@@ -185,11 +185,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     t0 = time.perf_counter()
     log.info("deploying %d rollout replica(s) (speculative_config=%s)", cfg.rollout.num_replicas,
              cfg.rollout.speculative_config)
-    handle = deploy_rollout(cfg, model_dir, draft_dir, plan)
-    if plan.layout == "colocate" and any(broadcast(handle, "sleep")):
-        # before the DraftTrainer and DeepSpeed allocate on the same devices;
-        # each rollout wakes them, each refit wakes only their weights
-        log.info("colocate: replicas sleep (vLLM sleep mode) until the first rollout")
+    deploy_rollout(cfg, model_dir, draft_dir, plan)
     draft = None
     if draft_online(cfg):
         # threaded: features arrive (submit_features) while train() runs

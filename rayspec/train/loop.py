@@ -317,6 +317,8 @@ def rl_worker_loop(config: dict) -> None:
     # Train numbers local ranks per node IP and shares CUDA_VISIBLE_DEVICES per Ray node,
     # which disagree where one host runs several Ray nodes.
     gpu_index = ray.train.torch.get_device().index if cfg.train.gpus_per_worker > 0 else None
+    if rank == 0 and cfg.scheduler.layout == "colocate":
+        ctx.release_replicas()  # before DeepSpeed allocates on their devices (the ranks wait below)
     check_devices(cfg, ctx, draft, rank, world, gpu_index)
     model = load_policy(config["model_dir"], torch.float32)
     if cfg.train.gradient_checkpointing:  # the EAGLE-3 capture hooks are gone before the recompute
