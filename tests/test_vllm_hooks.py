@@ -51,6 +51,13 @@ def test_draft_refit_reloads_the_v2_runners_draft_model(monkeypatch):
     assert reloaded == [runner.draft]
 
 
+def test_weight_sums_digest_the_verifier_or_the_draft():
+    runner = _V2Runner()
+    sums = _Worker(runner).rayspec_weight_sums("draft")
+    assert sums == {n: float(p.sum()) for n, p in runner.draft.named_parameters()}
+    assert _Worker(runner).rayspec_weight_sums()["weight"] == float(runner.target.weight.sum())
+
+
 def test_draft_refit_without_get_draft_model_names_the_version():
     runner = SimpleNamespace(drafter=SimpleNamespace(model=nn.Linear(2, 2)), get_model=lambda: None)
     with pytest.raises(VllmInternalsError, match=r"rayspec draft refit: vLLM \S+ has no SimpleNamespace.get_draft_model"):

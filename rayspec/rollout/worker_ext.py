@@ -114,6 +114,16 @@ class RefitExtension:
         runner = type(self.model_runner)
         return f"{runner.__module__}.{runner.__qualname__}"
 
+    def rayspec_weight_sums(self, which: str = "policy") -> dict[str, float]:
+        """{parameter name: sum of its values} of the verifier (``policy``)
+        or the draft model (``draft``), under vLLM's module names: a cheap
+        digest to check what a refit landed (the tensors themselves would
+        travel to the caller serialized as lists)."""
+        runner = self.model_runner
+        model = runner.get_model() if which == "policy" else \
+            require(runner, "get_draft_model", "weight sums")()
+        return {name: float(p.detach().float().sum()) for name, p in model.named_parameters()}
+
     def rayspec_load_policy(self, path: str) -> None:
         """Load HF-named policy weights from a safetensors file into the verifier."""
         self._reload(self.model_runner.get_model(), path)
