@@ -96,8 +96,8 @@ def test_device_sharing_check_names_the_device_and_its_occupants():
     a, b = "a" * 56, "b" * 56
     paired = {"rollout": [(a, "0"), (a, "1")], "train": [(a, "1"), (a, "0")], "draft": [(a, "0")]}
     table = check_device_sharing("colocate", paired)
-    assert table.splitlines() == [f"  node aaaaaaaa GPU 0: rollout 0, train 1, draft 0",
-                                  f"  node aaaaaaaa GPU 1: rollout 1, train 0"]
+    assert table.splitlines() == ["  node aaaaaaaa GPU 0: rollout 0, train 1, draft 0",
+                                  "  node aaaaaaaa GPU 1: rollout 1, train 0"]
     assert check_device_sharing("colocate", {"rollout": [(a, None)], "train": [(a, None)]}) == ""  # CPU
     with pytest.raises(ClusterFitError, match=r"node aaaaaaaa GPU 1 holds 2 train processes \(rollout 1, train 0, train 1\)"):
         check_device_sharing("colocate", {**paired, "train": [(a, "1"), (a, "1")]})
