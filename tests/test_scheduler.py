@@ -81,6 +81,11 @@ def test_colocated_gpu_shares_that_cannot_pair_one_replica_and_one_rank_per_devi
     assert "rollout.num_gpus_per_replica=0.6 train.gpus_per_worker=0.3 draft.num_gpus=0.1" in str(e.value)
 
 
+def test_colocate_with_whole_gpus_each_shares_no_device():
+    plan = plan_placement(_gpu_cfg("colocate", 1), TWO_GPU_NODES)
+    assert plan.serve_options()["ray_actor_options"]["num_gpus"] == 1
+
+
 def test_colocate_with_more_train_workers_than_replicas_is_refused():
     with pytest.raises(ClusterFitError, match="gets 8 Train workers but 4 replicas"):
         plan_placement(_cfg(*_gpu_overrides(0.6, 0.3, 0.1, 8), "rollout.num_replicas=4"), TWO_GPU_NODES[:1])

@@ -334,8 +334,8 @@ def _check_gpu_pairing(roles: dict[str, list[dict[str, float]]], use: list[NodeI
     """
     r, t = (roles[role][0].get("GPU", 0.0) for role in ("rollout", "train"))
     d = roles["draft"][0].get("GPU", 0.0) if "draft" in roles else 0.0
-    if not (r and t):
-        return  # at most one of the two on GPUs: no device is shared between them
+    if not (r and t) or (r >= 1 and t >= 1):
+        return  # at most one of the two on GPUs, or whole devices each: no device is shared
     why = []
     if not r > 0.5:
         why.append(f"rollout.num_gpus_per_replica={r:g} must be > 0.5 (else a device takes two replicas)")
