@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 BUNDLED_MODEL = "bundled:smollm2-135m-instruct"
 SPEC_METHODS = ("eagle3", "draft_model", "mtp", "ngram", "suffix")
 DATASETS = ("arithmetic", "gsm8k")
+WEIGHT_SYNC_TRANSPORTS = ("auto", "collective", "object_store")
 LAYOUTS = ("colocate", "split")
 MODES = ("sync", "async")
 
@@ -133,6 +134,33 @@ class AdaptiveKConfig:
 
 
 @dataclass
+class WeightSyncConfig:
+    """How a refit's weights travel from the trainer to every vLLM worker
+    (``rayspec.sync``).
+
+    Args:
+        transport: ``collective``: the trainer's rank 0 and every worker of
+            every replica form one process group and the weights stream
+            through it in packed buckets into vLLM's in-place reload;
+            ``object_store``: one ``ray.put`` per refit, read by every
+            replica and staged as a file; ``auto``: collective, falling back
+            to the object store (with a warning) where the group cannot form.
+        backend: the collective's backend: ``nccl`` (GPU tensors on both
+            ends), ``gloo`` (host tensors, any node), ``auto``: nccl where
+            the Train workers and the replicas have GPUs, else gloo.
+        packed_buffer_size_bytes: bucket size (bytes; vLLM's name): what each
+            end holds of a refit beyond the weights themselves.
+        timeout_s: forming the group and each bucket (seconds); a replica
+            that does not join or receive within it fails the refit.
+    """
+
+    transport: str = "auto"
+    backend: str = "auto"
+    packed_buffer_size_bytes: int = 256 << 20
+    timeout_s: float = 600.0
+
+
+@dataclass
 class RolloutConfig:
     """vLLM replicas behind a Ray Serve deployment.
 
@@ -159,6 +187,7 @@ class RolloutConfig:
             engine core in the replica's process: rollouts then repeat
             exactly for a given seed, see docs/faults.md).
         adaptive_k: see AdaptiveKConfig.
+        weight_sync: see WeightSyncConfig.
     """
 
     num_replicas: int = 1
@@ -176,6 +205,7 @@ class RolloutConfig:
     cpu_omp_threads_bind: str = "all"
     engine_env: dict[str, str] = field(default_factory=dict)
     adaptive_k: AdaptiveKConfig = field(default_factory=AdaptiveKConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
 
 def _default_deepspeed() -> dict[str, Any]:
@@ -443,6 +473,18 @@ def validate(cfg: RunConfig) -> None:
         _check(ak.calibration_tokens >= 2, "rollout.adaptive_k.calibration_tokens",
                ak.calibration_tokens, "must be >= 2")
         _check(ak.probe_every >= 1, "rollout.adaptive_k.probe_every", ak.probe_every, "must be >= 1")
+    ws = cfg.rollout.weight_sync
+    _check(ws.transport in WEIGHT_SYNC_TRANSPORTS, "rollout.weight_sync.transport", ws.transport,
+           f"expected one of {WEIGHT_SYNC_TRANSPORTS}")
+    _check(ws.backend in ("auto", "nccl", "gloo"), "rollout.weight_sync.backend", ws.backend,
+           "expected auto, nccl or gloo")
+    _check(_is_int(ws.packed_buffer_size_bytes) and ws.packed_buffer_size_bytes >= 1 << 20,
+           "rollout.weight_sync.packed_buffer_size_bytes", ws.packed_buffer_size_bytes,
+           "must be an integer >= 1048576 (1 MiB)")
+    _check(ws.timeout_s > 0, "rollout.weight_sync.timeout_s", ws.timeout_s, "must be > 0")
+    _check(ws.backend != "nccl" or (cfg.train.gpus_per_worker > 0 and cfg.rollout.num_gpus_per_replica > 0),
+           "rollout.weight_sync.backend", ws.backend,
+           "nccl needs GPUs on both ends (train.gpus_per_worker and rollout.num_gpus_per_replica > 0)")
     if spec.method == "draft_model":
         _check(spec.model is not None, "rollout.speculative_config.model", spec.model,
                "method draft_model needs a draft model directory")

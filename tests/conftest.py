@@ -17,7 +17,9 @@ CACHE_DIR = os.environ.get("RAYSPEC_CACHE_DIR", "~/.cache/rayspec")
 # what every metrics.jsonl record holds (README "Running")
 STEP_RECORD_KEYS = {"step", "reward_mean", "acceptance_length", "acceptance_rate_per_pos",
                     "rollout_tokens_per_s", "time_rollout_s", "time_policy_s", "time_draft_s",
-                    "time_sync_s", "policy_version", "response_lens", "prompt_len_mean", "sample"}
+                    "time_sync_s", "policy_version", "response_lens", "prompt_len_mean", "sample",
+                    "weight_sync_transport", "weight_sync_bytes", "time_sync_gather_s", "time_sync_transfer_s",
+                    "time_sync_load_s"}
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +65,29 @@ def in_process_engine_core(monkeypatch):
     starts in its own process instead."""
     if "llvmlite" not in sys.modules:
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+class LocalReplicas:
+    """Serve's ``handle.broadcast`` over engines in this process (each call
+    in its own thread, as replicas run concurrently): drives a weight
+    transport without Serve."""
+
+    def __init__(self, engines):
+        import concurrent.futures
+
+        self.engines = engines
+        self._pool = concurrent.futures.ThreadPoolExecutor(8)
+
+    def broadcast(self, method, *args):
+        futures = [self._pool.submit(getattr(e, method), *args) for e in self.engines]
+
+        class Response:
+            def results(self, return_exceptions=False):
+                if not return_exceptions:
+                    return [f.result() for f in futures]
+                return [f.exception() or f.result() for f in futures]
+
+        return Response()
 
 
 def engine_kwargs(**kw):

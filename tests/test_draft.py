@@ -13,8 +13,9 @@ from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, init_head,
                                   save_head, vllm_state_dict)
 from rayspec.draft.trainer import DraftTrainer
 from rayspec.models import load_policy, load_tokenizer
+from rayspec.sync.transport import CollectiveTransport
 from rayspec.train.capture import capture_eagle3_features
-from tests.conftest import engine_kwargs
+from tests.conftest import LocalReplicas, engine_kwargs
 
 
 @pytest.fixture(scope="module")
@@ -197,14 +198,22 @@ def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp
     trainer = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=3, num_threads=2)
     trainer.submit_features(_features(tiny_policy, before_batch, tok.pad_token_id))
     trainer.train(_verifier(tiny_policy), 80)
-    eng.update_draft(trainer.vllm_weights(), version=1)
+    # the trained head through the collective transport (gloo; this engine's worker
+    # is rank 1 in this process), then the same head through the object store
+    transport = CollectiveTransport(LocalReplicas([eng]), "gloo", packed_buffer_size_bytes=1 << 20, timeout_s=120)
+    assert transport.send("draft", trainer.vllm_weights(), 1).results() == [1]
     after_batch, after = eng.generate(prompts, n=1, temperature=0.0, max_tokens=32)
+    transport.close()
+    eng.update_draft(trainer.vllm_weights(), version=2)
+    again_batch, again = eng.generate(prompts, n=1, temperature=0.0, max_tokens=32)
     versions = eng.versions()
     eng.shutdown()
-    print(f"acceptance length untrained {before.acceptance_length:.2f} -> trained {after.acceptance_length:.2f}")
+    print(f"acceptance length untrained {before.acceptance_length:.2f} -> trained {after.acceptance_length:.2f} "
+          f"(collective), {again.acceptance_length:.2f} (object store)")
     assert after_batch.response_ids == before_batch.response_ids  # speculation never changes greedy output
     assert after.acceptance_length > before.acceptance_length + 0.3
-    assert versions["draft"] == 1
+    assert (again.num_drafts, again.num_accepted_tokens) == (after.num_drafts, after.num_accepted_tokens)
+    assert versions["draft"] == 2
 
 
 def test_reduced_vocab_heads_are_refused(tiny_policy, tmp_path):

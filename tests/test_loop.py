@@ -1,7 +1,8 @@
 """The main job end to end on an embedded Ray cluster, async on the split
 layout: Serve replicas with vLLM speculative decoding, Ray Train workers with
-DeepSpeed ZeRO-2, the DraftTrainer actor, weight sync through
-``handle.broadcast``. (Sync on the colocated layout runs under ``ray job
+DeepSpeed ZeRO-2, the DraftTrainer actor, weight sync through the
+collective transport (a gloo group of the trainer's rank 0 and both
+replicas). (Sync on the colocated layout runs under ``ray job
 submit`` in test_job_submit.py, and with the real model in the quickstart
 notebook, test_notebooks.py.)"""
 
@@ -55,5 +56,9 @@ def test_tiny_loop_async_split_two_replicas(ray_session, tiny_llama_dir, tmp_pat
             assert 0 <= r[f"idle_{role}_s"] <= r["time_step_s"]
         assert len(r["replicas"]) == 2
         assert sum(s["output_tokens"] for s in r["replicas"].values()) == r["rollout_tokens"]
+    # weights went through the collective transport (gloo; auto), landing behind the rollouts
+    # in flight: step 1's policy and draft refits land in step 2's wait for its batch
+    assert [r["weight_sync_transport"] for r in recs] == ["collective"] * 3
+    assert recs[0]["weight_sync_bytes"] == 0 and recs[1]["weight_sync_bytes"] > 0
     # the trainer waited less for the 2nd and 3rd batches than they took to generate
     assert recs[2]["time_rollout_s"] < recs[2]["rollout_generation_s"] + recs[2]["time_policy_s"]

@@ -16,9 +16,11 @@ from rayspec.batch import RolloutBatch
 from rayspec.config import load_config
 from rayspec.draft.eagle3 import init_head, save_head
 from rayspec.models import load_policy, load_tokenizer
-from rayspec.train.grpo import group_advantages
+from rayspec.rollout.engine import ReplicaBehind
+from rayspec.sync.transport import CollectiveTransport, plan_buckets, state_dict_nbytes
+from rayspec.train.grpo import group_advantages, token_logprobs, token_mult_prob_error
 from rayspec.train.policy import build_engine, deepspeed_config, full_state_dict, policy_update
-from tests.conftest import engine_kwargs
+from tests.conftest import LocalReplicas, engine_kwargs
 
 
 @pytest.fixture
@@ -132,10 +134,34 @@ def test_refit_after_deepspeed_step_matches_trainer_greedy(spec_engine, tiny_lla
     trainer_greedy = _greedy_hf(engine.module.eval(), probe, 16)
     assert trainer_greedy != before, "the update did not change the greedy continuation; raise lr"
 
-    assert eng.update_weights(sd, version=1) == 1
+    # through the collective transport (gloo), in many buckets
+    transport = CollectiveTransport(LocalReplicas([eng]), "gloo", packed_buffer_size_bytes=1 << 20, timeout_s=120)
+    assert len(plan_buckets(sd, 1 << 20)) > 3
+    assert transport.send("policy", sd, 1).results() == [1]
     after = eng.generate([probe], temperature=0.0, max_tokens=16)[0].response_ids[0]
     assert after == trainer_greedy
     assert eng.versions()["policy"] == 1
+    sampled, _ = eng.generate([probe, tok.encode("Say a number:")], n=4, temperature=1.0, max_tokens=16)
+    t = sampled.to_padded(tok.pad_token_id)
+    with torch.no_grad():
+        lp = token_logprobs(engine.module(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits,
+                            t["input_ids"])
+    err = token_mult_prob_error(lp, t["rollout_logprobs"], t["response_mask"])
+    print(f"token_mult_prob_error after a collective refit (fp32): {err:.2e}")
+    assert err < 1e-5
+    stats = transport.take_stats()
+    assert stats["weight_sync_transport"] == "collective"
+    assert stats["weight_sync_bytes"] == state_dict_nbytes(sd) > 0
+    # a replica outside the group (Serve restarted it) is told so instead of sampling stale weights
+    eng._sync_group = None
+    assert transport.send("policy", sd, 2).results() == [2]  # the group re-forms with it
+    eng.policy_version = 1
+    with pytest.raises(ReplicaBehind, match="policy at version 1"):
+        eng.generate([probe], max_tokens=2, refits=transport.rollout_refits())
+    refits = transport.catch_up(transport.rollout_refits())
+    assert eng.generate([probe], temperature=0.0, max_tokens=16, refits=refits)[0].response_ids[0] == after
+    assert eng.versions()["policy"] == 2
+    transport.close()
 
 
 @pytest.mark.slow

@@ -94,6 +94,12 @@ def _resolve(x):
     return ray.get(x) if isinstance(x, ray.ObjectRef) else x
 
 
+class ReplicaBehind(RuntimeError):
+    """A rollout reached a replica holding older weights than the trainer
+    sent, through a weight-sync group the replica is not in (Serve started it
+    after the refit); the shard is sent again with the weights as ObjectRefs."""
+
+
 def _replica_id() -> str:
     """The Serve replica's id, or ``local`` outside Serve."""
     try:
@@ -190,6 +196,7 @@ class SpecVLLMEngine:
         log.info("replica %s: vLLM %s, model runner %s", self.replica_id, vllm_version(), self.model_runner)
         self.policy_version = 0
         self.draft_version = 0
+        self._sync_group: Optional[str] = None  # the weight-sync group the workers are in
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         self._weights_dir = Path(tempfile.mkdtemp(prefix="rayspec-refit-", dir=shm))
         self.max_num_seqs = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
@@ -305,20 +312,30 @@ class SpecVLLMEngine:
                 on a restarted replica, or a resumed run, draws what the
                 first attempt or an uninterrupted run drew. None: continue
                 the engine's random stream.
-            refits: {"policy" | "draft": (version, weights or ObjectRef)}, the
-                newest weights the trainer has sent; loaded first where this
-                replica holds an older version (a replica Serve restarted
-                after a failure starts from the initial checkpoints).
+            refits: {"policy" | "draft": (version, weights, ObjectRef or
+                None)}, the newest weights the trainer has sent; loaded first
+                where this replica holds an older version (a replica Serve
+                restarted after a failure starts from the initial
+                checkpoints). None: the weights went through a weight-sync
+                group (``receive_weights``).
 
         Returns:
             (RolloutBatch with ``n * len(prompt_ids)`` rows, grouped by prompt,
             SpecStats of this call from vLLM's spec-decode counters).
+
+        Raises:
+            ReplicaBehind: a ``refits`` entry is newer than this replica's
+                weights and has no payload (the caller sends it again with
+                ObjectRefs, ``CollectiveTransport.catch_up``).
         """
         from vllm import SamplingParams, TokensPrompt
 
         for name, (version, weights) in (refits or {}).items():
             have = self.versions()[name]
             if version > have:
+                if weights is None:
+                    raise ReplicaBehind(f"replica {self.replica_id}: {name} at version {have}, the trainer "
+                                        f"sent version {version} through a weight-sync group it is not in")
                 log.warning("replica %s: %s at version %d, catching up to %d before generating",
                             self.replica_id, name, have, version)
                 (self.update_weights if name == "policy" else self.update_draft)(weights, version)
@@ -446,33 +463,103 @@ class SpecVLLMEngine:
         Returns:
             The new policy version.
         """
-        with self._load(state_dict, "policy"):
-            self.llm.reset_prefix_cache()
-            self.policy_version = version
-        return version
+        return self._load_file(state_dict, "policy", version)
 
     def update_draft(self, state_dict, version: int) -> int:
         """Load EAGLE-3 head weights (vLLM checkpoint names; dict or ObjectRef)
         into the drafter, in place."""
-        with self._load(state_dict, "draft"):
-            self.draft_version = version
-            if self.adaptive is not None:  # the rates were the old draft's
-                self.adaptive.draft_changed()
-                self.set_k_schedule(self.adaptive.schedule())
-        return version
+        return self._load_file(state_dict, "draft", version)
 
-    @contextlib.contextmanager
-    def _load(self, state_dict, name: str):
+    def _load_file(self, state_dict, target: str, version: int) -> int:
         """Stage the weights as a file (outside the lock, beside a running
         rollout), then load them through the worker extension under it."""
-        path = self._write(_resolve(state_dict), name)
+        path = self._write(_resolve(state_dict), target)
+        try:
+            with self._busy_section():
+                self._wake(("weights",))
+                self.llm.collective_rpc(f"rayspec_load_{target}", args=(path,))
+                self._loaded(target, version)
+        finally:
+            os.unlink(path)
+        return version
+
+    def _loaded(self, target: str, version: int) -> None:
+        """Bookkeeping after ``target``'s weights landed (under the lock)."""
+        if target == "policy":
+            self.llm.reset_prefix_cache()
+            self.policy_version = version
+            return
+        self.draft_version = version
+        if self.adaptive is not None:  # the rates were the old draft's
+            self.adaptive.draft_changed()
+            self.set_k_schedule(self.adaptive.schedule())
+
+    # -- the collective weight transport (rayspec.sync.CollectiveTransport) --
+
+    def weight_sync_member(self) -> dict[str, Any]:
+        """{"replica_id", "group_id" (the weight-sync group this replica's
+        workers are in, or None), "num_workers" (ranks it takes)}; does not
+        wait for the engine."""
+        parallel = self.llm.llm_engine.vllm_config.parallel_config
+        return {"replica_id": self.replica_id, "group_id": self._sync_group,
+                "num_workers": parallel.world_size}
+
+    def join_weight_sync(self, host: str, port: int, rank_offsets: dict[str, int], world_size: int,
+                         backend: str, timeout_s: float, group_id: str) -> Optional[int]:
+        """Every worker joins the trainer's weight-sync group at
+        ``host:port`` (``backend`` nccl | gloo), from rank
+        ``rank_offsets[replica_id]``. Returns that rank, or None where this
+        replica is not in ``rank_offsets`` (it started after the trainer
+        counted the replicas; it catches up and joins the next group).
+
+        Raises:
+            WeightSyncError: the group did not form (names this replica and
+                the address).
+        """
+        from rayspec.sync.transport import WeightSyncError
+
+        offset = rank_offsets.get(self.replica_id)
+        if offset is None:
+            return None
+        with self._busy_section():
+            self._sync_group = None
+            try:
+                self.llm.collective_rpc("rayspec_join_weight_sync",
+                                        args=(host, port, offset, world_size, backend, timeout_s))
+            except Exception as e:
+                raise WeightSyncError(f"replica {self.replica_id} could not join the weight-sync group at "
+                                      f"{host}:{port} as rank {offset} of {world_size} ({backend}): "
+                                      f"{type(e).__name__}: {e}") from None
+            self._sync_group = group_id
+        return offset
+
+    def receive_weights(self, target: str, buckets: list, version: int, group_id: str) -> Optional[int]:
+        """Receive ``target``'s (``policy`` | ``draft``) weights broadcast by
+        the trainer in the weight-sync group ``group_id``, in packed
+        ``buckets``, loading them in place as they arrive. Returns the new
+        version, or None where this replica is not in that group (it
+        started since; it catches up before its first rollout).
+
+        Raises:
+            Whatever the broadcast or the loader raised; the replica then
+            keeps its old version (and catches up before its next rollout).
+        """
+        if group_id != self._sync_group:
+            return None
         with self._busy_section():
             self._wake(("weights",))
             try:
-                self.llm.collective_rpc(f"rayspec_load_{name}", args=(path,))
-            finally:
-                os.unlink(path)
-            yield
+                self.llm.collective_rpc("rayspec_receive_weights", args=(target, buckets))
+            except Exception:
+                self._sync_group = None  # the group is broken: the next refit forms another
+                raise
+            self._loaded(target, version)
+        return version
+
+    def staging_dir(self) -> str:
+        """Where the object-store transport stages refits as files (tmpfs
+        where /dev/shm is writable)."""
+        return str(self._weights_dir)
 
     def versions(self) -> dict[str, int]:
         return {"policy": self.policy_version, "draft": self.draft_version}

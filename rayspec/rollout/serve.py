@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
+from typing import Any, Callable, Optional
 
 import ray
 from ray import serve
 
 from rayspec.batch import RolloutBatch
-from rayspec.rollout.engine import SpecVLLMEngine, replica_env
+from rayspec.rollout.engine import ReplicaBehind, SpecVLLMEngine, replica_env
 from rayspec.rollout.spec_stats import SpecStats
 
 log = logging.getLogger(__name__)
@@ -83,24 +83,38 @@ class PendingRollout:
     controller has replaced the dead one); the lost attempt returns nothing,
     so no sample is duplicated, and with a per-shard seed the retry draws
     the same samples.
+
+    A shard that reaches a replica outside the weight-sync group, holding
+    older weights (``ReplicaBehind``), is sent again with ``catch_up``'s
+    refits (the weights as ObjectRefs); that is not a retry.
     """
 
-    def __init__(self, handle, shards: list[dict[str, Any]], max_retries: int = 2):
+    def __init__(self, handle, shards: list[dict[str, Any]], max_retries: int = 2,
+                 catch_up: Optional[Callable[[dict], dict]] = None):
         self._handle, self._shards, self.max_retries = handle, shards, max_retries
+        self._catch_up = catch_up
         self._responses = [handle.generate.remote(**kw) for kw in shards]
         self.retries = 0
 
     def _shard_result(self, i: int):
-        for attempt in range(self.max_retries + 1):
+        attempt = 0
+        while True:
             try:
                 return self._responses[i].result()
+            except ReplicaBehind as e:
+                if self._catch_up is None:
+                    raise
+                log.warning("%s; sending the shard again with the weights through the object store", e)
+                kw = self._shards[i] = dict(self._shards[i], refits=self._catch_up(self._shards[i]["refits"]))
+                self._responses[i] = self._handle.generate.remote(**kw)
             except ray.exceptions.RayActorError as e:
                 if attempt == self.max_retries:
                     raise
+                attempt += 1
                 kw = self._shards[i]
                 log.warning("rollout replica died generating prompts %d..%d (%s); retrying the shard "
                             "(%d/%d)", kw["group_offset"], kw["group_offset"] + len(kw["prompt_ids"]) - 1,
-                            type(e).__name__, attempt + 1, self.max_retries)
+                            type(e).__name__, attempt, self.max_retries)
                 self.retries += 1
                 self._responses[i] = self._handle.generate.remote(**kw)
 
@@ -134,13 +148,14 @@ def shard_seed(seed: int, *keys: int) -> int:
 
 
 def submit(handle, prompt_ids: list[list[int]], num_shards: int, seed: int | None = None,
-           **kwargs: Any) -> PendingRollout:
+           catch_up: Optional[Callable[[dict], dict]] = None, **kwargs: Any) -> PendingRollout:
     """Shard prompts over the replicas through the Serve handle (contiguous
     shards, one per replica); returns without waiting.
 
     Args:
         seed: each shard samples with ``shard_seed(seed, first prompt)``
             (None: the replicas' own random streams).
+        catch_up: see PendingRollout.
         kwargs: further ``SpecVLLMEngine.generate`` arguments (sampling,
             ``refits``).
     """
@@ -149,7 +164,7 @@ def submit(handle, prompt_ids: list[list[int]], num_shards: int, seed: int | Non
     return PendingRollout(handle, [
         {"prompt_ids": prompt_ids[a:b], "group_offset": a,
          "seed": None if seed is None else shard_seed(seed, a), **kwargs}
-        for a, b in zip(bounds, bounds[1:]) if b > a])
+        for a, b in zip(bounds, bounds[1:]) if b > a], catch_up=catch_up)
 
 
 def generate(handle, prompt_ids: list[list[int]], num_shards: int,

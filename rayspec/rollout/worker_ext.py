@@ -1,9 +1,11 @@
 """vLLM worker extension: in-place refit of the policy and the draft head.
 
 Loaded by ``vllm.LLM(worker_extension_cls="rayspec.rollout.worker_ext.RefitExtension")``
-and reached with ``llm.collective_rpc("rayspec_load_policy", args=(path,))``.
-Weights travel as a safetensors file (e.g. under /dev/shm): tensors passed as
-collective_rpc arguments arrive serialized as lists. Loading goes through
+and reached with ``llm.collective_rpc``. Weights arrive either as a
+safetensors file (e.g. under /dev/shm; the object-store transport: tensors
+passed as collective_rpc arguments arrive serialized as lists) or as packed
+buckets broadcast by the trainer in the weight-sync process group (the
+collective transport, ``rayspec.sync``), streamed into the loader. Loading goes through
 vLLM's in-place ``reload_weights``, which undoes the CPU backend's weight
 repacking before ``load_weights`` and redoes it after; calling the model's
 ``load_weights`` directly fails once weights are repacked.
@@ -18,18 +20,25 @@ unwrapped from any CUDA-graph wrapper, which is what is reloaded here.
 from __future__ import annotations
 
 import contextlib
+from datetime import timedelta
 
+import torch
 import torch.nn as nn
 from safetensors import safe_open
 
 from rayspec.rollout.vllm_compat import internals_error, require
 
 
-def _iter_file(path: str, skip: tuple[str, ...] = ()):
+def _iter_file(path: str):
     with safe_open(path, framework="pt") as f:
         for name in f.keys():
-            if not any(f"{s}." in name for s in skip):
-                yield name, f.get_tensor(name)
+            yield name, f.get_tensor(name)
+
+
+def _skipping(weights, skip: tuple[str, ...]):
+    for name, t in weights:
+        if not any(f"{s}." in name for s in skip):
+            yield name, t
 
 
 def _retie_embeddings(model) -> None:
@@ -83,7 +92,7 @@ def _without_shared_modules(drafter_model, verifier):
 class RefitExtension:
     """Mixed into vLLM's worker; ``self`` is the worker."""
 
-    def _reload(self, model, path: str, skip: tuple[str, ...] = ()) -> None:
+    def _reload(self, model, weights, skip: tuple[str, ...] = ()) -> None:
         from vllm.config import set_current_vllm_config
 
         try:
@@ -91,9 +100,12 @@ class RefitExtension:
         except ImportError as e:
             raise internals_error("refit", f"in-place reload_weights is not importable ({e})") from None
 
+        weights = iter(weights)
         with set_current_vllm_config(self.vllm_config):
-            reload_weights(self.vllm_config, model, weights_iterator=_iter_file(path, skip),
+            reload_weights(self.vllm_config, model, weights_iterator=_skipping(weights, skip),
                            weights_path=None, is_checkpoint_format=True)
+        for _ in weights:  # the rest of a broadcast, had the loader stopped early
+            pass
         # The EAGLE drafter shares the verifier's embed_tokens module, so
         # either reload can untie the verifier's output layer.
         _retie_embeddings(self.model_runner.get_model())
@@ -126,17 +138,69 @@ class RefitExtension:
 
     def rayspec_load_policy(self, path: str) -> None:
         """Load HF-named policy weights from a safetensors file into the verifier."""
-        self._reload(self.model_runner.get_model(), path)
+        self._load("policy", _iter_file(path))
 
     def rayspec_load_draft(self, path: str) -> None:
-        """Load EAGLE-3 head weights (vLLM checkpoint names) into the drafter.
+        """Load EAGLE-3 head weights (vLLM checkpoint names) from a
+        safetensors file into the drafter.
 
         Raises:
             RuntimeError: the engine has no model-based drafter.
             VllmInternalsError: the model runner has no ``get_draft_model``.
         """
+        self._load("draft", _iter_file(path))
+
+    def _load(self, target: str, weights) -> None:
+        if target == "policy":
+            return self._reload(self.model_runner.get_model(), weights)
         draft_model = require(self.model_runner, "get_draft_model", "draft refit")()
         if draft_model is None:
             raise RuntimeError("this engine has no model-based drafter to update")
         with _without_shared_modules(draft_model, self.model_runner.get_model()) as shared:
-            self._reload(draft_model, path, skip=shared)
+            self._reload(draft_model, weights, skip=shared)
+
+    def rayspec_join_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int,
+                                 backend: str, timeout_s: float) -> int:
+        """Join the trainer's weight-sync process group (vLLM's stateless
+        group: no global ``init_process_group``), leaving any earlier one.
+        This worker's rank is ``rank_offset`` + its rank in the replica
+        (tensor / pipeline parallel). Returns that rank."""
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        self.rayspec_leave_weight_sync()
+        rank = rank_offset + self.vllm_config.parallel_config.rank
+        self._rayspec_sync = (stateless_init_torch_distributed_process_group(
+            host, port, rank, world_size, backend, timeout=timedelta(seconds=timeout_s)), backend)
+        return rank
+
+    def rayspec_leave_weight_sync(self) -> None:
+        pg, _ = getattr(self, "_rayspec_sync", (None, None))
+        self._rayspec_sync = (None, None)
+        if pg is not None:
+            with contextlib.suppress(Exception):  # the trainer that formed it may be gone
+                pg.shutdown()
+
+    def rayspec_receive_weights(self, target: str, buckets: list) -> None:
+        """Receive a refit of ``target`` (``policy`` | ``draft``) broadcast
+        from rank 0 in packed buckets (``rayspec.sync.plan_buckets``),
+        loading each bucket as it lands: one fresh buffer per bucket (the
+        in-place reload may hold views until a layer is complete), on this
+        worker's device for nccl, in host memory for gloo.
+
+        Raises:
+            RuntimeError: this worker is in no weight-sync group.
+        """
+        from rayspec.sync.transport import bucket_nbytes, unpack_bucket
+
+        pg, backend = getattr(self, "_rayspec_sync", (None, None))
+        if pg is None:
+            raise RuntimeError("this worker has not joined a weight-sync group")
+        device = self.device if backend == "nccl" else torch.device("cpu")
+
+        def weights():
+            for bucket in buckets:
+                buffer = torch.empty(bucket_nbytes(bucket), dtype=torch.uint8, device=device)
+                pg.broadcast(buffer, 0).wait()
+                yield from unpack_bucket(buffer, bucket)
+
+        self._load(target, weights())

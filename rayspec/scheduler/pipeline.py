@@ -56,10 +56,10 @@ class RolloutPipeline:
         self._refits: list = []
         self.last_retries = 0  # shards of the last batch retried after their replica died
 
-    def refit(self, response, *keep) -> None:
-        """Track a refit sent to the replicas (a Serve broadcast response);
-        ``keep``: objects (weight ObjectRefs) to hold until it has landed."""
-        self._refits.append((response, keep))
+    def refit(self, refit) -> None:
+        """Track a refit sent to the replicas (anything with ``results()``
+        that returns once it has landed: ``rayspec.sync.transport.Refit``)."""
+        self._refits.append(refit)
 
     def wait_refits(self) -> float:
         """Wait until every pending refit has landed; returns seconds waited.
@@ -72,7 +72,7 @@ class RolloutPipeline:
         """
         t0 = time.perf_counter()
         refits, self._refits = self._refits, []
-        for r, _ in refits:
+        for r in refits:
             try:
                 r.results()
             except ray.exceptions.RayActorError as e:

@@ -27,6 +27,7 @@ from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_ste
 from rayspec.rollout import serve as rollout
 from rayspec.scheduler.pipeline import RolloutPipeline
 from rayspec.scheduler.placement import ClusterFitError, assigned_gpu, check_device_sharing
+from rayspec.sync import make_transport
 from rayspec.train.checkpoint import report_checkpoint, restore_checkpoint
 from rayspec.train.grpo import group_advantages
 from rayspec.train.policy import (build_engine, deepspeed_config, full_state_dict, num_micro_batches,
@@ -41,13 +42,18 @@ class StepContext:
     """What rank 0 needs across steps: prompts, tokenizer, handles, the
     rollout pipeline, logs."""
 
-    def __init__(self, cfg: RunConfig, tokenizer):
+    def __init__(self, cfg: RunConfig, tokenizer, device: torch.device):
         self.cfg = cfg
         self.tokenizer = tokenizer
         problems = load_problems(cfg.data.name, cfg.data.path, cfg.data.split,
                                  cfg.data.num_problems, cfg.data.seed, cfg.data.level)
         self.prompts = PromptSource(problems, cfg.data.prompts_per_step, cfg.data.seed)
         self.rollout = rollout.get_rollout_handle()
+        # the newest weights sent are kept by the transport: every rollout carries
+        # their versions so a replica Serve restarted catches up first
+        self.transport = make_transport(cfg.rollout.weight_sync, self.rollout,
+                                        trainer_has_gpu=device.type == "cuda",
+                                        replicas_have_gpu=cfg.rollout.num_gpus_per_replica > 0, device=device)
         lag = cfg.scheduler.max_policy_lag if cfg.scheduler.mode == "async" else 0
         self.pipeline = RolloutPipeline(self.submit_rollout, lag)
         self.log = MetricsLog(cfg.trainer.run_dir)
@@ -55,9 +61,6 @@ class StepContext:
                                           cfg.rollout.speculative_config.method, cfg.grpo.max_new_tokens)
         self.sleep_reported = False
         self.batches = 0  # batches drawn: the RL step the last submitted batch trains at
-        # the newest weights sent, {"policy" | "draft": (version, ObjectRef)}: every
-        # rollout carries them so a replica Serve restarted catches up first
-        self.latest: dict[str, tuple[int, Any]] = {}
         self.draft_alive = True
         self.draft_version = 0
 
@@ -70,16 +73,17 @@ class StepContext:
         self.batches += 1
         pending = rollout.submit(
             self.rollout, [chat_prompt_ids(self.tokenizer, p) for p in problems], cfg.rollout.num_replicas,
-            seed=rollout.shard_seed(cfg.trainer.seed, self.batches), refits=dict(self.latest),
+            seed=rollout.shard_seed(cfg.trainer.seed, self.batches), refits=self.transport.rollout_refits(),
+            catch_up=self.transport.catch_up,
             n=cfg.grpo.group_size, temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
             max_tokens=cfg.grpo.max_new_tokens)
         return pending, (problems, cursor)
 
-    def refit(self, method: str, weights, version: int) -> None:
-        """Send weights to every replica; sync mode waits for them to land,
-        async leaves them queued behind the rollouts in flight."""
-        self.latest["policy" if method == "update_weights" else "draft"] = (version, weights)
-        self.pipeline.refit(self.rollout.broadcast(method, weights, version), weights)
+    def refit(self, target: str, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Send ``target``'s (``policy`` | ``draft``) weights (host tensors)
+        to every replica through the weight transport; sync mode waits for
+        them to land, async leaves them queued behind the rollouts in flight."""
+        self.pipeline.refit(self.transport.send(target, weights, version))
         if self.cfg.scheduler.mode == "sync":
             self.pipeline.wait_refits()
 
@@ -188,7 +192,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         with timer("gather"):
             sd = full_state_dict(engine, _dtype(cfg.model.dtype), rank)
         if rank == 0:
-            ctx.refit("update_weights", ray.put(sd), version + 1)
+            ctx.refit("policy", sd, version + 1)
             del sd
     draft_m: dict[str, Any] = {}
     if draft_call is not None:
@@ -200,7 +204,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         if draft_m:
             ctx.draft_version = draft_m["draft_version"]
             with timer("sync"):
-                ctx.refit("update_draft", draft.vllm_weights.remote(), ctx.draft_version)
+                ctx.refit("draft", ray.get(draft.vllm_weights.remote()), ctx.draft_version)
     dist.barrier()  # feature ObjectRefs are owned by their ranks: keep them alive until used
     del refs
     if rank != 0:
@@ -229,6 +233,9 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         "time_draft_s": draft_m.get("time_s", 0.0),
         "time_draft_exposed_s": timer.seconds.get("draft", 0.0),
         "time_sync_s": timer.seconds.get("sync", 0.0),
+        "time_sync_gather_s": timer.seconds.get("gather", 0.0),
+        # weight_sync_transport, weight_sync_bytes, time_sync_transfer_s, time_sync_load_s
+        **ctx.transport.take_stats(),
         "phase_intervals": timer.intervals,  # {phase: [[start, end]]}, epoch seconds
         # seconds of the step each role was not working (replicas: mean over replicas)
         "idle_rollout_s": max(0.0, window - rollout_busy),
@@ -311,12 +318,13 @@ def rl_worker_loop(config: dict) -> None:
     from rayspec.models import load_policy, load_tokenizer
 
     tokenizer = load_tokenizer(config["model_dir"])
-    ctx = StepContext(cfg, tokenizer) if rank == 0 else None
-    draft = ray.get_actor(DRAFT_TRAINER_NAME) if config["aux_layer_ids"] else None
     # The GPU Ray Train gave this worker. DeepSpeed would take cuda:<LOCAL_RANK>, but Ray
     # Train numbers local ranks per node IP and shares CUDA_VISIBLE_DEVICES per Ray node,
     # which disagree where one host runs several Ray nodes.
     gpu_index = ray.train.torch.get_device().index if cfg.train.gpus_per_worker > 0 else None
+    device = torch.device("cuda", gpu_index) if gpu_index is not None else torch.device("cpu")
+    ctx = StepContext(cfg, tokenizer, device) if rank == 0 else None
+    draft = ray.get_actor(DRAFT_TRAINER_NAME) if config["aux_layer_ids"] else None
     if rank == 0 and cfg.scheduler.layout == "colocate":
         ctx.release_replicas()  # before DeepSpeed allocates on their devices (the ranks wait below)
     check_devices(cfg, ctx, draft, rank, world, gpu_index)
@@ -355,6 +363,7 @@ def rl_worker_loop(config: dict) -> None:
             ray.train.report(metrics)
     if rank == 0:
         ctx.pipeline.close()
+        ctx.transport.close()
     save_policy(engine, tokenizer, Path(cfg.trainer.run_dir) / "policy", _dtype(cfg.model.dtype), rank)
     if rank == 0:
         log.info("curves: %s", plot_run(cfg.trainer.run_dir))
@@ -387,7 +396,7 @@ def resume(checkpoint, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
     if rank != 0:
         return version
     ctx.restore(state)
-    ctx.refit("update_weights", ray.put(sd), version)
+    ctx.refit("policy", sd, version)
     del sd
     if draft is not None:
         if draft_state is None:
@@ -396,7 +405,7 @@ def resume(checkpoint, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         else:
             try:
                 ctx.draft_version = ray.get(draft.set_state.remote(*draft_state))
-                ctx.refit("update_draft", draft.vllm_weights.remote(), ctx.draft_version)
+                ctx.refit("draft", ray.get(draft.vllm_weights.remote()), ctx.draft_version)
             except ray.exceptions.RayActorError as e:
                 draft_died(ctx, state["step"], e)
     log.info("resumed from %s after step %d (policy version %d, draft version %d, prompt cursor %s)",
@@ -415,7 +424,7 @@ def reset_replicas(engine, ctx: StepContext | None, cfg: RunConfig, rank: int) -
     sd = full_state_dict(engine, _dtype(cfg.model.dtype), rank)
     if rank == 0:
         log.warning("no checkpoint to restore: the run starts over from step 1 and resets the replicas")
-        ctx.refit("update_weights", ray.put(sd), 0)
+        ctx.refit("policy", sd, 0)
         ctx.pipeline.wait_refits()
 
 

@@ -1,0 +1,102 @@
+"""The weight transports' own mechanics (rayspec.sync): bucketing, the
+group that cannot form, the automatic fallback. The collective refit into a
+real vLLM engine is in test_refit.py (policy, after a DeepSpeed step) and
+test_draft.py (a trained head); through Serve in test_loop.py and the fault
+tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rayspec.config import ConfigError, load_config
+from rayspec.sync.transport import (CollectiveTransport, Refit, WeightSyncError, bucket_nbytes, make_transport,
+                                    pack_bucket, plan_buckets, state_dict_nbytes, unpack_bucket)
+
+
+def _state_dict():
+    torch.manual_seed(0)
+    embed = torch.randn(50, 8)
+    return {"model.embed_tokens.weight": embed,
+            "model.layers.0.mlp.up_proj.weight": torch.randn(16, 8, dtype=torch.bfloat16),
+            "model.layers.0.input_layernorm.weight": torch.randn(8),
+            "model.norm.weight": torch.randn(8, dtype=torch.float16),
+            "lm_head.weight": embed}  # tied: the same storage
+
+
+def test_buckets_round_trip_bounded_and_send_tied_weights_once():
+    sd = _state_dict()
+    buckets = plan_buckets(sd, packed_buffer_size_bytes=300)
+    names = [n for b in buckets for n, _, _ in b]
+    assert names == ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+                     "model.layers.0.input_layernorm.weight", "model.norm.weight"]
+    # the 1600-byte embedding goes alone; the rest share buckets of <= 300 bytes
+    assert [bucket_nbytes(b) for b in buckets] == [1600, 256 + 32, 16]
+    assert state_dict_nbytes(sd) == 1600 + 256 + 32 + 16
+    for bucket in buckets:
+        buffer = pack_bucket(sd, bucket)
+        assert buffer.dtype == torch.uint8 and buffer.numel() == bucket_nbytes(bucket)
+        for name, t in unpack_bucket(buffer.clone(), bucket):
+            assert t.dtype == sd[name].dtype and torch.equal(t, sd[name]), name
+
+
+class _Replicas:
+    """A replica that reports itself but never joins the group."""
+
+    def broadcast(self, method, *args):
+        out = {"weight_sync_member": {"replica_id": "replica-a", "group_id": None, "num_workers": 2},
+               "join_weight_sync": 1}[method]
+
+        class Response:
+            def results(self, return_exceptions=False):
+                return [out]
+
+        return Response()
+
+
+def test_a_group_that_cannot_form_names_the_address_and_the_replica():
+    transport = CollectiveTransport(_Replicas(), "gloo", 1 << 20, timeout_s=2)
+    with pytest.raises(WeightSyncError, match=r"weight-sync group at [\d.]+:\d+ \(gloo, 3 ranks.*replica-a"):
+        transport.send("policy", _state_dict(), 1).results()
+    transport.close()
+
+
+def test_auto_falls_back_to_the_object_store_when_the_group_cannot_form():
+    sent = []
+
+    class ObjectStore:
+        name = "object_store"
+
+        def send(self, target, weights, version):
+            sent.append((target, version))
+            return Refit(self, lambda: ([version], 0.5, 0.25), state_dict_nbytes(weights))
+
+        def rollout_refits(self):
+            return {"policy": (sent[-1][1], "ref")}
+
+    transport = CollectiveTransport(_Replicas(), "gloo", 1 << 20, timeout_s=2, fallback=ObjectStore())
+    assert transport.send("policy", _state_dict(), 1).results() == [1]
+    assert transport.send("policy", _state_dict(), 2).results() == [2]  # no second attempt at a group
+    assert sent == [("policy", 1), ("policy", 2)]
+    assert transport.rollout_refits() == {"policy": (2, "ref")}
+    stats = transport.take_stats()
+    assert stats["weight_sync_transport"] == "object_store"
+    assert stats["weight_sync_bytes"] == 2 * state_dict_nbytes(_state_dict())
+    assert stats["time_sync_transfer_s"] == 1.0 and stats["time_sync_load_s"] == 0.5
+    transport.close()
+
+
+def test_transport_choice_and_bad_keys():
+    ws = load_config(None, []).rollout.weight_sync
+    assert (ws.transport, ws.backend) == ("auto", "auto")
+    auto = make_transport(ws, None, trainer_has_gpu=True, replicas_have_gpu=True, device="cpu")
+    assert isinstance(auto, CollectiveTransport) and auto.backend == "nccl" and auto._fallback is not None
+    assert make_transport(ws, None, trainer_has_gpu=False, replicas_have_gpu=True).backend == "gloo"
+    ws.transport = "object_store"
+    assert make_transport(ws, None, False, False).name == "object_store"
+    for override, key in [("rollout.weight_sync.transport=nccl", "rollout.weight_sync.transport"),
+                          ("rollout.weight_sync.backend=nccl", "rollout.weight_sync.backend"),
+                          ("rollout.weight_sync.packed_buffer_size_bytes=1000",
+                           "rollout.weight_sync.packed_buffer_size_bytes")]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [override])
