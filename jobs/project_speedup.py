@@ -12,7 +12,9 @@ lengths, prompt length, acceptance per position) or from the flags
 (capped-exponential response lengths, an i.i.d. acceptance rate fitted to
 ``--acceptance-length`` at ``--k``). Prints, for k = 0..``--k-max`` and for
 the best batch-size schedule of k, the rollout and step seconds and the
-speedups against no speculation; writes JSON (``--out``) and a plot of
+speedups against no speculation, then the weight sync of each transport
+(seconds by part and share of the step; ``rayspec.perfmodel.weight_sync``);
+writes JSON (``--out``) and a plot of
 concurrency and step cost over one rollout (``--plot``, beside ``--out``).
 ``--validate`` prints both validation tables instead
 (``rayspec.perfmodel.validate``).
@@ -22,13 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from rayspec.perfmodel import hardware
-from rayspec.perfmodel.pipeline import Pipeline, Workload, capped_exponential_lengths, geometric_rates, rl_step
+from rayspec.perfmodel.pipeline import (Pipeline, Workload, capped_exponential_lengths, geometric_rates, rl_step,
+                                        with_sync)
 from rayspec.perfmodel.shapes import ModelShape
 from rayspec.perfmodel.simulate import Engine, best_schedule
+from rayspec.perfmodel.weight_sync import TRANSPORTS, sync_time
 from rayspec.rollout.adaptive import extrapolate_rates, format_schedule
 
 # mean prompt tokens of the first b GSM8K train prompts (chat template, SmolLM2 tokenizer): the
@@ -62,6 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mode", default="sync", choices=["sync", "async"])
     ap.add_argument("--policy-lag", type=int, default=1, help="async only")
     ap.add_argument("--train-devices", type=int, help="default: the rollout devices (colocated)")
+    ap.add_argument("--weight-sync", default="collective", choices=list(TRANSPORTS),
+                    help="weight transport of the modelled steps (both are printed)")
+    ap.add_argument("--nodes", type=int, help="nodes the run spans (default: its devices / --gpus-per-node)")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--validate", action="store_true", help="print the validation tables and exit")
     ap.add_argument("--bench", default=str(Path(__file__).resolve().parents[1] / "docs/benchmarks/rollout_quick_one_openmp.json"),
                     help="--validate: jobs.bench_rollout --quick JSON measured on the cpu preset's machine")
@@ -97,7 +106,10 @@ def project(ns) -> dict:
         work = Workload(capped_exponential_lengths(ns.sequences, ns.response_mean, ns.max_new_tokens),
                         ns.prompt_len, geometric_rates(ns.acceptance_length, ns.k, ns.k_max), "flags")
     devices = ns.tp * ns.replicas
-    pipe = Pipeline(ns.mode, ns.train_devices or devices, ns.policy_lag if ns.mode == "async" else 0)
+    train_devices = ns.train_devices or devices
+    # colocated (sync) the roles share the devices; async splits them
+    nodes = ns.nodes or math.ceil((devices if ns.mode == "sync" else devices + train_devices) / ns.gpus_per_node)
+    pipe = Pipeline(ns.mode, train_devices, ns.policy_lag if ns.mode == "async" else 0, ns.weight_sync, nodes)
     plain = Engine(target, hw, "none", None, ns.tp, ns.replicas, ns.max_num_seqs, ns.temperature)
     spec = Engine(target, hw, ns.method, _draft(target, ns), ns.tp, ns.replicas, ns.max_num_seqs, ns.temperature)
     base = rl_step(plain, work, pipe, 0)
@@ -110,8 +122,16 @@ def project(ns) -> dict:
     for name, st in list(runs.items())[1:]:
         rows.append(dict(k=name, rollout_s=st.rollout_s, step_s=st.step_s,
                          rollout_speedup=base.rollout_s / st.rollout_s, step_speedup=base.step_s / st.step_s))
+    nbytes = target.weight_bytes(1e9, hw.dtype_bytes)
+    sync = []
+    for transport in TRANSPORTS:
+        t = sync_time(transport, nbytes, hw, nodes)
+        sync.append(dict(transport=transport, bytes=nbytes, nodes=nodes, gather_s=t.gather_s,
+                         transfer_s=t.transfer_s, load_s=t.load_s, sync_s=t.seconds,
+                         **{f"share_{n}": t.seconds / with_sync(runs[n], pipe, t.seconds).step_s
+                            for n in ("none", "best schedule")}))
     return dict(model=target.name, hardware=hw.to_dict(), method=ns.method, tp=ns.tp, replicas=ns.replicas,
-                temperature=ns.temperature,
+                temperature=ns.temperature, weight_sync=sync,
                 pipeline=vars(pipe), workload=dict(sequences=len(work.lengths), prompt_len=work.prompt_len,
                                                    response_mean=sum(work.lengths) / len(work.lengths),
                                                    rates=work.rates, source=work.source),
@@ -184,6 +204,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['step_speedup']:>9.2f}")
         print("num_speculative_tokens_per_batch_size:", result["num_speculative_tokens_per_batch_size"],
               f"({format_schedule([tuple(r) for r in result['num_speculative_tokens_per_batch_size']])})")
+        ws = result["weight_sync"]
+        print(f"\nweight sync: {ws[0]['bytes'] / 1e9:.1f} GB a refit, {ws[0]['nodes']} node(s) "
+              f"(steps above: {ns.weight_sync})")
+        print(f"{'transport':<14}{'gather s':>9}{'transfer s':>11}{'load s':>8}{'sync s':>8}"
+              f"{'share of step: none':>21}{'best schedule':>15}")
+        for w in ws:
+            print(f"{w['transport']:<14}{w['gather_s']:>9.2f}{w['transfer_s']:>11.2f}{w['load_s']:>8.2f}"
+                  f"{w['sync_s']:>8.2f}{w['share_none']:>21.1%}{w['share_best schedule']:>15.1%}")
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -146,8 +146,10 @@ class WeightSyncConfig:
             replica and staged as a file; ``auto``: collective, falling back
             to the object store (with a warning) where the group cannot form.
         backend: the collective's backend: ``nccl`` (GPU tensors on both
-            ends), ``gloo`` (host tensors, any node), ``auto``: nccl where
-            the Train workers and the replicas have GPUs, else gloo.
+            ends; split layout only: NCCL refuses two ranks on one GPU, as
+            rank 0 and a colocated replica would be), ``gloo`` (host
+            tensors, any node), ``auto``: nccl where the Train workers and
+            the replicas have GPUs of their own (split), else gloo.
         packed_buffer_size_bytes: bucket size (bytes; vLLM's name): what each
             end holds of a refit beyond the weights themselves.
         timeout_s: forming the group and each bucket (seconds); a replica
@@ -485,6 +487,9 @@ def validate(cfg: RunConfig) -> None:
     _check(ws.backend != "nccl" or (cfg.train.gpus_per_worker > 0 and cfg.rollout.num_gpus_per_replica > 0),
            "rollout.weight_sync.backend", ws.backend,
            "nccl needs GPUs on both ends (train.gpus_per_worker and rollout.num_gpus_per_replica > 0)")
+    _check(ws.backend != "nccl" or cfg.scheduler.layout == "split", "rollout.weight_sync.backend", ws.backend,
+           "colocated, the trainer's rank 0 shares its GPU with a replica and NCCL refuses two ranks on one "
+           "device: use gloo (or auto)")
     if spec.method == "draft_model":
         _check(spec.model is not None, "rollout.speculative_config.model", spec.model,
                "method draft_model needs a draft model directory")

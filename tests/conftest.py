@@ -67,29 +67,6 @@ def in_process_engine_core(monkeypatch):
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-class LocalReplicas:
-    """Serve's ``handle.broadcast`` over engines in this process (each call
-    in its own thread, as replicas run concurrently): drives a weight
-    transport without Serve."""
-
-    def __init__(self, engines):
-        import concurrent.futures
-
-        self.engines = engines
-        self._pool = concurrent.futures.ThreadPoolExecutor(8)
-
-    def broadcast(self, method, *args):
-        futures = [self._pool.submit(getattr(e, method), *args) for e in self.engines]
-
-        class Response:
-            def results(self, return_exceptions=False):
-                if not return_exceptions:
-                    return [f.result() for f in futures]
-                return [f.exception() or f.result() for f in futures]
-
-        return Response()
-
-
 def engine_kwargs(**kw):
     base = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 16, "seed": 0}
     base.update(kw)

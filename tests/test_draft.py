@@ -13,9 +13,9 @@ from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, init_head,
                                   save_head, vllm_state_dict)
 from rayspec.draft.trainer import DraftTrainer
 from rayspec.models import load_policy, load_tokenizer
-from rayspec.sync.transport import CollectiveTransport
+from rayspec.sync.transport import CollectiveTransport, LocalReplicas
 from rayspec.train.capture import capture_eagle3_features
-from tests.conftest import LocalReplicas, engine_kwargs
+from tests.conftest import engine_kwargs
 
 
 @pytest.fixture(scope="module")

@@ -270,3 +270,32 @@ def test_project_speedup_job(tmp_path, capsys):
     assert t0["none"] == t1["none"] and all(t0[k] < t1[k] for k in ("k=1", "k=2", "k=3"))
     assert main(["--temperature", "-1", "--out", str(out)]) == 2
     assert main(["--hardware", "tpu9", "--out", str(out)]) == 2
+    # each transport's sync and its share of the step; the steps above use --weight-sync
+    sync = {w["transport"]: w for w in res["weight_sync"]}
+    assert sync["collective"]["sync_s"] < sync["object_store"]["sync_s"]
+    step = {r["k"]: r["step_s"] for r in res["rows"]}
+    assert sync["collective"]["share_none"] == pytest.approx(sync["collective"]["sync_s"] / step["none"])
+    store = tmp_path / "store.json"
+    assert main(["--model", "qwen3-8b", "--hardware", "h200", "--sequences", "64", "--response-mean", "500",
+                 "--max-new-tokens", "2000", "--k-max", "3", "--weight-sync", "object_store", "--out", str(store)]) == 0
+    step_store = {r["k"]: r["step_s"] for r in json.loads(store.read_text())["rows"]}
+    assert step_store["none"] - step["none"] == pytest.approx(
+        sync["object_store"]["sync_s"] - sync["collective"]["sync_s"])
+
+
+def test_weight_sync_model_by_transport_and_nodes():
+    from rayspec.perfmodel.weight_sync import sync_time
+
+    hw = hardware.get("h100")
+    one = {t: sync_time(t, 16e9, hw, nodes=1) for t in ("object_store", "collective")}
+    two = {t: sync_time(t, 16e9, hw, nodes=2) for t in ("object_store", "collective")}
+    # collective: two pageable host<->device copies, then NVLink (one node) or the GPU's NIC (two)
+    assert one["collective"].seconds == pytest.approx(3 * 16e9 / 25e9 - 16e9 / 25e9 + 16e9 / 450e9)
+    assert two["collective"].transfer_s - one["collective"].transfer_s == pytest.approx(16e9 / 50e9 - 16e9 / 450e9)
+    # object store: host copies on both ends, one TCP copy per other node
+    assert two["object_store"].seconds - one["object_store"].seconds == pytest.approx(16e9 / 12.5e9)
+    assert one["object_store"].seconds > 5 * one["collective"].seconds
+    with pytest.raises(ValueError, match="weight transport 'rdma'"):
+        sync_time("rdma", 1e9, hw)
+    with pytest.raises(ValueError, match="weight_sync='rdma'"):
+        Pipeline(weight_sync="rdma")

@@ -17,10 +17,10 @@ from rayspec.config import load_config
 from rayspec.draft.eagle3 import init_head, save_head
 from rayspec.models import load_policy, load_tokenizer
 from rayspec.rollout.engine import ReplicaBehind
-from rayspec.sync.transport import CollectiveTransport, plan_buckets, state_dict_nbytes
+from rayspec.sync.transport import CollectiveTransport, LocalReplicas, plan_buckets, state_dict_nbytes
 from rayspec.train.grpo import group_advantages, token_logprobs, token_mult_prob_error
 from rayspec.train.policy import build_engine, deepspeed_config, full_state_dict, policy_update
-from tests.conftest import LocalReplicas, engine_kwargs
+from tests.conftest import engine_kwargs
 
 
 @pytest.fixture

@@ -92,11 +92,18 @@ def test_transport_choice_and_bad_keys():
     auto = make_transport(ws, None, trainer_has_gpu=True, replicas_have_gpu=True, device="cpu")
     assert isinstance(auto, CollectiveTransport) and auto.backend == "nccl" and auto._fallback is not None
     assert make_transport(ws, None, trainer_has_gpu=False, replicas_have_gpu=True).backend == "gloo"
+    # colocated, rank 0 and a replica share a GPU: NCCL would refuse the pair
+    assert make_transport(ws, None, True, True, shared_gpus=True).backend == "gloo"
     ws.transport = "object_store"
     assert make_transport(ws, None, False, False).name == "object_store"
     for override, key in [("rollout.weight_sync.transport=nccl", "rollout.weight_sync.transport"),
                           ("rollout.weight_sync.backend=nccl", "rollout.weight_sync.backend"),
+                          ("rollout.weight_sync.timeout_s=0", "rollout.weight_sync.timeout_s"),
                           ("rollout.weight_sync.packed_buffer_size_bytes=1000",
                            "rollout.weight_sync.packed_buffer_size_bytes")]:
         with pytest.raises(ConfigError, match=key):
             load_config(None, [override])
+    gpus = ["rollout.weight_sync.backend=nccl", "train.gpus_per_worker=1", "rollout.num_gpus_per_replica=1"]
+    with pytest.raises(ConfigError, match="NCCL refuses two ranks on one device"):
+        load_config(None, [*gpus, "scheduler.layout=colocate"])
+    assert load_config(None, [*gpus, "scheduler.layout=split"]).rollout.weight_sync.backend == "nccl"

@@ -50,6 +50,13 @@ class Hardware:
         overlap: fraction of the shorter of a forward's compute and memory
             times hidden under the longer: 1 is the roofline's max (GPUs),
             0 their sum (``calibrate.measure_overlap``).
+        pcie_bw: host <-> device copy bandwidth (bytes/s; pageable memory).
+        host_copy_bw: one host memcpy stream (bytes/s): pickling, reading and
+            writing host buffers.
+        inter_node_bw: GPU-to-GPU bandwidth across nodes per GPU (bytes/s;
+            the RDMA NIC each GPU has).
+        tcp_bw: TCP bandwidth of a node's NIC (bytes/s): Ray's object
+            transfers between nodes.
         source: where the numbers come from.
     """
 
@@ -70,6 +77,10 @@ class Hardware:
     train_mfu: float = 0.35
     gpu_memory_utilization: float = 0.9
     overlap: float = 1.0
+    pcie_bw: float = 25e9
+    host_copy_bw: float = 10e9
+    inter_node_bw: float = 50e9
+    tcp_bw: float = 12.5e9
     source: str = ""
 
     def with_overrides(self, **kw) -> Hardware:
@@ -82,7 +93,8 @@ class Hardware:
         for key, value in kw.items():
             if key not in known:
                 raise ValueError(f"hardware override {key!r}: unknown field (one of {', '.join(sorted(known))})")
-            if key in ("peak_flops", "mem_bw", "mem_bytes", "link_bw", "dtype_bytes") and float(value) <= 0:
+            if key in ("peak_flops", "mem_bw", "mem_bytes", "link_bw", "dtype_bytes", "pcie_bw", "host_copy_bw",
+                       "inter_node_bw", "tcp_bw") and float(value) <= 0:
                 raise ValueError(f"hardware override {key}={value}: must be > 0")
             if key == "overlap" and not 0.0 <= float(value) <= 1.0:
                 raise ValueError(f"hardware override overlap={value}: must be in [0, 1]")
@@ -97,7 +109,11 @@ class Hardware:
 # in matmuls and 80% of HBM bandwidth; 1 ms of scheduler/sampler work and
 # 0.3 ms per (graph-replayed) forward pass remain exposed per step; training
 # at 35% MFU; the rejection sampler's noise is written and read once (8 bytes
-# a logit at 80% of HBM bandwidth).
+# a logit at 80% of HBM bandwidth). Weight sync (perfmodel.weight_sync):
+# pageable host <-> device copies at 25 GB/s (PCIe Gen5 x16 is 64 GB/s per
+# direction pinned), one host memcpy stream at 10 GB/s, 400 Gb/s of RDMA
+# per GPU across nodes (InfiniBand NDR, one ConnectX-7 per GPU in a DGX
+# H100; EFA on p5.48xlarge: 3200 Gb/s for 8 GPUs), 100 Gb/s of TCP per node.
 _GPU = dict(flops_efficiency=0.6, bw_efficiency=0.8, step_overhead_s=1e-3, forward_overhead_s=0.3e-3,
             train_mfu=0.35)
 

@@ -3,7 +3,7 @@ weight sync, in sync or async mode, and the workload that drives it.
 
     train_s   = 6 N_active T / (peak * MFU * train devices)     (Kaplan et al. 2020, Sec. 2.1)
     logprob_s = 2 N_active T / (peak * MFU * train devices)     (one forward of the step's T tokens)
-    sync_s    = weight bytes / link bandwidth                   (every replica receives in parallel)
+    sync_s    = one refit through the weight transport         (perfmodel.weight_sync)
 
     sync:  step = rollout + logprob + train + sync      (colocated: all devices take turns)
     async: step = max(rollout, logprob + train) + sync  (split devices, policy lag >= 1)
@@ -17,6 +17,7 @@ batches back to back, divided by ``policy_lag``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from rayspec.perfmodel.simulate import Engine, Rollout, simulate_rollout
+from rayspec.perfmodel.weight_sync import TRANSPORTS, sync_time
 
 
 def capped_exponential_lengths(n: int, mean: float, cap: int, seed: int = 0) -> list[int]:
@@ -139,17 +141,25 @@ class Pipeline:
         train_devices: devices of the policy update (sync/colocated: all).
         policy_lag: policy updates between the sampling weights and the
             trained ones (0 in sync mode).
+        weight_sync: the weight transport, ``collective`` | ``object_store``.
+        nodes: nodes the trainer's rank 0 and the replicas span.
     """
 
     mode: str = "sync"
     train_devices: int = 1
     policy_lag: int = 0
+    weight_sync: str = "collective"
+    nodes: int = 1
 
     def __post_init__(self):
         if self.mode not in ("sync", "async"):
             raise ValueError(f"pipeline mode {self.mode!r}: must be sync or async")
         if self.mode == "async" and self.policy_lag < 1:
             raise ValueError(f"async pipeline with policy_lag={self.policy_lag}: must be >= 1")
+        if self.weight_sync not in TRANSPORTS:
+            raise ValueError(f"weight_sync={self.weight_sync!r}: must be one of {TRANSPORTS}")
+        if self.nodes < 1:
+            raise ValueError(f"nodes={self.nodes}: must be >= 1")
         if self.train_devices < 1:
             raise ValueError(f"train_devices={self.train_devices}: must be >= 1")
 
@@ -187,9 +197,17 @@ def rl_step(engine: Engine, work: Workload, pipe: Pipeline, k_schedule) -> StepT
     rate = hw.peak_flops * hw.train_mfu * pipe.train_devices
     train_s = 6.0 * target.active_params * work.tokens / rate
     logprob_s = 2.0 * target.active_params * work.tokens / rate
-    sync_s = target.weight_bytes(1e9, hw.dtype_bytes) / hw.link_bw
+    sync_s = sync_time(pipe.weight_sync, target.weight_bytes(1e9, hw.dtype_bytes), hw, pipe.nodes).seconds
+    return StepTime(ro, rollout_s, logprob_s, train_s, sync_s, _step_s(pipe, rollout_s, logprob_s, train_s, sync_s))
+
+
+def _step_s(pipe: Pipeline, rollout_s: float, logprob_s: float, train_s: float, sync_s: float) -> float:
     if pipe.mode == "sync":
-        step = rollout_s + logprob_s + train_s + sync_s
-    else:
-        step = max(rollout_s, logprob_s + train_s) + sync_s
-    return StepTime(ro, rollout_s, logprob_s, train_s, sync_s, step)
+        return rollout_s + logprob_s + train_s + sync_s
+    return max(rollout_s, logprob_s + train_s) + sync_s
+
+
+def with_sync(st: StepTime, pipe: Pipeline, sync_s: float) -> StepTime:
+    """``st`` with another weight sync's seconds (another transport)."""
+    return dataclasses.replace(st, sync_s=sync_s,
+                               step_s=_step_s(pipe, st.rollout_s, st.logprob_s, st.train_s, sync_s))

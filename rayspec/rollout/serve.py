@@ -104,7 +104,8 @@ class PendingRollout:
             except ReplicaBehind as e:
                 if self._catch_up is None:
                     raise
-                log.warning("%s; sending the shard again with the weights through the object store", e)
+                log.warning("%s; sending the shard again with the weights through the object store",
+                            str(e).strip().splitlines()[-1])  # the message, not Ray's remote traceback
                 kw = self._shards[i] = dict(self._shards[i], refits=self._catch_up(self._shards[i]["refits"]))
                 self._responses[i] = self._handle.generate.remote(**kw)
             except ray.exceptions.RayActorError as e:

@@ -345,6 +345,28 @@ class CollectiveTransport(_Transport):
         self._drop_group()
 
 
+class LocalReplicas:
+    """Serve's ``handle.broadcast`` over ``SpecVLLMEngine``s in this process,
+    each call in its own thread as replicas run concurrently: drives a
+    transport without Serve (the GPU smoke, benchmarks, tests)."""
+
+    def __init__(self, engines: list):
+        self.engines = engines
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(2, 2 * len(engines)),
+                                                           thread_name_prefix="rayspec-local-replica")
+
+    def broadcast(self, method: str, *args):
+        futures = [self._pool.submit(getattr(e, method), *args) for e in self.engines]
+
+        class Response:
+            def results(self, return_exceptions: bool = False) -> list:
+                if return_exceptions:
+                    return [f.exception() or f.result() for f in futures]
+                return [f.result() for f in futures]
+
+        return Response()
+
+
 def _raise_first(results: list) -> list:
     for r in results:
         if isinstance(r, BaseException):
@@ -352,7 +374,7 @@ def _raise_first(results: list) -> list:
     return results
 
 
-def make_transport(ws, replicas, trainer_has_gpu: bool, replicas_have_gpu: bool,
+def make_transport(ws, replicas, trainer_has_gpu: bool, replicas_have_gpu: bool, shared_gpus: bool = False,
                    device: torch.device | str = "cpu"):
     """The transport ``ws`` (``WeightSyncConfig``) asks for.
 
@@ -360,13 +382,15 @@ def make_transport(ws, replicas, trainer_has_gpu: bool, replicas_have_gpu: bool,
         replicas: the rollout deployment's handle.
         trainer_has_gpu / replicas_have_gpu: where the two ends compute
             (``backend: auto`` picks nccl only if both do).
+        shared_gpus: replicas share the trainer's GPUs (colocated): NCCL
+            refuses two ranks on one device, so ``auto`` picks gloo.
         device: rank 0's device (the nccl buckets' device).
     """
     object_store = ObjectStoreTransport(replicas)
     if ws.transport == "object_store":
         return object_store
     backend = ws.backend if ws.backend != "auto" else \
-        "nccl" if trainer_has_gpu and replicas_have_gpu else "gloo"
+        "nccl" if trainer_has_gpu and replicas_have_gpu and not shared_gpus else "gloo"
     return CollectiveTransport(replicas, backend, ws.packed_buffer_size_bytes, ws.timeout_s,
                                device if backend == "nccl" else "cpu",
                                fallback=object_store if ws.transport == "auto" else None)

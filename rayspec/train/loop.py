@@ -53,7 +53,8 @@ class StepContext:
         # their versions so a replica Serve restarted catches up first
         self.transport = make_transport(cfg.rollout.weight_sync, self.rollout,
                                         trainer_has_gpu=device.type == "cuda",
-                                        replicas_have_gpu=cfg.rollout.num_gpus_per_replica > 0, device=device)
+                                        replicas_have_gpu=cfg.rollout.num_gpus_per_replica > 0,
+                                        shared_gpus=cfg.scheduler.layout == "colocate", device=device)
         lag = cfg.scheduler.max_policy_lag if cfg.scheduler.mode == "async" else 0
         self.pipeline = RolloutPipeline(self.submit_rollout, lag)
         self.log = MetricsLog(cfg.trainer.run_dir)

@@ -1,0 +1,233 @@
+"""Weight-sync benchmark: one refit through each transport, by state-dict size
+and replica count.
+
+    python -m jobs.bench_refit [--quick] [--sizes-gb 0.1 0.5 1 2] [--replicas 1 2]
+        [--rounds 2] [--out bench_refit.json] [--run-dir runs/bench_refit]
+
+For each size the bench writes a random Llama (SmolLM2's vocabulary and
+tokenizer, width and depth scaled so its fp32 state dict has that many
+bytes), starts the rollout deployment (``rollout.num_replicas`` plain vLLM
+replicas, as the main job does) on an embedded Ray cluster, and times
+``transport.send(...).results()`` from this process, which plays the
+trainer's rank 0 (it holds the host state dict, as rank 0 does after the
+gather): ``object_store`` and ``collective`` (gloo) in paired rounds whose
+order alternates (o c c o ...). Per cell it reports the seconds of each
+round, GB/s (state-dict bytes / median seconds) and the peak extra host
+memory of a replica during the refit (resident memory of its process tree
+above its level before the refit, plus the staging file under /dev/shm; an
+upper bound, as the file's mapped pages count in both). Prints a table,
+writes JSON (a list of cells: transport, bytes, replicas, seconds,
+gb_per_s, peak_host_bytes, ...) and ``<run-dir>/refit.png``.
+
+``--quick``: 0.1 and 1 GB, one replica (under 10 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+SIZES_GB = (0.1, 0.5, 1.0, 2.0)
+QUICK_SIZES_GB = (0.1, 1.0)
+TRANSPORTS = ("object_store", "collective")
+
+
+def model_for_size(out: Path, tokenizer_dir: Path, nbytes: float) -> Path:
+    """A random Llama whose fp32 state dict is about ``nbytes`` (tied
+    tensors once): width 256 below 0.3 GB, else 1024; depth to fit."""
+    from rayspec.models import make_tiny_llama
+
+    hidden = 256 if nbytes < 0.3e9 else 1024
+    vocab = 49152
+    per_layer = 10 * hidden * hidden * 4  # q k v o (heads of 64, no GQA) + gate up down (2h)
+    layers = max(1, round((nbytes - 2 * vocab * hidden * 4) / per_layer))
+    if not (out / "config.json").is_file():
+        make_tiny_llama(out, tokenizer_dir, hidden_size=hidden, num_layers=layers)
+    return out
+
+
+class _PeakMemory:
+    """Samples a process tree's resident bytes plus a directory's file bytes
+    every 20 ms; ``peak`` is the largest excess over the first sample."""
+
+    def __init__(self, pid: int, staging: list[Path]):
+        import psutil
+
+        self._proc, self._staging = psutil.Process(pid), staging
+        self.baseline = self._sample()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> int:
+        import psutil
+
+        rss = 0
+        for p in [self._proc, *self._proc.children(recursive=True)]:
+            try:
+                rss += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        staged = sum(f.stat().st_size for d in self._staging for f in d.glob("*") if f.is_file())
+        return rss + staged
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._sample() - self.baseline)
+            time.sleep(0.02)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self._sample() - self.baseline)
+
+
+def _replica_processes() -> list[int]:
+    from ray.util.state import list_actors
+
+    return [a.pid for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True)
+            if "SpecVLLMReplica" in a.class_name]
+
+
+def bench_cell(handle, sd: dict, replicas: int, rounds: int, bucket_bytes: int) -> list[dict]:
+    """Both transports on the running deployment, paired rounds."""
+    from rayspec.sync.transport import CollectiveTransport, ObjectStoreTransport, state_dict_nbytes
+
+    pids = _replica_processes()
+    staging = [Path(d) for d in handle.broadcast("staging_dir").results()]
+    transports = {"object_store": ObjectStoreTransport(handle),
+                  "collective": CollectiveTransport(handle, "gloo", bucket_bytes, timeout_s=600)}
+    nbytes = state_dict_nbytes(sd)
+    # the collective's first send forms the group: time it apart
+    t0 = time.perf_counter()
+    transports["collective"].send("policy", sd, 1).results()
+    form_s = time.perf_counter() - t0
+    seconds = {t: [] for t in TRANSPORTS}
+    peaks = {t: [] for t in TRANSPORTS}
+    version = 1
+    order = []
+    for r in range(rounds):
+        order += list(TRANSPORTS) if r % 2 == 0 else list(reversed(TRANSPORTS))
+    for name in order:
+        version += 1
+        meters = [_PeakMemory(pid, staging) for pid in pids]
+        t0 = time.perf_counter()
+        transports[name].send("policy", sd, version).results()
+        seconds[name].append(time.perf_counter() - t0)
+        peaks[name].append(max(m.stop() for m in meters))
+    transports["collective"].close()
+    cells = []
+    for name in TRANSPORTS:
+        med = statistics.median(seconds[name])
+        cells.append({"transport": name, "bytes": nbytes, "replicas": replicas, "seconds": med,
+                      "seconds_rounds": seconds[name], "gb_per_s": nbytes / med / 1e9,
+                      "peak_host_bytes": max(peaks[name]), "packed_buffer_size_bytes": bucket_bytes,
+                      **({"group_form_seconds": form_s} if name == "collective" else {})})
+    return cells
+
+
+def format_table(cells: list[dict]) -> str:
+    lines = [f"{'GB':>5}{'replicas':>9}  {'transport':<13}{'seconds (rounds)':<26}{'GB/s':>7}"
+             f"{'peak host GB / replica':>24}{'collective/object_store':>25}"]
+    by = {(c["bytes"], c["replicas"], c["transport"]): c for c in cells}
+    for c in cells:
+        rounds = " ".join(f"{s:.2f}" for s in c["seconds_rounds"])
+        ratio = ""
+        if c["transport"] == "collective":
+            ratio = f"{by[(c['bytes'], c['replicas'], 'object_store')]['seconds'] / c['seconds']:.2f}x faster"
+        lines.append(f"{c['bytes'] / 1e9:>5.2f}{c['replicas']:>9}  {c['transport']:<13}{rounds:<26}"
+                     f"{c['gb_per_s']:>7.3f}{c['peak_host_bytes'] / 1e9:>24.2f}{ratio:>25}")
+    return "\n".join(lines)
+
+
+def plot(cells: list[dict], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    for name, marker in zip(TRANSPORTS, "os"):
+        for replicas, style in ((1, "-"), (2, "--")):
+            pts = sorted((c["bytes"] / 1e9, c) for c in cells
+                         if c["transport"] == name and c["replicas"] == replicas)
+            if not pts:
+                continue
+            label = f"{name}, {replicas} replica{'s' * (replicas > 1)}"
+            ax[0].plot([g for g, _ in pts], [c["seconds"] for _, c in pts], marker + style, label=label)
+            ax[1].plot([g for g, _ in pts], [c["peak_host_bytes"] / 1e9 for _, c in pts], marker + style,
+                       label=label)
+    ax[0].set(xlabel="state dict (GB)", ylabel="seconds per refit (median)", title="refit time")
+    ax[1].set(xlabel="state dict (GB)", ylabel="GB", title="peak extra host memory per replica")
+    for a in ax:
+        a.grid(alpha=0.3)
+        a.legend()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jobs.bench_refit", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="0.1 and 1 GB, 1 replica")
+    ap.add_argument("--sizes-gb", type=float, nargs="+", default=None, help=f"default {SIZES_GB}")
+    ap.add_argument("--replicas", type=int, nargs="+", default=None, help="default 1 2")
+    ap.add_argument("--rounds", type=int, default=2, help="paired rounds per cell (default 2)")
+    ap.add_argument("--packed-buffer-size-bytes", type=int, default=None,
+                    help="collective bucket size (default: rollout.weight_sync's)")
+    ap.add_argument("--out", default="bench_refit.json", help="JSON results file")
+    ap.add_argument("--run-dir", default="runs/bench_refit", help="models and the plot go here")
+    ns = ap.parse_args(argv)
+    sizes = ns.sizes_gb or (QUICK_SIZES_GB if ns.quick else SIZES_GB)
+    replica_counts = ns.replicas or ([1] if ns.quick else [1, 2])
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+    import ray
+    from ray import serve
+
+    from rayspec.config import load_config
+    from rayspec.models import load_policy, materialize_bundled_model
+    from rayspec.rollout.serve import deploy_rollout
+    from rayspec.scheduler import init_ray
+    from rayspec.devices import to_host
+
+    root = Path(ns.run_dir)
+    cfg = load_config(None, ["ray.num_cpus=2", f"ray.object_store_memory={int(max(sizes) * 1.6e9) + (1 << 30)}",
+                             "rollout.speculative_config.method=null", "model.dtype=float32",
+                             "rollout.cpu_kvcache_space_gib=1"])
+    bucket = ns.packed_buffer_size_bytes or cfg.rollout.weight_sync.packed_buffer_size_bytes
+    tokenizer_dir = materialize_bundled_model(Path(cfg.model.cache_dir).expanduser())
+    init_ray(cfg)
+    cells: list[dict] = []
+    try:
+        for gb in sizes:
+            model_dir = model_for_size(root / f"model-{gb:g}gb", tokenizer_dir, gb * 1e9)
+            import torch
+
+            sd = to_host(load_policy(model_dir).state_dict(), torch.float32)
+            for replicas in replica_counts:
+                cfg.rollout.num_replicas = replicas
+                handle = deploy_rollout(cfg, str(model_dir), None)
+                cells += bench_cell(handle, sd, replicas, ns.rounds, bucket)
+                serve.delete("rayspec-rollout")
+                print(format_table(cells[-2:]).split("\n", 1)[1], flush=True)
+            del sd
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(format_table(cells))
+    Path(ns.out).write_text(json.dumps(cells, indent=2) + "\n")
+    print(f"wrote {ns.out} and {plot(cells, root / 'refit.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Seconds of one refit by weight transport (``rayspec.sync``): what the
+trainer's rank 0 and the replicas copy, and over which link, as rayspec's
+code does it. B = weight bytes, N = nodes holding replicas and trainer.
+
+    object_store = B/pcie (gather to host) + B/host (ray.put's pickle into the store)
+                 + (N-1) B/tcp (the owner's NIC sends one copy per other node)
+                 + 3 B/host (a replica's ray.get, its staging-file write, the loader's read)
+                 + B/pcie (the loader's host-to-device copy)
+    collective   = B/pcie (gather to host) + B/pcie (each bucket back to rank 0's GPU)
+                 + B/link (the pipelined broadcast; every receiver takes it at once;
+                   link = NVLink within a node, the GPU's RDMA NIC across nodes)
+
+Replicas receive in parallel, so neither depends on the replica count (the
+object store's sender NIC is shared by the other nodes: the (N-1) term). A
+bucket loads on the device as the next one travels: its copy from HBM is
+not charged. On the CPU preset "device" and host are the same memory, so
+pcie is a host copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayspec.perfmodel.hardware import Hardware
+
+TRANSPORTS = ("object_store", "collective")
+
+
+@dataclass(frozen=True)
+class SyncTime:
+    """One refit's modelled seconds, by part."""
+
+    transport: str
+    gather_s: float
+    transfer_s: float
+    load_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.gather_s + self.transfer_s + self.load_s
+
+
+def sync_time(transport: str, nbytes: float, hw: Hardware, nodes: int = 1) -> SyncTime:
+    """Seconds of one refit of ``nbytes`` (see the module docstring).
+
+    Args:
+        transport: ``object_store`` | ``collective``.
+        nbytes: bytes of the weights sent (bytes).
+        hw: the device preset (``pcie_bw``, ``host_copy_bw``, ``link_bw``,
+            ``inter_node_bw``, ``tcp_bw``; bytes/s).
+        nodes: nodes the trainer's rank 0 and the replicas span (>= 1).
+
+    Raises:
+        ValueError: an unknown transport or nodes < 1.
+    """
+    if nodes < 1:
+        raise ValueError(f"nodes={nodes}: must be >= 1")
+    gather = nbytes / hw.pcie_bw
+    if transport == "object_store":
+        transfer = nbytes / hw.host_copy_bw + (nodes - 1) * nbytes / hw.tcp_bw + 2 * nbytes / hw.host_copy_bw
+        load = nbytes / hw.host_copy_bw + nbytes / hw.pcie_bw
+    elif transport == "collective":
+        link = hw.link_bw if nodes == 1 else hw.inter_node_bw
+        transfer = nbytes / hw.pcie_bw + nbytes / link
+        load = 0.0
+    else:
+        raise ValueError(f"weight transport {transport!r}: expected one of {TRANSPORTS}")
+    return SyncTime(transport, gather, transfer, load)
