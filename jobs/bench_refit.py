@@ -15,8 +15,10 @@ order alternates (o c c o ...). Per cell it reports the seconds of each
 round, GB/s (state-dict bytes / median seconds) and the peak extra host
 memory of a replica during the refit (resident memory of its process tree
 above its level before the refit, plus the staging file under /dev/shm; an
-upper bound, as the file's mapped pages count in both). Prints a table,
-writes JSON (a list of cells: transport, bytes, replicas, seconds,
+upper bound, as the file's mapped pages count in both). A transport whose
+refit fails (a replica killed by Ray's memory monitor, say) is recorded
+with its error and the bench goes on. Prints a table, writes JSON (after
+every cell) (a list of cells: transport, bytes, replicas, seconds,
 gb_per_s, peak_host_bytes, ...) and ``<run-dir>/refit.png``.
 
 ``--quick``: 0.1 and 1 GB, one replica (under 10 minutes on 2 cores).
@@ -96,40 +98,61 @@ def _replica_processes() -> list[int]:
             if "SpecVLLMReplica" in a.class_name]
 
 
-def bench_cell(handle, sd: dict, replicas: int, rounds: int, bucket_bytes: int) -> list[dict]:
-    """Both transports on the running deployment, paired rounds."""
+def bench_cell(deploy, sd: dict, replicas: int, rounds: int, bucket_bytes: int) -> list[dict]:
+    """Both transports on a fresh deployment (``deploy()`` starts it and
+    returns its handle), paired rounds. A transport whose refit fails (e.g.
+    a replica killed by Ray's memory monitor) is recorded with its error and
+    left out of the later rounds; the deployment is started again for the
+    other."""
     from rayspec.sync.transport import CollectiveTransport, ObjectStoreTransport, state_dict_nbytes
 
-    pids = _replica_processes()
-    staging = [Path(d) for d in handle.broadcast("staging_dir").results()]
-    transports = {"object_store": ObjectStoreTransport(handle),
-                  "collective": CollectiveTransport(handle, "gloo", bucket_bytes, timeout_s=600)}
+    def start():
+        handle = deploy()
+        return (handle, _replica_processes(), [Path(d) for d in handle.broadcast("staging_dir").results()],
+                {"object_store": ObjectStoreTransport(handle),
+                 "collective": CollectiveTransport(handle, "gloo", bucket_bytes, timeout_s=600)})
+
+    handle, pids, staging, transports = start()
     nbytes = state_dict_nbytes(sd)
-    # the collective's first send forms the group: time it apart
-    t0 = time.perf_counter()
-    transports["collective"].send("policy", sd, 1).results()
-    form_s = time.perf_counter() - t0
     seconds = {t: [] for t in TRANSPORTS}
     peaks = {t: [] for t in TRANSPORTS}
-    version = 1
+    errors: dict[str, str] = {}
+    form_s = None
     order = []
     for r in range(rounds):
         order += list(TRANSPORTS) if r % 2 == 0 else list(reversed(TRANSPORTS))
-    for name in order:
-        version += 1
-        meters = [_PeakMemory(pid, staging) for pid in pids]
-        t0 = time.perf_counter()
-        transports[name].send("policy", sd, version).results()
-        seconds[name].append(time.perf_counter() - t0)
-        peaks[name].append(max(m.stop() for m in meters))
+    for version, name in enumerate(order, start=1):
+        if name in errors:
+            continue
+        try:
+            if name == "collective" and form_s is None:  # the first send forms the group: timed apart
+                t0 = time.perf_counter()
+                transports[name].send("policy", sd, version).results()
+                form_s = time.perf_counter() - t0
+            meters = [_PeakMemory(pid, staging) for pid in pids]
+            t0 = time.perf_counter()
+            transports[name].send("policy", sd, version).results()
+            seconds[name].append(time.perf_counter() - t0)
+            peaks[name].append(max(m.stop() for m in meters))
+        except Exception as e:  # noqa: BLE001 - recorded in the results, the bench goes on
+            errors[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+            print(f"{nbytes / 1e9:.2f} GB, {replicas} replicas, {name}: FAILED ({errors[name]})", flush=True)
+            transports["collective"].close()
+            handle, pids, staging, transports = start()
+            form_s = None
     transports["collective"].close()
     cells = []
     for name in TRANSPORTS:
-        med = statistics.median(seconds[name])
-        cells.append({"transport": name, "bytes": nbytes, "replicas": replicas, "seconds": med,
-                      "seconds_rounds": seconds[name], "gb_per_s": nbytes / med / 1e9,
-                      "peak_host_bytes": max(peaks[name]), "packed_buffer_size_bytes": bucket_bytes,
-                      **({"group_form_seconds": form_s} if name == "collective" else {})})
+        cell = {"transport": name, "bytes": nbytes, "replicas": replicas, "packed_buffer_size_bytes": bucket_bytes}
+        if seconds[name]:
+            med = statistics.median(seconds[name])
+            cell.update(seconds=med, seconds_rounds=seconds[name], gb_per_s=nbytes / med / 1e9,
+                        peak_host_bytes=max(peaks[name]))
+        if name == "collective" and form_s is not None:
+            cell["group_form_seconds"] = form_s
+        if name in errors:
+            cell["error"] = errors[name]
+        cells.append(cell)
     return cells
 
 
@@ -138,12 +161,15 @@ def format_table(cells: list[dict]) -> str:
              f"{'peak host GB / replica':>24}{'collective/object_store':>25}"]
     by = {(c["bytes"], c["replicas"], c["transport"]): c for c in cells}
     for c in cells:
-        rounds = " ".join(f"{s:.2f}" for s in c["seconds_rounds"])
-        ratio = ""
-        if c["transport"] == "collective":
-            ratio = f"{by[(c['bytes'], c['replicas'], 'object_store')]['seconds'] / c['seconds']:.2f}x faster"
-        lines.append(f"{c['bytes'] / 1e9:>5.2f}{c['replicas']:>9}  {c['transport']:<13}{rounds:<26}"
-                     f"{c['gb_per_s']:>7.3f}{c['peak_host_bytes'] / 1e9:>24.2f}{ratio:>25}")
+        head = f"{c['bytes'] / 1e9:>5.2f}{c['replicas']:>9}  {c['transport']:<13}"
+        if "seconds" not in c:
+            lines.append(f"{head}failed: {c['error']}")
+            continue
+        rounds = " ".join(f"{s:.2f}" for s in c["seconds_rounds"]) + (" (then failed)" if "error" in c else "")
+        store = by.get((c["bytes"], c["replicas"], "object_store"), {})
+        ratio = f"{store['seconds'] / c['seconds']:.2f}x faster" \
+            if c["transport"] == "collective" and "seconds" in store else ""
+        lines.append(f"{head}{rounds:<26}{c['gb_per_s']:>7.3f}{c['peak_host_bytes'] / 1e9:>24.2f}{ratio:>25}")
     return "\n".join(lines)
 
 
@@ -156,8 +182,9 @@ def plot(cells: list[dict], out: Path) -> Path:
     fig, ax = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     for name, marker in zip(TRANSPORTS, "os"):
         for replicas, style in ((1, "-"), (2, "--")):
-            pts = sorted((c["bytes"] / 1e9, c) for c in cells
-                         if c["transport"] == name and c["replicas"] == replicas)
+            pts = sorted(((c["bytes"] / 1e9, c) for c in cells
+                          if c["transport"] == name and c["replicas"] == replicas and "seconds" in c),
+                         key=lambda p: p[0])
             if not pts:
                 continue
             label = f"{name}, {replicas} replica{'s' * (replicas > 1)}"
@@ -191,13 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
     import ray
+    import torch
     from ray import serve
 
     from rayspec.config import load_config
-    from rayspec.models import load_policy, materialize_bundled_model
-    from rayspec.rollout.serve import deploy_rollout
-    from rayspec.scheduler import init_ray
     from rayspec.devices import to_host
+    from rayspec.models import load_policy, materialize_bundled_model
+    from rayspec.rollout.serve import APP_NAME, deploy_rollout
+    from rayspec.scheduler import init_ray
 
     root = Path(ns.run_dir)
     cfg = load_config(None, ["ray.num_cpus=2", f"ray.object_store_memory={int(max(sizes) * 1.6e9) + (1 << 30)}",
@@ -210,21 +238,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for gb in sizes:
             model_dir = model_for_size(root / f"model-{gb:g}gb", tokenizer_dir, gb * 1e9)
-            import torch
-
             sd = to_host(load_policy(model_dir).state_dict(), torch.float32)
             for replicas in replica_counts:
                 cfg.rollout.num_replicas = replicas
-                handle = deploy_rollout(cfg, str(model_dir), None)
-                cells += bench_cell(handle, sd, replicas, ns.rounds, bucket)
-                serve.delete("rayspec-rollout")
+                cells += bench_cell(lambda: deploy_rollout(cfg, str(model_dir), None), sd, replicas, ns.rounds,
+                                    bucket)
+                serve.delete(APP_NAME)
                 print(format_table(cells[-2:]).split("\n", 1)[1], flush=True)
+                Path(ns.out).write_text(json.dumps(cells, indent=2) + "\n")  # what is done survives a crash
             del sd
     finally:
         serve.shutdown()
         ray.shutdown()
     print(format_table(cells))
-    Path(ns.out).write_text(json.dumps(cells, indent=2) + "\n")
     print(f"wrote {ns.out} and {plot(cells, root / 'refit.png')}")
     return 0
 

@@ -107,3 +107,35 @@ def test_transport_choice_and_bad_keys():
     with pytest.raises(ConfigError, match="NCCL refuses two ranks on one device"):
         load_config(None, [*gpus, "scheduler.layout=colocate"])
     assert load_config(None, [*gpus, "scheduler.layout=split"]).rollout.weight_sync.backend == "nccl"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_workers_each_join_and_load_their_shard(tiny_llama_dir):
+    """A replica of two tensor-parallel workers takes two ranks of the group
+    (1 and 2 after the trainer's 0); each receives the full tensors and its
+    weight loaders keep its shard: the refit policy's greedy continuation is
+    the trainer's."""
+    from rayspec.models import load_policy, load_tokenizer
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+    from rayspec.sync.transport import LocalReplicas
+    from tests.conftest import engine_kwargs
+
+    eng = SpecVLLMEngine(str(tiny_llama_dir), None, dtype="float32", env=cpu_engine_env(1, "0|1"),
+                         engine_kwargs=engine_kwargs(tensor_parallel_size=2, distributed_executor_backend="mp"))
+    try:
+        assert eng.weight_sync_member()["num_workers"] == 2
+        probe = load_tokenizer(tiny_llama_dir).encode("Question: what is 12 plus 30? Answer:")
+        policy = load_policy(tiny_llama_dir).eval()
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+            want = policy.generate(torch.tensor([probe]), max_new_tokens=16, do_sample=False,
+                                   attention_mask=torch.ones(1, len(probe), dtype=torch.long))[0, len(probe):]
+        assert eng.generate([probe], temperature=0.0, max_tokens=16)[0].response_ids[0] != want.tolist()
+        transport = CollectiveTransport(LocalReplicas([eng]), "gloo", 1 << 20, timeout_s=120)
+        assert transport.send("policy", dict(policy.state_dict()), 1).results() == [1]
+        transport.close()
+        assert eng.generate([probe], temperature=0.0, max_tokens=16)[0].response_ids[0] == want.tolist()
+    finally:
+        eng.shutdown()

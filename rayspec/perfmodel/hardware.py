@@ -144,6 +144,8 @@ PRESETS: dict[str, Hardware] = {
                     flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=0.0, forward_overhead_s=0.0,
                     token_overhead_s=0.26e-3, layer_overhead_s=0.4e-3, rejection_noise_s_per_logit=8.2e-9,
                     dtype_bytes=4.0, train_mfu=0.5, gpu_memory_utilization=0.5, overlap=0.4,
+                    # a fresh 1 GB host copy (torch clone, page faults included): 0.4-1.2 GB/s here
+                    pcie_bw=0.5e9, host_copy_bw=0.5e9,
                     source="2 AVX2 cores: matmul, bandwidth, overlap and layer dispatch timed, overheads fitted on "
                            "plain rollouts (docs/performance-model.md)"),
 }

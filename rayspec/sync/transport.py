@@ -142,10 +142,12 @@ class _Transport:
     def take_stats(self) -> dict[str, Any]:
         """Step-record keys of the refits landed since the last call:
         ``weight_sync_transport``, ``weight_sync_bytes``,
-        ``time_sync_transfer_s`` (from the start of sending until every
-        replica holds the bytes) and ``time_sync_load_s`` (after that until
-        every replica has loaded them; streamed buckets load during the
-        transfer, so collective loads show little here)."""
+        ``time_sync_transfer_s``: rank 0 sending (object store: the
+        ``ray.put``; collective: the broadcast of every bucket, which the
+        replicas load as they land), and ``time_sync_load_s``: after that
+        until every replica reports the weights loaded (object store: their
+        ``ray.get``, staging file and load; collective: the last bucket's
+        load). In async mode that includes waiting behind a rollout."""
         landed, self._landed = self._landed, []
         return {"weight_sync_transport": self.name,
                 "weight_sync_bytes": sum(b for b, _, _ in landed),
@@ -231,20 +233,20 @@ class CollectiveTransport(_Transport):
         return Refit(self, future.result, state_dict_nbytes(weights))
 
     def catch_up(self, refits: dict[str, tuple[int, Any]]) -> dict[str, tuple[int, Any]]:
-        """``refits`` with every None payload replaced by an ObjectRef of that
-        version's weights (put once per version), for a replica outside the
-        group."""
+        """``refits`` with every None payload replaced by the newest weights
+        of its target as an ObjectRef (put once per version; newer than the
+        entry where a refit was sent since the rollout was), for a replica
+        outside the group."""
         if self._fell_back:
             return self._fallback.catch_up(refits)
-        out = {}
-        for target, (version, ref) in refits.items():
+        out = dict(refits)
+        for target, (_, ref) in refits.items():
             if ref is None:
+                version = self.latest[target][0]
                 cached = self._catch_up_refs.get(target)
                 if cached is None or cached[0] != version:
-                    assert self.latest[target][0] == version, "rollouts carry the newest versions"
                     cached = self._catch_up_refs[target] = (version, ray.put(self._weights[target]))
-                ref = cached[1]
-            out[target] = (version, ref)
+                out[target] = cached
         return out
 
     def _send(self, target: str, weights: dict[str, torch.Tensor], version: int):
