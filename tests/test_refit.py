@@ -9,6 +9,7 @@ import socket
 import time
 
 import pytest
+import ray
 import torch
 import torch.distributed as dist
 
@@ -158,8 +159,14 @@ def test_refit_after_deepspeed_step_matches_trainer_greedy(spec_engine, tiny_lla
     eng.policy_version = 1
     with pytest.raises(ReplicaBehind, match="policy at version 1"):
         eng.generate([probe], max_tokens=2, refits=transport.rollout_refits())
-    refits = transport.catch_up(transport.rollout_refits())
-    assert eng.generate([probe], temperature=0.0, max_tokens=16, refits=refits)[0].response_ids[0] == after
+    # the catch-up resends through the object store: a Ray session of this test's own, shut down after
+    # (ray.put would start one that outlives the test and breaks the next module's ray.init)
+    ray.init(num_cpus=1, object_store_memory=100 * 2**20, include_dashboard=False)
+    try:
+        refits = transport.catch_up(transport.rollout_refits())
+        assert eng.generate([probe], temperature=0.0, max_tokens=16, refits=refits)[0].response_ids[0] == after
+    finally:
+        ray.shutdown()
     assert eng.versions()["policy"] == 2
     transport.close()
 
