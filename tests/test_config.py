@@ -4,6 +4,7 @@ with a ConfigError that names the key and the value (no Ray, no vLLM)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rayspec.config import (BUNDLED_MODEL, GPU_MEMORY_UTILIZATION, PLATFORM_DEFAULT_KEYS, ConfigError, RunConfig,
-                            apply_platform_defaults, load_config, to_dict, validate)
+                            apply_platform_defaults, dtype_reason, load_config, to_dict, validate)
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -101,6 +102,34 @@ def test_cpu_roles_keep_the_cpu_defaults_and_gpu_roles_get_the_gpu_ones():
     assert mine.train.deepspeed["bf16"] == {"enabled": False}
     assert mine.train.deepspeed["optimizer"]["params"]["torch_adam"] is False
     assert mine.train.torch_threads_per_worker == 4 and mine.train.gradient_checkpointing is False
+
+
+@pytest.mark.parametrize("amx, avx512_bf16, expected", [(False, False, "float32"), (False, True, "bfloat16"),
+                                                          (True, False, "bfloat16")])
+def test_auto_dtype_serves_bf16_only_where_it_is_native(monkeypatch, amx, avx512_bf16, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    cfg = load_config(DEFAULT)
+    assert cfg.model.dtype == expected  # resolved at load time: config.yaml states what ran
+    assert ("natively" in dtype_reason(cfg)) == (expected == "bfloat16")
+    assert load_config(DEFAULT, ["rollout.num_gpus_per_replica=0.6",
+                                 "train.gpus_per_worker=0.3"]).model.dtype == "bfloat16"
+    mine = load_config(DEFAULT, ["model.dtype=bfloat16"])
+    assert mine.model.dtype == "bfloat16"  # what the user sets stays
+    if expected == "float32":
+        assert dtype_reason(mine).startswith("as configured; auto would pick float32: this CPU has neither")
+
+
+def test_auto_dtype_on_a_torch_without_the_cpu_checks_names_the_key_and_the_version(monkeypatch):
+    import torch
+
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    with pytest.raises(ConfigError, match=re.escape(f"model.dtype=auto: torch {torch.__version__} has no "
+                                                    "torch.cpu._is_amx_tile_supported")):
+        load_config(DEFAULT)
+    assert load_config(DEFAULT, ["model.dtype=float32"]).model.dtype == "float32"
 
 
 def test_no_speculation_ignores_k():

@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 from omegaconf import OmegaConf
 
-from rayspec.config import ConfigError, RunConfig, draft_online
+from rayspec.config import ConfigError, RunConfig, draft_online, dtype_reason
 from rayspec.data import load_problems
 from rayspec.models import check_draft_matches_policy, load_policy, resolve_model_path
 from rayspec.rollout.adaptive import ACCEPTANCE_FILE, read_acceptance
@@ -177,6 +177,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     log.info("scheduler mode %s%s; %s", cfg.scheduler.mode,
              f" (max_policy_lag {cfg.scheduler.max_policy_lag})" if cfg.scheduler.mode == "async" else "",
              plan.describe())
+    log.info("model.dtype %s: %s", cfg.model.dtype, dtype_reason(cfg))
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
