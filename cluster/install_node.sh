@@ -25,6 +25,10 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 pip() { "$venv/bin/python" -m pip "$@"; }
+# arctic-inference (vLLM's suffix drafter) is built from its source distribution;
+# its CMake finds Python on PATH, and the system Python there lacks the build's
+# nanobind ("Could NOT find Python"): put the venv's first.
+export PATH="$venv/bin:$PATH"
 pip install -q --upgrade pip
 
 constraints="$(mktemp)"
