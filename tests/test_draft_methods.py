@@ -19,54 +19,44 @@ def tiny_ernie_mtp_dir(tmp_path_factory, smollm2_dir):
     return make_tiny_ernie_mtp(tmp_path_factory.mktemp("ernie") / "model", smollm2_dir)
 
 
-@pytest.mark.slow
-def test_mtp_from_config_drafts_and_greedy_matches_the_policy(tiny_ernie_mtp_dir, in_process_engine_core):
+def _greedy_from_config(model_dir, method: str, k: int, prompts: list[list[int]], max_tokens: int):
+    """Decode ``prompts`` greedily through the replica's engine with the draft
+    ``rollout.speculative_config`` names (config -> vLLM's speculative_config,
+    nothing else set), assert every response equals the HF policy's greedy
+    continuation, and return the engine's SpecStats."""
     from rayspec.models import load_policy
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env, speculative_config_for_vllm
 
-    cfg = load_config(None, [f"model.path={tiny_ernie_mtp_dir}", "model.dtype=float32",
-                             "rollout.speculative_config.method=mtp",
-                             "rollout.speculative_config.num_speculative_tokens=1"])
+    cfg = load_config(None, [f"model.path={model_dir}", "model.dtype=float32",
+                             f"rollout.speculative_config.method={method}",
+                             f"rollout.speculative_config.num_speculative_tokens={k}"])
     spec = speculative_config_for_vllm(vars(cfg.rollout.speculative_config))
-    assert spec == {"method": "mtp", "num_speculative_tokens": 1}  # no draft directory: the model's own layer
-    eng = SpecVLLMEngine(str(tiny_ernie_mtp_dir), spec, dtype=cfg.model.dtype,
+    assert spec == {"method": method, "num_speculative_tokens": k}  # no draft directory
+    eng = SpecVLLMEngine(str(model_dir), spec, dtype=cfg.model.dtype,
                          engine_kwargs=engine_kwargs(max_num_seqs=4), env=cpu_engine_env(1, "all"))
-    prompts = [[1, 504, 2118, 314, 216], [1, 9151, 28, 253, 1848, 30]]
     try:
-        batch, stats = eng.generate(prompts, n=1, temperature=0.0, max_tokens=12)
+        batch, stats = eng.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
     finally:
         eng.shutdown()
-    assert stats.num_drafts > 0 and len(stats.acceptance_rate_per_pos) == 1  # the MTP layer drafted
-    policy = load_policy(tiny_ernie_mtp_dir).eval()
+    policy = load_policy(model_dir).eval()
     for p, got in zip(prompts, batch.response_ids):
         with torch.no_grad():
-            want = policy.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+            want = policy.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
                                    eos_token_id=None)[0, len(p):]
         assert got == want.tolist()
+    return stats
+
+
+@pytest.mark.slow
+def test_mtp_from_config_drafts_and_greedy_matches_the_policy(tiny_ernie_mtp_dir, in_process_engine_core):
+    stats = _greedy_from_config(tiny_ernie_mtp_dir, "mtp", 1,  # the model's own MTP layer drafts
+                                [[1, 504, 2118, 314, 216], [1, 9151, 28, 253, 1848, 30]], max_tokens=12)
+    assert stats.num_drafts > 0 and len(stats.acceptance_rate_per_pos) == 1
 
 
 @pytest.mark.slow
 def test_suffix_from_config_drafts_and_greedy_matches_the_policy(tiny_llama_dir, in_process_engine_core):
     """vLLM's ``suffix`` method needs arctic-inference (built by install_node.sh)."""
-    from rayspec.models import load_policy
-    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env, speculative_config_for_vllm
-
-    cfg = load_config(None, [f"model.path={tiny_llama_dir}", "model.dtype=float32",
-                             "rollout.speculative_config.method=suffix",
-                             "rollout.speculative_config.num_speculative_tokens=4"])
-    spec = speculative_config_for_vllm(vars(cfg.rollout.speculative_config))
-    assert spec == {"method": "suffix", "num_speculative_tokens": 4}
-    eng = SpecVLLMEngine(str(tiny_llama_dir), spec, dtype=cfg.model.dtype,
-                         engine_kwargs=engine_kwargs(max_num_seqs=4), env=cpu_engine_env(1, "all"))
     prompts = [[1, 504, 2118, 314, 216] * 6, [1, 9151, 28, 253, 1848, 30] * 5]  # repeats the tree can match
-    try:
-        batch, stats = eng.generate(prompts, n=1, temperature=0.0, max_tokens=24)
-    finally:
-        eng.shutdown()
+    stats = _greedy_from_config(tiny_llama_dir, "suffix", 4, prompts, max_tokens=24)
     assert stats.num_drafts > 0 and stats.acceptance_length > 1.0  # the suffix tree drafted, and some held
-    policy = load_policy(tiny_llama_dir).eval()
-    for p, got in zip(prompts, batch.response_ids):
-        with torch.no_grad():
-            want = policy.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
-                                   eos_token_id=None)[0, len(p):]
-        assert got == want.tolist()
