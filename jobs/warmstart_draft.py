@@ -5,11 +5,13 @@
 
 1. The policy (``model.path``) samples ``--samples`` responses to each of the
    first ``--train-prompts`` prompts of ``data.*`` (temperature
-   ``grpo.temperature``, up to ``grpo.max_new_tokens``) on a vLLM engine
-   built with the head; it generates the corpus with k = 0 (no drafts: an
-   untrained head only slows generation down) and measures acceptance with k.
-2. Acceptance length on the next ``--heldout-prompts`` prompts (held out)
-   with the head as it is ("before").
+   ``grpo.temperature``, up to ``grpo.max_new_tokens``) on a plain vLLM
+   engine (no drafts: an untrained head only slows generation down).
+2. The head: ``rollout.speculative_config.model`` when given, else a new one
+   whose draft vocabulary is the ``draft.draft_vocab_size`` most frequent
+   tokens of those responses (their coverage, and the held-out responses',
+   go to ``result.json``). Acceptance length on the next
+   ``--heldout-prompts`` prompts (held out) with the head as it is ("before").
 3. ``--steps`` optimizer steps of ``eagle3_loss`` (``draft.lr``,
    ``draft.ttt_steps``) on the verifier's features of the generated samples
    (``rayspec.draft.warmstart``).
@@ -58,12 +60,13 @@ def parse_args(argv):
     return args, preset, rest
 
 
-def acceptance(engine, prompts: list[list[int]], n: int, cfg) -> dict:
-    _, stats = engine.generate(prompts, n=n, temperature=cfg.grpo.temperature,
-                               max_tokens=cfg.grpo.max_new_tokens)
+def acceptance(engine, prompts: list[list[int]], n: int, cfg) -> tuple[dict, list[list[int]]]:
+    """(acceptance figures of ``n`` samples of each prompt, their response ids)."""
+    batch, stats = engine.generate(prompts, n=n, temperature=cfg.grpo.temperature,
+                                   max_tokens=cfg.grpo.max_new_tokens)
     return {"acceptance_length": stats.acceptance_length,
             "acceptance_rate_per_pos": stats.acceptance_rate_per_pos,
-            "tokens_per_s": stats.tokens_per_s, "output_tokens": stats.output_tokens}
+            "tokens_per_s": stats.tokens_per_s, "output_tokens": stats.output_tokens}, batch.response_ids
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s: %(message)s")
     from rayspec.data import chat_prompt_ids, load_problems
     from rayspec.draft.eagle3 import init_head, load_head, save_head, vllm_state_dict
+    from rayspec.draft.vocab import coverage, select_draft_vocab, token_counts
     from rayspec.draft.warmstart import CORPUS, HEAD, read_corpus, split_prompts, train_head, write_corpus
     from rayspec.models import load_policy, load_tokenizer, resolve_model_path
     from rayspec.rollout.adaptive import uniform, write_acceptance
@@ -94,44 +98,56 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     policy = load_policy(model_dir).eval()
     spec = cfg.rollout.speculative_config
-    if not (out / HEAD / "model.safetensors").is_file():
-        head = load_head(spec.model) if spec.model else init_head(
-            policy, cfg.draft.aux_hidden_state_layer_ids, seed=cfg.trainer.seed)
-        save_head(head, out / HEAD)
     result_path = out / "result.json"
     result = json.loads(result_path.read_text()) if result_path.is_file() else {}
     k = spec.num_speculative_tokens
     seqs = cfg.rollout.engine_kwargs.get("max_num_seqs", 256)
+    engine_args = dict(dtype=cfg.model.dtype, engine_kwargs=dict(cfg.rollout.engine_kwargs),
+                       env=replica_env(cfg.rollout))
+    if not (out / CORPUS).is_file():
+        t0 = time.perf_counter()
+        engine = SpecVLLMEngine(str(model_dir), None, **engine_args)
+        try:
+            batch, _ = engine.generate([chat_prompt_ids(tok, p) for p in train_p], n=args.samples,
+                                       temperature=cfg.grpo.temperature, max_tokens=cfg.grpo.max_new_tokens)
+        finally:
+            engine.shutdown()
+        write_corpus(batch, out / CORPUS)
+        print(f"corpus: {len(batch)} samples, {sum(map(len, batch.response_ids))} response tokens "
+              f"in {time.perf_counter() - t0:.0f} s")
+    samples = read_corpus(out / CORPUS)
+    V = policy.config.vocab_size
+    counts = token_counts((r for _, r in samples), V)
+    if not (out / HEAD / "model.safetensors").is_file():
+        n = cfg.draft.draft_vocab_size
+        vocab = None if spec.model or n is None or n >= V else select_draft_vocab(
+            counts, n, always=[t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None])
+        head = load_head(spec.model) if spec.model else init_head(
+            policy, cfg.draft.aux_hidden_state_layer_ids, seed=cfg.trainer.seed, draft_vocab=vocab)
+        save_head(head, out / HEAD)
+    head_ids = load_head(out / HEAD).draft_ids
+    draft_vocab = {"draft_vocab_size": V if head_ids is None else head_ids.numel(), "vocab_size": V,
+                   "train_coverage": 1.0 if head_ids is None else coverage(counts, head_ids)}
     engine = SpecVLLMEngine(
         str(model_dir), {"method": "eagle3", "model": str(out / HEAD), "num_speculative_tokens": k,
-                         "num_speculative_tokens_per_batch_size": uniform(k, seqs)},
-        dtype=cfg.model.dtype, engine_kwargs=dict(cfg.rollout.engine_kwargs),
-        env=replica_env(cfg.rollout))
+                         "num_speculative_tokens_per_batch_size": uniform(k, seqs)}, **engine_args)
     try:
         held = [chat_prompt_ids(tok, p) for p in held_p]
         if "before" not in result:
-            result["before"] = acceptance(engine, held, args.heldout_samples, cfg)
+            result["before"], _ = acceptance(engine, held, args.heldout_samples, cfg)
             result_path.write_text(json.dumps(result, indent=1))
-        if not (out / CORPUS).is_file():
-            t0 = time.perf_counter()
-            engine.set_k_schedule(uniform(0, seqs))
-            batch, _ = engine.generate([chat_prompt_ids(tok, p) for p in train_p], n=args.samples,
-                                       temperature=cfg.grpo.temperature, max_tokens=cfg.grpo.max_new_tokens)
-            engine.set_k_schedule(uniform(k, seqs))
-            write_corpus(batch, out / CORPUS)
-            print(f"corpus: {len(batch)} samples, {sum(map(len, batch.response_ids))} response tokens "
-                  f"in {time.perf_counter() - t0:.0f} s")
-        samples = read_corpus(out / CORPUS)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         t0 = time.perf_counter()
         trained = train_head(policy, samples, out, args.steps, cfg.draft.lr, cfg.draft.ttt_steps, pad,
                              micro_batch=args.micro_batch, save_every=args.save_every, seed=cfg.trainer.seed)
         engine.update_draft(vllm_state_dict(load_head(out / HEAD)), 1)
-        result["after"] = acceptance(engine, held, args.heldout_samples, cfg)
+        result["after"], held_responses = acceptance(engine, held, args.heldout_samples, cfg)
         if not math.isnan(trained["draft_loss"]) or "train" not in result:
             # a rerun that trained no further keeps the last training figures
             result.update(train=trained, train_seconds=time.perf_counter() - t0)
-        result.update(corpus_samples=len(samples),
+        if head_ids is not None:
+            draft_vocab["heldout_coverage"] = coverage(token_counts(held_responses, V), head_ids)
+        result.update(corpus_samples=len(samples), draft_vocab=draft_vocab,
                       heldout_prompts=len(held), model=str(model_dir), dtype=cfg.model.dtype,
                       data=cfg.data.name, k=k, temperature=cfg.grpo.temperature)
         result_path.write_text(json.dumps(result, indent=1))

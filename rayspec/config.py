@@ -285,6 +285,12 @@ class DraftConfig:
         ttt_steps: training-time-test unroll depth (draft positions trained).
         aux_hidden_state_layer_ids: verifier layers whose inputs feed the head
             (null: 1, L/2-1, L-4 for an L-layer policy).
+        draft_vocab_size: tokens a head that rayspec creates proposes from
+            (``draft_vocab_size`` in the EAGLE-3 config; null: the policy's
+            whole vocabulary): the most frequent tokens of the policy's
+            responses in the warm start (``jobs.warmstart_draft``), or of the
+            training prompts for a head made at the start of a run. A head
+            given as ``rollout.speculative_config.model`` keeps its own.
         buffer_steps: RL steps of verifier features the DraftTrainer keeps
             and replays (1: train on the current step's features only).
         num_cpus: Ray CPUs reserved for the DraftTrainer actor.
@@ -298,6 +304,7 @@ class DraftConfig:
     steps_per_rl_step: int = 4
     ttt_steps: int = 3
     aux_hidden_state_layer_ids: Optional[list[int]] = None
+    draft_vocab_size: Optional[int] = 8192
     buffer_steps: int = 4
     num_cpus: float = 0.2
     num_gpus: float = 0.0
@@ -546,6 +553,10 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.draft.steps_per_rl_step >= 0, "draft.steps_per_rl_step",
            cfg.draft.steps_per_rl_step, "must be >= 0")
     _check(cfg.draft.ttt_steps >= 1, "draft.ttt_steps", cfg.draft.ttt_steps, "must be >= 1")
+    _check(cfg.draft.draft_vocab_size is None or (_is_int(cfg.draft.draft_vocab_size)
+                                                  and cfg.draft.draft_vocab_size >= 1),
+           "draft.draft_vocab_size", cfg.draft.draft_vocab_size, "must be an integer >= 1, or null for the "
+           "policy's vocabulary")
     _check(cfg.draft.buffer_steps >= 1, "draft.buffer_steps", cfg.draft.buffer_steps, "must be >= 1")
     _check(cfg.draft.torch_threads >= 1, "draft.torch_threads", cfg.draft.torch_threads, "must be >= 1")
     sched = cfg.scheduler

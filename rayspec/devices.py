@@ -24,12 +24,15 @@ def to_host(tensors: dict[str, torch.Tensor], dtype: Optional[torch.dtype] = Non
 
     Args:
         tensors: tensors on any device.
-        dtype: cast to this dtype while copying (None: keep each tensor's).
+        dtype: cast floating-point tensors to this dtype while copying
+            (None: keep each tensor's); integer and bool tensors (an EAGLE-3
+            head's d2t / t2d maps) keep theirs.
 
     Returns:
         {name: CPU tensor}, same shapes.
     """
-    return {k: v.detach().to("cpu", dtype or v.dtype, copy=True) for k, v in tensors.items()}
+    return {k: v.detach().to("cpu", dtype if dtype and v.is_floating_point() else v.dtype, copy=True)
+            for k, v in tensors.items()}
 
 
 def to_device(tensors: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:

@@ -64,13 +64,13 @@ def test_capture_matches_hidden_states(tiny_policy):
     assert not f["aux_hidden"].requires_grad
 
 
-def _features(policy, batch: RolloutBatch, pad_id: int, chunk: int = 4) -> list[dict]:
+def _features(policy, batch: RolloutBatch, pad_id: int, chunk: int = 4, aux_ids=(1, 3, 4)) -> list[dict]:
     feats = []
     for a in range(0, len(batch), chunk):
         part = RolloutBatch(batch.prompt_ids[a:a + chunk], batch.response_ids[a:a + chunk],
                             batch.rollout_logprobs[a:a + chunk], batch.group[a:a + chunk])
         t = part.to_padded(pad_id)
-        with torch.no_grad(), capture_eagle3_features(policy, [1, 3, 4]) as f:
+        with torch.no_grad(), capture_eagle3_features(policy, list(aux_ids)) as f:
             policy(input_ids=t["input_ids"], attention_mask=t["attention_mask"])
         feats.append({"input_ids": t["input_ids"], "aux_hidden": f["aux_hidden"].bfloat16(),
                       "final_hidden": f["final_hidden"].bfloat16(), "loss_mask": t["response_mask"]})
@@ -182,21 +182,146 @@ def test_draft_trainer_state_roundtrips_through_checkpoint_files(tiny_policy, tm
         assert torch.equal(a, b), k
 
 
+def _public_eagle3_head(policy, token_ids: torch.Tensor, out) -> None:
+    """Write a reduced-vocabulary head for ``policy`` in the layout of the
+    published EAGLE-3 heads (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): the
+    reference code's config keys (no ``eagle_config``: vLLM's default aux
+    layers), fp16 ``pytorch_model.bin`` with ``d2t`` / ``t2d`` as it builds
+    them (d2t = draft-to-target offsets, t2d = bool mask)."""
+    head = init_head(policy, seed=5, draft_vocab=token_ids)
+    c = policy.config
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id, "hidden_act": "silu", "hidden_size": c.hidden_size,
+        "initializer_range": 0.02, "intermediate_size": c.intermediate_size,
+        "max_position_embeddings": 2048, "model_type": "llama", "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "num_hidden_layers": 1, "pad_token_id": 0,
+        "rms_norm_eps": c.rms_norm_eps, "tie_word_embeddings": False, "torch_dtype": "float16",
+        "transformers_version": "4.28.1", "use_cache": True, "vocab_size": c.vocab_size,
+        "draft_vocab_size": len(token_ids)}))
+    ids = token_ids.sort().values
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    sd = {k: v.half() for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
+    torch.save({"d2t": ids - torch.arange(len(ids)), "t2d": t2d, **sd}, out / "pytorch_model.bin")
+
+
+def test_draft_vocabulary_by_frequency():
+    from rayspec.draft.vocab import coverage, select_draft_vocab, token_counts
+
+    counts = token_counts([[5, 5, 5, 2, 2, 9], [9, 9, 7], []], 12)
+    assert counts.tolist() == [0, 0, 2, 0, 0, 3, 0, 1, 0, 3, 0, 0]
+    assert select_draft_vocab(counts, 3).tolist() == [2, 5, 9]  # most frequent, in id order
+    assert select_draft_vocab(counts, 3, always=[11]).tolist() == [5, 9, 11]  # 5 and 9 tie: both beat 2
+    assert select_draft_vocab(counts, 6).tolist() == [0, 1, 2, 5, 7, 9]  # unseen tokens by lowest id
+    assert coverage(counts, torch.tensor([5, 9])) == pytest.approx(6 / 9)
+    with pytest.raises(ValueError, match="draft.draft_vocab_size=13"):
+        select_draft_vocab(counts, 13)
+    with pytest.raises(ValueError, match=r"outside \[0, 12\)"):
+        token_counts([[3, 12]], 12)
+
+
+def test_reduced_vocab_head_roundtrips_and_drafts_in_policy_ids(tiny_policy, tmp_path):
+    """d2t / t2d as vLLM and the published heads store them, the output layer
+    is the policy's rows, and the loss reports agreement in policy token ids."""
+    from rayspec.draft.loss import eagle3_loss
+
+    ids = torch.tensor([900, 3, 42, 7, 1000, 2])
+    head = init_head(tiny_policy, draft_vocab=ids)
+    assert head.cfg["draft_vocab_size"] == 6 and head.cfg["vocab_size"] == tiny_policy.config.vocab_size
+    assert head.draft_ids.tolist() == [2, 3, 7, 42, 900, 1000]
+    assert head.d2t.tolist() == [2, 2, 5, 39, 896, 995] and int(head.t2d.sum()) == 6 and head.t2d[42]
+    assert torch.equal(head.lm_head.weight, tiny_policy.lm_head.weight[head.draft_ids])
+    sd = vllm_state_dict(head)
+    assert sd["d2t"].dtype == torch.int64 and "t2d" not in sd and sd["fc.weight"].dtype == torch.bfloat16
+    out = save_head(head, tmp_path / "head")
+    again = load_head(out)
+    assert torch.equal(again.d2t, head.d2t) and torch.equal(again.t2d, head.t2d)
+    # a sequence of draft-vocabulary tokens: agreement counts drafts mapped back to policy ids
+    seq = torch.tensor([[3, 42, 7, 900, 2, 3, 42, 1000]])
+    with torch.no_grad(), capture_eagle3_features(tiny_policy, [1, 3, 4]) as f:
+        logits = tiny_policy(input_ids=seq).logits
+    target = logits[0, 1:-1].argmax(-1)
+    loss, agree = eagle3_loss(again, seq, f["aux_hidden"], f["final_hidden"], torch.ones(1, 7),
+                              tiny_policy.model.embed_tokens.weight, tiny_policy.lm_head.weight, 1)
+    with torch.no_grad():
+        normed, _ = again.step(torch.nn.functional.embedding(seq[:, 1:], tiny_policy.model.embed_tokens.weight),
+                               again.fc(f["aux_hidden"][:, :-1]), torch.arange(1, 8)[None])
+    drafted = again.draft_ids[again.lm_head(normed[0, :-1]).argmax(-1)]
+    assert agree[0] == pytest.approx((drafted == target).float().mean().item())
+    assert torch.isfinite(loss)
+
+
+def test_head_checkpoints_with_bad_vocab_maps_are_refused(tiny_policy, tmp_path):
+    out = save_head(init_head(tiny_policy), tmp_path / "head")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["draft_vocab_size"] = 1000
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="draft_vocab_size=1000 .* needs a d2t tensor of shape \\[1000\\]"):
+        load_head(out)
+    pub = tmp_path / "public"
+    _public_eagle3_head(tiny_policy, torch.arange(0, 64), pub)
+    sd = torch.load(pub / "pytorch_model.bin", weights_only=True)
+    sd["d2t"][5] = 10 ** 6  # maps past the vocabulary
+    torch.save(sd, pub / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="pytorch_model.bin: d2t: .*must lie in"):
+        load_head(pub)
+
+
+def test_published_head_layout_loads_and_the_run_copy_names_its_aux_layers(tiny_policy, tiny_llama_dir, tmp_path):
+    """A head in the published layout (config without eagle_config,
+    pytorch_model.bin with d2t / t2d) passes the input checks and becomes the
+    run's head as safetensors with vLLM's default aux layers written out."""
+    from rayspec.config import load_config
+    from rayspec.models.loading import check_draft_matches_policy
+    from rayspec.scheduler.driver import prepare_draft
+
+    pub = tmp_path / "public"
+    ids = torch.randperm(tiny_policy.config.vocab_size, generator=torch.Generator().manual_seed(0))[:512]
+    _public_eagle3_head(tiny_policy, ids, pub)
+    head = load_head(pub)
+    assert head.draft_ids.tolist() == ids.sort().values.tolist()
+    assert torch.equal(head.lm_head.weight, tiny_policy.lm_head.weight[head.draft_ids].half().float())
+    policy_cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    check_draft_matches_policy(policy_cfg, pub, "eagle3")
+    cfg = load_config(None, [f"model.path={tiny_llama_dir}", "rollout.speculative_config.method=eagle3",
+                             f"rollout.speculative_config.model={pub}"])
+    head_dir, aux = prepare_draft(cfg, str(tiny_llama_dir), tmp_path / "run")
+    assert aux == [2, 4, 5]  # vLLM's (2, L/2, L-3) for the 8-layer policy
+    run_cfg = json.loads((tmp_path / "run" / "draft_head" / "config.json").read_text())
+    assert run_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert torch.equal(load_head(head_dir).d2t, head.d2t)
+
+
 @pytest.mark.slow
 def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp_path, in_process_engine_core):
-    """The DraftTrainer's head, loaded into a running vLLM replica in place,
-    is accepted more often than the untrained head on the same prompts."""
+    """A published-layout head with a reduced draft vocabulary (the policy's
+    most frequent response tokens) loads into a vLLM replica from
+    ``pytorch_model.bin``; the DraftTrainer's head, refit into the running
+    replica in place, is accepted more often than the untrained head on the
+    same prompts, and greedy output is unchanged."""
+    from rayspec.draft.eagle3 import aux_layer_ids
+    from rayspec.draft.vocab import coverage, select_draft_vocab, token_counts
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
 
-    save_head(init_head(tiny_policy), tmp_path / "head")
+    tok = load_tokenizer(tiny_llama_dir)
+    prompts = [tok.encode(f"The number {i} is") for i in range(8)]
+    with torch.no_grad():
+        seqs = [tiny_policy.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
+                                     eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    counts = token_counts(seqs, tiny_policy.config.vocab_size)
+    vocab = select_draft_vocab(counts, 256)
+    assert coverage(counts, vocab) == 1.0  # 8 x 32 response tokens
+    _public_eagle3_head(tiny_policy, vocab, tmp_path / "head")
     eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "eagle3", "num_speculative_tokens": 3,
                                               "model": str(tmp_path / "head")},
                          dtype="float32", engine_kwargs=engine_kwargs(), env=cpu_engine_env(1, "all"))
-    tok = load_tokenizer(tiny_llama_dir)
-    prompts = [tok.encode(f"The number {i} is") for i in range(8)]
     before_batch, before = eng.generate(prompts, n=1, temperature=0.0, max_tokens=32)
+    assert before_batch.response_ids == seqs
     trainer = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=3, num_threads=2)
-    trainer.submit_features(_features(tiny_policy, before_batch, tok.pad_token_id))
+    aux = aux_layer_ids(trainer.head.cfg, tiny_policy.config.num_hidden_layers)
+    trainer.submit_features(_features(tiny_policy, before_batch, tok.pad_token_id, aux_ids=aux))
     trainer.train(_verifier(tiny_policy), 80)
     # the trained head through the collective transport (gloo; this engine's worker
     # is rank 1 in this process), then the same head through the object store
@@ -214,12 +339,3 @@ def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp
     assert after.acceptance_length > before.acceptance_length + 0.3
     assert (again.num_drafts, again.num_accepted_tokens) == (after.num_drafts, after.num_accepted_tokens)
     assert versions["draft"] == 2
-
-
-def test_reduced_vocab_heads_are_refused(tiny_policy, tmp_path):
-    out = save_head(init_head(tiny_policy), tmp_path / "head")
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["draft_vocab_size"] = 1000
-    (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="draft_vocab_size=1000"):
-        load_head(out)

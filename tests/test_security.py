@@ -1,5 +1,6 @@
-"""Security defaults: servers bind to loopback, checkpoints load through
-safetensors only, and no model's own code runs (trust_remote_code off)."""
+"""Security defaults: servers bind to loopback, checkpoints load tensors
+only (safetensors, or a published head's pytorch_model.bin through torch's
+weights-only unpickler), and no model's own code runs (trust_remote_code off)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ def test_no_model_code_runs_by_default(tmp_path, tiny_llama_dir):
     assert not (tmp_path / MARKER).exists()
 
 
-def test_head_loads_from_safetensors_only(tmp_path, head_dir):
+def test_head_loads_tensors_only(tmp_path, head_dir):
     from rayspec.draft.eagle3 import load_head
 
     h = copy_model_dir(head_dir, tmp_path / "h")
     (h / "model.safetensors").unlink()
     torch.save({"evil": PicklePayload(tmp_path / MARKER)}, h / "pytorch_model.bin")
-    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    with pytest.raises(ValueError, match="pytorch_model.bin: not a tensors-only checkpoint"):
         load_head(h)
     assert not (tmp_path / MARKER).exists()
 

@@ -7,16 +7,23 @@ The head reads three verifier hidden states (the inputs of the layers in
 ``eagle_aux_hidden_state_layer_ids``, concatenated: [*, 3H]), projects them
 with ``fc`` to H, and runs one decoder layer whose attention takes
 [norm(embed(next token)), norm(hidden)] (2H). Its output (pre-norm) is the
-hidden state of the next draft step. The draft vocabulary is the policy's
-(no d2t/t2d maps), and the embedding is shared with the policy: vLLM uses the
-verifier's ``embed_tokens`` when the checkpoint has none, so the head follows
-policy refits for free.
+hidden state of the next draft step. The embedding is shared with the
+policy: vLLM uses the verifier's ``embed_tokens`` when the checkpoint has none,
+so the head follows policy refits for free.
+
+The head proposes either in the policy's whole vocabulary or in a reduced
+draft vocabulary of ``draft_vocab_size`` tokens (the paper's heads keep 32k of
+Llama-3's 128k), mapped to policy token ids as the EAGLE-3 reference code,
+SpecForge and vLLM's ``eagle3`` loader store it: ``d2t`` [N] int64 with
+``target_id = draft_id + d2t[draft_id]`` (draft ids in increasing target-id
+order) and ``t2d`` [V] bool marking the target ids in the draft vocabulary.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -122,6 +129,39 @@ class Eagle3Head(nn.Module):
         self.midlayer = _MidLayer(cfg)
         self.norm = RMSNorm(h, cfg["rms_norm_eps"])
         self.lm_head = nn.Linear(h, cfg["draft_vocab_size"], bias=False)
+        if cfg["draft_vocab_size"] != cfg["vocab_size"]:
+            self.register_buffer("d2t", torch.zeros(cfg["draft_vocab_size"], dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(cfg["vocab_size"], dtype=torch.bool))
+        else:
+            self.d2t = self.t2d = None
+
+    @property
+    def draft_ids(self) -> Optional[torch.Tensor]:
+        """[N] int64 policy token id of each draft-vocabulary row of ``lm_head``
+        (None: the draft vocabulary is the policy's)."""
+        if self.d2t is None:
+            return None
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Set the d2t / t2d maps from [N] distinct policy token ids (any order)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).sort().values
+        if ids.numel() != self.d2t.numel() or ids.unique().numel() != ids.numel():
+            raise ValueError(f"draft vocabulary needs {self.d2t.numel()} distinct token ids, got {ids.numel()} "
+                             f"({ids.unique().numel()} distinct)")
+        if ids[0] < 0 or ids[-1] >= self.t2d.numel():
+            raise ValueError(f"draft vocabulary token ids must lie in [0, {self.t2d.numel()})")
+        with torch.no_grad():
+            self.d2t.copy_(ids - torch.arange(ids.numel()))
+            self.t2d.zero_()
+            self.t2d[ids] = True
+
+    def set_output_from_verifier(self, lm_head_weight: torch.Tensor) -> None:
+        """Copy the verifier's output layer [V, H] (its draft-vocabulary rows)
+        into ``lm_head``."""
+        ids = self.draft_ids
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head_weight if ids is None else lm_head_weight[ids.to(lm_head_weight.device)])
 
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
         """One draft step, mirroring vLLM's ``llama_eagle3.LlamaModel.forward``.
@@ -145,11 +185,17 @@ class Eagle3Head(nn.Module):
         return self.norm(prenorm), prenorm
 
 
-def head_config(policy_config: dict, aux_layer_ids: Optional[list[int]] = None) -> dict:
+def head_config(policy_config: dict, aux_layer_ids: Optional[list[int]] = None,
+                draft_vocab_size: Optional[int] = None) -> dict:
     """Config of an EAGLE-3 head for a Llama-family policy (HF config dict).
 
+    Args:
+        draft_vocab_size: tokens the head proposes from (None: the policy's
+            ``vocab_size``).
+
     Raises:
-        ValueError: the policy is not Llama-family or too shallow.
+        ValueError: the policy is not Llama-family or too shallow, or
+            ``draft_vocab_size`` is not in [1, vocab_size].
     """
     if policy_config.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3"):
         raise ValueError(f"EAGLE-3 head needs a Llama-family policy, got model_type="
@@ -158,6 +204,9 @@ def head_config(policy_config: dict, aux_layer_ids: Optional[list[int]] = None) 
     ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(L)
     if any(not 0 <= i < L for i in ids) or len(ids) != 3:
         raise ValueError(f"draft.aux_hidden_state_layer_ids={ids}: need 3 ids in [0, {L})")
+    V = policy_config["vocab_size"]
+    if draft_vocab_size is not None and not 0 < draft_vocab_size <= V:
+        raise ValueError(f"draft.draft_vocab_size={draft_vocab_size}: need 1 to the policy's vocab_size {V}")
     rope = policy_config.get("rope_parameters") or {}
     h = policy_config["hidden_size"]
     cfg = {
@@ -175,8 +224,8 @@ def head_config(policy_config: dict, aux_layer_ids: Optional[list[int]] = None) 
         "rope_parameters": rope or {"rope_type": "default",
                                     "rope_theta": policy_config.get("rope_theta", 10000.0)},
         "max_position_embeddings": policy_config.get("max_position_embeddings", 4096),
-        "vocab_size": policy_config["vocab_size"],
-        "draft_vocab_size": policy_config["vocab_size"],
+        "vocab_size": V,
+        "draft_vocab_size": draft_vocab_size or V,
         "tie_word_embeddings": False,
         "hidden_act": "silu",
         "torch_dtype": "bfloat16",
@@ -185,22 +234,30 @@ def head_config(policy_config: dict, aux_layer_ids: Optional[list[int]] = None) 
     return cfg
 
 
-def init_head(policy, aux_layer_ids: Optional[list[int]] = None, seed: int = 0) -> Eagle3Head:
+def init_head(policy, aux_layer_ids: Optional[list[int]] = None, seed: int = 0,
+              draft_vocab: Optional[torch.Tensor] = None) -> Eagle3Head:
     """A new head for ``policy`` (a transformers Llama causal LM).
 
     ``lm_head`` and ``norm`` start from the policy's (so step-0 drafts read
     the policy's own output space); the MLP and o_proj from its last layer;
     ``fc`` and q/k/v at random (std 0.02).
+
+    Args:
+        draft_vocab: [N] policy token ids of a reduced draft vocabulary
+            (``rayspec.draft.vocab.select_draft_vocab``); None: all of them.
     """
-    cfg = head_config(policy.config.to_dict(), aux_layer_ids)
+    cfg = head_config(policy.config.to_dict(), aux_layer_ids,
+                      None if draft_vocab is None else len(draft_vocab))
     torch.manual_seed(seed)
     head = Eagle3Head(cfg)
     for p in head.parameters():
         if p.dim() == 2:
             nn.init.normal_(p, std=0.02)
+    if draft_vocab is not None and head.d2t is not None:
+        head.set_draft_vocab(draft_vocab)
     last = policy.model.layers[-1]
+    head.set_output_from_verifier(policy.lm_head.weight)
     with torch.no_grad():
-        head.lm_head.weight.copy_(policy.lm_head.weight)
         head.norm.weight.copy_(policy.model.norm.weight)
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(head.midlayer.mlp, name).weight.copy_(getattr(last.mlp, name).weight)
@@ -210,8 +267,21 @@ def init_head(policy, aux_layer_ids: Optional[list[int]] = None, seed: int = 0) 
 
 
 def vllm_state_dict(head: Eagle3Head, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The head's weights under vLLM's checkpoint names (host copies)."""
-    return to_host(head.state_dict(), dtype)
+    """The head's weights under vLLM's checkpoint names (host copies, floating
+    point ones cast to ``dtype``), with ``d2t`` for a reduced draft
+    vocabulary; ``t2d`` is left out (vLLM's loader skips it)."""
+    return to_host({k: v for k, v in head.state_dict().items() if k != "t2d"}, dtype)
+
+
+def aux_layer_ids(head_cfg: dict, num_layers: int) -> list[int]:
+    """The verifier layers whose inputs feed the head, as vLLM reads them from
+    its config: ``eagle_aux_hidden_state_layer_ids`` at top level or under
+    ``eagle_config``, else vLLM's default (2, L/2, L-3) for an L-layer
+    verifier (``SupportsEagle3.get_eagle3_default_aux_hidden_state_layers``,
+    vLLM 0.32), which published heads without the key were trained with."""
+    ids = head_cfg.get("eagle_aux_hidden_state_layer_ids") or \
+        (head_cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return list(ids) if ids else [2, num_layers // 2, num_layers - 3]
 
 
 def save_head(head: Eagle3Head, out_dir: str | os.PathLike) -> Path:
@@ -225,7 +295,7 @@ def save_head(head: Eagle3Head, out_dir: str | os.PathLike) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         (tmp / "config.json").write_text(json.dumps(head.cfg, indent=2))
-        save_file(vllm_state_dict(head), str(tmp / "model.safetensors"))
+        save_file(to_host(head.state_dict(), torch.bfloat16), str(tmp / "model.safetensors"))
         old = None
         if out.exists():
             old = out.with_name(f".{out.name}-old")
@@ -239,28 +309,64 @@ def save_head(head: Eagle3Head, out_dir: str | os.PathLike) -> Path:
     return out
 
 
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
 def load_head(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Eagle3Head:
-    """Load a head written by ``save_head`` (or any vLLM EAGLE-3 checkpoint
-    without d2t maps).
+    """Load a head written by ``save_head`` or a published EAGLE-3 checkpoint
+    (the reference code's ``pytorch_model.bin``, SpecForge's
+    ``model.safetensors``), with or without a reduced draft vocabulary.
+
+    An ``embed_tokens.weight`` in the checkpoint is dropped: the head shares
+    the verifier's embedding (as vLLM does for heads without one), which the
+    published heads were trained with, frozen.
 
     Raises:
-        FileNotFoundError: no config.json / model.safetensors under ``path``.
-        ValueError: not an EAGLE-3 Llama head, or a head with a reduced draft
-            vocabulary (d2t/t2d maps), which this trainer does not handle yet.
+        FileNotFoundError: no config.json or weights file under ``path``.
+        ValueError: not an EAGLE-3 Llama head; a reduced draft vocabulary
+            without a valid ``d2t`` ([draft_vocab_size] offsets to distinct
+            token ids below ``vocab_size``); weights that do not fit the config.
     """
     p = Path(path)
-    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{p}: expected config.json and model.safetensors")
+    weights = next((p / f for f in WEIGHT_FILES if (p / f).is_file()), None)
+    if not (p / "config.json").is_file() or weights is None:
+        raise FileNotFoundError(f"{p}: expected config.json and one of {', '.join(WEIGHT_FILES)}")
     cfg = json.loads((p / "config.json").read_text())
     if ARCHITECTURE not in cfg.get("architectures", []):
         raise ValueError(f"{p}/config.json: architectures={cfg.get('architectures')}, expected {ARCHITECTURE}")
     cfg.setdefault("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     cfg.setdefault("draft_vocab_size", cfg["vocab_size"])
-    if cfg["draft_vocab_size"] != cfg["vocab_size"]:
-        raise ValueError(f"{p}/config.json: draft_vocab_size={cfg['draft_vocab_size']} != "
-                         f"vocab_size={cfg['vocab_size']}: reduced draft vocabularies are not supported yet")
+    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+    cfg.setdefault("rms_norm_eps", 1e-6)
+    if weights.suffix == ".bin":
+        try:  # tensors only: a pickle that would run code is refused, not run
+            sd = torch.load(weights, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{weights}: not a tensors-only checkpoint ({str(e).splitlines()[0]})") from None
+    else:
+        sd = load_file(str(weights))
+    sd.pop("embed_tokens.weight", None)
     head = Eagle3Head(cfg)
-    sd = load_file(str(p / "model.safetensors"))
-    sd = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
-    head.load_state_dict(sd)
+    if head.d2t is not None:
+        d2t = sd.pop("d2t", None)
+        sd.pop("t2d", None)  # derived from d2t, so the two cannot disagree
+        if d2t is None or d2t.shape != (cfg["draft_vocab_size"],):
+            raise ValueError(f"{weights}: draft_vocab_size={cfg['draft_vocab_size']} != vocab_size="
+                             f"{cfg['vocab_size']} needs a d2t tensor of shape [{cfg['draft_vocab_size']}], "
+                             f"found {None if d2t is None else list(d2t.shape)}")
+        try:
+            head.set_draft_vocab(torch.arange(d2t.numel()) + d2t.long())
+        except ValueError as e:
+            raise ValueError(f"{weights}: d2t: {e}") from None
+    else:
+        sd = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
+    try:
+        missing, unexpected = head.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+    except RuntimeError as e:  # a shape differs from the config's
+        raise ValueError(f"{weights}: weights do not fit {p}/config.json: {e}") from None
+    missing = [k for k in missing if k not in ("d2t", "t2d")]
+    if missing or unexpected:
+        raise ValueError(f"{weights}: weights do not fit {p}/config.json: missing {missing}, "
+                         f"unexpected {unexpected}")
     return head.to(dtype)

@@ -12,6 +12,14 @@ which is what vLLM's EAGLE-3 proposer feeds at inference (the fed tokens are
 the policy's own samples, so teacher forcing matches the accepted path).
 Attention within a step is causal over positions of that step: a common
 simplification of the paper's tree-shaped TTT mask.
+
+With a reduced draft vocabulary D (``head.draft_ids``) the cross-entropy runs
+over D against the verifier's probabilities of D's tokens, not renormalised:
+-sum_{v in D} p(v) log q(v) = m * CE(p|D / m, q), with m = p(D). A position
+whose likely next tokens lie outside D (small m) weighs less, as it should:
+whatever the head proposes there is mostly rejected. (The reference code
+renormalises and masks positions whose verifier argmax is outside D; the
+weight by m is the smooth form of that mask.)
 """
 
 from __future__ import annotations
@@ -45,18 +53,21 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Ten
         loss_mask: [B, L-1] float, 1 where token s+1 is a response token (s indexes
             the target position).
         embed_weight: [V, H] verifier input embedding (the head shares it).
-        lm_head_weight: [V, H] verifier output layer.
+        lm_head_weight: [V, H] verifier output layer (the whole vocabulary:
+            the target distribution is the verifier's).
         ttt_steps: draft steps unrolled (1 = plain EAGLE training).
 
     Returns:
         (scalar loss averaged over steps and masked positions, per-step top-1
-        agreement of draft and verifier argmax on masked positions).
+        agreement of draft and verifier argmax, both as policy token ids, on
+        masked positions).
     """
     B, L = input_ids.shape
     dtype = head.fc.weight.dtype
     mask = torch.cat([loss_mask, loss_mask.new_zeros(B, 1)], 1)  # [B, L]
     pos = torch.arange(L, device=input_ids.device).expand(B, L)
     hidden = head.fc(aux_hidden.to(dtype))
+    ids = head.draft_ids
     total, agree = 0.0, []
     for j in range(ttt_steps):
         # target index s = t + 1 + j; fed token x_s; predicts x_{s+1}
@@ -68,9 +79,11 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Ten
         normed, prenorm = head.step(embeds, hidden, _shift(pos, 1 + j, fill=L))
         tgt_h = _shift(final_hidden, 1 + j)[m].to(dtype)
         with torch.no_grad():
-            target = torch.softmax(tgt_h @ lm_head_weight.to(dtype).T, dim=-1)
-        logits = head.lm_head(normed[m])
-        total = total + -(target * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-        agree.append((logits.argmax(-1) == target.argmax(-1)).float().mean().item())
+            target = torch.softmax(tgt_h @ lm_head_weight.to(dtype).T, dim=-1)  # [n, V]
+        logits = head.lm_head(normed[m])  # [n, N]
+        in_vocab = target if ids is None else target[:, ids]
+        total = total + -(in_vocab * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
+        agree.append((drafted == target.argmax(-1)).float().mean().item())
         hidden = prenorm
     return total / max(len(agree), 1), agree

@@ -58,10 +58,11 @@ class DraftTrainer:
         torch.set_num_threads(num_threads)
         self.device = torch.device(device)
         self.head: Eagle3Head = load_head(head_dir).to(self.device)
-        # The output layer is the verifier's, frozen and refreshed each step:
-        # vLLM drafts with the verifier's own lm_head when the head's equals it
-        # at start (init_head copies it), so a separately trained one would
-        # not be what the replicas draft with.
+        # The output layer is the verifier's (its draft-vocabulary rows), frozen
+        # and refreshed each step: with the full vocabulary vLLM drafts with
+        # the verifier's own lm_head when the head's equals it at start
+        # (init_head copies it), so a separately trained one would not be what
+        # the replicas draft with; a reduced one is refit with the head.
         self.head.lm_head.weight.requires_grad_(False)
         self.opt = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad],
                                      lr=lr, weight_decay=0.0)
@@ -122,8 +123,7 @@ class DraftTrainer:
         ver = ray.get(verifier_ref) if isinstance(verifier_ref, ray.ObjectRef) else verifier_ref
         embed = ver["embed"].to(self.device, torch.float32)
         lm_head = ver["lm_head"].to(self.device, torch.float32)
-        with torch.no_grad():
-            self.head.lm_head.weight.copy_(lm_head)
+        self.head.set_output_from_verifier(lm_head)
         chunks = _StepChunks(pending, timeout_s)
         newest: list = []
         older = [f for step in self._buffer for f in step]

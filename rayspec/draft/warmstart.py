@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from rayspec.batch import RolloutBatch
-from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head
+from rayspec.draft.eagle3 import Eagle3Head, aux_layer_ids, load_head, save_head
 from rayspec.draft.loss import eagle3_loss
 from rayspec.train.capture import capture_eagle3_features
 
@@ -145,12 +145,11 @@ def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str 
     """
     out = Path(out_dir)
     head: Eagle3Head = load_head(out / HEAD)
-    with torch.no_grad():  # the verifier's output layer, frozen (as online)
-        head.lm_head.weight.copy_(policy.lm_head.weight)
+    head.set_output_from_verifier(policy.lm_head.weight)  # frozen, as online
     head.lm_head.weight.requires_grad_(False)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     done = _load_state(head, opt, out)
-    ids = head.cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    ids = aux_layer_ids(head.cfg, policy.config.num_hidden_layers)
     embed = policy.model.embed_tokens.weight.detach().float()
     lm_head = policy.lm_head.weight.detach().float()
     order = list(range(len(samples)))

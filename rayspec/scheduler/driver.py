@@ -70,25 +70,53 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
 
     For eagle3 the head lives in ``<run_dir>/draft_head``: a copy of
     ``speculative_config.model`` when given (with its acceptance record,
-    where adaptive speculation starts from), else the head already there,
-    else a new head for the policy. The aux layers are the head's own.
+    where adaptive speculation starts from; a published head's aux layers
+    written into its config as vLLM resolves them), else the head already
+    there, else a new head for the policy whose draft vocabulary
+    (``draft.draft_vocab_size``) is the most frequent tokens of the training
+    prompts. The aux layers are the head's own.
     """
     spec = cfg.rollout.speculative_config
     if spec.method != "eagle3":
         return spec.model, None
-    from rayspec.draft.eagle3 import init_head, load_head, save_head
+    from rayspec.draft.eagle3 import aux_layer_ids, init_head, load_head, save_head
 
     head_dir = run_dir / "draft_head"
+    num_layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
     if spec.model is not None:
-        save_head(load_head(spec.model), head_dir)
+        head = load_head(spec.model)
+        head.cfg["eagle_config"] = {**head.cfg.get("eagle_config", {}),
+                                    "eagle_aux_hidden_state_layer_ids": aux_layer_ids(head.cfg, num_layers)}
+        save_head(head, head_dir)
         record = Path(spec.model) / ACCEPTANCE_FILE  # validated by check_inputs
         if record.is_file():
             shutil.copyfile(record, head_dir / ACCEPTANCE_FILE)
     elif not (head_dir / "model.safetensors").is_file():
-        save_head(init_head(load_policy(model_dir), cfg.draft.aux_hidden_state_layer_ids,
-                            seed=cfg.trainer.seed), head_dir)
+        policy = load_policy(model_dir)
+        save_head(init_head(policy, cfg.draft.aux_hidden_state_layer_ids, seed=cfg.trainer.seed,
+                            draft_vocab=_prompt_draft_vocab(cfg, model_dir, policy.config.vocab_size)), head_dir)
     head_cfg = json.loads((head_dir / "config.json").read_text())
-    return str(head_dir), head_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    return str(head_dir), aux_layer_ids(head_cfg, num_layers)
+
+
+def _prompt_draft_vocab(cfg: RunConfig, model_dir: str, vocab_size: int):
+    """[draft.draft_vocab_size] token ids, the most frequent in the training
+    prompts (the policy has written nothing yet), or None for the whole vocabulary."""
+    n = cfg.draft.draft_vocab_size
+    if n is None or n >= vocab_size:
+        return None
+    from rayspec.data import chat_prompt_ids
+    from rayspec.draft.vocab import select_draft_vocab, token_counts
+    from rayspec.models import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    problems = load_problems(cfg.data.name, cfg.data.path, cfg.data.split, cfg.data.num_problems,
+                             cfg.data.seed, cfg.data.level)
+    counts = token_counts((chat_prompt_ids(tok, p) for p in problems), vocab_size)
+    ids = select_draft_vocab(counts, n, always=[t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None])
+    log.info("draft vocabulary: %d of %d tokens, by frequency in %d training prompts", n, vocab_size,
+                len(problems))
+    return ids
 
 
 def check_inputs(cfg: RunConfig) -> str:
