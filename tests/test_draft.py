@@ -11,6 +11,7 @@ import torch
 from rayspec.batch import RolloutBatch
 from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, init_head, load_head,
                                   save_head, vllm_state_dict)
+from rayspec.draft.loss import draft_top1
 from rayspec.draft.trainer import DraftTrainer
 from rayspec.models import load_policy, load_tokenizer
 from rayspec.sync.transport import CollectiveTransport, LocalReplicas
@@ -246,7 +247,7 @@ def test_reduced_vocab_head_roundtrips_and_drafts_in_policy_ids(tiny_policy, tmp
     loss, agree = eagle3_loss(again, seq, f["aux_hidden"], f["final_hidden"], torch.ones(1, 7),
                               tiny_policy.model.embed_tokens.weight, tiny_policy.lm_head.weight, 1)
     with torch.no_grad():
-        normed, _ = again.step(torch.nn.functional.embedding(seq[:, 1:], tiny_policy.model.embed_tokens.weight),
+        normed, _, _ = again.step(torch.nn.functional.embedding(seq[:, 1:], tiny_policy.model.embed_tokens.weight),
                                again.fc(f["aux_hidden"][:, :-1]), torch.arange(1, 8)[None])
     drafted = again.draft_ids[again.lm_head(normed[0, :-1]).argmax(-1)]
     assert agree[0] == pytest.approx((drafted == target).float().mean().item())
@@ -307,9 +308,10 @@ def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp
 
     tok = load_tokenizer(tiny_llama_dir)
     prompts = [tok.encode(f"The number {i} is") for i in range(8)]
-    with torch.no_grad():
-        seqs = [tiny_policy.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
-                                     eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    with torch.no_grad():  # greedy, 4 tokens past the 32 served: what the last drafts are checked against
+        longer = [tiny_policy.generate(torch.tensor([p]), max_new_tokens=36, do_sample=False,
+                                       eos_token_id=None)[0].tolist() for p in prompts]
+    seqs = [s[len(p):len(p) + 32] for p, s in zip(prompts, longer)]
     counts = token_counts(seqs, tiny_policy.config.vocab_size)
     vocab = select_draft_vocab(counts, 256)
     assert coverage(counts, vocab) == 1.0  # 8 x 32 response tokens
@@ -335,6 +337,25 @@ def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp
     eng.shutdown()
     print(f"acceptance length untrained {before.acceptance_length:.2f} -> trained {after.acceptance_length:.2f} "
           f"(collective), {again.acceptance_length:.2f} (object store)")
+    # Position by position, the head's own teacher-forced top-1 (the TTT
+    # unroll it is trained with) is what the replica drafted: replaying each
+    # greedy sequence through vLLM's verify steps predicts its acceptance counts.
+    served = load_head(tmp_path / "head")
+    served.load_state_dict({**served.state_dict(), **{k: v.float() for k, v in trainer.vllm_weights().items()}})
+    drafts, accepted = 0, [0, 0, 0]
+    for p, full in zip(prompts, longer):
+        ids = torch.tensor([full])
+        with torch.no_grad(), capture_eagle3_features(tiny_policy, aux) as f:
+            tiny_policy(input_ids=ids)
+        top1 = draft_top1(served, ids, f["aux_hidden"], tiny_policy.model.embed_tokens.weight, 3)[0]
+        t, generated = len(p) - 1, 1  # prefill samples the first token; drafting starts from it
+        while generated < 32:
+            n = 0
+            while n < 3 and top1[t, n] == full[t + 2 + n]:
+                n += 1
+            drafts, accepted = drafts + 1, [a + (j < n) for j, a in enumerate(accepted)]
+            t, generated = t + n + 1, generated + n + 1
+    assert (drafts, accepted) == (after.num_drafts, after.accepted_per_pos)
     assert after_batch.response_ids == before_batch.response_ids  # speculation never changes greedy output
     assert after.acceptance_length > before.acceptance_length + 0.3
     assert (again.num_drafts, again.num_accepted_tokens) == (after.num_drafts, after.num_accepted_tokens)

@@ -82,14 +82,43 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(2 * h, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, chain: Optional[list] = None):
+        """Attention of one draft step over the sequence's positions.
+
+        Args:
+            x: [B, T, 2H] this step's inputs, one per chain start t.
+            pos: [B, T] int64 positions of the fed tokens.
+            chain: None at draft step 0 (causal attention over the
+                positions); at step j >= 1, the (k, v) pairs [B, nkv, T, d]
+                that steps 0 .. j-1 returned. Step j of the chain starting at
+                t then attends to step 0's entries at t' <= t and to its own
+                chain's entries of steps 1 .. j, which is what vLLM's drafter
+                cache holds when it drafts from t (EAGLE-3's training-time-test
+                mask, Li et al. 2025 Fig. 6).
+
+        Returns:
+            (output [B, T, H], this step's (k, v)).
+        """
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = _rope(q, pos, self.theta), _rope(k, pos, self.theta)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nh != self.nkv)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        if not chain:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nh != self.nkv)
+        else:
+            rep = self.nh // self.nkv
+            kvs = [(kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)) for kk, vv in [*chain, (k, v)]]
+            scale = self.hd ** -0.5
+            s0 = (q @ kvs[0][0].transpose(-1, -2)) * scale  # [B, nh, T, T]
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            s0 = s0.masked_fill(~causal, float("-inf"))
+            own = [(q * kk).sum(-1, keepdim=True) * scale for kk, _ in kvs[1:]]  # [B, nh, T, 1] each
+            p = torch.softmax(torch.cat([s0, *own], -1).float(), -1).to(q.dtype)
+            o = p[..., :T] @ kvs[0][1]
+            for i, (_, vv) in enumerate(kvs[1:]):
+                o = o + p[..., T + i:T + i + 1] * vv
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), (k, v)
 
 
 class _MLP(nn.Module):
@@ -163,7 +192,8 @@ class Eagle3Head(nn.Module):
         with torch.no_grad():
             self.lm_head.weight.copy_(lm_head_weight if ids is None else lm_head_weight[ids.to(lm_head_weight.device)])
 
-    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+             chain: Optional[list] = None):
         """One draft step, mirroring vLLM's ``llama_eagle3.LlamaModel.forward``.
 
         Args:
@@ -171,18 +201,21 @@ class Eagle3Head(nn.Module):
             hidden: [B, T, H] ``fc`` output (step 0) or the previous step's
                 pre-norm output.
             pos: [B, T] int64 positions of the fed tokens.
+            chain: the attention (k, v) of the earlier steps (``_Attention``);
+                None at step 0.
 
         Returns:
-            (normed [B, T, H] for ``lm_head``, prenorm [B, T, H] for the next step).
+            (normed [B, T, H] for ``lm_head``, prenorm [B, T, H] for the next
+            step, this step's attention (k, v) to append to ``chain``).
         """
         layer = self.midlayer
         residual = hidden
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], -1)
-        x = layer.self_attn(x, pos)
+        x, kv = layer.self_attn(x, pos, chain)
         residual = x + residual
         x = layer.mlp(layer.post_attention_layernorm(residual))
         prenorm = x + residual
-        return self.norm(prenorm), prenorm
+        return self.norm(prenorm), prenorm, kv
 
 
 def head_config(policy_config: dict, aux_layer_ids: Optional[list[int]] = None,

@@ -10,8 +10,12 @@ Alignment (positions t of one sequence, T tokens, verifier features f_t):
   step j at t: hidden prenorm_{j-1}(t),    token x_{t+1+j}, target p(. | x_<=t+1+j)
 which is what vLLM's EAGLE-3 proposer feeds at inference (the fed tokens are
 the policy's own samples, so teacher forcing matches the accepted path).
-Attention within a step is causal over positions of that step: a common
-simplification of the paper's tree-shaped TTT mask.
+Step j of the chain starting at t attends to step 0's entries at t' <= t and
+to its own chain's earlier steps: the paper's training-time-test mask, and
+what vLLM's drafter cache holds when it drafts from t (its entries past the
+accepted tokens are overwritten by the next verification's step 0). So on
+the accepted path the head's step-j top-1 here is vLLM's j-th draft token
+(tests/test_draft.py checks this against a replica's acceptance counts).
 
 With a reduced draft vocabulary D (``head.draft_ids``) the cross-entropy runs
 over D against the verifier's probabilities of D's tokens, not renormalised:
@@ -65,18 +69,12 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Ten
     B, L = input_ids.shape
     dtype = head.fc.weight.dtype
     mask = torch.cat([loss_mask, loss_mask.new_zeros(B, 1)], 1)  # [B, L]
-    pos = torch.arange(L, device=input_ids.device).expand(B, L)
-    hidden = head.fc(aux_hidden.to(dtype))
     ids = head.draft_ids
     total, agree = 0.0, []
-    for j in range(ttt_steps):
-        # target index s = t + 1 + j; fed token x_s; predicts x_{s+1}
-        tok = _shift(input_ids, 1 + j)
+    for j, normed in unroll(head, input_ids, aux_hidden, embed_weight, ttt_steps):
         m = _shift(mask, 1 + j).bool()
         if not m.any():
             break
-        embeds = F.embedding(tok, embed_weight).to(dtype)
-        normed, prenorm = head.step(embeds, hidden, _shift(pos, 1 + j, fill=L))
         tgt_h = _shift(final_hidden, 1 + j)[m].to(dtype)
         with torch.no_grad():
             target = torch.softmax(tgt_h @ lm_head_weight.to(dtype).T, dim=-1)  # [n, V]
@@ -85,5 +83,46 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Ten
         total = total + -(in_vocab * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
         drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
         agree.append((drafted == target.argmax(-1)).float().mean().item())
-        hidden = prenorm
     return total / max(len(agree), 1), agree
+
+
+def unroll(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
+           embed_weight: torch.Tensor, steps: int):
+    """The head's draft steps over every chain start of a sequence, teacher
+    forced (alignment in the module docstring).
+
+    Args:
+        input_ids: [B, L] int64 tokens; aux_hidden: [B, L, 3H] verifier
+            features; embed_weight: [V, H] verifier input embedding.
+        steps: draft steps.
+
+    Yields:
+        (j, normed [B, L, H]): step j's output at each chain start t, which
+        ``lm_head`` turns into the prediction of token t + 2 + j.
+    """
+    B, L = input_ids.shape
+    dtype = head.fc.weight.dtype
+    pos = torch.arange(L, device=input_ids.device).expand(B, L)
+    hidden = head.fc(aux_hidden.to(dtype))
+    chain: list = []
+    for j in range(steps):
+        # chain start t, step j: fed token x_{t+1+j} at position t+1+j
+        embeds = F.embedding(_shift(input_ids, 1 + j), embed_weight).to(dtype)
+        normed, hidden, kv = head.step(embeds, hidden, _shift(pos, 1 + j, fill=L), chain)
+        chain.append(kv)
+        yield j, normed
+
+
+@torch.no_grad()
+def draft_top1(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
+               embed_weight: torch.Tensor, steps: int) -> torch.Tensor:
+    """[B, L, steps] int64 policy token ids: the head's greedy draft j from
+    chain start t, given that the tokens it drafted before were the
+    sequence's own. On a greedy rollout this is what vLLM drafts from t, so
+    replaying a sequence predicts a replica's acceptance counts exactly."""
+    ids = head.draft_ids
+    out = []
+    for _, normed in unroll(head, input_ids, aux_hidden, embed_weight, steps):
+        top = head.lm_head(normed).argmax(-1)
+        out.append(top if ids is None else ids[top])
+    return torch.stack(out, -1)
