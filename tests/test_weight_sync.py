@@ -40,6 +40,17 @@ def test_buckets_round_trip_bounded_and_send_tied_weights_once():
             assert t.dtype == sd[name].dtype and torch.equal(t, sd[name]), name
 
 
+def test_integer_maps_unpack_after_odd_sized_tensors():
+    """A draft head's int64 d2t / bool t2d packed after a bf16 tensor whose
+    size is not a multiple of 8 bytes still comes back (torch refuses a
+    misaligned view)."""
+    sd = {"norm.weight": torch.randn(3, dtype=torch.bfloat16), "t2d": torch.tensor([True, False, True]),
+          "d2t": torch.tensor([2, 5, 9])}
+    bucket, = plan_buckets(sd, 1 << 20)
+    for name, t in unpack_bucket(pack_bucket(sd, bucket), bucket):
+        assert t.dtype == sd[name].dtype and torch.equal(t, sd[name]), name
+
+
 class _Replicas:
     """A replica that reports itself but never joins the group."""
 

@@ -94,8 +94,13 @@ def pack_bucket(state_dict: dict[str, torch.Tensor], bucket: Bucket) -> torch.Te
 def unpack_bucket(buffer: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) views of a received buffer, the inverse of ``pack_bucket``."""
     sizes = [math.prod(shape) * getattr(torch, dtype).itemsize for _, dtype, shape in bucket]
-    return [(name, part.view(getattr(torch, dtype)).view(shape))
-            for (name, dtype, shape), part in zip(bucket, buffer.split(sizes))]
+    out = []
+    for (name, dtype, shape), part in zip(bucket, buffer.split(sizes)):
+        dt = getattr(torch, dtype)
+        if part.storage_offset() % dt.itemsize:  # e.g. an int64 d2t map after an odd-sized bf16 tensor
+            part = part.clone()
+        out.append((name, part.view(dt).view(shape)))
+    return out
 
 
 def state_dict_nbytes(state_dict: dict[str, torch.Tensor]) -> int:
