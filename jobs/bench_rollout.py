@@ -1,7 +1,7 @@
 """Rollout benchmark: speculative methods side by side on the same prompts.
 
     python -m jobs.bench_rollout [--quick] [--out bench_rollout.json]
-        [--data-path ../shared/data/gsm8k] [--eagle3 NAME=DIR ...]
+        [--data-path ../shared/data/gsm8k] [--first-prompt 1000] [--eagle3 NAME=DIR ...]
         [--draft-layers 6] [--k 1,2,3,4,5] [--concurrency 1,8,32,128]
         [--temperature 1.0,0] [--max-tokens 64] [--dtype float32] [--repeats 1]
 
@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cache-dir", default="~/.cache/rayspec")
     ap.add_argument("--dtype", default="float32", help="serving dtype (bf16 is emulated on AVX2 CPUs)")
     ap.add_argument("--data-path", default=str(SHARED_GSM8K), help="GSM8K jsonl directory")
+    ap.add_argument("--first-prompt", type=int, default=1000,
+                    help="index of the first GSM8K train problem used (the shared copy has no test "
+                         "split; jobs.warmstart_draft trains on the first ones)")
     ap.add_argument("--methods", help=f"default {','.join(METHODS)}")
     ap.add_argument("--eagle3", action="append", default=[], metavar="NAME=DIR",
                     help="an EAGLE-3 head to bench (e.g. warm=runs/warm/draft_head); "
@@ -326,6 +329,26 @@ def untrained_head(model_dir, work: Path) -> Path:
     return head
 
 
+def engine_units(methods: list[str], heads: dict[str, Path], draft_model, draft_layers: int) -> list:
+    """[(method, [(draft name, draft dir), ...]), ...]: one engine each, in
+    ``methods`` order. EAGLE-3 heads share an engine (swapped in by refit)
+    when their draft vocabularies have the same size: vLLM sizes the
+    drafter's output layer and d2t map from the first head's config."""
+    units = []
+    for method in methods:
+        if method == "eagle3":
+            by_vocab: dict[int, list] = {}
+            for name, d in heads.items():
+                cfg = json.loads((Path(d) / "config.json").read_text())
+                by_vocab.setdefault(cfg.get("draft_vocab_size") or cfg["vocab_size"], []).append((name, d))
+            units.extend(("eagle3", group) for group in by_vocab.values())
+        elif method == "draft_model":
+            units.append((method, [(f"layers{draft_layers}", draft_model())]))
+        else:
+            units.append((method, [("", None)]))
+    return units
+
+
 def _speculative_config(method: str, draft_dir, kmax: int, max_seqs: int) -> dict | None:
     """The engine's speculative_config: built with the largest k and a
     batch-size schedule, so k changes at run time; None for no speculation."""
@@ -357,7 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: --data-path: {e}", file=sys.stderr)
         return 2
-    prompts = [chat_prompt_ids(tok, p) for p in problems[:max(args.concurrency + [args.rollout_prompts])]]
+    n_prompts = max(args.concurrency + [args.rollout_prompts])
+    if len(problems) < args.first_prompt + n_prompts:
+        print(f"error: --first-prompt {args.first_prompt}: {args.data_path} has {len(problems)} train "
+              f"problems, {n_prompts} are needed from there", file=sys.stderr)
+        return 2
+    prompts = [chat_prompt_ids(tok, p) for p in problems[args.first_prompt:args.first_prompt + n_prompts]]
     heads = {"untrained": untrained_head(model_dir, work)}
     for spec in args.eagle3:
         name, _, d = spec.partition("=")
@@ -365,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --eagle3 {spec}: expected NAME=DIR with an EAGLE-3 head", file=sys.stderr)
             return 2
         heads[name] = Path(d)
+    units = engine_units(args.methods, heads, lambda: truncated_copy(
+        model_dir, work / f"draft_{args.draft_layers}l", args.draft_layers), args.draft_layers)
     kmax = max(args.k)
     max_seqs = max(args.concurrency + [args.rollout_prompts * args.group_size])
     engine_kwargs = {"enforce_eager": True, "max_model_len": 1024, "max_num_seqs": max_seqs, "seed": 0,
@@ -379,12 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     for r in range(args.repeats):
         cells: list[dict] = []
-        for method in args.methods if r % 2 == 0 else args.methods[::-1]:
-            drafts = {"none": [("", None)], "eagle3": list(heads.items()),
-                      "draft_model": [(f"layers{args.draft_layers}",
-                                       truncated_copy(model_dir, work / f"draft_{args.draft_layers}l",
-                                                      args.draft_layers))],
-                      "ngram": [("", None)], "suffix": [("", None)]}[method]
+        for method, drafts in units if r % 2 == 0 else units[::-1]:
             spec = _speculative_config(method, drafts[0][1], kmax, max_seqs)
             engine = SpecVLLMEngine(str(model_dir), spec, dtype=args.dtype, engine_kwargs=engine_kwargs, env=env)
             try:

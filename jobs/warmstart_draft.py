@@ -1,7 +1,7 @@
 """In-domain EAGLE-3 warm start: ``python -m jobs.warmstart_draft --out DIR [preset.yaml] [key=value ...]``.
 
     python -m jobs.warmstart_draft --out runs/warm data.name=gsm8k data.path=../shared/data/gsm8k \\
-        --train-prompts 64 --samples 4 --steps 300 model.dtype=float32
+        --train-prompts 256 --samples 4 --eval-every 100
 
 1. The policy (``model.path``) samples ``--samples`` responses to each of the
    first ``--train-prompts`` prompts of ``data.*`` (temperature
@@ -12,17 +12,23 @@
    tokens of those responses (their coverage, and the held-out responses',
    go to ``result.json``). Acceptance length on the next
    ``--heldout-prompts`` prompts (held out) with the head as it is ("before").
-3. ``--steps`` optimizer steps of ``eagle3_loss`` (``draft.lr``,
-   ``draft.ttt_steps``) on the verifier's features of the generated samples
-   (``rayspec.draft.warmstart``).
-4. The trained head is loaded into the same engine (refit) and acceptance is
-   measured on the held-out prompts again ("after").
+3. Optimizer steps of ``eagle3_loss`` (``draft.ttt_steps``) on the
+   verifier's features of the generated samples (``rayspec.draft.warmstart``),
+   peak learning rate ``draft.lr`` with warmup and cosine decay over
+   ``--steps``. Every ``--eval-every`` steps the head is loaded into the same
+   engine (refit) and held-out acceptance length is measured at the RL
+   temperature and greedily; training stops once it has not improved by
+   ``--min-delta`` for ``--patience`` evaluations (early stopping), or at
+   ``--steps``. The best evaluation is the result ("after").
 
-``DIR`` holds ``corpus.jsonl``, ``draft_head/`` (load it with
+``DIR`` holds ``corpus.jsonl``, ``draft_head/`` (the best head: load it with
 ``rollout.speculative_config.model=DIR/draft_head``; its ``acceptance.json``
 holds the "after" rates, where adaptive speculation starts from), the
-optimizer state and ``result.json``. Re-running with the same ``DIR`` resumes: the corpus is
-reused, training continues from the saved step, and ``--steps`` is the total.
+optimizer state, ``result.json`` (every evaluation under ``history``) and
+``acceptance.png`` (held-out acceptance length against training tokens).
+Re-running with the same ``DIR`` resumes: the corpus is reused, training
+continues from the saved step, and ``--steps`` is the total; a run that
+stopped early stays stopped.
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -47,7 +52,14 @@ def parse_args(argv):
     ap.add_argument("--heldout-prompts", type=int, default=16)
     ap.add_argument("--samples", type=int, default=4, help="responses per training prompt")
     ap.add_argument("--heldout-samples", type=int, default=4, help="responses per held-out prompt")
-    ap.add_argument("--steps", type=int, default=300, help="total optimizer steps")
+    ap.add_argument("--steps", type=int, default=2000,
+                    help="most optimizer steps in total (the learning-rate schedule's length)")
+    ap.add_argument("--eval-every", type=int, default=100,
+                    help="steps between held-out evaluations (0: once, at --steps)")
+    ap.add_argument("--patience", type=int, default=3,
+                    help="evaluations without improvement before training stops")
+    ap.add_argument("--min-delta", type=float, default=0.01,
+                    help="held-out acceptance length gain that counts as improvement")
     ap.add_argument("--micro-batch", type=int, default=4, help="samples per optimizer step")
     ap.add_argument("--save-every", type=int, default=50)
     args, rest = ap.parse_known_args(argv)
@@ -60,10 +72,12 @@ def parse_args(argv):
     return args, preset, rest
 
 
-def acceptance(engine, prompts: list[list[int]], n: int, cfg) -> tuple[dict, list[list[int]]]:
-    """(acceptance figures of ``n`` samples of each prompt, their response ids)."""
-    batch, stats = engine.generate(prompts, n=n, temperature=cfg.grpo.temperature,
-                                   max_tokens=cfg.grpo.max_new_tokens)
+def acceptance(engine, prompts: list[list[int]], n: int, cfg,
+               temperature: float | None = None) -> tuple[dict, list[list[int]]]:
+    """(acceptance figures of ``n`` samples of each prompt at ``temperature``
+    (None: the RL temperature), their response ids)."""
+    batch, stats = engine.generate(prompts, n=n, max_tokens=cfg.grpo.max_new_tokens,
+                                   temperature=cfg.grpo.temperature if temperature is None else temperature)
     return {"acceptance_length": stats.acceptance_length,
             "acceptance_rate_per_pos": stats.acceptance_rate_per_pos,
             "tokens_per_s": stats.tokens_per_s, "output_tokens": stats.output_tokens}, batch.response_ids
@@ -80,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayspec.data import chat_prompt_ids, load_problems
     from rayspec.draft.eagle3 import init_head, load_head, save_head, vllm_state_dict
     from rayspec.draft.vocab import coverage, select_draft_vocab, token_counts
-    from rayspec.draft.warmstart import CORPUS, HEAD, read_corpus, split_prompts, train_head, write_corpus
+    from rayspec.draft.warmstart import BEST, CORPUS, HEAD, read_corpus, split_prompts, train_head, write_corpus
     from rayspec.models import load_policy, load_tokenizer, resolve_model_path
     from rayspec.rollout.adaptive import uniform, write_acceptance
     from rayspec.rollout.engine import SpecVLLMEngine, replica_env
@@ -137,23 +151,48 @@ def main(argv: list[str] | None = None) -> int:
             result["before"], _ = acceptance(engine, held, args.heldout_samples, cfg)
             result_path.write_text(json.dumps(result, indent=1))
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        t0 = time.perf_counter()
-        trained = train_head(policy, samples, out, args.steps, cfg.draft.lr, cfg.draft.ttt_steps, pad,
-                             micro_batch=args.micro_batch, save_every=args.save_every, seed=cfg.trainer.seed)
-        engine.update_draft(vllm_state_dict(load_head(out / HEAD)), 1)
-        result["after"], held_responses = acceptance(engine, held, args.heldout_samples, cfg)
-        if not math.isnan(trained["draft_loss"]) or "train" not in result:
-            # a rerun that trained no further keeps the last training figures
-            result.update(train=trained, train_seconds=time.perf_counter() - t0)
-        if head_ids is not None:
-            draft_vocab["heldout_coverage"] = coverage(token_counts(held_responses, V), head_ids)
-        result.update(corpus_samples=len(samples), draft_vocab=draft_vocab,
-                      heldout_prompts=len(held), model=str(model_dir), dtype=cfg.model.dtype,
-                      data=cfg.data.name, k=k, temperature=cfg.grpo.temperature)
-        result_path.write_text(json.dumps(result, indent=1))
-        write_acceptance(out / HEAD, result["after"]["acceptance_rate_per_pos"], k=k,
+        history, best = result.get("history", []), result.get("best")
+        done = history[-1]["step"] if history else 0
+        tokens_per_step = args.micro_batch * sum(len(r) for _, r in samples) / len(samples)
+        t0, seconds_before = time.perf_counter(), result.get("train_seconds", 0.0)
+        while not result.get("stopped") and done < args.steps:
+            target = min(args.steps, done + args.eval_every) if args.eval_every else args.steps
+            trained = train_head(policy, samples, out, target, cfg.draft.lr, cfg.draft.ttt_steps, pad,
+                                 micro_batch=args.micro_batch, save_every=args.save_every,
+                                 seed=cfg.trainer.seed, schedule_steps=args.steps)
+            done = trained["steps"]
+            engine.update_draft(vllm_state_dict(load_head(out / HEAD)), done)
+            at_t, held_responses = acceptance(engine, held, args.heldout_samples, cfg)
+            greedy, _ = acceptance(engine, held, 1, cfg, temperature=0.0)
+            history.append({"step": done, "train_tokens": round(done * tokens_per_step), **trained,
+                            "acceptance_length": at_t["acceptance_length"],
+                            "greedy_acceptance_length": greedy["acceptance_length"],
+                            "seconds": seconds_before + time.perf_counter() - t0})
+            print(f"step {done}: held-out acceptance length {at_t['acceptance_length']:.3f} "
+                  f"(T={cfg.grpo.temperature}), {greedy['acceptance_length']:.3f} (greedy), "
+                  f"loss {trained['draft_loss']:.3f}")
+            if best is None or at_t["acceptance_length"] > best["acceptance_length"] + args.min_delta:
+                best = {"step": done, "acceptance_length": at_t["acceptance_length"], "after": at_t}
+                save_head(load_head(out / HEAD), out / BEST)
+                if head_ids is not None:
+                    draft_vocab["heldout_coverage"] = coverage(token_counts(held_responses, V), head_ids)
+            elif args.eval_every and (done - best["step"]) // args.eval_every >= args.patience:
+                result["stopped"] = (f"held-out acceptance length did not improve by {args.min_delta} "
+                                     f"in {args.patience} evaluations after step {best['step']}")
+            result.update(history=history, best=best, after=best["after"], train=history[-1],
+                          train_seconds=history[-1]["seconds"], corpus_samples=len(samples),
+                          draft_vocab=draft_vocab, heldout_prompts=len(held), model=str(model_dir),
+                          dtype=cfg.model.dtype, data=cfg.data.name, k=k, temperature=cfg.grpo.temperature)
+            result_path.write_text(json.dumps(result, indent=1))
+            plot_history(history, out / "acceptance.png", cfg.grpo.temperature)
+        if best is None:
+            raise SystemExit(f"error: --steps {args.steps}: nothing to train")
+        # the head the run hands on is the best held-out one (its fp32
+        # training state stays the last step's, where a resumed run continues)
+        save_head(load_head(out / BEST), out / HEAD)
+        write_acceptance(out / HEAD, best["after"]["acceptance_rate_per_pos"], k=k,
                          temperature=cfg.grpo.temperature, data=cfg.data.name, heldout_prompts=len(held),
-                         heldout_samples=args.heldout_samples, policy=str(model_dir), train_steps=trained["steps"])
+                         heldout_samples=args.heldout_samples, policy=str(model_dir), train_steps=best["step"])
     finally:
         engine.shutdown()
     print(f"{'':<8}{'acc len':>9}{'tok/s':>8}  accept/pos   (held-out: {len(held)} prompts x "
@@ -163,9 +202,30 @@ def main(argv: list[str] | None = None) -> int:
         rates = ",".join(f"{x:.2f}" for x in r["acceptance_rate_per_pos"])
         print(f"{name:<8}{r['acceptance_length']:>9.2f}{r['tokens_per_s']:>8.1f}  [{rates}]")
     trained = result["train"]
-    print(f"head: {out / HEAD}  ({trained['steps']} steps, loss {trained['draft_loss']:.3f}, "
-          f"top-1 {trained['draft_top1']:.2f})")
+    print(f"head: {out / HEAD}  (step {result['best']['step']} of {trained['steps']}, "
+          f"{trained['train_tokens']} training tokens, {result['train_seconds']:.0f} s; "
+          f"{result.get('stopped') or 'ran to --steps'})")
     return 0
+
+
+def plot_history(history: list[dict], path: Path, temperature: float) -> None:
+    """Held-out acceptance length against training tokens (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = [h["train_tokens"] for h in history]
+    ax.plot(x, [h["acceptance_length"] for h in history], "o-", label=f"T={temperature}")
+    ax.plot(x, [h["greedy_acceptance_length"] for h in history], "s--", label="greedy")
+    ax.set_xlabel("training tokens (response tokens seen)")
+    ax.set_ylabel("held-out acceptance length")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,21 @@ def test_combine_rounds_takes_medians_of_paired_ratios():
         combine_rounds([rounds[0], rounds[1][:1]])
 
 
+def test_eagle3_heads_share_an_engine_only_with_the_same_draft_vocabulary(tmp_path):
+    from jobs.bench_rollout import engine_units
+
+    heads = {}
+    for name, vocab in (("untrained", None), ("full", 100), ("reduced", 10), ("reduced2", 10)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"vocab_size": 100, **({"draft_vocab_size": vocab} if vocab else {})}))
+        heads[name] = d
+    units = engine_units(["none", "eagle3", "draft_model"], heads, lambda: tmp_path / "trunc", 6)
+    assert [(m, [n for n, _ in drafts]) for m, drafts in units] == [
+        ("none", [""]), ("eagle3", ["untrained", "full"]), ("eagle3", ["reduced", "reduced2"]),
+        ("draft_model", ["layers6"])]
+
+
 @pytest.mark.slow
 def test_bench_rollout_cells(tiny_llama_dir, gsm8k_dir, tmp_path, in_process_engine_core):
     from jobs.bench_rollout import main

@@ -56,7 +56,8 @@ def test_split_prompts_is_disjoint_and_checks_size():
 
 
 @pytest.mark.slow
-def test_warmstart_job_raises_heldout_acceptance_and_resumes(tiny_llama_dir, gsm8k_dir, tmp_path, in_process_engine_core):
+def test_warmstart_job_raises_heldout_acceptance_stops_early_and_resumes(tiny_llama_dir, gsm8k_dir, tmp_path,
+                                                                          in_process_engine_core):
     from jobs.warmstart_draft import main
 
     out = tmp_path / "warm"
@@ -65,28 +66,41 @@ def test_warmstart_job_raises_heldout_acceptance_and_resumes(tiny_llama_dir, gsm
     common = ["--out", str(out), "--train-prompts", "64", "--heldout-prompts", "8", "--samples", "4",
               "--heldout-samples", "4", "--save-every", "50", f"model.path={tiny_llama_dir}",
               "model.dtype=float32", "data.name=gsm8k", f"data.path={gsm8k_dir}", "draft.lr=3e-3",
-              "grpo.max_new_tokens=32", "rollout.engine_kwargs.max_num_seqs=32"]
-    assert main(common + ["--steps", "100"]) == 0
+              "draft.draft_vocab_size=2048", "grpo.max_new_tokens=32", "rollout.engine_kwargs.max_num_seqs=32"]
+    assert main(common + ["--steps", "100", "--eval-every", "50"]) == 0
     res = json.loads((out / "result.json").read_text())
     corpus = (out / "corpus.jsonl").read_text()
     assert len(read_corpus(out / "corpus.jsonl")) == 256
-    assert res["train"]["steps"] == 100
+    assert [h["step"] for h in res["history"]] == [50, 100] and res["train"]["steps"] == 100
+    assert 0 < res["history"][0]["train_tokens"] < res["history"][1]["train_tokens"]
+    assert all(h["greedy_acceptance_length"] >= 1.0 for h in res["history"])
+    assert (out / "acceptance.png").stat().st_size > 0
+    # the draft vocabulary: the responses' 2048 most frequent tokens
+    vocab = res["draft_vocab"]
+    assert vocab["draft_vocab_size"] == 2048 and 0.5 < vocab["train_coverage"] <= 1.0
+    assert 0 < vocab["heldout_coverage"] <= 1.0
     # the fresh head accepts nothing; 100 steps on a random tiny policy teach it
     # a little (1.08 here; the standard error over ~1000 held-out tokens is ~0.01)
     assert res["before"]["acceptance_length"] == 1.0
     assert res["after"]["acceptance_length"] > 1.03, res
+    assert res["after"] == res["best"]["after"] and res["best"]["step"] in (50, 100)
     head = load_head(out / HEAD)
-    assert head.cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert head.cfg["architectures"] == ["LlamaForCausalLMEagle3"] and head.draft_ids.numel() == 2048
     # the "after" rates are recorded beside the head, for adaptive speculation
     assert read_acceptance(out / HEAD) == res["after"]["acceptance_rate_per_pos"]
-    # resume: same corpus, training continues to the new total
-    assert main(common + ["--steps", "110"]) == 0
+    # resume: same corpus, training continues; one evaluation without a gain of 10 stops it
+    stop = common + ["--steps", "200", "--eval-every", "10", "--patience", "1", "--min-delta", "10"]
+    assert main(stop) == 0
     assert (out / "corpus.jsonl").read_text() == corpus
     assert json.loads((out / "trainer_state.json").read_text())["step"] == 110
     resumed = json.loads((out / "result.json").read_text())
-    assert resumed["before"] == res["before"] and resumed["train"]["steps"] == 110
-    # a rerun with nothing left to train re-measures, keeping the training figures
-    assert main(common + ["--steps", "110"]) == 0
-    again = json.loads((out / "result.json").read_text())
-    assert again["train"] == resumed["train"] and again["train_seconds"] == resumed["train_seconds"]
-    assert read_acceptance(out / HEAD) == again["after"]["acceptance_rate_per_pos"]
+    assert resumed["before"] == res["before"] and [h["step"] for h in resumed["history"]] == [50, 100, 110]
+    assert "did not improve by 10.0 in 1 evaluations" in resumed["stopped"]
+    assert resumed["best"] == res["best"]  # the head handed on is still the best one
+    best = load_head(out / "best_head")
+    for (k, a), b in zip(load_head(out / HEAD).state_dict().items(), best.state_dict().values()):
+        assert torch.equal(a, b), k
+    # a stopped run stays stopped
+    assert main(stop) == 0
+    assert json.loads((out / "result.json").read_text()) == resumed
+    assert read_acceptance(out / HEAD) == resumed["after"]["acceptance_rate_per_pos"]

@@ -11,6 +11,7 @@ Everything lands in one output directory, so an interrupted run resumes:
 
     corpus.jsonl          one generated sample per line ({"prompt_ids", "response_ids"})
     draft_head/           the head (vLLM checkpoint format, ``save_head``)
+    best_head/            the best held-out head so far (the job's result)
     trainer_state.*       fp32 head weights, AdamW state, step counter (resume)
     result.json           acceptance length before / after on held-out prompts
 """
@@ -18,6 +19,7 @@ Everything lands in one output directory, so an interrupted run resumes:
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from pathlib import Path
@@ -34,6 +36,7 @@ from rayspec.train.capture import capture_eagle3_features
 
 CORPUS = "corpus.jsonl"
 HEAD = "draft_head"
+BEST = "best_head"
 
 
 def write_corpus(batch: RolloutBatch, path: Path) -> None:
@@ -117,9 +120,23 @@ def _load_state(head: Eagle3Head, opt: torch.optim.Optimizer, out: Path) -> int:
     return int(meta["step"])
 
 
+def lr_at(step: int, lr: float, schedule_steps: int | None) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup over
+    the first 5% of ``schedule_steps``, then cosine decay to 10% of ``lr`` at
+    ``schedule_steps`` (constant ``lr`` for None). A function of the step
+    alone, so a resumed run continues the same schedule."""
+    if not schedule_steps:
+        return lr
+    warmup = max(1, schedule_steps // 20)
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, schedule_steps - warmup))
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
 def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str | os.PathLike,
                steps: int, lr: float, ttt_steps: int, pad_id: int, micro_batch: int = 4,
-               save_every: int = 50, seed: int = 0) -> dict[str, float]:
+               save_every: int = 50, seed: int = 0, schedule_steps: int | None = None) -> dict[str, float]:
     """Train the head in ``<out_dir>/draft_head`` on ``samples`` for ``steps``
     optimizer steps in total, resuming from the step saved there.
 
@@ -134,9 +151,12 @@ def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str 
         samples: (prompt_ids, response_ids) pairs.
         out_dir: directory holding ``draft_head/`` (written by the caller first).
         steps: total optimizer steps, counting those of earlier runs.
-        lr: AdamW learning rate.
+        lr: AdamW peak learning rate (``lr_at``).
         ttt_steps: training-time-test depth.
         pad_id: tokenizer pad id.
+        schedule_steps: length of the learning-rate schedule (``lr_at``;
+            None: constant ``lr``), the most steps a run may take when it is
+            trained in parts with evaluations between them.
 
     Returns:
         {"steps": total steps done, "draft_loss": mean loss of the last <= 20
@@ -164,6 +184,8 @@ def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str 
         if c not in cache:
             cache[c] = features(policy, [samples[i] for i in chunks[c]], ids, pad_id)
         f = cache[c]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, lr, schedule_steps)
         loss, acc = eagle3_loss(head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
                                 f["loss_mask"], embed, lm_head, ttt_steps)
         opt.zero_grad(set_to_none=True)
