@@ -295,6 +295,25 @@ def test_published_head_layout_loads_and_the_run_copy_names_its_aux_layers(tiny_
     assert torch.equal(load_head(head_dir).d2t, head.d2t)
 
 
+def test_new_run_head_drafts_from_the_prompts_most_frequent_tokens(tiny_llama_dir, tmp_path):
+    """A run without a head starts one whose draft vocabulary is the
+    draft.draft_vocab_size most frequent tokens of its training prompts."""
+    from rayspec.config import load_config
+    from rayspec.data import chat_prompt_ids, load_problems
+    from rayspec.draft.vocab import coverage, token_counts
+    from rayspec.scheduler.driver import prepare_draft
+
+    cfg = load_config(None, [f"model.path={tiny_llama_dir}", "draft.draft_vocab_size=300"])
+    head_dir, aux = prepare_draft(cfg, str(tiny_llama_dir), tmp_path)
+    head = load_head(head_dir)
+    tok = load_tokenizer(tiny_llama_dir)
+    assert aux == [1, 3, 4] and head.draft_ids.numel() == 300 and head.t2d[tok.eos_token_id]
+    prompts = [chat_prompt_ids(tok, p) for p in load_problems("arithmetic", None, "train", None, 0, 2)[:1000]]
+    counts = token_counts(prompts, tok.vocab_size)
+    assert coverage(counts, head.draft_ids) == 1.0 or coverage(counts, head.draft_ids) > coverage(
+        counts, torch.arange(300))  # the frequent tokens, not the first ids
+
+
 @pytest.mark.slow
 def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp_path, in_process_engine_core):
     """A published-layout head with a reduced draft vocabulary (the policy's

@@ -100,8 +100,9 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
 
 
 def _prompt_draft_vocab(cfg: RunConfig, model_dir: str, vocab_size: int):
-    """[draft.draft_vocab_size] token ids, the most frequent in the training
-    prompts (the policy has written nothing yet), or None for the whole vocabulary."""
+    """[draft.draft_vocab_size] token ids, the most frequent in the first 1000
+    training prompts (the policy has written nothing yet), or None for the
+    whole vocabulary."""
     n = cfg.draft.draft_vocab_size
     if n is None or n >= vocab_size:
         return None
@@ -110,8 +111,9 @@ def _prompt_draft_vocab(cfg: RunConfig, model_dir: str, vocab_size: int):
     from rayspec.models import load_tokenizer
 
     tok = load_tokenizer(model_dir)
+    # 1000 prompts: 0.7 s to tokenize here, where all of GSM8K's 7473 took 13 s
     problems = load_problems(cfg.data.name, cfg.data.path, cfg.data.split, cfg.data.num_problems,
-                             cfg.data.seed, cfg.data.level)
+                             cfg.data.seed, cfg.data.level)[:1000]
     counts = token_counts((chat_prompt_ids(tok, p) for p in problems), vocab_size)
     ids = select_draft_vocab(counts, n, always=[t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None])
     log.info("draft vocabulary: %d of %d tokens, by frequency in %d training prompts", n, vocab_size,
