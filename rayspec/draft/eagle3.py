@@ -93,8 +93,8 @@ class _Attention(nn.Module):
                 that steps 0 .. j-1 returned. Step j of the chain starting at
                 t then attends to step 0's entries at t' <= t and to its own
                 chain's entries of steps 1 .. j, which is what vLLM's drafter
-                cache holds when it drafts from t (EAGLE-3's training-time-test
-                mask, Li et al. 2025 Fig. 6).
+                cache holds when it drafts from t (the training-time-test
+                attention of EAGLE-3, Li et al. 2025).
 
         Returns:
             (output [B, T, H], this step's (k, v)).
@@ -173,7 +173,14 @@ class Eagle3Head(nn.Module):
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Set the d2t / t2d maps from [N] distinct policy token ids (any order)."""
+        """Set the d2t / t2d maps from [N] distinct policy token ids (any order).
+
+        Raises:
+            ValueError: the head has the policy's whole vocabulary, or the ids
+                are not N distinct ids in [0, V).
+        """
+        if self.d2t is None:
+            raise ValueError("this head drafts in the policy's whole vocabulary (draft_vocab_size == vocab_size)")
         ids = torch.as_tensor(token_ids, dtype=torch.long).sort().values
         if ids.numel() != self.d2t.numel() or ids.unique().numel() != ids.numel():
             raise ValueError(f"draft vocabulary needs {self.d2t.numel()} distinct token ids, got {ids.numel()} "
