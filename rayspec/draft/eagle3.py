@@ -313,15 +313,18 @@ def vllm_state_dict(head: Eagle3Head, dtype: torch.dtype = torch.bfloat16) -> di
     return to_host({k: v for k, v in head.state_dict().items() if k != "t2d"}, dtype)
 
 
-def aux_layer_ids(head_cfg: dict, num_layers: int) -> list[int]:
+def aux_layer_ids(head_cfg: dict, num_layers: Optional[int]) -> Optional[list[int]]:
     """The verifier layers whose inputs feed the head, as vLLM reads them from
     its config: ``eagle_aux_hidden_state_layer_ids`` at top level or under
     ``eagle_config``, else vLLM's default (2, L/2, L-3) for an L-layer
     verifier (``SupportsEagle3.get_eagle3_default_aux_hidden_state_layers``,
-    vLLM 0.32), which published heads without the key were trained with."""
+    vLLM 0.32), which published heads without the key were trained with
+    (None where the config names none and ``num_layers`` is None)."""
     ids = head_cfg.get("eagle_aux_hidden_state_layer_ids") or \
         (head_cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return list(ids) if ids else [2, num_layers // 2, num_layers - 3]
+    if ids:
+        return list(ids)
+    return None if num_layers is None else [2, num_layers // 2, num_layers - 3]
 
 
 def save_head(head: Eagle3Head, out_dir: str | os.PathLike) -> Path:

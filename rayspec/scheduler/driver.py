@@ -82,11 +82,15 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
     from rayspec.draft.eagle3 import aux_layer_ids, init_head, load_head, save_head
 
     head_dir = run_dir / "draft_head"
-    num_layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+
+    def aux_ids(head_cfg: dict) -> list[int]:  # the policy's depth only where the head names no layers
+        return aux_layer_ids(head_cfg, None) or aux_layer_ids(
+            head_cfg, json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
+
     if spec.model is not None:
         head = load_head(spec.model)
         head.cfg["eagle_config"] = {**head.cfg.get("eagle_config", {}),
-                                    "eagle_aux_hidden_state_layer_ids": aux_layer_ids(head.cfg, num_layers)}
+                                    "eagle_aux_hidden_state_layer_ids": aux_ids(head.cfg)}
         save_head(head, head_dir)
         record = Path(spec.model) / ACCEPTANCE_FILE  # validated by check_inputs
         if record.is_file():
@@ -95,8 +99,7 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
         policy = load_policy(model_dir)
         save_head(init_head(policy, cfg.draft.aux_hidden_state_layer_ids, seed=cfg.trainer.seed,
                             draft_vocab=_prompt_draft_vocab(cfg, model_dir, policy.config.vocab_size)), head_dir)
-    head_cfg = json.loads((head_dir / "config.json").read_text())
-    return str(head_dir), aux_layer_ids(head_cfg, num_layers)
+    return str(head_dir), aux_ids(json.loads((head_dir / "config.json").read_text()))
 
 
 def _prompt_draft_vocab(cfg: RunConfig, model_dir: str, vocab_size: int):
