@@ -4,8 +4,10 @@ warm-started EAGLE-3 head, and with that head trained online.
     python -m jobs.bench_rl --warm-head runs/warm/draft_head [--steps 10]
         [--out bench_rl.json] [--run-dir runs/bench_rl] [preset.yaml] [key=value ...]
 
-Every run uses the preset (default ``jobs/configs/gsm8k.yaml``: SmolLM2-135M,
-GSM8K train prompts), the same seed and therefore the same prompts; the bench
+Every run uses the preset (default ``jobs/configs/default.yaml``, the
+learning preset: SmolLM2-135M on one-operation arithmetic, on which the
+policy's reward rises within 30 steps and the policy drifts from where the
+head was trained), the same seed and therefore the same prompts; the bench
 sets ``rollout.speculative_config``, ``draft.enabled``, ``trainer.steps`` and
 ``trainer.run_dir`` itself:
 
@@ -27,9 +29,13 @@ does). Every run also reports its logprob agreement: the median over steps
 of ``token_mult_prob_error`` (mean |p_trainer / p_vllm - 1| of the sampled
 tokens, NeMo-RL's name).
 
-Per step and run: acceptance length, rollout tokens/s, reward and step
-seconds. Prints a table (per step), writes JSON (one object per run with the
-per-step lists) and ``<run-dir>/rl.png`` (the runs' curves overlaid).
+Per step and run: acceptance length, rollout tokens/s, reward, policy drift
+(``kl``: per-token KL of the policy to the initial one on the step's
+samples, where the preset has ``grpo.kl_coef`` > 0) and step seconds; per
+held-out evaluation (``trainer.eval_every``): reward and the acceptance
+length on the fixed held-out prompts. Prints a table (per step), writes JSON
+(one object per run with the per-step lists) and ``<run-dir>/rl.png`` (the
+runs' curves overlaid).
 
 Resumable: a run whose ``<run-dir>/<run>/metrics.jsonl`` already holds
 ``--steps`` records is read back, not run again (each run takes tens of
@@ -50,9 +56,10 @@ from pathlib import Path
 from rayspec.config import ConfigError, load_config
 from rayspec.metrics import read_metrics
 
-DEFAULT_PRESET = Path(__file__).parent / "configs" / "gsm8k.yaml"
-SERIES = ("acceptance_length", "rollout_tokens_per_s", "reward_mean", "time_step_s", "time_rollout_s",
+DEFAULT_PRESET = Path(__file__).parent / "configs" / "default.yaml"
+SERIES = ("acceptance_length", "rollout_tokens_per_s", "reward_mean", "kl", "time_step_s", "time_rollout_s",
           "token_mult_prob_error")
+EVAL_SERIES = ("policy_version", "reward_greedy", "reward_sampled", "acceptance_length", "greedy_changed")
 
 
 def runs(warm_head: str | None) -> dict[str, list[str]]:
@@ -93,27 +100,40 @@ def compare_to_none(rows: list[dict]) -> None:
 
 
 def summarize(name: str, records: list[dict]) -> dict:
-    """One run's per-step series (lists, one entry per step) and their medians;
-    ``steps_seconds_total`` is the sum of step seconds (startup excluded)."""
+    """One run's per-step series (lists, one entry per step) and their medians
+    (NaN where a step lacks the key); ``steps_seconds_total`` is the sum of step
+    seconds (startup excluded); ``eval`` holds the held-out evaluations'
+    series (``EVAL_SERIES``, one entry per evaluation)."""
     out = {"run": name, "steps": len(records),
            "steps_seconds_total": sum(r["time_step_s"] for r in records)}
     for key in SERIES:
-        out[key] = [r.get(key, float("nan")) for r in records]
+        out[key] = [float("nan") if r.get(key) is None else r[key] for r in records]
         out[f"{key}_median"] = statistics.median(out[key])
+    evals = [e for r in records for e in r.get("evals", [])]
+    out["eval"] = {key: [e.get(key, float("nan")) for e in evals] for key in EVAL_SERIES}
     return out
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'step':>4}  " + "  ".join(f"{r['run'] + ' acc/tok/s/reward':>28}" for r in rows)]
+    lines = [f"{'step':>4}  " + "  ".join(f"{r['run'] + ' acc/tok/s/reward/kl':>36}" for r in rows)]
     for i in range(max(r["steps"] for r in rows)):
         cells = []
         for r in rows:
             cells.append(f"{r['acceptance_length'][i]:>10.2f}{r['rollout_tokens_per_s'][i]:>9.1f}"
-                         f"{r['reward_mean'][i]:>9.3f}" if i < r["steps"] else " " * 28)
+                         f"{r['reward_mean'][i]:>9.3f}{r['kl'][i]:>8.4f}" if i < r["steps"] else " " * 36)
         lines.append(f"{i + 1:>4}  " + "  ".join(cells))
     lines.append("median  " + "  ".join(
         f"{r['acceptance_length_median']:>10.2f}{r['rollout_tokens_per_s_median']:>9.1f}"
-        f"{statistics.mean(r['reward_mean']):>9.3f}" for r in rows) + "   (reward: mean)")
+        f"{statistics.mean(r['reward_mean']):>9.3f}{r['kl_median']:>8.4f}" for r in rows)
+        + "   (reward: mean)")
+    for r in rows:
+        ev = r.get("eval", {})
+        if ev.get("policy_version"):
+            lines.append(f"{r['run']} held-out (after step: greedy reward / sampled reward / acceptance "
+                         "length): " + ", ".join(
+                             f"{v}: {g:.3f}/{s:.3f}/{a:.2f}" for v, g, s, a in zip(
+                                 ev["policy_version"], ev["reward_greedy"], ev["reward_sampled"],
+                                 ev["acceptance_length"])))
     lines.append("logprob agreement (token_mult_prob_error, median over steps): " + ", ".join(
         f"{r['run']} {r['token_mult_prob_error_median']:.2e}" for r in rows))
     spread = next((r for r in rows if "seed_spread" in r), None)
@@ -126,17 +146,18 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], out: Path) -> Path:
-    """Acceptance length, rollout tokens/s and reward per step, runs overlaid."""
+    """Acceptance length, rollout tokens/s, reward and policy drift (KL to
+    the initial policy) per step, runs overlaid."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4), constrained_layout=True)
-    for ax, key, title in zip(axes, ("acceptance_length", "rollout_tokens_per_s", "reward_mean"),
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4), constrained_layout=True)
+    for ax, key, title in zip(axes, ("acceptance_length", "rollout_tokens_per_s", "reward_mean", "kl"),
                               ("acceptance length (tokens / verification)", "rollout tokens/s",
-                               "reward (mean over samples)")):
+                               "reward (mean over samples)", "drift: KL(policy || initial) per token")):
         for r in rows:
             ax.plot(range(1, r["steps"] + 1), r[key], "o-", label=r["run"])
         ax.set(title=title, xlabel="RL step")
@@ -151,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.bench_rl", description=__doc__.split("\n\n")[0])
     ap.add_argument("--warm-head", help="EAGLE-3 head from jobs.warmstart_draft (needed by frozen, "
                     "adaptive; without it online starts from a fresh head)")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--runs", default="none,frozen,online", help="which of none,frozen,online,adaptive")
     ap.add_argument("--none-seeds", default="",
                     help="further trainer.seed values for extra `none` runs (none@<seed>): the "

@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     tok = load_tokenizer(model_dir)
-    problems = load_problems(cfg.data.name, cfg.data.path, cfg.data.split, cfg.data.num_problems,
-                             cfg.data.seed, cfg.data.level)
+    problems = load_problems(cfg.data)
     try:
         train_p, held_p = split_prompts(problems, args.train_prompts, args.heldout_prompts)
     except ValueError as e:

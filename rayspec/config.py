@@ -69,6 +69,10 @@ class DataConfig:
         level: arithmetic difficulty: 1 = one addition/subtraction answered
             directly (a 135M policy gets some right at temperature 1.0, so
             GRPO has a signal), 2 = word problems with 2-3 operations.
+        max_operand: arithmetic: largest drawn quantity (>= 2).
+        eval_num_problems: problems held out of training and scored every
+            ``trainer.eval_every`` steps: the last N distinct questions of
+            the dataset (``heldout_split``; training never sees them).
         prompts_per_step: distinct prompts per RL step (each sampled
             ``grpo.group_size`` times).
         seed: shuffling / generation seed.
@@ -79,6 +83,8 @@ class DataConfig:
     split: str = "train"
     num_problems: Optional[int] = None
     level: int = 1
+    max_operand: int = 50
+    eval_num_problems: int = 64
     prompts_per_step: int = 4
     seed: int = 0
 
@@ -351,6 +357,12 @@ class TrainerConfig:
         num_to_keep: checkpoints kept (Ray Train ``CheckpointConfig.num_to_keep``).
         max_failures: Train worker group restarts from the last checkpoint
             before the run fails (Ray Train ``FailureConfig.max_failures``).
+        eval_every: score the policy on the held-out problems
+            (``data.eval_num_problems``) before the first step, every this
+            many steps and after the last (0: never): greedy and
+            ``eval_samples`` samples per problem at ``grpo.temperature``,
+            through the rollout replicas; see ``rayspec.train.evaluate``.
+        eval_samples: samples per held-out problem at the RL temperature.
     """
 
     steps: int = 10
@@ -359,6 +371,8 @@ class TrainerConfig:
     save_steps: int = 5
     num_to_keep: int = 2
     max_failures: int = 1
+    eval_every: int = 0
+    eval_samples: int = 4
 
 
 @dataclass
@@ -518,6 +532,13 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.data.level in (1, 2), "data.level", cfg.data.level, "expected 1 or 2")
     _check(cfg.data.prompts_per_step >= 1, "data.prompts_per_step",
            cfg.data.prompts_per_step, "must be >= 1")
+    _check(cfg.data.max_operand >= 2, "data.max_operand", cfg.data.max_operand, "must be >= 2")
+    _check(cfg.trainer.eval_every >= 0, "trainer.eval_every", cfg.trainer.eval_every,
+           "must be >= 0 (0: no evaluation)")
+    if cfg.trainer.eval_every:
+        _check(cfg.data.eval_num_problems >= 1, "data.eval_num_problems", cfg.data.eval_num_problems,
+               "must be >= 1 while trainer.eval_every > 0")
+        _check(cfg.trainer.eval_samples >= 1, "trainer.eval_samples", cfg.trainer.eval_samples, "must be >= 1")
     _check(cfg.grpo.group_size >= 2, "grpo.group_size", cfg.grpo.group_size,
            "GRPO needs >= 2 samples per prompt to form a group baseline")
     _check(cfg.grpo.temperature > 0, "grpo.temperature", cfg.grpo.temperature,

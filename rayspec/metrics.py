@@ -88,6 +88,10 @@ class MetricsLog:
             elif k == "acceptance_rate_per_pos":
                 for i, r in enumerate(v):
                     self.tb.add_scalar(f"acceptance_rate/pos{i + 1}", r, step)
+        for ev in clean.get("evals", []):  # held-out scores, at the policy version they score
+            for k, v in ev.items():
+                if isinstance(v, (int, float)) and k != "policy_version":
+                    self.tb.add_scalar(f"eval/{k}", v, ev["policy_version"])
         self.tb.flush()
 
     def discard_after(self, step: int) -> int:
@@ -204,8 +208,13 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def plot_run(run_dir: str | os.PathLike) -> Path:
-    """Draw acceptance length, rollout throughput, reward and phase seconds
-    per step into ``<run_dir>/curves.png``; returns its path."""
+    """Draw acceptance length, rollout throughput, reward (training samples,
+    and the held-out evaluations where the run has them), policy drift and
+    phase seconds per step into ``<run_dir>/curves.png``; returns its path.
+
+    Drift: the per-token KL to the reference policy on the step's samples
+    (``kl``, where ``grpo.kl_coef`` > 0) and the evaluations' fraction of
+    held-out greedy answers changed since the initial policy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -214,13 +223,28 @@ def plot_run(run_dir: str | os.PathLike) -> Path:
 
     recs = read_metrics(run_dir)
     steps = [r["step"] for r in recs]
-    fig, ax = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
+    evals = [e for r in recs for e in r.get("evals", [])]
+    fig, ax = plt.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
     ax[0, 0].plot(steps, [r["acceptance_length"] for r in recs], "o-")
     ax[0, 0].set(title="acceptance length (tokens / verify step)", xlabel="RL step")
     ax[0, 1].plot(steps, [r["rollout_tokens_per_s"] for r in recs], "o-")
     ax[0, 1].set(title="rollout output tokens/s", xlabel="RL step")
-    ax[1, 0].plot(steps, [r["reward_mean"] for r in recs], "o-")
-    ax[1, 0].set(title="mean reward", xlabel="RL step", ylim=(-0.02, 1.02))
+    ax[1, 0].plot(steps, [r["reward_mean"] for r in recs], "o-", label="training samples")
+    if evals:
+        versions = [e["policy_version"] for e in evals]
+        ax[1, 0].plot(versions, [e["reward_greedy"] for e in evals], "s-", label="held-out, greedy")
+        ax[1, 0].plot(versions, [e["reward_sampled"] for e in evals], "^-", label="held-out, sampled")
+        ax[1, 0].legend()
+    ax[1, 0].set(title="mean reward (held-out: after that many steps)", xlabel="RL step", ylim=(-0.02, 1.02))
+    kl = [(s, r["kl"]) for s, r in zip(steps, recs) if r.get("kl") is not None]
+    if kl:
+        ax[0, 2].plot(*zip(*kl), "o-", label="KL(policy || initial) per token")
+    changed = [(e["policy_version"], e["greedy_changed"]) for e in evals if "greedy_changed" in e]
+    if changed:
+        ax[0, 2].plot(*zip(*changed), "s-", label="held-out greedy answers changed")
+    if kl or changed:
+        ax[0, 2].legend()
+    ax[0, 2].set(title="policy drift", xlabel="RL step")
     bottom = [0.0] * len(recs)
     # stacked wall time of the step: draft training overlapping the sync is not counted twice
     for label, key in (("rollout", "time_rollout_s"), ("policy", "time_policy_s"),
@@ -230,6 +254,9 @@ def plot_run(run_dir: str | os.PathLike) -> Path:
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax[1, 1].set(title="seconds per step, by phase", xlabel="RL step")
     ax[1, 1].legend()
+    if evals:
+        ax[1, 2].plot(versions, [e["acceptance_length"] for e in evals], "s-")
+    ax[1, 2].set(title="held-out acceptance length (sampled, fixed seed)", xlabel="RL step")
     for a in ax.flat:
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
     out = Path(run_dir) / "curves.png"

@@ -81,6 +81,16 @@ def test_bad_dataset_stops_the_run(content, fragments, tmp_path, tiny_llama_dir,
     assert not run_dir.exists()
 
 
+def test_held_out_set_that_leaves_nothing_to_train_stops_the_run(tmp_path, tiny_llama_dir, capsys):
+    """The default task has 126 distinct questions: holding them all out is refused before Ray starts."""
+    run_dir = tmp_path / "run"
+    assert grpo.main([f"model.path={tiny_llama_dir}", "data.eval_num_problems=126",
+                      f"trainer.run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert "data.eval_num_problems=126: 126 held-out problems leave nothing to train on" in err, err
+    assert "126 distinct questions" in err and not run_dir.exists()
+
+
 def _planted_checkpoint(run_dir):
     ckpt = run_dir / "ray_train" / "train" / "checkpoint_2026-01-01_00-00-00.000000"
     ckpt.mkdir(parents=True)

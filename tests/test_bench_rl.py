@@ -12,8 +12,12 @@ from rayspec.config import load_config
 
 
 def _records(acc: list[float]) -> list[dict]:
-    return [{"acceptance_length": a, "rollout_tokens_per_s": 10.0 * a, "reward_mean": 0.1 * i,
-             "time_step_s": 50.0, "time_rollout_s": 20.0} for i, a in enumerate(acc)]
+    recs = [{"acceptance_length": a, "rollout_tokens_per_s": 10.0 * a, "reward_mean": 0.1 * i,
+             "kl": 0.01 * i, "time_step_s": 50.0, "time_rollout_s": 20.0} for i, a in enumerate(acc)]
+    ev = {"reward_greedy": 0.5, "reward_sampled": 0.25, "acceptance_length": 1.5, "greedy_changed": 0.0}
+    recs[0]["evals"] = [{"policy_version": 0, **ev}]
+    recs[-1]["evals"] = [{"policy_version": len(acc), **ev}]
+    return recs
 
 
 def test_runs_differ_only_in_speculation_and_draft_training(tmp_path, gsm8k_dir):
@@ -34,8 +38,11 @@ def test_table_and_plot(tmp_path):
     rows = [summarize("frozen", _records([2.0, 1.8, 1.5])),
             summarize("online", _records([2.0, 2.1, 2.2]))]
     assert rows[0]["acceptance_length_median"] == 1.8 and rows[0]["steps_seconds_total"] == 150.0
+    assert rows[0]["kl"] == [0.0, 0.01, 0.02] and rows[0]["eval"]["policy_version"] == [0, 3]
     table = format_table(rows)
-    assert "frozen" in table and table.count("\n") == 5  # header, 3 steps, medians, logprob agreement
+    # header, 3 steps, medians, a held-out line per run, logprob agreement
+    assert "frozen" in table and table.count("\n") == 7
+    assert "online held-out" in table and "3: 0.500/0.250/1.50" in table
     assert plot(rows, tmp_path / "rl.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -46,16 +46,22 @@ def test_default_preset():
     assert cfg.data.name == "arithmetic"
     assert cfg.rollout.speculative_config.method == "eagle3"
     assert cfg.rollout.speculative_config.num_speculative_tokens == 3
-    assert cfg.trainer.steps == 10
+    # the learning preset: exact serving, a learning rate that moves the policy, evaluations
+    assert cfg.model.dtype == "float32"
+    assert cfg.train.deepspeed["optimizer"]["params"]["lr"] == 2e-5
+    assert (cfg.data.max_operand, cfg.grpo.group_size, cfg.grpo.kl_coef) == (10, 8, 0.04)
+    assert (cfg.trainer.steps, cfg.trainer.eval_every) == (30, 5)
     assert cfg.trainer.run_dir == "runs/default"
 
 
-def test_gsm8k_preset_differs_from_default_only_in_data_length_and_run_dir():
+def test_gsm8k_preset_differs_from_default_only_in_data_group_length_steps_and_run_dir():
     default = _flat(to_dict(load_config(DEFAULT)))
     gsm8k = _flat(to_dict(load_config(CONFIG_DIR / "gsm8k.yaml")))
     changed = {k: gsm8k[k] for k in default if gsm8k[k] != default[k]}
     assert changed == {"data.name": "gsm8k", "data.path": "../shared/data/gsm8k",
-                       "grpo.max_new_tokens": 256, "trainer.run_dir": "runs/gsm8k"}
+                       "data.max_operand": 50, "data.eval_num_problems": 64, "grpo.group_size": 4,
+                       "grpo.max_new_tokens": 256, "trainer.steps": 10, "trainer.eval_samples": 1,
+                       "trainer.run_dir": "runs/gsm8k"}
 
 
 def test_overrides():
@@ -111,12 +117,12 @@ def test_auto_dtype_serves_bf16_only_where_it_is_native(monkeypatch, amx, avx512
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
-    cfg = load_config(DEFAULT)
+    cfg = load_config(None)  # the dataclass default, auto (the presets serve float32)
     assert cfg.model.dtype == expected  # resolved at load time: config.yaml states what ran
     assert ("natively" in dtype_reason(cfg)) == (expected == "bfloat16")
-    assert load_config(DEFAULT, ["rollout.num_gpus_per_replica=0.6",
+    assert load_config(None, ["rollout.num_gpus_per_replica=0.6",
                                  "train.gpus_per_worker=0.3"]).model.dtype == "bfloat16"
-    mine = load_config(DEFAULT, ["model.dtype=bfloat16"])
+    mine = load_config(None, ["model.dtype=bfloat16"])
     assert mine.model.dtype == "bfloat16"  # what the user sets stays
     if expected == "float32":
         assert dtype_reason(mine).startswith("as configured; auto would pick float32: this CPU has neither")
@@ -128,8 +134,8 @@ def test_auto_dtype_on_a_torch_without_the_cpu_checks_names_the_key_and_the_vers
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
     with pytest.raises(ConfigError, match=re.escape(f"model.dtype=auto: torch {torch.__version__} has no "
                                                     "torch.cpu._is_amx_tile_supported")):
-        load_config(DEFAULT)
-    assert load_config(DEFAULT, ["model.dtype=float32"]).model.dtype == "float32"
+        load_config(None)
+    assert load_config(DEFAULT).model.dtype == "float32"  # the preset's explicit dtype needs no check
 
 
 def test_no_speculation_ignores_k():
@@ -170,10 +176,15 @@ def test_draft_model_with_existing_dir(tmp_path):
      "train.deepspeed.train_micro_batch_size_per_gpu", "abc"),
     (["train.deepspeed.zero_optimization=3"], "train.deepspeed.zero_optimization", "3"),
     (["nosuch.key=1"], "nosuch.key", None),
+    (["trainer.eval_every=-1"], "trainer.eval_every", "-1"),
+    (["trainer.eval_samples=0"], "trainer.eval_samples", "0"),
+    (["data.eval_num_problems=0"], "data.eval_num_problems", "0"),
+    (["data.max_operand=1"], "data.max_operand", "1"),
 ], ids=["unknown-key", "k<1", "unknown-method", "missing-model", "group-size-1", "greedy", "wrong-type",
         "draft-model-no-path", "draft-model-missing-dir", "num-workers-not-dividing",
         "unknown-dataset", "adaptive-without-speculation", "adaptive-calibration-too-short", "adaptive-probe-every-0",
-        "bad-draft-sample-method", "micro-batch-not-int", "zero-section-not-a-map", "unknown-section"])
+        "bad-draft-sample-method", "micro-batch-not-int", "zero-section-not-a-map", "unknown-section",
+        "eval-every-negative", "eval-samples-0", "eval-problems-0", "max-operand-1"])
 def test_bad_override_names_key_and_value(overrides, key, value):
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, overrides)

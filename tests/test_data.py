@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from rayspec.data import (SYSTEM_PROMPT, Problem, PromptSource, arithmetic_problems,
-                          extract_final_number, format_question, load_gsm8k, load_problems,
-                          math_reward)
+                          extract_final_number, format_question, heldout_split, load_gsm8k,
+                          load_problems, math_reward)
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -210,20 +210,41 @@ def test_prompt_source_rejects_bad_arguments():
         PromptSource(arithmetic_problems(3, seed=0), batch_size=0, seed=0)
 
 
+def _data(**kw):
+    from rayspec.config import DataConfig
+
+    return DataConfig(**kw)
+
+
 def test_load_problems_dispatch(gsm8k_dir, gsm8k_train):
-    assert len(load_problems("arithmetic", None, "train", None, seed=0)) == 1000
-    assert load_problems("arithmetic", None, "train", 7, seed=0) == arithmetic_problems(7, 0)
-    assert load_problems("gsm8k", str(gsm8k_dir), "train", 10, seed=0) == gsm8k_train[:10]
+    assert len(load_problems(_data(seed=0))) == 1000
+    assert load_problems(_data(num_problems=7, level=2)) == arithmetic_problems(7, 0)
+    assert load_problems(_data(num_problems=7, level=1, max_operand=10)) == arithmetic_problems(7, 0, 10, 1)
+    assert load_problems(_data(name="gsm8k", path=str(gsm8k_dir), num_problems=10)) == gsm8k_train[:10]
     with pytest.raises(ValueError, match=r"data\.name='math'.*arithmetic.*gsm8k"):
-        load_problems("math", None, "train", None, seed=0)
+        load_problems(_data(name="math"))
+
+
+def test_heldout_split_keeps_every_held_out_question_out_of_training():
+    problems = arithmetic_problems(1000, seed=0, max_operand=10, level=1)
+    train, held = heldout_split(problems, 40)
+    assert len(held) == len({p.question for p in held}) == 40
+    assert not {p.question for p in held} & {p.question for p in train}
+    assert len(train) + sum(p.question in {h.question for h in held} for p in problems) == len(problems)
+    # the held-out set is the source's last distinct questions, in source order
+    tail = list(dict.fromkeys(p.question for p in reversed(problems)))[:40]
+    assert [p.question for p in held] == tail[::-1]
+    assert heldout_split(problems, 0) == (problems, [])
+    # 9 * 9 sums and 45 differences: 126 distinct questions
+    with pytest.raises(ValueError, match="126 distinct questions"):
+        heldout_split(problems, 126)
 
 
 def test_level1_arithmetic_is_direct_and_correct():
-    from rayspec.data import load_problems
     from rayspec.data.prompts import DIRECT_INSTRUCTION
 
-    probs = load_problems("arithmetic", None, "train", 200, seed=3, level=1)
-    assert probs == load_problems("arithmetic", None, "train", 200, seed=3, level=1)
+    probs = load_problems(_data(num_problems=200, seed=3, level=1))
+    assert probs == load_problems(_data(num_problems=200, seed=3, level=1))
     for p in probs:
         expr = p.question.removeprefix("What is ").removesuffix("?")
         a, op, b = expr.split()

@@ -108,7 +108,9 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
     job = client.submit_job(
         entrypoint=(f"{sys.executable} -m jobs.grpo model.path={tiny_llama_dir} model.dtype=float32 "
                     f"trainer.steps=2 trainer.run_dir={run_dir} grpo.max_new_tokens=24 "
-                    "data.prompts_per_step=2 draft.steps_per_rl_step=2 rollout.adaptive_k.enabled=true"),
+                    "data.prompts_per_step=2 grpo.group_size=4 draft.steps_per_rl_step=2 "
+                    # no evaluation: the first generate is then step 1's rollout, with k=3 everywhere
+                    "trainer.eval_every=0 rollout.adaptive_k.enabled=true"),
         runtime_env={"working_dir": str(REPO), "excludes": [".venv", ".git", "runs", "*.egg-info"]},
     )
     seen: dict[str, list[str]] = {}  # the latest export of each metric

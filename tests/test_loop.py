@@ -37,15 +37,24 @@ def _records(run_dir):
 def test_tiny_loop_async_split_two_replicas(ray_session, tiny_llama_dir, tmp_path):
     """Async on the split layout: each batch after the first was generated
     while the previous step trained, with the policy one version behind;
-    prompts are sharded over two replicas, each reporting its own stats."""
+    prompts are sharded over two replicas, each reporting its own stats.
+    Held-out evaluations score the initial policy, every 2nd and the last,
+    each once its weights have landed behind the batch generating ahead."""
     run_dir = tmp_path / "async"
     cfg = load_config(None, [f"model.path={tiny_llama_dir}", "model.dtype=float32",
                              "trainer.steps=3", f"trainer.run_dir={run_dir}",
                              "grpo.max_new_tokens=24", "data.prompts_per_step=2",
                              "draft.steps_per_rl_step=2", "rollout.num_replicas=2",
-                             "scheduler.layout=split", "scheduler.mode=async", *IN_PROCESS])
+                             "scheduler.layout=split", "scheduler.mode=async", "trainer.eval_every=2",
+                             "data.eval_num_problems=6", "trainer.eval_samples=2", *IN_PROCESS])
     run(cfg)
     recs = _records(run_dir)
+    assert [[e["policy_version"] for e in r.get("evals", [])] for r in recs] == [[0], [2], [3]]
+    for e in (e for r in recs for e in r["evals"]):
+        assert 0.0 <= e["reward_greedy"] <= 1.0 and 0.0 <= e["reward_sampled"] <= 1.0
+        assert e["response_len_greedy"] > 0 and e["acceptance_length"] >= 1.0
+    assert recs[0]["evals"][0]["greedy_changed"] == 0.0  # the baseline is version 0's own greedy answers
+    assert json.loads((run_dir / "eval_baseline.json").read_text())["questions"][0]
     assert [r["policy_lag"] for r in recs] == [0, 1, 1]
     assert [r["policy_version"] for r in recs] == [0, 0, 1]
     for r in recs:

@@ -31,6 +31,39 @@ def test_log_writes_jsonl_tensorboard_and_plot(tmp_path):
     assert "step    2" in line and "accept_len 1.20" in line and "v1" in line
 
 
+def _scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} of a TensorBoard event file (TFRecord framing:
+    u64 length, u32 crc, Event proto, u32 crc)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    data = next(tb_dir.glob("events.out.tfevents.*")).read_bytes()
+    pos = 0
+    while pos < len(data):
+        (n,) = struct.unpack_from("<Q", data, pos)
+        event = Event.FromString(data[pos + 12:pos + 12 + n])
+        pos += 12 + n + 4
+        for v in event.summary.value:
+            out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+def test_evaluations_go_to_tensorboard_at_their_policy_version_and_into_the_plot(tmp_path):
+    log = MetricsLog(tmp_path)
+    ev = {"reward_greedy": 0.25, "reward_sampled": 0.125, "acceptance_length": 1.5, "time_s": 3.0}
+    log.write({**_record(1), "kl": 0.0, "evals": [{"policy_version": 0, **ev, "greedy_changed": 0.0}]})
+    log.write({**_record(2), "kl": 0.02, "evals": [{"policy_version": 2, **ev, "greedy_changed": 0.5}]})
+    log.tb.close()  # tensorboardX writes from a queue: flush() alone may leave the last events in it
+    tb = _scalars(tmp_path / "tensorboard")
+    assert tb["eval/greedy_changed"] == [(0, 0.0), (2, 0.5)]
+    assert tb["eval/reward_greedy"] == [(0, 0.25), (2, 0.25)]
+    assert tb["kl"] == [(1, 0.0), (2, pytest.approx(0.02))]
+    assert "eval/policy_version" not in tb
+    assert plot_run(tmp_path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_read_metrics_names_the_bad_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(_record(1)) + "\n{broken\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:2"):

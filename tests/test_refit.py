@@ -13,7 +13,6 @@ import ray
 import torch
 import torch.distributed as dist
 
-from rayspec.batch import RolloutBatch
 from rayspec.config import load_config
 from rayspec.draft.eagle3 import init_head, save_head
 from rayspec.models import load_policy, load_tokenizer

@@ -22,13 +22,14 @@ import torch.distributed as dist
 
 from rayspec.batch import RolloutBatch
 from rayspec.config import RunConfig
-from rayspec.data import PromptSource, chat_prompt_ids, load_problems, math_reward
+from rayspec.data import PromptSource, chat_prompt_ids, heldout_split, load_problems, math_reward
 from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, plot_run
 from rayspec.rollout import serve as rollout
 from rayspec.scheduler.pipeline import RolloutPipeline
 from rayspec.scheduler.placement import ClusterFitError, assigned_gpu, check_device_sharing
 from rayspec.sync import make_transport
 from rayspec.train.checkpoint import report_checkpoint, restore_checkpoint
+from rayspec.train.evaluate import eval_due, read_baseline, score_eval, write_baseline
 from rayspec.train.grpo import group_advantages
 from rayspec.train.policy import (build_engine, deepspeed_config, full_state_dict, num_micro_batches,
                                   policy_update, verifier_output_weights)
@@ -36,6 +37,7 @@ from rayspec.train.policy import (build_engine, deepspeed_config, full_state_dic
 log = logging.getLogger(__name__)
 
 DRAFT_TRAINER_NAME = "rayspec-draft-trainer"
+EVAL_SEED_KEY = -1  # shard_seed key of the evaluations' sampling (rollout batches count from 1)
 
 
 class StepContext:
@@ -45,8 +47,8 @@ class StepContext:
     def __init__(self, cfg: RunConfig, tokenizer, device: torch.device):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        problems = load_problems(cfg.data.name, cfg.data.path, cfg.data.split,
-                                 cfg.data.num_problems, cfg.data.seed, cfg.data.level)
+        problems, self.eval_problems = heldout_split(
+            load_problems(cfg.data), cfg.data.eval_num_problems if cfg.trainer.eval_every else 0)
         self.prompts = PromptSource(problems, cfg.data.prompts_per_step, cfg.data.seed)
         self.rollout = rollout.get_rollout_handle()
         # the newest weights sent are kept by the transport: every rollout carries
@@ -60,6 +62,9 @@ class StepContext:
         self.log = MetricsLog(cfg.trainer.run_dir)
         self.dashboard = DashboardMetrics(Path(cfg.trainer.run_dir).name,
                                           cfg.rollout.speculative_config.method, cfg.grpo.max_new_tokens)
+        # a resumed run's baseline (the initial policy's greedy answers) is on disk
+        self.eval_baseline = read_baseline(cfg.trainer.run_dir, self.eval_problems)
+        self.evals: list[dict[str, Any]] = []  # evaluations since the last step record
         self.sleep_reported = False
         self.batches = 0  # batches drawn: the RL step the last submitted batch trains at
         self.draft_alive = True
@@ -87,6 +92,38 @@ class StepContext:
         self.pipeline.refit(self.transport.send(target, weights, version))
         if self.cfg.scheduler.mode == "sync":
             self.pipeline.wait_refits()
+
+    def evaluate(self, version: int) -> None:
+        """Score policy ``version`` on the held-out problems if it is due
+        (``eval_due``), once every refit sent has landed; the result waits in
+        ``self.evals`` for the next step record. Version 0's greedy responses
+        become the baseline of ``greedy_changed``."""
+        cfg = self.cfg
+        if not eval_due(version, cfg.trainer.eval_every, cfg.trainer.steps):
+            return
+        self.pipeline.wait_refits()
+        t0 = time.perf_counter()
+        prompts = [chat_prompt_ids(self.tokenizer, p) for p in self.eval_problems]
+        common = {"refits": self.transport.rollout_refits(), "catch_up": self.transport.catch_up,
+                  "max_tokens": cfg.grpo.max_new_tokens}
+        greedy, _ = rollout.generate(self.rollout, prompts, cfg.rollout.num_replicas, n=1, temperature=0.0,
+                                     **common)
+        # the same seed at every evaluation: common random numbers across versions
+        sampled, stats = rollout.generate(self.rollout, prompts, cfg.rollout.num_replicas,
+                                          seed=rollout.shard_seed(cfg.trainer.seed, EVAL_SEED_KEY),
+                                          n=cfg.trainer.eval_samples, temperature=cfg.grpo.temperature,
+                                          top_p=cfg.grpo.top_p, **common)
+        if version == 0:  # the initial policy's answers are the baseline, whatever a file says
+            write_baseline(cfg.trainer.run_dir, self.eval_problems, greedy)
+            self.eval_baseline = greedy.response_ids
+        rec = {**score_eval(self.eval_problems, greedy, sampled, stats, self.eval_baseline),
+               "time_s": time.perf_counter() - t0}
+        self.evals.append(rec)
+        log.info("eval v%d (%d held-out problems): reward greedy %.3f, T=%g %.3f | greedy changed %s | "
+                 "accept_len %.2f | %.1fs", rec["policy_version"], len(prompts), rec["reward_greedy"],
+                 cfg.grpo.temperature, rec["reward_sampled"],
+                 f"{rec['greedy_changed']:.2f}" if "greedy_changed" in rec else "n/a",
+                 rec["acceptance_length"], rec["time_s"])
 
     def trainer_state(self, step: int, version: int) -> dict[str, Any]:
         """What a checkpoint after ``step`` resumes from. Batches generated
@@ -345,6 +382,8 @@ def rl_worker_loop(config: dict) -> None:
         if rank == 0:  # records of an attempt that failed before any checkpoint
             ctx.log.discard_after(0)
         reset_replicas(engine, ctx, cfg, rank)
+        if rank == 0:
+            ctx.evaluate(0)
     for step in range(version + 1, cfg.trainer.steps + 1):
         if draft is not None and not _broadcast_object(ctx.draft_alive if rank == 0 else None, rank):
             draft = None
@@ -352,6 +391,9 @@ def rl_worker_loop(config: dict) -> None:
                          config["aux_layer_ids"], ref_model, version)
         version += 1
         if rank == 0:
+            ctx.evaluate(version)
+            if ctx.evals:
+                record["evals"], ctx.evals = ctx.evals, []
             ctx.log.write(record)
             ctx.dashboard.record(record)
             log.info(format_step_line(record))
