@@ -27,6 +27,12 @@ def load_problems(data) -> list[Problem]:
     raise ValueError(f"data.name={data.name!r}: unknown dataset, expected one of {DATASETS}")
 
 
+def batch_rewards(batch, problems: list[Problem]) -> list[float]:
+    """:func:`math_reward` of each sample of a ``RolloutBatch`` against the
+    answer of its group's problem (``problems[batch.group[i]]``)."""
+    return [math_reward(text, problems[g].answer) for text, g in zip(batch.texts, batch.group)]
+
+
 def heldout_split(problems: list[Problem], n: int) -> tuple[list[Problem], list[Problem]]:
     """(training problems, ``n`` held-out problems): the held-out set is the
     last ``n`` distinct questions of ``problems``; training keeps every
@@ -52,5 +58,5 @@ def heldout_split(problems: list[Problem], n: int) -> tuple[list[Problem], list[
 
 
 __all__ = ["DATASETS", "Problem", "PromptSource", "SYSTEM_PROMPT", "arithmetic_problems",
-           "chat_prompt_ids", "extract_final_number", "format_question", "heldout_split", "load_gsm8k",
+           "batch_rewards", "chat_prompt_ids", "extract_final_number", "format_question", "heldout_split", "load_gsm8k",
            "load_problems", "math_reward"]

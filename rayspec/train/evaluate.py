@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayspec.batch import RolloutBatch
-from rayspec.data import Problem, math_reward
+from rayspec.data import Problem, batch_rewards
 from rayspec.rollout.spec_stats import SpecStats
 
 BASELINE_FILE = "eval_baseline.json"
@@ -57,9 +57,8 @@ def score_eval(problems: list[Problem], greedy: RolloutBatch, sampled: RolloutBa
         return sum(xs) / len(xs)
 
     out = {"policy_version": greedy.policy_version,
-           "reward_greedy": mean([math_reward(t, problems[g].answer) for t, g in zip(greedy.texts, greedy.group)]),
-           "reward_sampled": mean([math_reward(t, problems[g].answer)
-                                   for t, g in zip(sampled.texts, sampled.group)]),
+           "reward_greedy": mean(batch_rewards(greedy, problems)),
+           "reward_sampled": mean(batch_rewards(sampled, problems)),
            "response_len_greedy": mean([len(r) for r in greedy.response_ids]),
            "response_len_sampled": mean([len(r) for r in sampled.response_ids]),
            "acceptance_length": stats.acceptance_length}

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from rayspec.batch import RolloutBatch
 from rayspec.config import RunConfig
-from rayspec.data import PromptSource, chat_prompt_ids, heldout_split, load_problems, math_reward
+from rayspec.data import PromptSource, batch_rewards, chat_prompt_ids, heldout_split, load_problems
 from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, plot_run
 from rayspec.rollout import serve as rollout
 from rayspec.scheduler.pipeline import RolloutPipeline
@@ -63,6 +63,7 @@ class StepContext:
         self.dashboard = DashboardMetrics(Path(cfg.trainer.run_dir).name,
                                           cfg.rollout.speculative_config.method, cfg.grpo.max_new_tokens)
         # a resumed run's baseline (the initial policy's greedy answers) is on disk
+        self.eval_prompts = [chat_prompt_ids(tokenizer, p) for p in self.eval_problems]
         self.eval_baseline = read_baseline(cfg.trainer.run_dir, self.eval_problems)
         self.evals: list[dict[str, Any]] = []  # evaluations since the last step record
         self.sleep_reported = False
@@ -103,7 +104,7 @@ class StepContext:
             return
         self.pipeline.wait_refits()
         t0 = time.perf_counter()
-        prompts = [chat_prompt_ids(self.tokenizer, p) for p in self.eval_problems]
+        prompts = self.eval_prompts
         common = {"refits": self.transport.rollout_refits(), "catch_up": self.transport.catch_up,
                   "max_tokens": cfg.grpo.max_new_tokens}
         greedy, _ = rollout.generate(self.rollout, prompts, cfg.rollout.num_replicas, n=1, temperature=0.0,
@@ -153,7 +154,7 @@ class StepContext:
 
 def score(batch: RolloutBatch, problems) -> None:
     """Rewards and GRPO advantages, in place."""
-    batch.rewards = [math_reward(text, problems[g].answer) for text, g in zip(batch.texts, batch.group)]
+    batch.rewards = batch_rewards(batch, problems)
     batch.advantages = group_advantages(batch.rewards, batch.group)
 
 
