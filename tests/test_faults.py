@@ -208,8 +208,11 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
         time.sleep(0.4)
         _kill(_actor_pid("SpecVLLMReplica"))
         injected.append("replica")
+        # looked up now: the state API can take longer than a step, and the kill must land in step 3
+        train_worker = _actor_pid("RayTrainWorker")
         _wait(lambda: _registered(run_dir) >= 1)  # step 2's checkpoint; step 3 is running
-        _kill(_actor_pid("RayTrainWorker"))
+        assert len(_records(run_dir)) == 2, "step 3 ended before the Train worker could be killed"
+        _kill(train_worker)
         injected.append("train worker")
         _wait(lambda: len(_records(run_dir)) >= 3)
         ray.kill(ray.get_actor(DRAFT_TRAINER_NAME, namespace=NAMESPACE))
@@ -230,3 +233,37 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
     ckpts = checkpoints(run_dir)
     assert json.loads((ckpts[-1] / "trainer_state.json").read_text())["step"] == STEPS
     assert (ckpts[0] / "draft.json").exists() and not (ckpts[-1] / "draft.json").exists()
+
+
+def test_workers_started_after_the_draft_trainer_died_go_on_without_it(ray_session, tmp_path):
+    """A Train worker group (re)started after the DraftTrainer died gets no
+    handle, and rank 0's context records the draft as gone, instead of the
+    workers failing on the name lookup (what CI once hit when the DraftTrainer
+    was killed while the workers restarted)."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from rayspec.train.loop import find_draft_trainer
+
+    @ray.remote(num_cpus=0)
+    class Stand:  # any actor registered under the DraftTrainer's name
+        pass
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        ctx = SimpleNamespace(draft_alive=True)
+        assert find_draft_trainer(ctx, online=False) is None and ctx.draft_alive
+        stand = Stand.options(name=DRAFT_TRAINER_NAME).remote()
+        assert find_draft_trainer(ctx, online=True)._actor_id == stand._actor_id and ctx.draft_alive
+        ray.kill(stand)
+
+        def gone():
+            with contextlib.suppress(ValueError):
+                ray.get_actor(DRAFT_TRAINER_NAME)
+                return False
+            return True
+
+        _wait(gone, timeout_s=30)
+        assert find_draft_trainer(ctx, online=True) is None and not ctx.draft_alive
+    finally:
+        dist.destroy_process_group()

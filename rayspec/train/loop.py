@@ -300,11 +300,35 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
                    "response": batch.texts[0], "reward": batch.rewards[0]},
         **train_m,
     }
+    if aux_layer_ids:  # the run trains a draft online: whether it still does
+        record["draft_alive"] = int(ctx.draft_alive)
     if draft is not None:
         record["idle_draft_s"] = max(0.0, window - _overlap(
             [(draft_m["start_time"], draft_m["end_time"])] if draft_m else [], t_start, t_end))
-        record["draft_alive"] = int(ctx.draft_alive)
     return record
+
+
+def find_draft_trainer(ctx: StepContext | None, online: bool):
+    """The DraftTrainer's actor handle on every rank, or None on every rank
+    where the run trains no draft online or the DraftTrainer died before
+    these Train workers started (a worker group restarted after a failure:
+    the run goes on with the head the replicas hold). Collective: the ranks
+    agree, since each one submits hidden states to it."""
+    if not online:
+        return None
+    try:
+        handle = ray.get_actor(DRAFT_TRAINER_NAME)
+    except ValueError:  # a dead actor (max_restarts 0) leaves the name registry
+        handle = None
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, handle is not None)
+    if all(found):
+        return handle
+    if ctx is not None:
+        ctx.draft_alive = False
+        log.warning("the DraftTrainer is gone (it died before these Train workers started); the run "
+                    "continues with the draft head on the replicas, no longer trained")
+    return None
 
 
 def draft_died(ctx: StepContext, step: int, err: Exception) -> None:
@@ -363,7 +387,7 @@ def rl_worker_loop(config: dict) -> None:
     gpu_index = ray.train.torch.get_device().index if cfg.train.gpus_per_worker > 0 else None
     device = torch.device("cuda", gpu_index) if gpu_index is not None else torch.device("cpu")
     ctx = StepContext(cfg, tokenizer, device) if rank == 0 else None
-    draft = ray.get_actor(DRAFT_TRAINER_NAME) if config["aux_layer_ids"] else None
+    draft = find_draft_trainer(ctx, bool(config["aux_layer_ids"]))
     if rank == 0 and cfg.scheduler.layout == "colocate":
         ctx.release_replicas()  # before DeepSpeed allocates on their devices (the ranks wait below)
     check_devices(cfg, ctx, draft, rank, world, gpu_index)
