@@ -18,14 +18,16 @@ sets ``rollout.speculative_config``, ``draft.enabled``, ``trainer.steps`` and
 - ``adaptive`` (not in the default ``--runs``): ``frozen`` with the adaptive
   k controller (``rollout.adaptive_k.enabled``), which should bring the
   rollout back to at least the speed of ``none`` where speculation does not
-  pay.
+  pay; ``online-adaptive``: ``online`` with it (without ``--warm-head``, the
+  default preset's own setting: a fresh head trained online).
 
 RL equivalence: ``--none-seeds 1,2`` adds ``none`` runs at other
-``trainer.seed`` values (the same prompts: ``data.seed`` is fixed), whose
-per-step reward range is the seed-to-seed spread; each speculative run's
-mean |reward - none| at the same seed is reported against it (speculation is
-lossless, so it may change the curve only as much as another sampling seed
-does). Every run also reports its logprob agreement: the median over steps
+``trainer.seed`` values (the same prompts: ``data.seed`` is fixed). Each
+speculative run's mean distance to all ``none`` seeds (mean per-step
+|reward difference|) is reported against the seed-to-seed spread, how far the
+most atypical ``none`` seed sits from the others (``compare_to_none``):
+speculation is lossless, so it may change the curve only as much as another
+sampling seed does. Every run also reports its logprob agreement: the median over steps
 of ``token_mult_prob_error`` (mean |p_trainer / p_vllm - 1| of the sampled
 tokens, NeMo-RL's name).
 
@@ -68,35 +70,47 @@ def runs(warm_head: str | None) -> dict[str, list[str]]:
     eagle = ["rollout.speculative_config.method=eagle3",
              f"rollout.speculative_config.model={warm_head if warm_head else 'null'}"]
     table = {"none": ["rollout.speculative_config.method=null", "draft.enabled=false"],
-             "online": eagle + ["draft.enabled=true"]}
+             "online": eagle + ["draft.enabled=true"],
+             "online-adaptive": eagle + ["draft.enabled=true", "rollout.adaptive_k.enabled=true"]}
     if warm_head:
         table["frozen"] = eagle + ["draft.enabled=false"]
         table["adaptive"] = eagle + ["draft.enabled=false", "rollout.adaptive_k.enabled=true"]
     return table
 
 
+def _distance(a: dict, b: dict, steps: int) -> float:
+    """Mean over the first ``steps`` steps of |reward_a - reward_b|."""
+    return statistics.mean(abs(a["reward_mean"][t] - b["reward_mean"][t]) for t in range(steps))
+
+
 def compare_to_none(rows: list[dict]) -> None:
-    """RL equivalence: for each speculative run, its per-step reward
-    difference to ``none`` at the same seed, beside the seed-to-seed spread
-    of ``none`` (the largest difference between two ``none@<seed>`` runs at
-    each step). Adds ``reward_diff_vs_none`` (list), ``..._mean`` and
-    ``within_seed_spread`` (mean difference <= mean spread) to those rows,
-    and ``seed_spread`` (list) to the ``none`` row. Needs >= 2 none runs."""
+    """RL equivalence, symmetric in the seeds. The distance between two runs
+    is their mean per-step |reward difference|. The seed-to-seed spread is
+    the largest, over the ``none`` seeds, of one seed's mean distance to the
+    other ``none`` seeds (how far the most atypical non-speculative run sits
+    from its peers); a speculative run is within it when its mean distance to
+    all ``none`` seeds is no larger. So speculation, which is lossless, may
+    move the curve as much as another sampling seed does, whichever seed the
+    speculative run shares.
+
+    Adds ``seed_spread`` (float) and ``seed_distances`` ({"none~none@1": d})
+    to the first ``none`` row, and ``reward_dist_to_none`` ({none run: d}),
+    ``reward_dist_to_none_mean`` and ``within_seed_spread`` to each
+    speculative row. Needs >= 2 none runs; with 2 the spread is one draw."""
     nones = [r for r in rows if r["run"].split("@")[0] == "none"]
     if len(nones) < 2:
         return
     steps = min(r["steps"] for r in rows)
-    spread = [max(abs(a["reward_mean"][t] - b["reward_mean"][t]) for a in nones for b in nones)
-              for t in range(steps)]
-    nones[0]["seed_spread"] = spread
-    nones[0]["seed_spread_mean"] = statistics.mean(spread)
+    nones[0]["seed_distances"] = {f"{a['run']}~{b['run']}": _distance(a, b, steps)
+                                  for i, a in enumerate(nones) for b in nones[i + 1:]}
+    nones[0]["seed_spread"] = max(
+        statistics.mean(_distance(a, b, steps) for b in nones if b is not a) for a in nones)
     for r in rows:
-        if r["run"].split("@")[0] == "none" or "@" in r["run"]:
+        if r["run"].split("@")[0] == "none":
             continue
-        diff = [abs(r["reward_mean"][t] - nones[0]["reward_mean"][t]) for t in range(steps)]
-        r["reward_diff_vs_none"] = diff
-        r["reward_diff_vs_none_mean"] = statistics.mean(diff)
-        r["within_seed_spread"] = statistics.mean(diff) <= statistics.mean(spread)
+        r["reward_dist_to_none"] = {n["run"]: _distance(r, n, steps) for n in nones}
+        r["reward_dist_to_none_mean"] = statistics.mean(r["reward_dist_to_none"].values())
+        r["within_seed_spread"] = r["reward_dist_to_none_mean"] <= nones[0]["seed_spread"]
 
 
 def summarize(name: str, records: list[dict]) -> dict:
@@ -138,10 +152,13 @@ def format_table(rows: list[dict]) -> str:
         f"{r['run']} {r['token_mult_prob_error_median']:.2e}" for r in rows))
     spread = next((r for r in rows if "seed_spread" in r), None)
     if spread is not None:
-        lines.append(f"reward seed-to-seed spread of none (mean over steps): {spread['seed_spread_mean']:.3f}")
-        lines += [f"  {r['run']}: mean |reward - none| {r['reward_diff_vs_none_mean']:.3f} -> "
+        lines.append("reward distance (mean over steps of |reward difference|) between none seeds: "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in spread["seed_distances"].items())
+                     + f"; seed-to-seed spread {spread['seed_spread']:.3f}")
+        lines += [f"  {r['run']}: mean distance to the none seeds {r['reward_dist_to_none_mean']:.3f} ("
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r["reward_dist_to_none"].items()) + ") -> "
                   f"{'within' if r['within_seed_spread'] else 'OUTSIDE'} the spread"
-                  for r in rows if "reward_diff_vs_none" in r]
+                  for r in rows if "reward_dist_to_none" in r]
     return "\n".join(lines)
 
 
@@ -173,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-head", help="EAGLE-3 head from jobs.warmstart_draft (needed by frozen, "
                     "adaptive; without it online starts from a fresh head)")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--runs", default="none,frozen,online", help="which of none,frozen,online,adaptive")
+    ap.add_argument("--runs", default="none,frozen,online",
+                    help="which of none,frozen,online,adaptive,online-adaptive")
     ap.add_argument("--none-seeds", default="",
                     help="further trainer.seed values for extra `none` runs (none@<seed>): the "
                     "seed-to-seed reward spread the speculative runs are compared with")

@@ -26,11 +26,13 @@ def test_runs_differ_only_in_speculation_and_draft_training(tmp_path, gsm8k_dir)
     base = [f"data.path={gsm8k_dir}"]
     cfgs = {n: load_config(DEFAULT_PRESET, base + o) for n, o in runs(str(head)).items()}
     assert cfgs["none"].rollout.speculative_config.method is None
-    for n in ("frozen", "online", "adaptive"):
+    for n in ("frozen", "online", "adaptive", "online-adaptive"):
         assert cfgs[n].rollout.speculative_config.model == str(head)
     assert not cfgs["frozen"].draft.enabled and cfgs["online"].draft.enabled
     assert cfgs["adaptive"].rollout.adaptive_k.enabled and not cfgs["frozen"].rollout.adaptive_k.enabled
     assert not cfgs["adaptive"].draft.enabled
+    assert cfgs["online-adaptive"].draft.enabled and cfgs["online-adaptive"].rollout.adaptive_k.enabled
+    assert runs(None)["online-adaptive"][1] == "rollout.speculative_config.model=null"
     assert len({(c.data.name, c.data.seed, c.trainer.seed, c.grpo.max_new_tokens) for c in cfgs.values()}) == 1
 
 
@@ -77,8 +79,8 @@ def test_finished_runs_are_read_back_not_rerun(tmp_path, gsm8k_dir):
 
 def test_none_seeds_add_spread_runs_and_equivalence_verdict(tmp_path, gsm8k_dir, capsys):
     """--none-seeds adds none@<seed> runs differing only in trainer.seed;
-    compare_to_none puts each speculative run's reward difference to none
-    beside the none runs' spread."""
+    compare_to_none sets each speculative run's mean reward distance to all
+    none seeds against the most atypical none seed's distance to the others."""
     from jobs.bench_rl import compare_to_none
 
     def row(name, rewards):
@@ -88,11 +90,17 @@ def test_none_seeds_add_spread_runs_and_equivalence_verdict(tmp_path, gsm8k_dir,
         return summarize(name, recs)
 
     rows = [row("none", [0.1, 0.2, 0.3]), row("online", [0.1, 0.25, 0.3]),
-            row("frozen", [0.5, 0.6, 0.7]), row("none@1", [0.2, 0.2, 0.2])]
+            row("frozen", [0.5, 0.6, 0.7]), row("none@1", [0.2, 0.2, 0.2]),
+            row("none@2", [0.2, 0.2, 0.5])]
     compare_to_none(rows)
-    assert rows[0]["seed_spread"] == pytest.approx([0.1, 0.0, 0.1])
+    assert rows[0]["seed_distances"] == pytest.approx(
+        {"none~none@1": 0.2 / 3, "none~none@2": 0.1, "none@1~none@2": 0.1})
+    assert rows[0]["seed_spread"] == pytest.approx(0.1)  # none@2: (0.1 + 0.1) / 2
+    assert rows[1]["reward_dist_to_none"] == pytest.approx(
+        {"none": 0.05 / 3, "none@1": 0.25 / 3, "none@2": 0.35 / 3})
     assert rows[1]["within_seed_spread"] and not rows[2]["within_seed_spread"]
-    assert abs(rows[2]["reward_diff_vs_none_mean"] - 0.4) < 1e-9
+    assert rows[2]["reward_dist_to_none_mean"] == pytest.approx(1.1 / 3)
+    assert "within_seed_spread" not in rows[3] and "within_seed_spread" not in rows[4]
     table = format_table(rows)
     assert "OUTSIDE the spread" in table and "logprob agreement" in table
     assert main(["--none-seeds", "1,x", "--runs", "none", f"data.path={gsm8k_dir}"]) == 2
