@@ -20,6 +20,12 @@ sets ``rollout.speculative_config``, ``draft.enabled``, ``trainer.steps`` and
   rollout back to at least the speed of ``none`` where speculation does not
   pay; ``online-adaptive``: ``online`` with it (without ``--warm-head``, the
   default preset's own setting: a fresh head trained online).
+- ``suffix`` and ``suffix-group`` (not in the default ``--runs``): vLLM's
+  suffix decoding, drafts of up to 8 tokens. ``suffix`` drafts from the
+  sequence's own prompt and response only
+  (``suffix_decoding_max_cached_requests=0``); ``suffix-group`` also from
+  the other responses on its replica, those of its GRPO group being written
+  beside it and earlier steps' rollouts (vLLM's window of 10000 responses).
 
 RL equivalence: ``--none-seeds 1,2`` adds ``none`` runs at other
 ``trainer.seed`` values (the same prompts: ``data.seed`` is fixed). Each
@@ -61,6 +67,7 @@ from rayspec.metrics import read_metrics
 DEFAULT_PRESET = Path(__file__).parent / "configs" / "default.yaml"
 SERIES = ("acceptance_length", "rollout_tokens_per_s", "reward_mean", "kl", "time_step_s", "time_rollout_s",
           "token_mult_prob_error")
+SUFFIX_K = 8  # the most a suffix draft may hold; its length follows the match (see SpeculativeConfig)
 EVAL_SERIES = ("policy_version", "reward_greedy", "reward_sampled", "acceptance_length", "greedy_changed")
 
 
@@ -69,9 +76,13 @@ def runs(warm_head: str | None) -> dict[str, list[str]]:
     fresh head and the runs that never train it are not offered."""
     eagle = ["rollout.speculative_config.method=eagle3",
              f"rollout.speculative_config.model={warm_head if warm_head else 'null'}"]
+    suffix = ["rollout.speculative_config.method=suffix", "rollout.speculative_config.model=null",
+              f"rollout.speculative_config.num_speculative_tokens={SUFFIX_K}", "draft.enabled=false"]
     table = {"none": ["rollout.speculative_config.method=null", "draft.enabled=false"],
              "online": eagle + ["draft.enabled=true"],
-             "online-adaptive": eagle + ["draft.enabled=true", "rollout.adaptive_k.enabled=true"]}
+             "online-adaptive": eagle + ["draft.enabled=true", "rollout.adaptive_k.enabled=true"],
+             "suffix": suffix + ["rollout.speculative_config.suffix_decoding_max_cached_requests=0"],
+             "suffix-group": suffix}
     if warm_head:
         table["frozen"] = eagle + ["draft.enabled=false"]
         table["adaptive"] = eagle + ["draft.enabled=false", "rollout.adaptive_k.enabled=true"]
@@ -191,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                     "adaptive; without it online starts from a fresh head)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--runs", default="none,frozen,online",
-                    help="which of none,frozen,online,adaptive,online-adaptive")
+                    help="which of none,frozen,online,adaptive,online-adaptive,suffix,suffix-group")
     ap.add_argument("--none-seeds", default="",
                     help="further trainer.seed values for extra `none` runs (none@<seed>): the "
                     "seed-to-seed reward spread the speculative runs are compared with")

@@ -104,6 +104,18 @@ class SpeculativeConfig:
             draft's argmax, treated as one-hot q in rejection sampling) or
             ``probabilistic`` (drafts sampled from q, the full q in the
             acceptance ratio p/q); null leaves vLLM's default.
+        suffix_decoding_max_tree_depth / _max_cached_requests /
+            _max_spec_factor / _min_token_prob: ``suffix`` only (Suffix
+            Decoding, arXiv 2411.04975, through Arctic Inference's suffix
+            trees); null keeps vLLM's default (24 / 10000 / 1.0 / 0.1). A
+            replica drafts from the sequence's prompt and response so far and
+            from one global tree of responses: those in flight on the replica
+            (a GRPO group's other samples: a rollout shard holds whole groups)
+            and the last ``max_cached_requests`` finished ones, earlier steps'
+            rollouts of the same prompts included, evicted oldest first. A
+            draft's length is up to ``max_spec_factor`` x the matched suffix's
+            length, cut where the continuation's estimated probability falls
+            below ``min_token_prob``, and at most ``num_speculative_tokens``.
     """
 
     method: Optional[str] = "eagle3"
@@ -112,6 +124,10 @@ class SpeculativeConfig:
     prompt_lookup_max: Optional[int] = None
     prompt_lookup_min: Optional[int] = None
     draft_sample_method: Optional[str] = None
+    suffix_decoding_max_tree_depth: Optional[int] = None
+    suffix_decoding_max_cached_requests: Optional[int] = None
+    suffix_decoding_max_spec_factor: Optional[float] = None
+    suffix_decoding_min_token_prob: Optional[float] = None
 
 
 @dataclass
@@ -453,7 +469,8 @@ def load_config(path: str | os.PathLike | None = None,
             merged = OmegaConf.merge(merged, part)
         key = None
         cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
+    # OmegaConf 2.3 raises a bare TypeError merging a mapping into a list field
+    except (OmegaConfBaseException, TypeError) as e:
         msg = (getattr(e, "msg", None) or str(e)).splitlines()[0]
         full = getattr(e, "full_key", None) or key
         if key and full and key.startswith(f"{full}."):
@@ -491,6 +508,15 @@ def validate(cfg: RunConfig) -> None:
     _check(spec.draft_sample_method in (None, "greedy", "probabilistic"),
            "rollout.speculative_config.draft_sample_method", spec.draft_sample_method,
            "expected greedy, probabilistic or null")
+    for key, ok, want in (("suffix_decoding_max_tree_depth", lambda v: v >= 1, ">= 1"),
+                          ("suffix_decoding_max_cached_requests", lambda v: v >= 0, ">= 0"),
+                          ("suffix_decoding_max_spec_factor", lambda v: v >= 0, ">= 0"),
+                          ("suffix_decoding_min_token_prob", lambda v: 0 <= v <= 1, "in [0, 1]")):
+        value = getattr(spec, key)
+        if value is not None:
+            _check(spec.method == "suffix", f"rollout.speculative_config.{key}", value,
+                   f"a suffix decoding key, but method is {spec.method}")
+            _check(ok(value), f"rollout.speculative_config.{key}", value, f"must be {want}")
     ak = cfg.rollout.adaptive_k
     if ak.enabled:
         _check(spec.method is not None, "rollout.adaptive_k.enabled", ak.enabled,

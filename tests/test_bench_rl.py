@@ -33,6 +33,11 @@ def test_runs_differ_only_in_speculation_and_draft_training(tmp_path, gsm8k_dir)
     assert not cfgs["adaptive"].draft.enabled
     assert cfgs["online-adaptive"].draft.enabled and cfgs["online-adaptive"].rollout.adaptive_k.enabled
     assert runs(None)["online-adaptive"][1] == "rollout.speculative_config.model=null"
+    sfx, group = cfgs["suffix"].rollout.speculative_config, cfgs["suffix-group"].rollout.speculative_config
+    assert sfx.method == group.method == "suffix" and sfx.num_speculative_tokens == 8
+    # suffix: the sequence's own prompt and response; suffix-group: vLLM's window of other responses too
+    assert sfx.suffix_decoding_max_cached_requests == 0 and group.suffix_decoding_max_cached_requests is None
+    assert not cfgs["suffix"].draft.enabled and group.model is None
     assert len({(c.data.name, c.data.seed, c.trainer.seed, c.grpo.max_new_tokens) for c in cfgs.values()}) == 1
 
 

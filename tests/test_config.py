@@ -143,6 +143,15 @@ def test_no_speculation_ignores_k():
     assert cfg.rollout.speculative_config.method is None
 
 
+def test_suffix_keys_reach_vllm_under_its_names():
+    from rayspec.rollout.engine import speculative_config_for_vllm
+
+    cfg = load_config(DEFAULT, ["rollout.speculative_config.method=suffix", f"{K}=8",
+                                "rollout.speculative_config.suffix_decoding_max_cached_requests=512"])
+    assert speculative_config_for_vllm(vars(cfg.rollout.speculative_config)) == {
+        "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 512}
+
+
 def test_draft_model_with_existing_dir(tmp_path):
     cfg = load_config(DEFAULT, ["rollout.speculative_config.method=draft_model",
                                 f"rollout.speculative_config.model={tmp_path}"])
@@ -180,11 +189,17 @@ def test_draft_model_with_existing_dir(tmp_path):
     (["trainer.eval_samples=0"], "trainer.eval_samples", "0"),
     (["data.eval_num_problems=0"], "data.eval_num_problems", "0"),
     (["data.max_operand=1"], "data.max_operand", "1"),
+    (["draft.aux_hidden_state_layer_ids={a: 1}"], "draft.aux_hidden_state_layer_ids", None),
+    (["rollout.speculative_config.suffix_decoding_max_cached_requests=100"],
+     "rollout.speculative_config.suffix_decoding_max_cached_requests", "100"),  # method eagle3
+    (["rollout.speculative_config.method=suffix", "rollout.speculative_config.suffix_decoding_min_token_prob=2"],
+     "rollout.speculative_config.suffix_decoding_min_token_prob", "2.0"),
 ], ids=["unknown-key", "k<1", "unknown-method", "missing-model", "group-size-1", "greedy", "wrong-type",
         "draft-model-no-path", "draft-model-missing-dir", "num-workers-not-dividing",
         "unknown-dataset", "adaptive-without-speculation", "adaptive-calibration-too-short", "adaptive-probe-every-0",
         "bad-draft-sample-method", "micro-batch-not-int", "zero-section-not-a-map", "unknown-section",
-        "eval-every-negative", "eval-samples-0", "eval-problems-0", "max-operand-1"])
+        "eval-every-negative", "eval-samples-0", "eval-problems-0", "max-operand-1", "mapping-for-a-list",
+        "suffix-key-without-suffix", "suffix-min-prob-above-1"])
 def test_bad_override_names_key_and_value(overrides, key, value):
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, overrides)
