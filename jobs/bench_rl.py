@@ -8,13 +8,14 @@ Every run uses the preset (default ``jobs/configs/default.yaml``, the
 learning preset: SmolLM2-135M on one-operation arithmetic, on which the
 policy's reward rises within 30 steps and the policy drifts from where the
 head was trained), the same seed and therefore the same prompts; the bench
-sets ``rollout.speculative_config``, ``draft.enabled``, ``trainer.steps`` and
-``trainer.run_dir`` itself:
+sets ``rollout.speculative_config``, ``rollout.adaptive_k.enabled``,
+``draft.enabled``, ``trainer.steps`` and ``trainer.run_dir`` itself:
 
 - ``none``: ``speculative_config.method=null``;
 - ``frozen``: eagle3 with ``--warm-head`` (from ``jobs.warmstart_draft``),
-  ``draft.enabled=false``: the head never changes while the policy drifts;
-- ``online``: eagle3 with ``--warm-head`` and online draft training;
+  ``draft.enabled=false``, k fixed: the head never changes while the policy
+  drifts;
+- ``online``: eagle3 with ``--warm-head`` and online draft training, k fixed;
 - ``adaptive`` (not in the default ``--runs``): ``frozen`` with the adaptive
   k controller (``rollout.adaptive_k.enabled``), which should bring the
   rollout back to at least the speed of ``none`` where speculation does not
@@ -74,18 +75,19 @@ EVAL_SERIES = ("policy_version", "reward_greedy", "reward_sampled", "acceptance_
 def runs(warm_head: str | None) -> dict[str, list[str]]:
     """The overrides of each run. Without a warm head ``online`` starts from a
     fresh head and the runs that never train it are not offered."""
+    fixed, adapt = "rollout.adaptive_k.enabled=false", "rollout.adaptive_k.enabled=true"
     eagle = ["rollout.speculative_config.method=eagle3",
              f"rollout.speculative_config.model={warm_head if warm_head else 'null'}"]
     suffix = ["rollout.speculative_config.method=suffix", "rollout.speculative_config.model=null",
-              f"rollout.speculative_config.num_speculative_tokens={SUFFIX_K}", "draft.enabled=false"]
+              f"rollout.speculative_config.num_speculative_tokens={SUFFIX_K}", "draft.enabled=false", fixed]
     table = {"none": ["rollout.speculative_config.method=null", "draft.enabled=false"],
-             "online": eagle + ["draft.enabled=true"],
-             "online-adaptive": eagle + ["draft.enabled=true", "rollout.adaptive_k.enabled=true"],
+             "online": eagle + ["draft.enabled=true", fixed],
+             "online-adaptive": eagle + ["draft.enabled=true", adapt],
              "suffix": suffix + ["rollout.speculative_config.suffix_decoding_max_cached_requests=0"],
              "suffix-group": suffix}
     if warm_head:
-        table["frozen"] = eagle + ["draft.enabled=false"]
-        table["adaptive"] = eagle + ["draft.enabled=false", "rollout.adaptive_k.enabled=true"]
+        table["frozen"] = eagle + ["draft.enabled=false", fixed]
+        table["adaptive"] = eagle + ["draft.enabled=false", adapt]
     return table
 
 

@@ -46,6 +46,7 @@ def test_default_preset():
     assert cfg.data.name == "arithmetic"
     assert cfg.rollout.speculative_config.method == "eagle3"
     assert cfg.rollout.speculative_config.num_speculative_tokens == 3
+    assert cfg.rollout.adaptive_k.enabled  # k = 0 where drafting would not pay
     # the learning preset: exact serving, a learning rate that moves the policy, evaluations
     assert cfg.model.dtype == "float32"
     assert cfg.train.deepspeed["optimizer"]["params"]["lr"] == 2e-5
@@ -138,15 +139,16 @@ def test_auto_dtype_on_a_torch_without_the_cpu_checks_names_the_key_and_the_vers
     assert load_config(DEFAULT).model.dtype == "float32"  # the preset's explicit dtype needs no check
 
 
-def test_no_speculation_ignores_k():
+def test_no_speculation_ignores_k_and_adaptive_k():
+    # the presets adapt k: turning speculation off must not need a second override
     cfg = load_config(DEFAULT, ["rollout.speculative_config.method=null", f"{K}=0"])
-    assert cfg.rollout.speculative_config.method is None
+    assert cfg.rollout.speculative_config.method is None and cfg.rollout.adaptive_k.enabled
 
 
 def test_suffix_keys_reach_vllm_under_its_names():
     from rayspec.rollout.engine import speculative_config_for_vllm
 
-    cfg = load_config(DEFAULT, ["rollout.speculative_config.method=suffix", f"{K}=8",
+    cfg = load_config(DEFAULT, ["rollout.speculative_config.method=suffix", f"{K}=8", "rollout.adaptive_k.enabled=false",
                                 "rollout.speculative_config.suffix_decoding_max_cached_requests=512"])
     assert speculative_config_for_vllm(vars(cfg.rollout.speculative_config)) == {
         "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 512}
@@ -173,8 +175,7 @@ def test_draft_model_with_existing_dir(tmp_path):
      "rollout.speculative_config.model", "/nonexistent/draft"),
     (["train.num_workers=3"], "train.num_workers", "3"),  # 3 does not divide 4 * 4
     (["data.name=squad"], "data.name", "squad"),
-    (["rollout.speculative_config.method=null", "rollout.adaptive_k.enabled=true"],
-     "rollout.adaptive_k.enabled", "True"),
+    (["rollout.speculative_config.method=suffix"], "rollout.adaptive_k.enabled", "True"),  # the preset adapts
     (["rollout.adaptive_k.enabled=true", "rollout.adaptive_k.calibration_tokens=1"],
      "rollout.adaptive_k.calibration_tokens", "1"),
     (["rollout.adaptive_k.enabled=true", "rollout.adaptive_k.probe_every=0"],
@@ -192,11 +193,12 @@ def test_draft_model_with_existing_dir(tmp_path):
     (["draft.aux_hidden_state_layer_ids={a: 1}"], "draft.aux_hidden_state_layer_ids", None),
     (["rollout.speculative_config.suffix_decoding_max_cached_requests=100"],
      "rollout.speculative_config.suffix_decoding_max_cached_requests", "100"),  # method eagle3
-    (["rollout.speculative_config.method=suffix", "rollout.speculative_config.suffix_decoding_min_token_prob=2"],
+    (["rollout.speculative_config.method=suffix", "rollout.adaptive_k.enabled=false",
+      "rollout.speculative_config.suffix_decoding_min_token_prob=2"],
      "rollout.speculative_config.suffix_decoding_min_token_prob", "2.0"),
 ], ids=["unknown-key", "k<1", "unknown-method", "missing-model", "group-size-1", "greedy", "wrong-type",
         "draft-model-no-path", "draft-model-missing-dir", "num-workers-not-dividing",
-        "unknown-dataset", "adaptive-without-speculation", "adaptive-calibration-too-short", "adaptive-probe-every-0",
+        "unknown-dataset", "adaptive-with-suffix", "adaptive-calibration-too-short", "adaptive-probe-every-0",
         "bad-draft-sample-method", "micro-batch-not-int", "zero-section-not-a-map", "unknown-section",
         "eval-every-negative", "eval-samples-0", "eval-problems-0", "max-operand-1", "mapping-for-a-list",
         "suffix-key-without-suffix", "suffix-min-prob-above-1"])
