@@ -138,8 +138,11 @@ class DashboardMetrics:
     and per run: ``rayspec_reward_mean``, ``rayspec_policy_version`` (the
     version that sampled the step), ``rayspec_step``, ``rayspec_phase_seconds``
     (tag ``phase``: rollout, rollout_generation, policy, draft, draft_exposed,
-    sync, step). The histogram ``rayspec_response_tokens`` counts every
-    sample's response length (tokens).
+    sync, step), ``rayspec_kl`` (the policy's drift: per-token KL to the
+    initial policy on the step's samples, where ``grpo.kl_coef`` > 0) and
+    ``rayspec_eval_reward`` (the last held-out evaluation's mean reward, tag
+    ``mode``: greedy, sampled). The histogram ``rayspec_response_tokens``
+    counts every sample's response length (tokens).
 
     Must be created inside a Ray worker or driver (``ray.init`` done). Ray
     exports a process's metrics while it lives (the rank-0 Train worker here).
@@ -162,6 +165,10 @@ class DashboardMetrics:
                                     "policy version that sampled the step's rollouts", ("run",))
         self.step = Gauge("rayspec_step", "RL steps done", ("run",))
         self.phase = Gauge("rayspec_phase_seconds", "seconds of the step's phase", ("run", "phase"))
+        self.kl = Gauge("rayspec_kl", "per-token KL of the policy to the initial policy on the step's "
+                        "samples", ("run",))
+        self.eval_reward = Gauge("rayspec_eval_reward", "mean reward on the held-out prompts at the last "
+                                 "evaluation", ("run", "mode"))
         # powers of two up to the response cap: a length histogram in tokens
         bounds = [2.0 ** i for i in range(max(1, math.ceil(math.log2(max(2, max_new_tokens)))) + 1)]
         self.response_tokens = Histogram("rayspec_response_tokens", "response length (tokens)",
@@ -188,6 +195,11 @@ class DashboardMetrics:
                 self.phase.set(m[key], {**run, "phase": phase})
         for n in m.get("response_lens", []):
             self.response_tokens.observe(n, run)
+        if "kl" in m:
+            self.kl.set(m["kl"], run)
+        for e in m.get("evals", [])[-1:]:
+            for mode in ("greedy", "sampled"):
+                self.eval_reward.set(e[f"reward_{mode}"], {**run, "mode": mode})
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 GAUGES = ("rayspec_rollout_tokens_per_s", "rayspec_acceptance_length", "rayspec_acceptance_rate",
           "rayspec_reward_mean", "rayspec_policy_version", "rayspec_phase_seconds",
-          "rayspec_response_tokens_count")
+          "rayspec_response_tokens_count", "rayspec_kl")
 
 
 def _free_port() -> int:

@@ -64,6 +64,31 @@ def test_evaluations_go_to_tensorboard_at_their_policy_version_and_into_the_plot
     assert plot_run(tmp_path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_dashboard_exports_drift_and_the_last_evaluation():
+    """The Ray dashboard's gauges get the step's ``kl`` and the held-out
+    rewards of the record's last evaluation (none where the record has none)."""
+    from rayspec.metrics import DashboardMetrics
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def set(self, value, tags):
+            self.calls.append((value, tags))
+
+    dash = DashboardMetrics("run1", "eagle3", 48)
+    dash.kl, dash.eval_reward = Recorder(), Recorder()
+    base = {**_record(1), "response_lens": [3, 5]}
+    dash.record(base)  # no KL term, no evaluation
+    assert dash.kl.calls == [] and dash.eval_reward.calls == []
+    evals = [{"policy_version": v, "reward_greedy": g, "reward_sampled": s}
+             for v, g, s in ((0, 0.1, 0.05), (1, 0.75, 0.5))]
+    dash.record({**base, "kl": 0.03, "evals": evals})
+    assert dash.kl.calls == [(0.03, {"run": "run1"})]
+    assert dash.eval_reward.calls == [(0.75, {"run": "run1", "mode": "greedy"}),
+                                      (0.5, {"run": "run1", "mode": "sampled"})]
+
+
 def test_read_metrics_names_the_bad_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(_record(1)) + "\n{broken\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
