@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rayspec.files import write_text_atomic
 from rayspec.rollout.adaptive import format_schedule
 
 
@@ -109,9 +110,7 @@ class MetricsLog:
                 f.writelines(drop)
                 f.flush()
                 os.fsync(f.fileno())
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(keep))
-            os.replace(tmp, self.path)
+            write_text_atomic(self.path, "".join(keep))
         return len(drop)
 
 

@@ -67,10 +67,10 @@ import functools
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rayspec.files import write_text_atomic
 from rayspec.rollout.vllm_compat import internals_error
 
 log = logging.getLogger(__name__)
@@ -284,11 +284,8 @@ def write_acceptance(draft_dir, rates: list[float], **meta) -> Path:
     e.g. the k, temperature and prompts they were measured with), written
     atomically. ``save_head`` replaces the whole directory, so a head
     rewritten later (trained further) loses the record. Returns the file."""
-    path = Path(draft_dir) / ACCEPTANCE_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"acceptance_rate_per_pos": list(rates), **meta}, indent=1))
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(Path(draft_dir) / ACCEPTANCE_FILE,
+                             json.dumps({"acceptance_rate_per_pos": list(rates), **meta}, indent=1))
 
 
 def read_acceptance(draft_dir) -> list[float] | None:

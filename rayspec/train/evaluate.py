@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+from statistics import fmean as mean
 from pathlib import Path
 from typing import Any, Optional
 
 from rayspec.batch import RolloutBatch
 from rayspec.data import Problem, batch_rewards
+from rayspec.files import write_text_atomic
 from rayspec.rollout.spec_stats import SpecStats
 
 BASELINE_FILE = "eval_baseline.json"
@@ -53,9 +55,6 @@ def score_eval(problems: list[Problem], greedy: RolloutBatch, sampled: RolloutBa
     Raises:
         ValueError: a baseline for a different number of problems.
     """
-    def mean(xs):
-        return sum(xs) / len(xs)
-
     out = {"policy_version": greedy.policy_version,
            "reward_greedy": mean(batch_rewards(greedy, problems)),
            "reward_sampled": mean(batch_rewards(sampled, problems)),
@@ -86,8 +85,5 @@ def read_baseline(run_dir: str | os.PathLike, problems: list[Problem]) -> Option
 def write_baseline(run_dir: str | os.PathLike, problems: list[Problem], greedy: RolloutBatch) -> None:
     """Keep the initial policy's greedy responses (``<run_dir>/eval_baseline.json``,
     written whole through a rename) for ``greedy_changed`` after a resume."""
-    path = Path(run_dir) / BASELINE_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"questions": [p.question for p in problems],
-                               "response_ids": greedy.response_ids}))
-    os.replace(tmp, path)
+    write_text_atomic(Path(run_dir) / BASELINE_FILE, json.dumps(
+        {"questions": [p.question for p in problems], "response_ids": greedy.response_ids}))
