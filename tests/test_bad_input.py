@@ -6,6 +6,9 @@ code they carry never runs."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from jobs import grpo
@@ -126,3 +129,24 @@ def test_bad_resume_stops_the_run(args, fragments, tmp_path, tiny_llama_dir, cap
     assert all(f in err for f in fragments), err
     assert {p: p.read_bytes() for p in old.rglob("*") if p.is_file()} == before
     assert ckpt.is_dir()
+
+
+def test_checkpoint_that_cannot_be_staged_names_the_directory_and_free_space(tmp_path, monkeypatch):
+    """A full staging disk (torch.save's "basic_ios::clear: iostream error")
+    becomes an OSError naming the directory, what was staged and the space
+    left, and the partial files are removed."""
+    from rayspec.train.checkpoint import report_checkpoint
+
+    class FullDisk:
+        def save_checkpoint(self, path, tag):
+            (tmp_path / "stage").mkdir(exist_ok=True)
+            Path(path, tag).mkdir(parents=True)
+            Path(path, tag, "model_states.pt").write_bytes(b"\0" * 2**20)
+            raise RuntimeError("basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(OSError, match=r"rank 3: staging the checkpoint under .*rayspec-ckpt-.* failed after "
+                                      r"0\.00 GiB with [0-9.]+ GiB free there \(TMPDIR.*iostream error") as e:
+        report_checkpoint({}, FullDisk(), 3, None, None)
+    assert isinstance(e.value.__cause__, RuntimeError)
+    assert [p.name for p in tmp_path.iterdir()] == ["stage"]  # the staged part is gone

@@ -87,6 +87,7 @@ def head_node():
         subprocess.run([str(Path(RAY).with_name("serve")), "shutdown", "-y",
                         f"--address=http://127.0.0.1:{dash}"], env=env, capture_output=True, timeout=120)
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _wait(client, job: str, timeout_s: float, on_poll=lambda: None):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -66,17 +67,30 @@ def report_checkpoint(metrics: dict[str, Any], engine, rank: int,
         trainer_state: rank 0: {"step", "policy_version", "prompts" (the
             PromptSource cursor of the next batch to train)}; None elsewhere.
         draft_state: rank 0 with online draft training: ``DraftTrainer.get_state()``.
+
+    Raises:
+        OSError: this rank's part could not be staged (the system temp dir,
+            ``TMPDIR``, is full or unwritable); names the directory and its
+            free space. Earlier checkpoints are untouched: Ray Train registers
+            a checkpoint only once every rank has reported it.
     """
     import ray.train
 
     with tempfile.TemporaryDirectory(prefix="rayspec-ckpt-") as tmp:
         d = Path(tmp)
-        engine.save_checkpoint(str(d / "policy"), tag=POLICY_TAG)
-        (d / f"rng_rank{rank}.json").write_text(json.dumps(_rng_state()))
-        if trainer_state is not None:
-            (d / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-        if draft_state is not None:
-            save_draft_state(draft_state, d)
+        try:
+            engine.save_checkpoint(str(d / "policy"), tag=POLICY_TAG)
+            (d / f"rng_rank{rank}.json").write_text(json.dumps(_rng_state()))
+            if trainer_state is not None:
+                (d / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+            if draft_state is not None:
+                save_draft_state(draft_state, d)
+        except (OSError, RuntimeError) as e:
+            # torch.save reports a full disk as "basic_ios::clear: iostream error"
+            staged = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            raise OSError(f"rank {rank}: staging the checkpoint under {tmp} failed after "
+                          f"{staged / 2**30:.2f} GiB with {shutil.disk_usage(tmp).free / 2**30:.2f} GiB "
+                          f"free there (TMPDIR moves the staging directory): {type(e).__name__}: {e}") from e
         # Ray Train copies the directory into the run's storage before returning
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
