@@ -126,11 +126,28 @@ def compare_to_none(rows: list[dict]) -> None:
         r["within_seed_spread"] = r["reward_dist_to_none_mean"] <= nones[0]["seed_spread"]
 
 
+def estimate_pairs(records: list[dict]) -> list[dict]:
+    """Each step's DraftTrainer estimate of the head it trained
+    (``draft_acceptance_estimate``) beside the acceptance rates per position
+    the next step's rollout measured with that head (in sync mode the next
+    rollout drafts with it): [{"step" (the measuring step), "estimated",
+    "measured"}], positions both have. Steps that drafted nothing are left out."""
+    out = []
+    for prev, nxt in zip(records, records[1:]):
+        est, meas = prev.get("draft_acceptance_estimate") or [], nxt.get("acceptance_rate_per_pos") or []
+        if est and meas and nxt.get("num_drafts", 0) > 0:
+            n = min(len(est), len(meas))
+            out.append({"step": nxt.get("step"), "estimated": est[:n], "measured": meas[:n]})
+    return out
+
+
 def summarize(name: str, records: list[dict]) -> dict:
     """One run's per-step series (lists, one entry per step) and their medians
     (NaN where a step lacks the key); ``steps_seconds_total`` is the sum of step
     seconds (startup excluded); ``eval`` holds the held-out evaluations'
-    series (``EVAL_SERIES``, one entry per evaluation)."""
+    series (``EVAL_SERIES``, one entry per evaluation); ``estimate_pairs``
+    (``estimate_pairs``) and, where there are some, their means per position
+    ``acceptance_estimated_mean`` / ``acceptance_measured_mean``."""
     out = {"run": name, "steps": len(records),
            "steps_seconds_total": sum(r["time_step_s"] for r in records)}
     for key in SERIES:
@@ -138,6 +155,11 @@ def summarize(name: str, records: list[dict]) -> dict:
         out[f"{key}_median"] = statistics.median(out[key])
     evals = [e for r in records for e in r.get("evals", [])]
     out["eval"] = {key: [e.get(key, float("nan")) for e in evals] for key in EVAL_SERIES}
+    out["estimate_pairs"] = pairs = estimate_pairs(records)
+    if pairs:
+        n = min(len(p["estimated"]) for p in pairs)
+        for key in ("estimated", "measured"):
+            out[f"acceptance_{key}_mean"] = [statistics.mean(p[key][i] for p in pairs) for i in range(n)]
     return out
 
 
@@ -161,6 +183,12 @@ def format_table(rows: list[dict]) -> str:
                              f"{v}: {g:.3f}/{s:.3f}/{a:.2f}" for v, g, s, a in zip(
                                  ev["policy_version"], ev["reward_greedy"], ev["reward_sampled"],
                                  ev["acceptance_length"])))
+    for r in rows:
+        if r.get("estimate_pairs"):
+            fmt = lambda xs: "[" + ", ".join(f"{x:.3f}" for x in xs) + "]"  # noqa: E731
+            lines.append(f"{r['run']} acceptance rate per position, estimated by the DraftTrainer / measured "
+                         f"by the next rollout (mean over {len(r['estimate_pairs'])} steps): "
+                         f"{fmt(r['acceptance_estimated_mean'])} / {fmt(r['acceptance_measured_mean'])}")
     lines.append("logprob agreement (token_mult_prob_error, median over steps): " + ", ".join(
         f"{r['run']} {r['token_mult_prob_error_median']:.2e}" for r in rows))
     spread = next((r for r in rows if "seed_spread" in r), None)

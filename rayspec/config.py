@@ -150,7 +150,9 @@ class AdaptiveKConfig:
             16, ... up to max_num_seqs).
         probe_every: while no k pays, a draft refit is tried at one
             sequence in flight every this many refits (each try keeps the
-            drafter's KV in sync for a whole rollout).
+            drafter's KV in sync for a whole rollout); not where the
+            DraftTrainer estimates each refit's acceptance
+            (``estimate_temperature``), which decides instead.
     """
 
     enabled: bool = False
@@ -739,6 +741,15 @@ def _default(d: dict, key: str, value: Any) -> None:
 def draft_online(cfg: RunConfig) -> bool:
     """Online draft training runs for EAGLE-3 when enabled."""
     return cfg.draft.enabled and cfg.rollout.speculative_config.method == "eagle3"
+
+
+def estimate_temperature(cfg: RunConfig) -> float | None:
+    """The temperature at which the DraftTrainer estimates the head's
+    acceptance (``rayspec.draft.loss.acceptance_rates``), or None where its
+    estimator would not be exact: nucleus sampling (top_p < 1) or sampled
+    drafts (``draft_sample_method: probabilistic``)."""
+    exact = cfg.grpo.top_p == 1.0 and cfg.rollout.speculative_config.draft_sample_method != "probabilistic"
+    return cfg.grpo.temperature if exact else None
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -86,9 +86,10 @@ class MetricsLog:
         for k, v in clean.items():
             if isinstance(v, (int, float)) and k != "step":
                 self.tb.add_scalar(k, v, step)
-            elif k == "acceptance_rate_per_pos":
+            elif k in ("acceptance_rate_per_pos", "draft_acceptance_estimate"):
+                tag = "acceptance_rate" if k == "acceptance_rate_per_pos" else "acceptance_estimate"
                 for i, r in enumerate(v):
-                    self.tb.add_scalar(f"acceptance_rate/pos{i + 1}", r, step)
+                    self.tb.add_scalar(f"{tag}/pos{i + 1}", r, step)
         for ev in clean.get("evals", []):  # held-out scores, at the policy version they score
             for k, v in ev.items():
                 if isinstance(v, (int, float)) and k != "policy_version":

@@ -102,6 +102,40 @@ def test_probe_after_draft_refit_and_partial_positions():
     assert ctl.rates[0] == pytest.approx(0.45) and ctl.rates[1:] == [0.0, 0.0]
 
 
+def test_estimated_draft_is_drafted_by_its_estimate_and_calibrated_by_measurement():
+    """The DraftTrainer's estimate decides for a refit instead of a probe:
+    an estimate that pays drafts at once, one that does not stays at k = 0
+    without probing; the first measurement after an estimate calibrates the
+    next one (measured / estimated per position, capped at 2)."""
+    ctl = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, ema=0.5)
+    ctl.update([0, 0, 0], num_drafts=100, positions=3)
+    assert ctl.schedule() == [(1, 16, 0)]
+    ctl.draft_changed()
+    ctl.draft_estimated([0.05, 0.01])  # pays nowhere: no probe either
+    assert not ctl.probe and ctl.schedule() == [(1, 16, 0)]
+    assert ctl.rates == pytest.approx([0.05, 0.01, 0.01 * geometric_rate([0.05, 0.01])])
+    ctl.draft_changed()
+    ctl.draft_estimated([0.8, 0.6, 0.45])
+    assert format_schedule(ctl.schedule()) == "1:3 2-7:2 8-16:1"
+    # the replicas accept half what was estimated at position 1, as much at 2, twice at 3
+    ctl.update([40, 60, 90], num_drafts=100, positions=3)
+    assert ctl.calibration == pytest.approx([0.75, 1.0, 1.5])
+    assert ctl.rates == pytest.approx([0.6, 0.6, 0.675])  # EMA of estimate and measurement
+    ctl.update([40, 60, 90], num_drafts=100, positions=3)  # a second measurement: no estimate to compare
+    assert ctl.calibration == pytest.approx([0.75, 1.0, 1.5])
+    ctl.draft_estimated([0.8, 0.6, 0.8])
+    assert ctl.rates == pytest.approx([0.6, 0.6, 1.0])  # scaled, capped at 1
+
+
+def test_acceptance_estimate_needs_exact_sampling():
+    """Only greedy drafts at top_p = 1 get an estimate (its estimator is exact there)."""
+    from rayspec.config import estimate_temperature, load_config
+
+    assert estimate_temperature(load_config(None, ["grpo.temperature=0.8"])) == 0.8
+    assert estimate_temperature(load_config(None, ["grpo.top_p=0.9"])) is None
+    assert estimate_temperature(load_config(None, ["rollout.speculative_config.method=eagle3",
+                                                   "rollout.speculative_config.draft_sample_method=probabilistic"])) is None
+
 def test_acceptance_record_round_trips_and_bad_ones_name_the_file(tmp_path):
     assert read_acceptance(tmp_path) is None and read_acceptance(None) is None
     path = write_acceptance(tmp_path, [0.21, 0.06, 0.02], k=3, temperature=1.0)
@@ -256,6 +290,15 @@ def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head, in_
         assert eng.k_schedule == [(1, 8, 0)]
         eng.update_draft(vllm_state_dict(load_head(tiny_head)), 1)
         assert eng.k_schedule == [(1, 1, 1), (2, 8, 0)]
+        # the DraftTrainer's estimate of draft 1 replaces the probe before the
+        # rollout; an estimate of a draft this replica does not hold is ignored
+        _, stats = eng.generate(prompts, n=2, max_tokens=12, draft_acceptance=(2, [0.9, 0.8, 0.7]))
+        assert stats.k_schedule == [(1, 1, 1), (2, 8, 0)]
+        _, stats = eng.generate(prompts, n=2, max_tokens=12, draft_acceptance=(1, [0.9, 0.8, 0.7]))
+        assert stats.k_schedule == [(1, 2, 3), (3, 8, 2)] and stats.num_drafts > 0
+        assert eng.k_schedule == [(1, 8, 0)]  # measured: the untrained head accepts nothing
+        _, stats = eng.generate(prompts, n=2, max_tokens=12, draft_acceptance=(1, [0.9, 0.8, 0.7]))
+        assert stats.k_schedule == [(1, 8, 0)]  # an estimate counts once per draft version
         # a fresh controller starts from the head's recorded acceptance
         # (jobs.warmstart_draft's held-out rates), extrapolated to k = 3, not
         # from k = 3 everywhere: rates that pay nowhere turn drafting off at once

@@ -83,6 +83,53 @@ def _verifier(policy):
             "lm_head": policy.lm_head.weight.detach().bfloat16()}
 
 
+
+def test_acceptance_estimate_follows_the_greedy_draft_chain(tiny_policy):
+    """The loss's acceptance estimate, checked against a loop over chain
+    starts: draft j from t (``draft_top1``) is accepted with the target's
+    probability of it at the sampling temperature, counted only while the
+    sampled tokens before it were the drafts. One sequence follows the head's
+    own drafts (every position on the path), one is random."""
+    from rayspec.draft.loss import acceptance_rates, eagle3_loss
+
+    T, steps, n = 0.7, 3, 6
+    head = init_head(tiny_policy)
+    embed = tiny_policy.model.embed_tokens.weight
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 1000, (2, n + 3), generator=g)
+
+    def drafts_and_features(seq):
+        with torch.no_grad(), capture_eagle3_features(tiny_policy, [1, 3, 4]) as f:
+            logits = tiny_policy(input_ids=seq).logits
+        return draft_top1(head, seq, f["aux_hidden"], embed, steps), f, logits
+
+    for i in range(3):  # sequence 0's response tokens n, n+1, n+2 are the drafts from chain start n-2
+        seq[0, n + i] = drafts_and_features(seq)[0][0, n - 2, i]
+    drafted, f, logits = drafts_and_features(seq)
+    mask = torch.zeros(2, n + 2)
+    mask[:, n - 1:] = 1  # targets of tokens n.. (the response)
+    out = eagle3_loss(head, seq, f["aux_hidden"], f["final_hidden"], mask, embed,
+                      tiny_policy.lm_head.weight, steps, temperature=T)
+
+    p = torch.softmax(logits.double() / T, -1)  # p[b, s]: token s+1
+    accepted, chains = [0.0] * steps, [0] * steps
+    for b in range(2):
+        for t in range(n + 1):
+            for j in range(steps):
+                if t + 2 + j > n + 2 or t + 2 < n:  # drafts j' <= j must all predict response tokens
+                    continue
+                on_path = all(seq[b, t + 2 + i] == drafted[b, t, i] for i in range(j))
+                accepted[j] += float(on_path) * p[b, t + 1 + j, drafted[b, t, j]].item()
+                chains[j] += 1
+    assert out.chains == chains == [6, 4, 2]
+    # a random tiny policy spreads its mass: the terms are ~1e-12 .. 1e-22, so relative only
+    assert out.accepted == pytest.approx(accepted, rel=1e-3, abs=0)
+    assert accepted[2] > 0  # the chain that follows the drafts reaches draft 2
+    assert acceptance_rates(out.accepted, out.chains) == pytest.approx([a / c for a, c in zip(accepted, chains)],
+                                                                        rel=1e-3, abs=0)
+    assert eagle3_loss(head, seq, f["aux_hidden"], f["final_hidden"], mask, embed,
+                       tiny_policy.lm_head.weight, steps).chains == []  # no temperature, no estimate
+
 def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_path):
     save_head(init_head(tiny_policy), tmp_path / "head")
     g = torch.Generator().manual_seed(0)
@@ -90,7 +137,7 @@ def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_p
     with torch.no_grad():
         seqs = tiny_policy.generate(torch.tensor(prompts), max_new_tokens=12, do_sample=False)
     batch = RolloutBatch(prompts, [s[6:].tolist() for s in seqs], [[0.0] * 12] * 4, [0, 1, 2, 3])
-    trainer = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=2, num_threads=2)
+    trainer = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=2, num_threads=2, temperature=1.0)
     with pytest.raises(RuntimeError, match="no features"):
         trainer.train(_verifier(tiny_policy), 1)
     trainer.submit_features(_features(tiny_policy, batch, 0))
@@ -99,6 +146,11 @@ def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_p
     last = trainer.train(_verifier(tiny_policy), 40)
     assert last["draft_loss"] < first["draft_loss"]
     assert last["draft_top1_per_step"][0] > first["draft_top1_per_step"][0] + 0.2
+    # the estimate is taken on the step's chunks before training on them:
+    # the head trained one step on these sequences is estimated to be accepted more
+    est0, est1 = first["draft_acceptance_estimate"], last["draft_acceptance_estimate"]
+    assert len(est0) == len(est1) == 2 and all(0 <= r <= 1 for r in est0 + est1)
+    assert est1[0] > est0[0] and est1[1] <= est1[0]
     assert last["draft_version"] == 2
 
 
@@ -244,8 +296,8 @@ def test_reduced_vocab_head_roundtrips_and_drafts_in_policy_ids(tiny_policy, tmp
     with torch.no_grad(), capture_eagle3_features(tiny_policy, [1, 3, 4]) as f:
         logits = tiny_policy(input_ids=seq).logits
     target = logits[0, 1:-1].argmax(-1)
-    loss, agree = eagle3_loss(again, seq, f["aux_hidden"], f["final_hidden"], torch.ones(1, 7),
-                              tiny_policy.model.embed_tokens.weight, tiny_policy.lm_head.weight, 1)
+    loss, agree, _, _ = eagle3_loss(again, seq, f["aux_hidden"], f["final_hidden"], torch.ones(1, 7),
+                                    tiny_policy.model.embed_tokens.weight, tiny_policy.lm_head.weight, 1)
     with torch.no_grad():
         normed, _, _ = again.step(torch.nn.functional.embedding(seq[:, 1:], tiny_policy.model.embed_tokens.weight),
                                again.fc(f["aux_hidden"][:, :-1]), torch.arange(1, 8)[None])

@@ -28,6 +28,8 @@ weight by m is the smooth form of that mask.)
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -42,10 +44,29 @@ def _shift(x: torch.Tensor, j: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, j:], pad], dim=1)
 
 
+class DraftLoss(NamedTuple):
+    """What ``eagle3_loss`` measured on one batch.
+
+    Attributes:
+        loss: scalar, averaged over steps and masked positions (autograd).
+        top1: per draft step, the share of masked positions where the head's
+            top-1 (as a policy token id) is the verifier's.
+        accepted / chains: per draft position i, the sum over chain starts of
+            the estimator of "the first i + 1 drafts are accepted", and the
+            number of chain starts it was taken over (``acceptance_rates``
+            divides them); empty unless a temperature was given.
+    """
+
+    loss: torch.Tensor
+    top1: list[float]
+    accepted: list[float]
+    chains: list[int]
+
+
 def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
                 final_hidden: torch.Tensor, loss_mask: torch.Tensor,
                 embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                ttt_steps: int) -> tuple[torch.Tensor, list[float]]:
+                ttt_steps: int, temperature: float | None = None) -> DraftLoss:
     """Soft cross-entropy of the unrolled head against the verifier.
 
     Args:
@@ -60,30 +81,63 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Ten
         lm_head_weight: [V, H] verifier output layer (the whole vocabulary:
             the target distribution is the verifier's).
         ttt_steps: draft steps unrolled (1 = plain EAGLE training).
+        temperature: the sampling temperature (> 0) the responses were drawn
+            at: also estimate the acceptance of greedy drafts at it
+            (``acceptance_rates``). None: no estimate.
 
     Returns:
-        (scalar loss averaged over steps and masked positions, per-step top-1
-        agreement of draft and verifier argmax, both as policy token ids, on
-        masked positions).
+        ``DraftLoss``.
     """
     B, L = input_ids.shape
     dtype = head.fc.weight.dtype
     mask = torch.cat([loss_mask, loss_mask.new_zeros(B, 1)], 1)  # [B, L]
     ids = head.draft_ids
-    total, agree = 0.0, []
+    total, agree, accepted, chains = 0.0, [], [], []
+    valid = torch.ones(B, L, dtype=torch.bool, device=input_ids.device)  # chains reaching step j
+    on_path = torch.ones(B, L, device=input_ids.device)  # drafts before j were the sampled tokens
     for j, normed in unroll(head, input_ids, aux_hidden, embed_weight, ttt_steps):
         m = _shift(mask, 1 + j).bool()
         if not m.any():
             break
         tgt_h = _shift(final_hidden, 1 + j)[m].to(dtype)
         with torch.no_grad():
-            target = torch.softmax(tgt_h @ lm_head_weight.to(dtype).T, dim=-1)  # [n, V]
+            tgt_logits = tgt_h @ lm_head_weight.to(dtype).T  # [n, V]
+            target = torch.softmax(tgt_logits, dim=-1)
         logits = head.lm_head(normed[m])  # [n, N]
         in_vocab = target if ids is None else target[:, ids]
         total = total + -(in_vocab * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
         drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
         agree.append((drafted == target.argmax(-1)).float().mean().item())
-    return total / max(len(agree), 1), agree
+        if temperature is not None:
+            with torch.no_grad():
+                p_draft = torch.softmax(tgt_logits / temperature, dim=-1).gather(1, drafted[:, None])[:, 0]
+                a, hit = torch.zeros_like(on_path), torch.zeros_like(on_path)
+                a[m], hit[m] = p_draft.to(a.dtype), (drafted == _shift(input_ids, 2 + j)[m]).to(a.dtype)
+                valid &= m
+                accepted.append((on_path * a)[valid].sum().item())
+                chains.append(int(valid.sum()))
+                on_path = on_path * hit
+    return DraftLoss(total / max(len(agree), 1), agree, accepted, chains)
+
+
+def acceptance_rates(accepted: list[float], chains: list[int]) -> list[float]:
+    """Per-position acceptance rates r_i = P(drafts 0..i all accepted) from
+    ``DraftLoss.accepted`` / ``chains`` summed over batches (positions no
+    chain reached are left out).
+
+    The estimator (for greedy drafts d_j, which vLLM verifies by accepting
+    d_j with the target's probability p_T(d_j), Leviathan et al. 2023,
+    Sec. 2.3, with a one-hot draft distribution): over chain starts t of
+    responses sampled from the policy at temperature T,
+    r_i = E_t[prod_{j<i} 1(x_{t+2+j} = d_j(t)) * p_T(d_i(t) | x_<=t+1+i)],
+    the head's steps teacher forced on the sampled tokens. Where the sampled
+    tokens are the drafts the teacher-forced states are the drafting ones, and
+    by the tower rule E[1(x = d_j) f(x)] = p_T(d_j) f(d_j), so the estimate
+    is unbiased for the rate vLLM would measure on those prompts. It holds
+    for top_p = 1 and greedy drafts only (``draft_sample_method:
+    probabilistic`` accepts with min(1, p/q) over sampled drafts).
+    """
+    return [a / c for a, c in zip(accepted, chains) if c > 0]
 
 
 def unroll(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,

@@ -47,6 +47,16 @@ held-out rates where ``jobs.warmstart_draft`` recorded them beside the head
 (``acceptance.json``); without them the first rollout drafts k_max at every
 batch size to measure them.
 
+A draft trained online comes with the DraftTrainer's estimate of its rates,
+taken on the RL step's rollouts before it trained on them
+(``rayspec.draft.loss.acceptance_rates``; ``draft_estimated``). The estimate
+replaces the probe: a head the estimate says pays is drafted with at once,
+wherever its measured predecessor was switched off, and one it says does not
+pay costs nothing. Each estimate is scaled by a per-position calibration,
+measured / estimated, learned from the rollouts that drafted right after an
+estimate (the policy moves between the features the estimate saw and the
+rollout that drafts).
+
 Model runners: the idle drafter and the plain sampler wrap vLLM 0.32's V1
 ``GPUModelRunner`` and its drafters (the CPU runner subclasses it). CUDA
 vLLM builds EAGLE-3 and draft-model engines on its V2 runner by default,
@@ -380,7 +390,9 @@ class AdaptiveK:
         probe_every: draft refits between probes (1: after every refit).
         probe: the draft changed since the rates were measured (set by
             ``draft_changed`` every ``probe_every`` refits; cleared by the
-            next measurement).
+            next measurement or estimate).
+        calibration: per draft position, the running ratio of measured to
+            estimated rate (``draft_estimated``; 1.0 where none was measured).
         positions: token positions per batch size in the last rollout
             ({b: n}, ``observe``): how long a rollout stays at each b.
     """
@@ -394,7 +406,9 @@ class AdaptiveK:
     rates: list[float] = field(default_factory=list)
     probe: bool = False
     positions: dict[int, int] = field(default_factory=dict)
+    calibration: list[float] = field(default_factory=list)
     _refits: int = field(default=0, init=False, repr=False)  # since the last probe
+    _estimate: list[float] | None = field(default=None, init=False, repr=False)  # not yet measured
 
     def draft_changed(self) -> None:
         """A draft refit: probe again every ``probe_every`` of them."""
@@ -402,6 +416,18 @@ class AdaptiveK:
         if self._refits >= self.probe_every:
             self._refits = 0
             self.probe = True
+
+    def draft_estimated(self, rates: list[float]) -> None:
+        """The current draft's per-position acceptance rates as the
+        DraftTrainer estimated them (``rayspec.draft.loss.acceptance_rates``):
+        they become the controller's rates, scaled by ``calibration`` and
+        extrapolated to k_max, until a rollout measures the draft; no probe
+        is needed for it."""
+        est = extrapolate_rates(list(rates), self.k_max)[:self.k_max]
+        cal = self.calibration + [1.0] * (len(est) - len(self.calibration))
+        self._estimate = est
+        self.rates = [min(r * c, 1.0) for r, c in zip(est, cal)]
+        self.probe, self._refits = False, 0
 
     def observe(self, response_lens: list[int]) -> None:
         """Record how many token positions the last rollout spent at each
@@ -445,6 +471,13 @@ class AdaptiveK:
             return
         new = [a / num_drafts for a in accepted_per_pos[:positions]]
         self.probe = False
+        if self._estimate is not None:  # the first measurement of an estimated draft
+            self.calibration += [1.0] * (len(new) - len(self.calibration))
+            for i, r in enumerate(new):
+                if self._estimate[i] > 0:  # a ratio far off is noise from a few drafts: capped
+                    ratio = min(r / self._estimate[i], 2.0)
+                    self.calibration[i] = (1 - self.ema) * self.calibration[i] + self.ema * ratio
+            self._estimate = None
         if not self.rates:  # positions not yet measured: extrapolate geometrically
             self.rates = extrapolate_rates(new, self.k_max)
             return

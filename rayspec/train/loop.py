@@ -70,6 +70,7 @@ class StepContext:
         self.batches = 0  # batches drawn: the RL step the last submitted batch trains at
         self.draft_alive = True
         self.draft_version = 0
+        self.draft_acceptance: tuple[int, list[float]] | None = None  # the DraftTrainer's estimate
 
     def submit_rollout(self):
         """Start the next prompts' rollouts on the replicas; returns
@@ -81,7 +82,7 @@ class StepContext:
         pending = rollout.submit(
             self.rollout, [chat_prompt_ids(self.tokenizer, p) for p in problems], cfg.rollout.num_replicas,
             seed=rollout.shard_seed(cfg.trainer.seed, self.batches), refits=self.transport.rollout_refits(),
-            catch_up=self.transport.catch_up,
+            catch_up=self.transport.catch_up, draft_acceptance=self.draft_acceptance,
             n=cfg.grpo.group_size, temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
             max_tokens=cfg.grpo.max_new_tokens)
         return pending, (problems, cursor)
@@ -242,6 +243,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
                 draft_died(ctx, step, e)
         if draft_m:
             ctx.draft_version = draft_m["draft_version"]
+            ctx.draft_acceptance = (ctx.draft_version, draft_m["draft_acceptance_estimate"])
             with timer("sync"):
                 ctx.refit("draft", ray.get(draft.vllm_weights.remote()), ctx.draft_version)
     dist.barrier()  # feature ObjectRefs are owned by their ranks: keep them alive until used
@@ -284,6 +286,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         "draft_version": ctx.draft_version,
         "draft_loss": draft_m.get("draft_loss", float("nan")),
         "draft_top1_per_step": draft_m.get("draft_top1_per_step", []),
+        "draft_acceptance_estimate": draft_m.get("draft_acceptance_estimate", []),
         "num_drafts": stats.num_drafts,
         "num_draft_tokens": stats.num_draft_tokens,
         "num_accepted_tokens": stats.num_accepted_tokens,
