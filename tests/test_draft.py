@@ -84,7 +84,8 @@ def _verifier(policy):
 
 
 
-def test_acceptance_estimate_follows_the_greedy_draft_chain(tiny_policy):
+@pytest.mark.parametrize("T", [0.7, 1.0])  # 1.0 reads the target softmax, others a logsumexp
+def test_acceptance_estimate_follows_the_greedy_draft_chain(tiny_policy, T):
     """The loss's acceptance estimate, checked against a loop over chain
     starts: draft j from t (``draft_top1``) is accepted with the target's
     probability of it at the sampling temperature, counted only while the
@@ -92,7 +93,7 @@ def test_acceptance_estimate_follows_the_greedy_draft_chain(tiny_policy):
     own drafts (every position on the path), one is random."""
     from rayspec.draft.loss import acceptance_rates, eagle3_loss
 
-    T, steps, n = 0.7, 3, 6
+    steps, n = 3, 6
     head = init_head(tiny_policy)
     embed = tiny_policy.model.embed_tokens.weight
     g = torch.Generator().manual_seed(0)

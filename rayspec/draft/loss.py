@@ -100,17 +100,22 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Ten
         if not m.any():
             break
         tgt_h = _shift(final_hidden, 1 + j)[m].to(dtype)
+        logits = head.lm_head(normed[m])  # [n, N]
+        drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
         with torch.no_grad():
             tgt_logits = tgt_h @ lm_head_weight.to(dtype).T  # [n, V]
             target = torch.softmax(tgt_logits, dim=-1)
-        logits = head.lm_head(normed[m])  # [n, N]
+            if temperature == 1.0:  # RL's usual temperature: no second [n, V] tensor
+                p_draft = target.gather(1, drafted[:, None])[:, 0]
+            elif temperature is not None:
+                p_draft = (tgt_logits.gather(1, drafted[:, None])[:, 0] / temperature
+                           - torch.logsumexp(tgt_logits / temperature, dim=-1)).exp()
+            del tgt_logits
         in_vocab = target if ids is None else target[:, ids]
         total = total + -(in_vocab * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-        drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
         agree.append((drafted == target.argmax(-1)).float().mean().item())
         if temperature is not None:
             with torch.no_grad():
-                p_draft = torch.softmax(tgt_logits / temperature, dim=-1).gather(1, drafted[:, None])[:, 0]
                 a, hit = torch.zeros_like(on_path), torch.zeros_like(on_path)
                 a[m], hit[m] = p_draft.to(a.dtype), (drafted == _shift(input_ids, 2 + j)[m]).to(a.dtype)
                 valid &= m
