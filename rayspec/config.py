@@ -152,7 +152,7 @@ class AdaptiveKConfig:
             sequence in flight every this many refits (each try keeps the
             drafter's KV in sync for a whole rollout); not where the
             DraftTrainer estimates each refit's acceptance
-            (``estimate_temperature``), which decides instead.
+            (``estimated_k``), which decides instead.
     """
 
     enabled: bool = False
@@ -743,13 +743,13 @@ def draft_online(cfg: RunConfig) -> bool:
     return cfg.draft.enabled and cfg.rollout.speculative_config.method == "eagle3"
 
 
-def estimate_temperature(cfg: RunConfig) -> float | None:
-    """The temperature at which the DraftTrainer estimates the head's
-    acceptance (``rayspec.draft.loss.acceptance_rates``), or None where its
-    estimator would not be exact: nucleus sampling (top_p < 1) or sampled
+def estimated_k(cfg: RunConfig) -> int | None:
+    """The k at which the DraftTrainer replays the replicas' drafting to
+    estimate the head's acceptance (``rayspec.draft.loss.replay_drafting``),
+    or None where the replay would not be what a replica does: sampled
     drafts (``draft_sample_method: probabilistic``)."""
-    exact = cfg.grpo.top_p == 1.0 and cfg.rollout.speculative_config.draft_sample_method != "probabilistic"
-    return cfg.grpo.temperature if exact else None
+    spec = cfg.rollout.speculative_config
+    return None if spec.draft_sample_method == "probabilistic" else spec.num_speculative_tokens
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -127,14 +127,14 @@ def test_estimated_draft_is_drafted_by_its_estimate_and_calibrated_by_measuremen
     assert ctl.rates == pytest.approx([0.6, 0.6, 1.0])  # scaled, capped at 1
 
 
-def test_acceptance_estimate_needs_exact_sampling():
-    """Only greedy drafts at top_p = 1 get an estimate (its estimator is exact there)."""
-    from rayspec.config import estimate_temperature, load_config
+def test_acceptance_estimate_needs_greedy_drafts():
+    """The replay is what a replica does only where it drafts greedily."""
+    from rayspec.config import estimated_k, load_config
 
-    assert estimate_temperature(load_config(None, ["grpo.temperature=0.8"])) == 0.8
-    assert estimate_temperature(load_config(None, ["grpo.top_p=0.9"])) is None
-    assert estimate_temperature(load_config(None, ["rollout.speculative_config.method=eagle3",
-                                                   "rollout.speculative_config.draft_sample_method=probabilistic"])) is None
+    assert estimated_k(load_config(None, ["rollout.speculative_config.num_speculative_tokens=4"])) == 4
+    assert estimated_k(load_config(None, ["rollout.speculative_config.method=eagle3",
+                                          "rollout.speculative_config.draft_sample_method=probabilistic"])) is None
+
 
 def test_acceptance_record_round_trips_and_bad_ones_name_the_file(tmp_path):
     assert read_acceptance(tmp_path) is None and read_acceptance(None) is None

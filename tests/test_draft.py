@@ -11,7 +11,7 @@ import torch
 from rayspec.batch import RolloutBatch
 from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, init_head, load_head,
                                   save_head, vllm_state_dict)
-from rayspec.draft.loss import draft_top1
+from rayspec.draft.loss import draft_top1, replay_drafting
 from rayspec.draft.trainer import DraftTrainer
 from rayspec.models import load_policy, load_tokenizer
 from rayspec.sync.transport import CollectiveTransport, LocalReplicas
@@ -84,52 +84,31 @@ def _verifier(policy):
 
 
 
-@pytest.mark.parametrize("T", [0.7, 1.0])  # 1.0 reads the target softmax, others a logsumexp
-def test_acceptance_estimate_follows_the_greedy_draft_chain(tiny_policy, T):
-    """The loss's acceptance estimate, checked against a loop over chain
-    starts: draft j from t (``draft_top1``) is accepted with the target's
-    probability of it at the sampling temperature, counted only while the
-    sampled tokens before it were the drafts. One sequence follows the head's
-    own drafts (every position on the path), one is random."""
-    from rayspec.draft.loss import acceptance_rates, eagle3_loss
+def test_replay_drafting_follows_the_drafts_until_one_misses():
+    """vLLM's verify steps on a sampled response: drafting starts after the
+    prefill's token, accepts the leading drafts equal to the sampled tokens,
+    emits one more and drafts again after it; drafts are checked up to the
+    response's last token only (padding follows)."""
+    from rayspec.draft.loss import replay_drafting
 
-    steps, n = 3, 6
-    head = init_head(tiny_policy)
-    embed = tiny_policy.model.embed_tokens.weight
-    g = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, 1000, (2, n + 3), generator=g)
+    # prompt of 3 tokens (0..2), response of 7 (3..9), then padding
+    ids = torch.tensor([[5, 6, 7, 10, 11, 12, 13, 14, 15, 16, 0, 0]])
+    mask = torch.zeros(1, 11)
+    mask[0, 2:9] = 1
+    drafts = torch.full((1, 12, 3), -1)
+    drafts[0, 2] = torch.tensor([11, 12, 99])  # from t = 2 (after token 10): 2 accepted
+    drafts[0, 5] = torch.tensor([14, 15, 16])  # from t = 5 (after 13): all 3
+    drafts[0, 9] = torch.tensor([0, 0, 0])  # from t = 9: past the response, the padding matches nothing
+    assert replay_drafting(drafts, ids, mask, 3) == (2, [2, 2, 1])
+    # k = 2: t = 2 accepts 11, 12 and emits 13; t = 5 accepts 14, 15 and emits 16: done
+    assert replay_drafting(drafts, ids, mask, 2) == (2, [2, 2])
+    # drafting stops after max_new_tokens; the last drafts are checked beyond it
+    assert replay_drafting(drafts, ids, mask, 3, max_new_tokens=5) == (2, [2, 2, 1])
+    assert replay_drafting(drafts, ids, mask, 3, max_new_tokens=4) == (1, [1, 1, 0])
+    # a response ending at 15: the draft of 16 from t = 5 matches a token outside it
+    mask[0, 8] = 0
+    assert replay_drafting(drafts, ids, mask, 3) == (2, [2, 2, 0])
 
-    def drafts_and_features(seq):
-        with torch.no_grad(), capture_eagle3_features(tiny_policy, [1, 3, 4]) as f:
-            logits = tiny_policy(input_ids=seq).logits
-        return draft_top1(head, seq, f["aux_hidden"], embed, steps), f, logits
-
-    for i in range(3):  # sequence 0's response tokens n, n+1, n+2 are the drafts from chain start n-2
-        seq[0, n + i] = drafts_and_features(seq)[0][0, n - 2, i]
-    drafted, f, logits = drafts_and_features(seq)
-    mask = torch.zeros(2, n + 2)
-    mask[:, n - 1:] = 1  # targets of tokens n.. (the response)
-    out = eagle3_loss(head, seq, f["aux_hidden"], f["final_hidden"], mask, embed,
-                      tiny_policy.lm_head.weight, steps, temperature=T)
-
-    p = torch.softmax(logits.double() / T, -1)  # p[b, s]: token s+1
-    accepted, chains = [0.0] * steps, [0] * steps
-    for b in range(2):
-        for t in range(n + 1):
-            for j in range(steps):
-                if t + 2 + j > n + 2 or t + 2 < n:  # drafts j' <= j must all predict response tokens
-                    continue
-                on_path = all(seq[b, t + 2 + i] == drafted[b, t, i] for i in range(j))
-                accepted[j] += float(on_path) * p[b, t + 1 + j, drafted[b, t, j]].item()
-                chains[j] += 1
-    assert out.chains == chains == [6, 4, 2]
-    # a random tiny policy spreads its mass: the terms are ~1e-12 .. 1e-22, so relative only
-    assert out.accepted == pytest.approx(accepted, rel=1e-3, abs=0)
-    assert accepted[2] > 0  # the chain that follows the drafts reaches draft 2
-    assert acceptance_rates(out.accepted, out.chains) == pytest.approx([a / c for a, c in zip(accepted, chains)],
-                                                                        rel=1e-3, abs=0)
-    assert eagle3_loss(head, seq, f["aux_hidden"], f["final_hidden"], mask, embed,
-                       tiny_policy.lm_head.weight, steps).chains == []  # no temperature, no estimate
 
 def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_path):
     save_head(init_head(tiny_policy), tmp_path / "head")
@@ -138,7 +117,7 @@ def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_p
     with torch.no_grad():
         seqs = tiny_policy.generate(torch.tensor(prompts), max_new_tokens=12, do_sample=False)
     batch = RolloutBatch(prompts, [s[6:].tolist() for s in seqs], [[0.0] * 12] * 4, [0, 1, 2, 3])
-    trainer = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=2, num_threads=2, temperature=1.0)
+    trainer = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=2, num_threads=2, num_speculative_tokens=3)
     with pytest.raises(RuntimeError, match="no features"):
         trainer.train(_verifier(tiny_policy), 1)
     trainer.submit_features(_features(tiny_policy, batch, 0))
@@ -147,11 +126,11 @@ def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_p
     last = trainer.train(_verifier(tiny_policy), 40)
     assert last["draft_loss"] < first["draft_loss"]
     assert last["draft_top1_per_step"][0] > first["draft_top1_per_step"][0] + 0.2
-    # the estimate is taken on the step's chunks before training on them:
-    # the head trained one step on these sequences is estimated to be accepted more
+    # the estimate replays the head each call began with: the untrained one,
+    # then the one trained a step on these very (greedy) sequences
     est0, est1 = first["draft_acceptance_estimate"], last["draft_acceptance_estimate"]
-    assert len(est0) == len(est1) == 2 and all(0 <= r <= 1 for r in est0 + est1)
-    assert est1[0] > est0[0] and est1[1] <= est1[0]
+    assert len(est0) == len(est1) == 3 and all(0 <= r <= 1 for r in est0 + est1)
+    assert est1[0] > est0[0] and est1[0] >= est1[1] >= est1[2]
     assert last["draft_version"] == 2
 
 
@@ -297,8 +276,8 @@ def test_reduced_vocab_head_roundtrips_and_drafts_in_policy_ids(tiny_policy, tmp
     with torch.no_grad(), capture_eagle3_features(tiny_policy, [1, 3, 4]) as f:
         logits = tiny_policy(input_ids=seq).logits
     target = logits[0, 1:-1].argmax(-1)
-    loss, agree, _, _ = eagle3_loss(again, seq, f["aux_hidden"], f["final_hidden"], torch.ones(1, 7),
-                                    tiny_policy.model.embed_tokens.weight, tiny_policy.lm_head.weight, 1)
+    loss, agree = eagle3_loss(again, seq, f["aux_hidden"], f["final_hidden"], torch.ones(1, 7),
+                              tiny_policy.model.embed_tokens.weight, tiny_policy.lm_head.weight, 1)
     with torch.no_grad():
         normed, _, _ = again.step(torch.nn.functional.embedding(seq[:, 1:], tiny_policy.model.embed_tokens.weight),
                                again.fc(f["aux_hidden"][:, :-1]), torch.arange(1, 8)[None])
@@ -412,6 +391,7 @@ def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp
     # Position by position, the head's own teacher-forced top-1 (the TTT
     # unroll it is trained with) is what the replica drafted: replaying each
     # greedy sequence through vLLM's verify steps predicts its acceptance counts.
+    # (rayspec.draft.loss.replay_drafting, the DraftTrainer's acceptance estimate)
     served = load_head(tmp_path / "head")
     served.load_state_dict({**served.state_dict(), **{k: v.float() for k, v in trainer.vllm_weights().items()}})
     drafts, accepted = 0, [0, 0, 0]
@@ -419,14 +399,11 @@ def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp
         ids = torch.tensor([full])
         with torch.no_grad(), capture_eagle3_features(tiny_policy, aux) as f:
             tiny_policy(input_ids=ids)
-        top1 = draft_top1(served, ids, f["aux_hidden"], tiny_policy.model.embed_tokens.weight, 3)[0]
-        t, generated = len(p) - 1, 1  # prefill samples the first token; drafting starts from it
-        while generated < 32:
-            n = 0
-            while n < 3 and top1[t, n] == full[t + 2 + n]:
-                n += 1
-            drafts, accepted = drafts + 1, [a + (j < n) for j, a in enumerate(accepted)]
-            t, generated = t + n + 1, generated + n + 1
+        top1 = draft_top1(served, ids, f["aux_hidden"], tiny_policy.model.embed_tokens.weight, 3)
+        mask = torch.zeros(1, len(full) - 1)
+        mask[0, len(p) - 1:] = 1  # 36 greedy tokens: the served 32 and 4 the last drafts are checked against
+        n, acc = replay_drafting(top1, ids, mask, 3, max_new_tokens=32)
+        drafts, accepted = drafts + n, [a + b for a, b in zip(accepted, acc)]
     assert (drafts, accepted) == (after.num_drafts, after.accepted_per_pos)
     assert after_batch.response_ids == before_batch.response_ids  # speculation never changes greedy output
     assert after.acceptance_length > before.acceptance_length + 0.3

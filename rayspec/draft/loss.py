@@ -28,8 +28,6 @@ weight by m is the smooth form of that mask.)
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
@@ -44,29 +42,10 @@ def _shift(x: torch.Tensor, j: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, j:], pad], dim=1)
 
 
-class DraftLoss(NamedTuple):
-    """What ``eagle3_loss`` measured on one batch.
-
-    Attributes:
-        loss: scalar, averaged over steps and masked positions (autograd).
-        top1: per draft step, the share of masked positions where the head's
-            top-1 (as a policy token id) is the verifier's.
-        accepted / chains: per draft position i, the sum over chain starts of
-            the estimator of "the first i + 1 drafts are accepted", and the
-            number of chain starts it was taken over (``acceptance_rates``
-            divides them); empty unless a temperature was given.
-    """
-
-    loss: torch.Tensor
-    top1: list[float]
-    accepted: list[float]
-    chains: list[int]
-
-
 def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
                 final_hidden: torch.Tensor, loss_mask: torch.Tensor,
                 embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                ttt_steps: int, temperature: float | None = None) -> DraftLoss:
+                ttt_steps: int) -> tuple[torch.Tensor, list[float]]:
     """Soft cross-entropy of the unrolled head against the verifier.
 
     Args:
@@ -81,68 +60,30 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Ten
         lm_head_weight: [V, H] verifier output layer (the whole vocabulary:
             the target distribution is the verifier's).
         ttt_steps: draft steps unrolled (1 = plain EAGLE training).
-        temperature: the sampling temperature (> 0) the responses were drawn
-            at: also estimate the acceptance of greedy drafts at it
-            (``acceptance_rates``). None: no estimate.
 
     Returns:
-        ``DraftLoss``.
+        (scalar loss averaged over steps and masked positions, per-step top-1
+        agreement of draft and verifier argmax, both as policy token ids, on
+        masked positions).
     """
     B, L = input_ids.shape
     dtype = head.fc.weight.dtype
     mask = torch.cat([loss_mask, loss_mask.new_zeros(B, 1)], 1)  # [B, L]
     ids = head.draft_ids
-    total, agree, accepted, chains = 0.0, [], [], []
-    valid = torch.ones(B, L, dtype=torch.bool, device=input_ids.device)  # chains reaching step j
-    on_path = torch.ones(B, L, device=input_ids.device)  # drafts before j were the sampled tokens
+    total, agree = 0.0, []
     for j, normed in unroll(head, input_ids, aux_hidden, embed_weight, ttt_steps):
         m = _shift(mask, 1 + j).bool()
         if not m.any():
             break
         tgt_h = _shift(final_hidden, 1 + j)[m].to(dtype)
-        logits = head.lm_head(normed[m])  # [n, N]
-        drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
         with torch.no_grad():
-            tgt_logits = tgt_h @ lm_head_weight.to(dtype).T  # [n, V]
-            target = torch.softmax(tgt_logits, dim=-1)
-            if temperature == 1.0:  # RL's usual temperature: no second [n, V] tensor
-                p_draft = target.gather(1, drafted[:, None])[:, 0]
-            elif temperature is not None:
-                p_draft = (tgt_logits.gather(1, drafted[:, None])[:, 0] / temperature
-                           - torch.logsumexp(tgt_logits / temperature, dim=-1)).exp()
-            del tgt_logits
+            target = torch.softmax(tgt_h @ lm_head_weight.to(dtype).T, dim=-1)  # [n, V]
+        logits = head.lm_head(normed[m])  # [n, N]
         in_vocab = target if ids is None else target[:, ids]
         total = total + -(in_vocab * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
         agree.append((drafted == target.argmax(-1)).float().mean().item())
-        if temperature is not None:
-            with torch.no_grad():
-                a, hit = torch.zeros_like(on_path), torch.zeros_like(on_path)
-                a[m], hit[m] = p_draft.to(a.dtype), (drafted == _shift(input_ids, 2 + j)[m]).to(a.dtype)
-                valid &= m
-                accepted.append((on_path * a)[valid].sum().item())
-                chains.append(int(valid.sum()))
-                on_path = on_path * hit
-    return DraftLoss(total / max(len(agree), 1), agree, accepted, chains)
-
-
-def acceptance_rates(accepted: list[float], chains: list[int]) -> list[float]:
-    """Per-position acceptance rates r_i = P(drafts 0..i all accepted) from
-    ``DraftLoss.accepted`` / ``chains`` summed over batches (positions no
-    chain reached are left out).
-
-    The estimator (for greedy drafts d_j, which vLLM verifies by accepting
-    d_j with the target's probability p_T(d_j), Leviathan et al. 2023,
-    Sec. 2.3, with a one-hot draft distribution): over chain starts t of
-    responses sampled from the policy at temperature T,
-    r_i = E_t[prod_{j<i} 1(x_{t+2+j} = d_j(t)) * p_T(d_i(t) | x_<=t+1+i)],
-    the head's steps teacher forced on the sampled tokens. Where the sampled
-    tokens are the drafts the teacher-forced states are the drafting ones, and
-    by the tower rule E[1(x = d_j) f(x)] = p_T(d_j) f(d_j), so the estimate
-    is unbiased for the rate vLLM would measure on those prompts. It holds
-    for top_p = 1 and greedy drafts only (``draft_sample_method:
-    probabilistic`` accepts with min(1, p/q) over sampled drafts).
-    """
-    return [a / c for a, c in zip(accepted, chains) if c > 0]
+    return total / max(len(agree), 1), agree
 
 
 def unroll(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
@@ -185,3 +126,58 @@ def draft_top1(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tens
         top = head.lm_head(normed).argmax(-1)
         out.append(top if ids is None else ids[top])
     return torch.stack(out, -1)
+
+
+def replay_drafting(drafts: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int,
+                    max_new_tokens: int | None = None) -> tuple[int, list[int]]:
+    """vLLM's speculative decoding replayed on sampled responses: how many
+    drafts a replica drafting with this head would have made on them, and how
+    many it would have accepted at each position.
+
+    With greedy drafts vLLM accepts draft d with the target's probability
+    p(d) and otherwise samples from the residual, which excludes d
+    (Leviathan et al. 2023, Sec. 2.3, with a one-hot draft distribution), so
+    a draft is accepted exactly when the emitted token is the draft. On a
+    response the policy sampled (same distribution as a speculative one:
+    sampling is lossless) the replica's steps are therefore fixed: drafting
+    starts after the prefill's token; from chain start t it drafts d_0..d_{k-1}
+    (the head teacher forced on the sampled tokens, ``draft_top1``, which is
+    the drafting path while the drafts match), accepts the n leading drafts
+    that equal the sampled tokens, emits one more token and drafts again
+    from t + n + 1. So these counts are a sample of what a replica measures
+    (``spec_decode_num_drafts`` / ``..._accepted_tokens_per_pos``), at any
+    temperature and top_p; not for ``draft_sample_method: probabilistic``.
+
+    Args:
+        drafts: [B, L, >= k] int64 policy token ids, ``draft_top1`` of the
+            sequences (step j from chain start t predicts token t + 2 + j).
+        input_ids: [B, L] int64 prompt + response (+ padding) tokens.
+        loss_mask: [B, L-1] 1 where token s + 1 is a response token.
+        k: drafts per step (num_speculative_tokens).
+        max_new_tokens: response tokens after which drafting stops (None:
+            the response's length). Drafts are checked against every
+            response token of ``loss_mask``, also past this limit (vLLM
+            verifies a last step's drafts beyond max_tokens).
+
+    Returns:
+        (drafts made, [accepted drafts at position 0..k-1]).
+    """
+    num_drafts, accepted = 0, [0] * k
+    for b in range(input_ids.shape[0]):
+        resp = loss_mask[b].nonzero().flatten()
+        if len(resp) < 2:
+            continue
+        first, last = int(resp[0]) + 1, int(resp[-1]) + 1  # response token indices
+        limit = min(max_new_tokens or last - first + 1, last - first + 1)
+        hits = (drafts[b, :, :k] == torch.stack(
+            [F.pad(input_ids[b, 2 + j:], (0, 2 + j), value=-1) for j in range(k)], -1)).tolist()
+        t, generated = first - 1, 1  # the prefill samples the first response token
+        while generated < limit:
+            n, avail = 0, min(k, last - t - 1)
+            while n < avail and hits[t][n]:
+                n += 1
+            num_drafts += 1
+            for j in range(n):
+                accepted[j] += 1
+            t, generated = t + n + 1, generated + n + 1
+    return num_drafts, accepted

@@ -12,6 +12,7 @@ beside the policy update, not after it.
 from __future__ import annotations
 
 import collections
+import copy
 import os
 import queue
 import random
@@ -25,7 +26,7 @@ import torch
 
 from rayspec.devices import to_device, to_host
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
-from rayspec.draft.loss import acceptance_rates, eagle3_loss
+from rayspec.draft.loss import draft_top1, eagle3_loss, replay_drafting
 
 
 class DraftTrainer:
@@ -47,15 +48,15 @@ class DraftTrainer:
             GPU: Ray's CUDA_VISIBLE_DEVICES makes it ``cuda:0``). Features
             and the verifier's weights arrive as host tensors and are moved
             here; everything this actor returns is host memory.
-        temperature: the rollouts' sampling temperature, where the replicas
-            draft greedily at top_p = 1: ``train`` then estimates the head's
-            acceptance rates on each RL step's features before it trains on
-            them (``loss.acceptance_rates``), for adaptive k. None: no estimate.
+        num_speculative_tokens: the replicas' k, where they draft greedily:
+            ``train`` then replays their drafting on each RL step's rollouts
+            (``loss.replay_drafting``) to estimate the head's acceptance, for
+            adaptive k. None: no estimate.
     """
 
     def __init__(self, head_dir: str, lr: float, ttt_steps: int, num_threads: int = 1,
                  buffer_steps: int = 1, seed: int = 0, cores: list[int] | None = None,
-                 device: str = "cpu", temperature: float | None = None):
+                 device: str = "cpu", num_speculative_tokens: int | None = None):
         if cores:
             os.sched_setaffinity(0, cores)
             num_threads = min(num_threads, len(cores))
@@ -71,7 +72,7 @@ class DraftTrainer:
         self.opt = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad],
                                      lr=lr, weight_decay=0.0)
         self.ttt_steps = ttt_steps
-        self.temperature = temperature
+        self.num_speculative_tokens = num_speculative_tokens
         self.version = 0
         self._pending: queue.Queue = queue.Queue()
         self._buffer: collections.deque = collections.deque(maxlen=max(1, buffer_steps))
@@ -112,11 +113,11 @@ class DraftTrainer:
 
         Returns:
             {"draft_loss", "draft_top1_per_step" (list), "draft_version",
-            "draft_acceptance_estimate" (per draft position, P(the drafts up
-            to it are accepted) at ``temperature``, measured on this step's
-            chunks the first time they are trained on: held out from the head
-            so far, though the head trains on earlier chunks of the step
-            meanwhile; empty without a temperature),
+            "draft_acceptance_estimate" (per draft position, the share of
+            drafts accepted there when the head as it was when this call
+            began, the one the replicas drafted this step's rollouts with,
+            is replayed on this step's responses, which it never trained on;
+            empty without ``num_speculative_tokens``),
             "time_s" (seconds of this call), "start_time"/"end_time" (epoch s)}.
 
         Raises:
@@ -138,32 +139,35 @@ class DraftTrainer:
         newest: list = []
         older = [f for step in self._buffer for f in step]
         self._rng.shuffle(older)
+        k = self.num_speculative_tokens
+        # the replicas' head: later chunks must not be judged by a head
+        # trained on their GRPO siblings in earlier chunks
+        served = copy.deepcopy(self.head).eval() if k else None
+        drafts, accepted = 0, [0] * (k or 0)
         self.head.train()
         losses, agree = [], []
-        accepted, reached = [0.0] * self.ttt_steps, [0] * self.ttt_steps
         for i in range(steps):
-            first_pass = len(newest) < expect
-            if first_pass:
+            if len(newest) < expect:
                 newest.append(chunks.get(len(newest)))
-                f = newest[-1]
+                f = to_device(newest[-1], self.device)
+                if served is not None:
+                    n, acc = replay_drafting(draft_top1(served, f["input_ids"], f["aux_hidden"], embed, k),
+                                             f["input_ids"], f["loss_mask"], k)
+                    drafts, accepted = drafts + n, [a + b for a, b in zip(accepted, acc)]
             else:
                 replay = older + newest
-                f = replay[(i - expect) % len(replay)]
-            f = to_device(f, self.device)  # the buffer keeps host copies
+                f = to_device(replay[(i - expect) % len(replay)], self.device)  # the buffer keeps host copies
             with self._lock:
                 if pending is not self._pending:
                     raise RuntimeError("DraftTrainer.train: abandoned (the trainer was restored from a checkpoint)")
-                out = eagle3_loss(self.head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
-                                  f["loss_mask"], embed, lm_head, self.ttt_steps,
-                                  self.temperature if first_pass else None)
+                loss, acc = eagle3_loss(self.head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
+                                        f["loss_mask"], embed, lm_head, self.ttt_steps)
                 self.opt.zero_grad(set_to_none=True)
-                out.loss.backward()
+                loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
                 self.opt.step()
-            losses.append(out.loss.item())
-            agree.append(out.top1)
-            for j, (a, c) in enumerate(zip(out.accepted, out.chains)):
-                accepted[j], reached[j] = accepted[j] + a, reached[j] + c
+            losses.append(loss.item())
+            agree.append(acc)
         while len(newest) < expect:  # fewer steps than chunks: keep the rest for replay
             newest.append(chunks.get(len(newest)))
         self._buffer.append(newest)
@@ -173,7 +177,7 @@ class DraftTrainer:
                     for j in range(max((len(a) for a in agree), default=0))]
         return {"draft_loss": sum(losses) / len(losses) if losses else float("nan"),
                 "draft_top1_per_step": per_step, "draft_version": self.version,
-                "draft_acceptance_estimate": acceptance_rates(accepted, reached),
+                "draft_acceptance_estimate": [a / drafts for a in accepted] if drafts else [],
                 "time_s": time.perf_counter() - t0, "start_time": t_start, "end_time": time.time()}
 
     def get_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

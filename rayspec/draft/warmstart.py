@@ -186,8 +186,8 @@ def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str 
         f = cache[c]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, lr, schedule_steps)
-        loss, acc, _, _ = eagle3_loss(head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
-                                      f["loss_mask"], embed, lm_head, ttt_steps)
+        loss, acc = eagle3_loss(head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
+                                f["loss_mask"], embed, lm_head, ttt_steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

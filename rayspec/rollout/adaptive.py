@@ -47,15 +47,16 @@ held-out rates where ``jobs.warmstart_draft`` recorded them beside the head
 (``acceptance.json``); without them the first rollout drafts k_max at every
 batch size to measure them.
 
-A draft trained online comes with the DraftTrainer's estimate of its rates,
-taken on the RL step's rollouts before it trained on them
-(``rayspec.draft.loss.acceptance_rates``; ``draft_estimated``). The estimate
-replaces the probe: a head the estimate says pays is drafted with at once,
-wherever its measured predecessor was switched off, and one it says does not
-pay costs nothing. Each estimate is scaled by a per-position calibration,
-measured / estimated, learned from the rollouts that drafted right after an
-estimate (the policy moves between the features the estimate saw and the
-rollout that drafts).
+A draft trained online comes with the DraftTrainer's estimate of its rates
+(``draft_estimated``): the replicas' drafting replayed on the RL step's
+responses with the head the step began with
+(``rayspec.draft.loss.replay_drafting``), even where no replica drafted. The
+estimate replaces the probe: a head the estimate says pays is drafted with at
+once, wherever its measured predecessor was switched off, and one it says
+does not pay costs nothing. Each estimate is scaled by a per-position
+calibration, measured / estimated, learned from the rollouts that drafted
+right after an estimate (the head sent out is one step further trained than
+the one replayed, and the policy moved since the responses were sampled).
 
 Model runners: the idle drafter and the plain sampler wrap vLLM 0.32's V1
 ``GPUModelRunner`` and its drafters (the CPU runner subclasses it). CUDA
@@ -419,7 +420,7 @@ class AdaptiveK:
 
     def draft_estimated(self, rates: list[float]) -> None:
         """The current draft's per-position acceptance rates as the
-        DraftTrainer estimated them (``rayspec.draft.loss.acceptance_rates``):
+        DraftTrainer estimated them (``rayspec.draft.loss.replay_drafting``):
         they become the controller's rates, scaled by ``calibration`` and
         extrapolated to k_max, until a rollout measures the draft; no probe
         is needed for it."""
