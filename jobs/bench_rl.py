@@ -127,17 +127,19 @@ def compare_to_none(rows: list[dict]) -> None:
 
 
 def estimate_pairs(records: list[dict]) -> list[dict]:
-    """Each step's DraftTrainer estimate of the head it trained
-    (``draft_acceptance_estimate``) beside the acceptance rates per position
-    the next step's rollout measured with that head (in sync mode the next
-    rollout drafts with it): [{"step" (the measuring step), "estimated",
-    "measured"}], positions both have. Steps that drafted nothing are left out."""
+    """Each step's DraftTrainer estimate (``draft_acceptance_estimate``: the
+    replicas' drafting replayed with the head that drafted the step's
+    rollout, on its responses) beside the acceptance rates per position that
+    rollout measured: [{"step", "estimated", "measured"}], positions both
+    have. Steps that drafted nothing are left out; where adaptive k drafted
+    fewer than k tokens at some batch sizes the later positions were
+    measured on fewer drafts than the replay makes."""
     out = []
-    for prev, nxt in zip(records, records[1:]):
-        est, meas = prev.get("draft_acceptance_estimate") or [], nxt.get("acceptance_rate_per_pos") or []
-        if est and meas and nxt.get("num_drafts", 0) > 0:
+    for r in records:
+        est, meas = r.get("draft_acceptance_estimate") or [], r.get("acceptance_rate_per_pos") or []
+        if est and meas and r.get("num_drafts", 0) > 0:
             n = min(len(est), len(meas))
-            out.append({"step": nxt.get("step"), "estimated": est[:n], "measured": meas[:n]})
+            out.append({"step": r.get("step"), "estimated": est[:n], "measured": meas[:n]})
     return out
 
 
@@ -186,8 +188,8 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         if r.get("estimate_pairs"):
             fmt = lambda xs: "[" + ", ".join(f"{x:.3f}" for x in xs) + "]"  # noqa: E731
-            lines.append(f"{r['run']} acceptance rate per position, estimated by the DraftTrainer / measured "
-                         f"by the next rollout (mean over {len(r['estimate_pairs'])} steps): "
+            lines.append(f"{r['run']} acceptance rate per position, replayed by the DraftTrainer / measured "
+                         f"by the replicas (mean over {len(r['estimate_pairs'])} steps): "
                          f"{fmt(r['acceptance_estimated_mean'])} / {fmt(r['acceptance_measured_mean'])}")
     lines.append("logprob agreement (token_mult_prob_error, median over steps): " + ", ".join(
         f"{r['run']} {r['token_mult_prob_error_median']:.2e}" for r in rows))

@@ -54,18 +54,18 @@ def test_table_and_plot(tmp_path):
     assert plot(rows, tmp_path / "rl.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_estimates_are_paired_with_the_next_rollouts_measurement():
+def test_estimates_are_paired_with_the_same_rollouts_measurement():
     recs = _records([1.5, 1.6, 1.7, 1.8])
     for i, r in enumerate(recs):
         r.update(step=i + 1, num_drafts=10, acceptance_rate_per_pos=[0.5 + 0.1 * i, 0.2],
                  draft_acceptance_estimate=[0.6 + 0.1 * i, 0.3, 0.1])
     recs[2]["num_drafts"] = 0  # adaptive k drafted nothing at step 3: nothing measured
     row = summarize("online", recs)
-    assert row["estimate_pairs"] == [{"step": 2, "estimated": [0.6, 0.3], "measured": [0.6, 0.2]},
-                                     {"step": 4, "estimated": [0.8, 0.3], "measured": [0.8, 0.2]}]
-    assert row["acceptance_estimated_mean"] == pytest.approx([0.7, 0.3])
-    assert row["acceptance_measured_mean"] == pytest.approx([0.7, 0.2])
-    assert "(mean over 2 steps): [0.700, 0.300] / [0.700, 0.200]" in format_table([row])
+    assert [p["step"] for p in row["estimate_pairs"]] == [1, 2, 4]
+    assert row["estimate_pairs"][1] == {"step": 2, "estimated": [0.7, 0.3], "measured": [0.6, 0.2]}
+    assert row["acceptance_estimated_mean"] == pytest.approx([(0.6 + 0.7 + 0.9) / 3, 0.3])
+    assert row["acceptance_measured_mean"] == pytest.approx([(0.5 + 0.6 + 0.8) / 3, 0.2])
+    assert "(mean over 3 steps): [0.733, 0.300] / [0.633, 0.200]" in format_table([row])
 
 
 def _write_run(run_dir, acc):
