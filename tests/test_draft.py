@@ -132,6 +132,17 @@ def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_p
     assert len(est0) == len(est1) == 3 and all(0 <= r <= 1 for r in est0 + est1)
     assert est1[0] > est0[0] and est1[0] >= est1[1] >= est1[2]
     assert last["draft_version"] == 2
+    # every chunk of the step is replayed, also those left for later steps' replay
+    trained = load_head(trainer.save(str(tmp_path / "trained")))
+    feats = _features(tiny_policy, batch, 0, chunk=2)
+    again = DraftTrainer(str(tmp_path / "trained"), lr=1e-3, ttt_steps=2, num_threads=2, num_speculative_tokens=3)
+    again.submit_features(feats)
+    est = again.train(_verifier(tiny_policy), 1)["draft_acceptance_estimate"]
+    embed = tiny_policy.model.embed_tokens.weight.detach().bfloat16().float()
+    counts = [replay_drafting(draft_top1(trained, f["input_ids"], f["aux_hidden"], embed, 3),
+                              f["input_ids"], f["loss_mask"], 3) for f in feats]
+    drafts = sum(n for n, _ in counts)
+    assert est == pytest.approx([sum(a[j] for _, a in counts) / drafts for j in range(3)]) and est[0] > 0.5
 
 
 def test_draft_trainer_trains_on_features_as_they_arrive(tiny_policy, tmp_path):

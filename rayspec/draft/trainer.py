@@ -116,8 +116,8 @@ class DraftTrainer:
             "draft_acceptance_estimate" (per draft position, the share of
             drafts accepted there when the head as it was when this call
             began, the one the replicas drafted this step's rollouts with,
-            is replayed on this step's responses, which it never trained on;
-            empty without ``num_speculative_tokens``),
+            is replayed on all of this step's responses, which it never
+            trained on; empty without ``num_speculative_tokens``),
             "time_s" (seconds of this call), "start_time"/"end_time" (epoch s)}.
 
         Raises:
@@ -139,24 +139,19 @@ class DraftTrainer:
         newest: list = []
         older = [f for step in self._buffer for f in step]
         self._rng.shuffle(older)
-        k = self.num_speculative_tokens
         # the replicas' head: later chunks must not be judged by a head
         # trained on their GRPO siblings in earlier chunks
-        served = copy.deepcopy(self.head).eval() if k else None
-        drafts, accepted = 0, [0] * (k or 0)
+        replay = _DraftingReplay(self.head, embed, self.num_speculative_tokens)
         self.head.train()
         losses, agree = [], []
         for i in range(steps):
             if len(newest) < expect:
                 newest.append(chunks.get(len(newest)))
                 f = to_device(newest[-1], self.device)
-                if served is not None:
-                    n, acc = replay_drafting(draft_top1(served, f["input_ids"], f["aux_hidden"], embed, k),
-                                             f["input_ids"], f["loss_mask"], k)
-                    drafts, accepted = drafts + n, [a + b for a, b in zip(accepted, acc)]
+                replay.add(f)
             else:
-                replay = older + newest
-                f = to_device(replay[(i - expect) % len(replay)], self.device)  # the buffer keeps host copies
+                seen = older + newest
+                f = to_device(seen[(i - expect) % len(seen)], self.device)  # the buffer keeps host copies
             with self._lock:
                 if pending is not self._pending:
                     raise RuntimeError("DraftTrainer.train: abandoned (the trainer was restored from a checkpoint)")
@@ -170,6 +165,7 @@ class DraftTrainer:
             agree.append(acc)
         while len(newest) < expect:  # fewer steps than chunks: keep the rest for replay
             newest.append(chunks.get(len(newest)))
+            replay.add(to_device(newest[-1], self.device))
         self._buffer.append(newest)
         if steps:
             self.version += 1
@@ -177,7 +173,7 @@ class DraftTrainer:
                     for j in range(max((len(a) for a in agree), default=0))]
         return {"draft_loss": sum(losses) / len(losses) if losses else float("nan"),
                 "draft_top1_per_step": per_step, "draft_version": self.version,
-                "draft_acceptance_estimate": [a / drafts for a in accepted] if drafts else [],
+                "draft_acceptance_estimate": replay.rates(),
                 "time_s": time.perf_counter() - t0, "start_time": t_start, "end_time": time.time()}
 
     def get_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -241,6 +237,28 @@ class DraftTrainer:
 
 
 _ABANDONED = object()  # wakes a train() call that set_state abandoned
+
+
+class _DraftingReplay:
+    """The replicas' drafting replayed on an RL step's chunks
+    (``loss.replay_drafting``) with a copy of ``head`` as it is now; k None:
+    nothing (``rates`` is empty)."""
+
+    def __init__(self, head: Eagle3Head, embed: torch.Tensor, k: int | None):
+        self.head = copy.deepcopy(head).eval() if k else None
+        self.embed, self.k = embed, k
+        self.drafts, self.accepted = 0, [0] * (k or 0)
+
+    def add(self, f: dict[str, torch.Tensor]) -> None:
+        if self.head is None:
+            return
+        n, acc = replay_drafting(draft_top1(self.head, f["input_ids"], f["aux_hidden"], self.embed, self.k),
+                                 f["input_ids"], f["loss_mask"], self.k)
+        self.drafts, self.accepted = self.drafts + n, [a + b for a, b in zip(self.accepted, acc)]
+
+    def rates(self) -> list[float]:
+        """Accepted drafts per position over drafts made (empty: none)."""
+        return [a / self.drafts for a in self.accepted] if self.drafts else []
 
 
 class _StepChunks:
