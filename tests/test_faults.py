@@ -182,7 +182,7 @@ def _wait(cond, timeout_s=600):
 
 @pytest.mark.slow
 def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrupted, tiny_llama_dir,
-                                                                     tmp_path):
+                                                                     tmp_path, monkeypatch):
     """One run, three faults: the rollout replica killed mid-generation at
     step 2 (its shard is retried on the replica Serve starts in its place,
     which first catches up on the weights), a Train worker killed at step 3
@@ -218,6 +218,11 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
         ray.kill(ray.get_actor(DRAFT_TRAINER_NAME, namespace=NAMESPACE))
         injected.append("draft trainer")
 
+    # Ray Train's controller registers a checkpoint when it next polls the
+    # workers (every 2 s by default, longer than a step here): poll faster, so
+    # step 2's checkpoint is registered while step 3 runs (the driver passes
+    # this variable on to the controller)
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     thread = threading.Thread(target=inject, daemon=True)
     thread.start()
     run(_cfg(tiny_llama_dir, run_dir))
