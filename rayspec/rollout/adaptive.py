@@ -55,8 +55,11 @@ estimate replaces the probe: a head the estimate says pays is drafted with at
 once, wherever its measured predecessor was switched off, and one it says
 does not pay costs nothing. Each estimate is scaled by a per-position
 calibration, measured / estimated, learned from the rollouts that drafted
-right after an estimate (the head sent out is one step further trained than
-the one replayed, and the policy moved since the responses were sampled).
+right after an estimate: the head sent out is one step further trained than
+the one replayed, the policy moved since the responses were sampled, and
+the replay covers every response while a schedule drafts only at some batch
+sizes (in RL on 2 CPU cores: the tail, whose long responses the replicas
+accepted at a third to a half of the replayed rate, docs/benchmarks.md).
 
 Model runners: the idle drafter and the plain sampler wrap vLLM 0.32's V1
 ``GPUModelRunner`` and its drafters (the CPU runner subclasses it). CUDA

@@ -243,8 +243,8 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
                 draft_died(ctx, step, e)
         if draft_m:
             ctx.draft_version = draft_m["draft_version"]
-            # measured on the head the step began with; the trained one goes out with it
-            # as a floor (the replicas' measured/estimated calibration absorbs the gap)
+            # replayed with the head the step began with; it goes out with the newer head
+            # (the replicas' measured / estimated calibration absorbs the difference)
             ctx.draft_acceptance = (ctx.draft_version, draft_m["draft_acceptance_estimate"])
             with timer("sync"):
                 ctx.refit("draft", ray.get(draft.vllm_weights.remote()), ctx.draft_version)
