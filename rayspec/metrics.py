@@ -14,6 +14,9 @@ from typing import Any
 from rayspec.files import write_text_atomic
 from rayspec.rollout.adaptive import format_schedule
 
+# record keys holding one rate per draft position -> their TensorBoard tag
+PER_POSITION_TAGS = {"acceptance_rate_per_pos": "acceptance_rate", "draft_acceptance_estimate": "acceptance_estimate"}
+
 
 class PhaseTimer:
     """Wall-clock seconds per named phase: ``with timer("rollout"): ...``.
@@ -86,10 +89,9 @@ class MetricsLog:
         for k, v in clean.items():
             if isinstance(v, (int, float)) and k != "step":
                 self.tb.add_scalar(k, v, step)
-            elif k in ("acceptance_rate_per_pos", "draft_acceptance_estimate"):
-                tag = "acceptance_rate" if k == "acceptance_rate_per_pos" else "acceptance_estimate"
+            elif k in PER_POSITION_TAGS:
                 for i, r in enumerate(v):
-                    self.tb.add_scalar(f"{tag}/pos{i + 1}", r, step)
+                    self.tb.add_scalar(f"{PER_POSITION_TAGS[k]}/pos{i + 1}", r, step)
         for ev in clean.get("evals", []):  # held-out scores, at the policy version they score
             for k, v in ev.items():
                 if isinstance(v, (int, float)) and k != "policy_version":

@@ -65,10 +65,10 @@ def test_tiny_loop_async_split_two_replicas(ray_session, tiny_llama_dir, tmp_pat
             assert 0 <= r[f"idle_{role}_s"] <= r["time_step_s"]
         assert len(r["replicas"]) == 2
         assert sum(s["output_tokens"] for s in r["replicas"].values()) == r["rollout_tokens"]
-        # the DraftTrainer's estimate of the head it trained (one rate per TTT step), which
+        # the DraftTrainer's replayed acceptance (one rate per draft position), which
         # the next rollouts carry to the replicas (generate(draft_acceptance=...))
         est = r["draft_acceptance_estimate"]
-        assert len(est) == cfg.draft.ttt_steps and all(0 <= x <= 1 for x in est)
+        assert len(est) == cfg.rollout.speculative_config.num_speculative_tokens and all(0 <= x <= 1 for x in est)
     # weights went through the collective transport (gloo; auto), landing behind the rollouts
     # in flight: step 1's policy and draft refits land in step 2's wait for its batch
     assert [r["weight_sync_transport"] for r in recs] == ["collective"] * 3

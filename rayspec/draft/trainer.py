@@ -245,7 +245,10 @@ class _DraftingReplay:
     nothing (``rates`` is empty)."""
 
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, k: int | None):
-        self.head = copy.deepcopy(head).eval() if k else None
+        # the output layer is frozen within a train call (set from the verifier
+        # at its start): shared, not copied ([V, H] with the whole vocabulary)
+        out = head.lm_head.weight
+        self.head = copy.deepcopy(head, memo={id(out): out}).eval() if k else None
         self.embed, self.k = embed, k
         self.drafts, self.accepted = 0, [0] * (k or 0)
 
