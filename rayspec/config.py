@@ -139,7 +139,8 @@ class AdaptiveKConfig:
 
     Args:
         enabled: adapt k (``num_speculative_tokens`` is then the largest k);
-            ignored without speculation, refused with ``suffix``.
+            ignored without speculation (with ``suffix``: the budget of
+            each suffix draft per batch size).
             Acceptance starts from the draft's recorded held-out rates
             (``acceptance.json`` beside it, from ``jobs.warmstart_draft``)
             where there are some.
@@ -522,10 +523,6 @@ def validate(cfg: RunConfig) -> None:
             _check(ok(value), f"rollout.speculative_config.{key}", value, f"must be {want}")
     ak = cfg.rollout.adaptive_k
     if ak.enabled:
-        _check(spec.method != "suffix", "rollout.adaptive_k.enabled", ak.enabled,
-               "vLLM 0.32's suffix proposer drafts at its fixed num_speculative_tokens (it asserts "
-               "it on every step), and a suffix draft already ends where its match does: set "
-               "rollout.adaptive_k.enabled=false with method suffix")
         _check(ak.margin > 0, "rollout.adaptive_k.margin", ak.margin, "must be > 0")
         _check(ak.calibration_tokens >= 2, "rollout.adaptive_k.calibration_tokens",
                ak.calibration_tokens, "must be >= 2")

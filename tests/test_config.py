@@ -148,8 +148,9 @@ def test_no_speculation_ignores_k_and_adaptive_k():
 def test_suffix_keys_reach_vllm_under_its_names():
     from rayspec.rollout.engine import speculative_config_for_vllm
 
-    cfg = load_config(DEFAULT, ["rollout.speculative_config.method=suffix", f"{K}=8", "rollout.adaptive_k.enabled=false",
+    cfg = load_config(DEFAULT, ["rollout.speculative_config.method=suffix", f"{K}=8",
                                 "rollout.speculative_config.suffix_decoding_max_cached_requests=512"])
+    assert cfg.rollout.adaptive_k.enabled  # the preset's adaptive k: each suffix draft's budget
     assert speculative_config_for_vllm(vars(cfg.rollout.speculative_config)) == {
         "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 512}
 
@@ -175,7 +176,6 @@ def test_draft_model_with_existing_dir(tmp_path):
      "rollout.speculative_config.model", "/nonexistent/draft"),
     (["train.num_workers=3"], "train.num_workers", "3"),  # 3 does not divide 4 * 4
     (["data.name=squad"], "data.name", "squad"),
-    (["rollout.speculative_config.method=suffix"], "rollout.adaptive_k.enabled", "True"),  # the preset adapts
     (["rollout.adaptive_k.enabled=true", "rollout.adaptive_k.calibration_tokens=1"],
      "rollout.adaptive_k.calibration_tokens", "1"),
     (["rollout.adaptive_k.enabled=true", "rollout.adaptive_k.probe_every=0"],
@@ -198,7 +198,7 @@ def test_draft_model_with_existing_dir(tmp_path):
      "rollout.speculative_config.suffix_decoding_min_token_prob", "2.0"),
 ], ids=["unknown-key", "k<1", "unknown-method", "missing-model", "group-size-1", "greedy", "wrong-type",
         "draft-model-no-path", "draft-model-missing-dir", "num-workers-not-dividing",
-        "unknown-dataset", "adaptive-with-suffix", "adaptive-calibration-too-short", "adaptive-probe-every-0",
+        "unknown-dataset", "adaptive-calibration-too-short", "adaptive-probe-every-0",
         "bad-draft-sample-method", "micro-batch-not-int", "zero-section-not-a-map", "unknown-section",
         "eval-every-negative", "eval-samples-0", "eval-problems-0", "max-operand-1", "mapping-for-a-list",
         "suffix-key-without-suffix", "suffix-min-prob-above-1"])

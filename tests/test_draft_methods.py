@@ -19,12 +19,16 @@ def tiny_ernie_mtp_dir(tmp_path_factory, smollm2_dir):
     return make_tiny_ernie_mtp(tmp_path_factory.mktemp("ernie") / "model", smollm2_dir)
 
 
-def _greedy_from_config(model_dir, method: str, k: int, prompts: list[list[int]], max_tokens: int):
+def _greedy_from_config(model_dir, method: str, k: int, prompts: list[list[int]], max_tokens: int,
+                        k_per_call: tuple = (None,)):
     """Decode ``prompts`` greedily through the replica's engine with the draft
     ``rollout.speculative_config`` names (config -> vLLM's speculative_config,
-    nothing else set), assert every response equals the HF policy's greedy
-    continuation, and return the engine's SpecStats."""
+    nothing else set), once per entry of ``k_per_call`` (None: the engine's
+    fixed k; an int: that k at every batch size, switched at run time on an
+    engine built with a schedule), assert every response equals the HF
+    policy's greedy continuation, and return the engine's SpecStats per call."""
     from rayspec.models import load_policy
+    from rayspec.rollout.adaptive import uniform
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env, speculative_config_for_vllm
 
     cfg = load_config(None, [f"model.path={model_dir}", "model.dtype=float32",
@@ -32,31 +36,46 @@ def _greedy_from_config(model_dir, method: str, k: int, prompts: list[list[int]]
                              f"rollout.speculative_config.num_speculative_tokens={k}"])
     spec = speculative_config_for_vllm(vars(cfg.rollout.speculative_config))
     assert spec == {"method": method, "num_speculative_tokens": k}  # no draft directory
+    if k_per_call != (None,):  # what an adaptive replica is built with
+        spec["num_speculative_tokens_per_batch_size"] = uniform(k, 4)
     eng = SpecVLLMEngine(str(model_dir), spec, dtype=cfg.model.dtype,
                          engine_kwargs=engine_kwargs(max_num_seqs=4), env=cpu_engine_env(1, "all"))
+    calls = []
     try:
-        batch, stats = eng.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
+        for kk in k_per_call:
+            if kk is not None:
+                eng.set_k_schedule(uniform(kk, 4))
+            calls.append(eng.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens))
     finally:
         eng.shutdown()
     policy = load_policy(model_dir).eval()
-    for p, got in zip(prompts, batch.response_ids):
+    for i, p in enumerate(prompts):
         with torch.no_grad():
             want = policy.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
                                    eos_token_id=None)[0, len(p):]
-        assert got == want.tolist()
-    return stats
+        for batch, _ in calls:
+            assert batch.response_ids[i] == want.tolist()
+    return [stats for _, stats in calls]
 
 
 @pytest.mark.slow
 def test_mtp_from_config_drafts_and_greedy_matches_the_policy(tiny_ernie_mtp_dir, in_process_engine_core):
-    stats = _greedy_from_config(tiny_ernie_mtp_dir, "mtp", 1,  # the model's own MTP layer drafts
-                                [[1, 504, 2118, 314, 216], [1, 9151, 28, 253, 1848, 30]], max_tokens=12)
+    stats, = _greedy_from_config(tiny_ernie_mtp_dir, "mtp", 1,  # the model's own MTP layer drafts
+                                 [[1, 504, 2118, 314, 216], [1, 9151, 28, 253, 1848, 30]], max_tokens=12)
     assert stats.num_drafts > 0 and len(stats.acceptance_rate_per_pos) == 1
 
 
 @pytest.mark.slow
-def test_suffix_from_config_drafts_and_greedy_matches_the_policy(tiny_llama_dir, in_process_engine_core):
-    """vLLM's ``suffix`` method needs arctic-inference (built by install_node.sh)."""
+def test_suffix_from_config_drafts_at_the_scheduled_k_and_greedy_matches_the_policy(tiny_llama_dir,
+                                                                                    in_process_engine_core):
+    """vLLM's ``suffix`` method needs arctic-inference (built by install_node.sh).
+    Its proposer asserts its configured k; adaptive k passes it the scheduled
+    one (``adaptive._suffix_at_scheduled_k``): k = 2 drafts at most 2 tokens,
+    k = 0 none, and the response is the policy's at every k."""
     prompts = [[1, 504, 2118, 314, 216] * 6, [1, 9151, 28, 253, 1848, 30] * 5]  # repeats the tree can match
-    stats = _greedy_from_config(tiny_llama_dir, "suffix", 4, prompts, max_tokens=24)
-    assert stats.num_drafts > 0 and stats.acceptance_length > 1.0  # the suffix tree drafted, and some held
+    full, two, none = _greedy_from_config(tiny_llama_dir, "suffix", 4, prompts, max_tokens=24,
+                                          k_per_call=(4, 2, 0))
+    assert full.num_drafts > 0 and full.acceptance_length > 1.0  # the suffix tree drafted, and some held
+    assert full.num_draft_tokens > 2 * full.num_drafts  # drafts longer than 2 where k allows
+    assert two.num_drafts > 0 and two.num_draft_tokens <= 2 * two.num_drafts and two.accepted_per_pos[2:] == [0, 0]
+    assert none.num_drafts == 0

@@ -95,8 +95,9 @@ def _v1_runner(sample_wrapped: bool, drafter):
     return runner
 
 
-def _drafter(propose_wrapped: bool):
+def _drafter(propose_wrapped: bool, base: str = "eagle"):
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
 
     def propose(self, num_speculative_tokens, *args, **kwargs):
         return None
@@ -104,7 +105,8 @@ def _drafter(propose_wrapped: bool):
     if propose_wrapped:
         propose.rayspec_wrapped = True
     # a subclass, so the real class keeps the plugin's wrapper; not __init__ed
-    cls = type("EagleProposer", (SpecDecodeBaseProposer,), {"propose": propose})
+    cls = (type("EagleProposer", (SpecDecodeBaseProposer,), {"propose": propose}) if base == "eagle" else
+           type("SuffixDecodingProposer", (SuffixDecodingProposer,), {"propose": propose}))
     return object.__new__(cls)
 
 
@@ -112,6 +114,7 @@ def _drafter(propose_wrapped: bool):
     (_V2Runner(), r"has no `drafter` \(the V2 runner keeps a `speculator`.*VLLM_USE_V2_MODEL_RUNNER=0\)"),
     (_v1_runner(False, _drafter(True)), r"GPUModelRunner\._sample is not wrapped"),
     (_v1_runner(True, _drafter(False)), r"EagleProposer\.propose is not wrapped"),
+    (_v1_runner(True, _drafter(False, "suffix")), r"SuffixDecodingProposer\.propose is not wrapped"),
 ])
 def test_adaptive_hooks_missing_in_the_worker_name_the_version(runner, match):
     with pytest.raises(VllmInternalsError, match=rf"rayspec adaptive k: .*{match} in vLLM \S+ \(rayspec was checked"):
@@ -120,8 +123,54 @@ def test_adaptive_hooks_missing_in_the_worker_name_the_version(runner, match):
 
 def test_adaptive_hooks_in_place_pass_the_check():
     adaptive._check_worker_hooks(SimpleNamespace(model_runner=_v1_runner(True, _drafter(True))))
-    # n-gram / suffix drafters have no forward to idle: only the sampler hook applies
+    adaptive._check_worker_hooks(SimpleNamespace(model_runner=_v1_runner(True, _drafter(True, "suffix"))))
+    # the n-gram drafter takes any k and has no forward to idle: only the sampler hook applies
     adaptive._check_worker_hooks(SimpleNamespace(model_runner=_v1_runner(True, object())))
+
+
+def _suffix_proposer(k: int):
+    """vLLM's suffix proposer over Arctic Inference's cache (not __init__ed:
+    no VllmConfig), and ``step(k, token)``: one decode step of a request
+    whose prompt repeats 5..10, sampling ``token``, drafting at k."""
+    import numpy as np
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+    proposer = object.__new__(SuffixDecodingProposer)
+    proposer.__dict__.update(num_speculative_tokens=k, max_tree_depth=24, max_spec_factor=4.0, min_token_prob=0.1,
+                             max_model_len=256, suffix_cache=SuffixDecodingCache(max_tree_depth=24,
+                                                                                 max_cached_requests=0))
+    tokens = np.zeros((1, 256), dtype=np.int32)  # vLLM's InputBatch.token_ids_cpu
+    tokens[0, :18] = [5, 6, 7, 8, 9, 10] * 3
+    batch = SimpleNamespace(req_ids=["r"], req_id_to_index={"r": 0}, num_prompt_tokens=np.array([18]),
+                            num_tokens_no_spec=np.array([18]), token_ids_cpu=tokens)
+
+    def step(propose, k: int, token: int) -> list[list[int]]:
+        tokens[0, batch.num_tokens_no_spec[0]] = token
+        batch.num_tokens_no_spec[0] += 1
+        return propose(proposer, k, batch, [[token]])
+
+    return proposer, step
+
+
+def test_suffix_proposer_drafts_at_the_scheduled_k():
+    """vLLM 0.32's suffix proposer asserts the scheduled k is its configured
+    one; wrapped, the scheduled k is each draft's budget, k = 0 still feeds
+    the sampled tokens to the suffix tree, and the configured k is kept."""
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+    adaptive.register()  # what vLLM's plugin loader does in every engine process (idempotent)
+    propose = SuffixDecodingProposer.propose
+    assert propose.rayspec_wrapped
+    _, step = _suffix_proposer(k=5)
+    with pytest.raises(AssertionError):  # unwrapped: the engine core dies at its first step with k != 5
+        step(propose.__wrapped__, 2, 5)
+    proposer, step = _suffix_proposer(k=5)
+    assert step(propose, 0, 5) == [[]]
+    assert proposer.suffix_cache.active_requests == {"r"}  # k = 0 started the request's tree
+    assert step(propose, 2, 6) == [[7, 8]]  # the repeat drafts, cut at k = 2
+    assert step(propose, 5, 7) == [[8, 9, 10, 5, 6]]
+    assert proposer.num_speculative_tokens == 5
 
 
 def test_plugin_on_a_vllm_without_its_targets_records_why(monkeypatch, caplog):

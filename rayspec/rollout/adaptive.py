@@ -61,6 +61,18 @@ the replay covers every response while a schedule drafts only at some batch
 sizes (in RL on 2 CPU cores: the tail, whose long responses the replicas
 accepted at a third to a half of the replayed rate, docs/benchmarks.md).
 
+Suffix decoding (vLLM's ``suffix`` method) drafts a variable number of
+tokens per sequence, up to k and to the match's own limit, and only where
+its suffix tree matches. vLLM 0.32's suffix proposer refuses any k but its
+configured one, so the plugin passes it the scheduled k
+(``_suffix_at_scheduled_k``), which gives the long tail of a rollout (few
+sequences left, verification nearly free) the largest budget and a full
+batch none where drafting does not pay there. The rates are per draft (vLLM
+counts a draft only where a sequence proposed one) and the calibration
+times full k-token drafts, so for suffix the controller compares the gain
+of a drafting step with the cost of a full-length one: it errs towards
+k = 0, never towards a draft that costs more than it returns.
+
 Model runners: the idle drafter and the plain sampler wrap vLLM 0.32's V1
 ``GPUModelRunner`` and its drafters (the CPU runner subclasses it). CUDA
 vLLM builds EAGLE-3 and draft-model engines on its V2 runner by default,
@@ -131,7 +143,8 @@ def _set_drafter_idle(worker, idle: bool) -> None:
 
 def _check_worker_hooks(worker) -> None:
     """In a worker: the model runner is V1 (``drafter``), its ``_sample``
-    and, for model drafters, ``propose`` are wrapped by ``register``.
+    and, for model and suffix drafters, ``propose`` are wrapped by
+    ``register``.
 
     Raises:
         VllmInternalsError: naming what is missing and the vLLM version.
@@ -147,8 +160,10 @@ def _check_worker_hooks(worker) -> None:
         raise internals_error(HOOK, f"{name}._sample is not wrapped{why}")
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
     drafter = runner.drafter
-    if isinstance(drafter, SpecDecodeBaseProposer) and \
+    if isinstance(drafter, (SpecDecodeBaseProposer, SuffixDecodingProposer)) and \
             not getattr(type(drafter).propose, "rayspec_wrapped", False):
         raise internals_error(HOOK, f"{type(drafter).__qualname__}.propose is not wrapped{why}")
 
@@ -164,6 +179,35 @@ def _propose_unless_idle(propose):
             return torch.empty(kwargs["common_attn_metadata"].batch_size(), 0,
                                dtype=torch.int64, device=self.device)
         return propose(self, num_speculative_tokens, *args, **kwargs)
+
+    wrapped.rayspec_wrapped = True
+    return wrapped
+
+
+def _suffix_at_scheduled_k(propose):
+    """Wrap ``SuffixDecodingProposer.propose``: draft at most the k the
+    scheduler chose for this step.
+
+    vLLM 0.32's suffix proposer asserts that the scheduled k equals
+    ``num_speculative_tokens`` and caps every draft at the latter, so a
+    batch-size schedule (dynamic speculative decoding) stops the engine at
+    its first step with another k. Suffix Decoding itself takes any budget
+    per call (arXiv 2411.04975: the draft is the tree's most likely path,
+    at most ``max_spec_tokens`` and ``max_spec_factor`` x the match length
+    long), so the wrapper passes the scheduled k as that budget. At k = 0
+    the call still runs: it is what adds each step's sampled tokens to the
+    request's suffix tree (and the response to the shared cache), so a
+    sequence drafts from its whole text when its batch size drafts again;
+    the tree update is C++ and costs microseconds, so the drafter never idles.
+    """
+    @functools.wraps(propose)
+    def wrapped(self, num_speculative_tokens, *args, **kwargs):
+        configured = self.num_speculative_tokens
+        self.num_speculative_tokens = min(num_speculative_tokens, configured)
+        try:
+            return propose(self, self.num_speculative_tokens, *args, **kwargs)
+        finally:
+            self.num_speculative_tokens = configured
 
     wrapped.rayspec_wrapped = True
     return wrapped
@@ -196,8 +240,9 @@ def _plain_sample_without_drafts(sample):
 
 def register() -> None:
     """vLLM general-plugin hook: add the schedule utility to EngineCore, the
-    idle check to the drafters' ``propose`` and the plain sampler to steps
-    without drafts (idempotent).
+    idle check to the model drafters' ``propose``, the scheduled k to the
+    suffix drafter's and the plain sampler to steps without drafts
+    (idempotent).
 
     vLLM loads every installed plugin into every engine, adaptive or not, so
     a vLLM without these internals is not an error here: the reason is kept
@@ -208,9 +253,11 @@ def register() -> None:
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.spec_decode.dynamic import utils  # noqa: F401  (feature check)
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+        from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-        for cls, attr in ((SpecDecodeBaseProposer, "propose"), (GPUModelRunner, "_sample")):
+        for cls, attr in ((SpecDecodeBaseProposer, "propose"), (GPUModelRunner, "_sample"),
+                          (SuffixDecodingProposer, "propose")):
             if not callable(getattr(cls, attr, None)):
                 raise AttributeError(f"{cls.__qualname__}.{attr}")
     except (ImportError, AttributeError) as e:
@@ -223,6 +270,8 @@ def register() -> None:
         setattr(EngineCore, UTILITY, _set_schedule)
     if not getattr(SpecDecodeBaseProposer.propose, "rayspec_wrapped", False):
         SpecDecodeBaseProposer.propose = _propose_unless_idle(SpecDecodeBaseProposer.propose)
+    if not getattr(SuffixDecodingProposer.propose, "rayspec_wrapped", False):
+        SuffixDecodingProposer.propose = _suffix_at_scheduled_k(SuffixDecodingProposer.propose)
     if not getattr(GPUModelRunner._sample, "rayspec_wrapped", False):
         GPUModelRunner._sample = _plain_sample_without_drafts(GPUModelRunner._sample)
 
