@@ -4,14 +4,19 @@
         [--data-path ../shared/data/gsm8k] [--first-prompt 1000] [--eagle3 NAME=DIR ...]
         [--draft-layers 6] [--k 1,2,3,4,5] [--concurrency 1,8,32,128]
         [--temperature 1.0,0] [--max-tokens 64] [--dtype float32] [--repeats 1]
+        [--fixed-group-size 1] [--fresh-prompts] [--no-untrained-head]
 
-One engine per method (no speculation, eagle3, draft_model, ngram, suffix),
+One engine per method (no speculation, eagle3, draft_model, ngram, suffix,
+suffix-group),
 built once per round with the largest k and a batch-size schedule, so k is
 switched at run time (``rayspec.rollout.adaptive``) instead of rebuilding;
 EAGLE-3 heads are swapped into the same engine through the refit path. Every cell runs the
 same GSM8K prompts (chat template) at a fixed concurrency: ``concurrency``
 sequences start together and each generates ``--max-tokens`` tokens
-(ignore_eos, so the concurrency holds for the whole cell); speculative
+(ignore_eos, so the concurrency holds for the whole cell), one prompt per
+sequence or, with ``--fixed-group-size G``, G samples of each prompt as a
+GRPO group (4 prompts x 8 at 32 sequences, 4 samples of one prompt at 4);
+speculative
 engines also run k = 0, which shows what the engine costs when it drafts
 nothing (k = 0 at every batch size idles the drafter:
 ``rayspec.rollout.adaptive``). ``rollout`` cells
@@ -23,18 +28,33 @@ samples as the plain one does (k = 0 at every batch size), it draws the very
 same responses (``responses_sha1``), so its rollout runs the same tail and
 differs from the plain one only in what the engine costs.
 
+Suffix decoding (vLLM's ``suffix`` method, Arctic Inference's suffix tree)
+runs twice: ``suffix`` drafts from the sequence's own prompt and response
+(``suffix_decoding_max_cached_requests=0``), ``suffix-group`` also from every
+response the engine keeps (vLLM's default window): the group's other samples
+written beside it and every earlier cell's. Since that window would also hold
+earlier cells' responses to the same prompts, ``--fresh-prompts`` gives
+every fixed cell of every round prompts of its own (the plain cell at a
+concurrency and each engine's k = 0 cell there share theirs, so their seeded
+responses still match), and a ``suffix-group`` cell drafts from its own group
+and from other problems' responses only, as a first epoch of RL would; what
+earlier epochs add is ``jobs.bench_rl``'s to show.
+
 Per cell: output tokens/s, acceptance length, acceptance rate per position,
 speedup against no speculation in the same run, and the physical limit
 (1 + f (E - 1)) / (1 + k c), with E = (1 - a^(k+1)) / (1 - a) from the
 measured per-token acceptance rate a (``geometric_rate`` of the per-position
 rates), f the fraction of sequence-steps that carried a draft
 (``draft_fraction``: 1 for a model drafter, the share with a match for
-n-gram and suffix) and c the
+n-gram and suffix; column f) and c the
 measured cost of one draft token in plain steps: c = (t_k / t_0 - 1) / k, t_k
 the cell's seconds per verification step (wall / (drafts / concurrency)) and
 t_0 the no-speculation cell's seconds per step (wall / tokens per sequence)
 at the same concurrency and temperature. c therefore counts drafting *and*
-verifying the extra token, which on a CPU is most of it.
+verifying the extra token, which on a CPU is most of it. ``draft_length``
+(column d len): draft tokens per draft, k for a model drafter, up to k for
+n-gram and suffix, whose drafts end where their match does (c is then per
+draft slot, not per token verified).
 
 ``--repeats N`` runs the whole grid N times in rounds, engines rebuilt each
 round and their order reversed every other round (A B C, C B A, ...), so a
@@ -66,7 +86,7 @@ from tqdm import tqdm
 from rayspec.rollout.adaptive import format_schedule, geometric_rate, physical_limit, uniform
 
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-METHODS = ("none", "eagle3", "draft_model", "ngram", "suffix")
+METHODS = ("none", "eagle3", "draft_model", "ngram", "suffix", "suffix-group")
 FULL = {"k": [1, 2, 3, 4, 5], "concurrency": [1, 8, 32, 128], "temperature": [1.0, 0.0],
         "max_tokens": 64, "methods": list(METHODS), "rollout_prompts": 8, "group_size": 8,
         "rollout_max_tokens": 256}
@@ -105,7 +125,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=_ints, help="sequences in flight; default 1,8,32,128")
     ap.add_argument("--temperature", type=_floats, help="default 1.0,0 (0: greedy)")
     ap.add_argument("--max-tokens", type=int, help="new tokens per sequence in fixed cells; default 64")
-    ap.add_argument("--rollout-prompts", type=int, help="prompts of the rollout cells; default 8")
+    ap.add_argument("--fixed-group-size", type=int, default=1,
+                    help="samples of each prompt in the fixed cells (a GRPO group; 1: a prompt per sequence)")
+    ap.add_argument("--fresh-prompts", action="store_true",
+                    help="every fixed cell of every round its own prompts (no suffix-group cell drafts "
+                         "from an earlier cell's responses to the same problem)")
+    ap.add_argument("--untrained-head", action=argparse.BooleanOptionalAction, default=True,
+                    help="bench an untrained EAGLE-3 head beside the --eagle3 ones (default on)")
+    ap.add_argument("--rollout-prompts", type=int, help="prompts of the rollout cells (0: no rollout cells); default 8")
     ap.add_argument("--group-size", type=int, help="samples per prompt in the rollout cells; default 8")
     ap.add_argument("--rollout-max-tokens", type=int, help="response cap of the rollout cells; default 256")
     ap.add_argument("--adaptive-margin", type=float, default=1.05)
@@ -126,8 +153,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         ap.error(f"--methods: unknown {bad}, expected some of {METHODS}")
-    if args.repeats < 1:
-        ap.error(f"--repeats: {args.repeats}, expected >= 1")
+    for key in ("repeats", "fixed_group_size"):
+        if getattr(args, key) < 1:
+            ap.error(f"--{key.replace('_', '-')}: {getattr(args, key)}, expected >= 1")
+    if args.rollout_prompts < 0:
+        ap.error(f"--rollout-prompts: {args.rollout_prompts}, expected >= 0")
     args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
     return args
 
@@ -145,7 +175,8 @@ class Cell(NamedTuple):
 
 
 def _cell(engine, prompts, conc: int, temperature: float, max_tokens: int, ignore_eos: bool) -> Cell:
-    """Run ``conc`` sequences (see ``Cell``).
+    """Run ``conc`` sequences, sequence i on ``prompts[i % len(prompts)]``
+    (see ``Cell``).
 
     Sequence i samples with seed i, so cells that stop at EOS draw the same
     responses wherever the engine samples the same way (no speculation, or a
@@ -183,7 +214,9 @@ def _record(method: str, draft: str, k: int, conc, temperature: float, cell: Cel
             "shape": shape, "tokens_per_s": tps, "output_tokens": stats.output_tokens, "responses_sha1": digest,
             "wall_s": stats.wall_s, "seconds_per_step": step_s,
             "acceptance_length": stats.acceptance_length, "acceptance_rate_per_pos": rates,
-            "draft_fraction": stats.num_drafts / seq_steps if k else None, **extra}
+            "draft_fraction": stats.num_drafts / seq_steps if k else None,
+            "draft_length": stats.num_draft_tokens / stats.num_drafts if k and stats.num_drafts else None,
+            **extra}
 
 
 def _finish(cells: list[dict]) -> None:
@@ -202,7 +235,7 @@ def _finish(cells: list[dict]) -> None:
 
 
 MEDIAN_KEYS = ("tokens_per_s", "speedup", "wall_s", "seconds_per_step", "acceptance_length",
-               "acceptance_rate", "cost_ratio", "physical_limit", "draft_fraction")
+               "acceptance_rate", "cost_ratio", "physical_limit", "draft_fraction", "draft_length")
 
 
 def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
@@ -264,7 +297,7 @@ def _range(c: dict) -> str:
 
 def format_table(cells: list[dict]) -> str:
     head = (f"{'method':<10}{'draft':<12}{'shape':<8}{'T':>4}{'conc':>6}{'k':>3}{'tok/s':>8}{'speedup':>8}"
-            f"{'range':>11}{'acc len':>8}{'a':>6}{'c':>6}{'limit':>7}  accept/pos | k schedule")
+            f"{'range':>11}{'acc len':>8}{'a':>6}{'f':>6}{'d len':>6}{'c':>6}{'limit':>7}  accept/pos | k schedule")
     rows = [head, "-" * len(head)]
     # a missing figure keeps the column's width: ">6.2f" -> "-" formatted ">6"
     f = lambda v, spec: format(v, spec) if v is not None else format("-", spec[:-3])  # noqa: E731
@@ -274,6 +307,7 @@ def format_table(cells: list[dict]) -> str:
                     f"{c['concurrency']:>6}{c['k']:>3}{c['tokens_per_s']:>8.1f}{f(c['speedup'], '>8.2f')}"
                     f"{_range(c):>11}"
                     f"{c['acceptance_length']:>8.2f}{f(c['acceptance_rate'], '>6.2f')}"
+                    f"{f(c.get('draft_fraction'), '>6.2f')}{f(c.get('draft_length'), '>6.2f')}"
                     f"{f(c['cost_ratio'], '>6.2f')}{f(c['physical_limit'], '>7.2f')}  [{rates}]"
                     + (f" | {c['k_schedule']}" if c.get("k_schedule") else ""))
     return "\n".join(rows)
@@ -354,13 +388,40 @@ def _speculative_config(method: str, draft_dir, kmax: int, max_seqs: int) -> dic
     batch-size schedule, so k changes at run time; None for no speculation."""
     if method == "none":
         return None
-    spec = {"method": method, "num_speculative_tokens": kmax,
+    spec = {"method": "suffix" if method == "suffix-group" else method, "num_speculative_tokens": kmax,
             "num_speculative_tokens_per_batch_size": uniform(kmax, max_seqs)}
     if method in ("eagle3", "draft_model"):
         spec["model"] = str(draft_dir)
     if method == "ngram":
         spec.update(prompt_lookup_max=4, prompt_lookup_min=2)
+    if method == "suffix":  # the sequence's own text only; suffix-group keeps vLLM's window
+        spec["suffix_decoding_max_cached_requests"] = 0
     return spec
+
+
+def fixed_cell_prompts(pool_size: int, grid: list[tuple], repeats: int, group_size: int,
+                       fresh: bool) -> dict:
+    """Which prompts each fixed cell runs: {(round, temperature, concurrency,
+    k): [index into the prompt pool, one per sequence]}, ceil(c / group_size)
+    prompts each taken ``group_size`` times in a row (a GRPO group). Without
+    ``fresh`` every cell starts at prompt 0; with it each (round, grid cell)
+    has prompts of its own, so no cell sees another's problems.
+
+    Raises:
+        ValueError: the pool of ``pool_size`` prompts is too short (the
+            message says how many are needed).
+    """
+    groups = lambda c: -(-c // group_size)  # noqa: E731
+    need = (repeats * sum(groups(c) for _, c, _ in grid) if fresh
+            else max((groups(c) for _, c, _ in grid), default=0))
+    if need > pool_size:
+        raise ValueError(f"{need} prompts needed for the fixed cells, {pool_size} available")
+    out, start = {}, 0
+    for r in range(repeats):
+        for t, c, k in grid:
+            out[r, t, c, k] = [i for i in range(start, start + groups(c)) for _ in range(group_size)][:c]
+            start += groups(c) if fresh else 0
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -380,19 +441,29 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: --data-path: {e}", file=sys.stderr)
         return 2
-    n_prompts = max(args.concurrency + [args.rollout_prompts])
-    if len(problems) < args.first_prompt + n_prompts:
+    # k = 0 on a speculative engine: what speculation costs when it drafts nothing
+    grid = [(t, c, k) for t in args.temperature for c in args.concurrency for k in sorted({0, *args.k})]
+    # rollout cells on the first prompts, fixed cells on the ones after them
+    pool = problems[args.first_prompt + args.rollout_prompts:]
+    try:
+        fixed = fixed_cell_prompts(len(pool), grid, args.repeats, args.fixed_group_size, args.fresh_prompts)
+    except ValueError as e:
         print(f"error: --first-prompt {args.first_prompt}: {args.data_path} has {len(problems)} train "
-              f"problems, {n_prompts} are needed from there", file=sys.stderr)
+              f"problems; after the {args.rollout_prompts} rollout prompts, {e}", file=sys.stderr)
         return 2
-    prompts = [chat_prompt_ids(tok, p) for p in problems[args.first_prompt:args.first_prompt + n_prompts]]
-    heads = {"untrained": untrained_head(model_dir, work)}
+    ids = {i: chat_prompt_ids(tok, pool[i]) for i in sorted({i for v in fixed.values() for i in v})}
+    fixed = {key: [ids[i] for i in v] for key, v in fixed.items()}
+    prompts = [chat_prompt_ids(tok, p) for p in problems[args.first_prompt:args.first_prompt + args.rollout_prompts]]
+    heads = {"untrained": untrained_head(model_dir, work)} if args.untrained_head else {}
     for spec in args.eagle3:
         name, _, d = spec.partition("=")
         if not d or not (Path(d) / "config.json").is_file():
             print(f"error: --eagle3 {spec}: expected NAME=DIR with an EAGLE-3 head", file=sys.stderr)
             return 2
         heads[name] = Path(d)
+    if "eagle3" in args.methods and not heads:
+        print("error: --no-untrained-head: method eagle3 then needs --eagle3 NAME=DIR", file=sys.stderr)
+        return 2
     units = engine_units(args.methods, heads, lambda: truncated_copy(
         model_dir, work / f"draft_{args.draft_layers}l", args.draft_layers), args.draft_layers)
     kmax = max(args.k)
@@ -401,8 +472,6 @@ def main(argv: list[str] | None = None) -> int:
                      # repeated prompts across cells must not get cheaper by caching
                      "enable_prefix_caching": False}
     env = cpu_engine_env(args.kv_cache_gib, "all")
-    # k = 0 on a speculative engine: what speculation costs when it drafts nothing
-    grid = [(t, c, k) for t in args.temperature for c in args.concurrency for k in sorted({0, *args.k})]
     rounds: list[list[dict]] = []
     costs: dict = {}  # method -> calibrated step cost (adaptive), once per engine
     k_best: dict = {}  # (method, draft, temperature) -> the rollout's fixed k, chosen in round 1
@@ -423,9 +492,11 @@ def main(argv: list[str] | None = None) -> int:
                         if spec is not None:
                             engine.set_k_schedule(uniform(k, max_seqs))
                         cells.append(_record(method, draft or method, k, c, t,
-                                             _cell(engine, prompts, c, t, args.max_tokens, ignore_eos=True), "fixed"))
-                    cells.extend(_rollout_cells(engine, method, draft or method, prompts, args, cells, max_seqs,
-                                                costs, k_best))
+                                             _cell(engine, fixed[r, t, c, k], c, t, args.max_tokens,
+                                                   ignore_eos=True), "fixed"))
+                    if args.rollout_prompts:
+                        cells.extend(_rollout_cells(engine, method, draft or method, prompts, args, cells,
+                                                    max_seqs, costs, k_best))
             finally:
                 engine.shutdown()
         _finish(cells)

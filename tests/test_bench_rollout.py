@@ -18,6 +18,31 @@ def test_quick_fills_only_what_is_not_given():
     assert full.k == [1, 2, 3, 4, 5] and full.concurrency == [1, 8, 32, 128] and full.temperature == [1.0, 0.0]
     with pytest.raises(SystemExit):
         parse_args(["--methods", "none,medusa"])
+    with pytest.raises(SystemExit):
+        parse_args(["--fixed-group-size", "0"])
+
+
+def test_fixed_cells_run_groups_on_fresh_prompts():
+    from jobs.bench_rollout import fixed_cell_prompts
+
+    grid = [(1.0, 1, 0), (1.0, 4, 0), (1.0, 4, 8), (1.0, 16, 8)]
+    same = fixed_cell_prompts(10, grid, repeats=2, group_size=8, fresh=False)
+    assert same[0, 1.0, 1, 0] == [0] and same[1, 1.0, 4, 8] == [0] * 4 and same[0, 1.0, 16, 8] == [0] * 8 + [1] * 8
+    fresh = fixed_cell_prompts(10, grid, repeats=2, group_size=8, fresh=True)
+    assert fresh[0, 1.0, 4, 0] == [1] * 4 and fresh[0, 1.0, 4, 8] == [2] * 4 and fresh[1, 1.0, 16, 8] == [8] * 8 + [9] * 8
+    # no two cells share a problem, so a suffix-group engine drafts from no earlier answer to the same one
+    used = [set(v) for v in fresh.values()]
+    assert sum(map(len, used)) == len(set().union(*used)) == 10
+    with pytest.raises(ValueError, match="10 prompts needed for the fixed cells, 9 available"):
+        fixed_cell_prompts(9, grid, repeats=2, group_size=8, fresh=True)
+
+
+def test_suffix_drafts_from_its_own_text_and_suffix_group_from_the_window():
+    from jobs.bench_rollout import _speculative_config
+
+    own, group = (_speculative_config(m, None, 8, 32) for m in ("suffix", "suffix-group"))
+    assert own["method"] == group["method"] == "suffix" and own["num_speculative_tokens"] == 8
+    assert own["suffix_decoding_max_cached_requests"] == 0 and "suffix_decoding_max_cached_requests" not in group
 
 
 def test_table_columns_line_up_where_a_figure_is_missing():
@@ -76,8 +101,8 @@ def test_bench_rollout_cells(tiny_llama_dir, gsm8k_dir, tmp_path, in_process_eng
     from jobs.bench_rollout import main
 
     out = tmp_path / "cells.json"
-    assert main(["--model", str(tiny_llama_dir), "--data-path", str(gsm8k_dir), "--methods", "none,eagle3",
-                 "--k", "2", "--concurrency", "1,4", "--temperature", "1.0", "--max-tokens", "8",
+    assert main(["--model", str(tiny_llama_dir), "--data-path", str(gsm8k_dir), "--methods", "none,eagle3,suffix-group",
+                 "--k", "2", "--concurrency", "1,4", "--temperature", "1.0", "--max-tokens", "8", "--fixed-group-size", "2",
                  "--rollout-prompts", "2", "--group-size", "2", "--rollout-max-tokens", "16", "--repeats", "2",
                  "--out", str(out), "--work-dir", str(tmp_path / "work")]) == 0
     cells = json.loads(out.read_text())
@@ -91,22 +116,29 @@ def test_bench_rollout_cells(tiny_llama_dir, gsm8k_dir, tmp_path, in_process_eng
         assert "responses_sha1_runs" not in c and "k_schedule_runs" not in c
     fixed = [c for c in cells if c["shape"] == "fixed"]
     assert {(c["method"], c["k"], c["concurrency"]) for c in fixed} == {
-        ("none", 0, 1), ("none", 0, 4), *(("eagle3", k, c) for k in (0, 2) for c in (1, 4))}
+        ("none", 0, 1), ("none", 0, 4), *((m, k, c) for m in ("eagle3", "suffix-group") for k in (0, 2) for c in (1, 4))}
     none = {c["concurrency"]: c for c in fixed if c["method"] == "none"}
     for c in fixed:
         # median of two paired ratios: their mean, not the ratio of mean tokens/s
         paired = [t / n for t, n in zip(c["tokens_per_s_runs"], none[c["concurrency"]]["tokens_per_s_runs"])]
         assert c["speedup_runs"] == pytest.approx(paired) and c["speedup"] == pytest.approx(sum(paired) / 2)
         assert c["output_tokens"] == 8 * c["concurrency"]  # ignore_eos: constant concurrency
-        if c["method"] == "eagle3" and c["k"] == 0:
+        if c["k"] == 0:  # a speculative engine at k = 0 samples as the plain one: the same responses
             assert c["acceptance_rate_per_pos"] == [] and c["acceptance_length"] == 1.0
+            assert c["responses_sha1"] == none[c["concurrency"]]["responses_sha1"]
         if c["k"]:
             assert len(c["acceptance_rate_per_pos"]) == c["k"]
             assert c["physical_limit"] > 0 and c["cost_ratio"] is not None
+        if c["k"] and c["method"] == "eagle3":
             # a head drafts at every decode step; only the prefill step's token comes without one
-            assert 7 / 8 - 0.01 <= c["draft_fraction"] <= 1.0
-    rollout = {c["method"]: c for c in cells if c["shape"] == "rollout"}
-    assert set(rollout) == {"none", "eagle3", "adaptive"}
+            assert 7 / 8 - 0.01 <= c["draft_fraction"] <= 1.0 and c["draft_length"] == 2
+        if c["k"] and c["method"] == "suffix-group" and c["draft_length"] is not None:
+            assert c["draft_length"] <= 2  # the scheduled k caps each suffix draft
+    rollout = {(c["method"], c["draft"]): c for c in cells if c["shape"] == "rollout"}
+    # adaptive k runs on the suffix engine too (its proposer takes the scheduled k)
+    assert set(rollout) == {("none", "none"), ("eagle3", "untrained"), ("adaptive", "untrained"),
+                            ("suffix-group", "suffix-group"), ("adaptive", "suffix-group")}
+    rollout = {m: c for (m, d), c in rollout.items() if d != "suffix-group"}
     assert rollout["adaptive"]["k_schedule"] and rollout["adaptive"]["k"] == 2
     # an untrained head accepts nothing, so the controller turns speculation
     # off at every batch size; seeded per sequence, the adaptive rollout then
