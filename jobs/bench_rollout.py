@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = _speculative_config(method, drafts[0][1], kmax, max_seqs)
             engine = SpecVLLMEngine(str(model_dir), spec, dtype=args.dtype, engine_kwargs=engine_kwargs, env=env)
             try:
-                _cell(engine, prompts, 2, 1.0, 8, ignore_eos=True)  # first-call warm-up, untimed
+                _cell(engine, fixed[0, *grid[0]], 2, 1.0, 8, ignore_eos=True)  # first-call warm-up, untimed
                 for draft, d in drafts:
                     if method == "eagle3" and d != drafts[0][1]:
                         engine.update_draft(vllm_state_dict(load_head(d)), engine.draft_version + 1)
