@@ -27,6 +27,9 @@ sets ``rollout.speculative_config``, ``rollout.adaptive_k.enabled``,
   (``suffix_decoding_max_cached_requests=0``); ``suffix-group`` also from
   the other responses on its replica, those of its GRPO group being written
   beside it and earlier steps' rollouts (vLLM's window of 10000 responses).
+  Both draft at a fixed budget of 8; ``suffix-group-adaptive`` lets the
+  adaptive controller set the budget per batch size (0 where drafting does
+  not pay, the most in the long tail).
 
 RL equivalence: ``--none-seeds 1,2`` adds ``none`` runs at other
 ``trainer.seed`` values (the same prompts: ``data.seed`` is fixed). Each
@@ -79,12 +82,13 @@ def runs(warm_head: str | None) -> dict[str, list[str]]:
     eagle = ["rollout.speculative_config.method=eagle3",
              f"rollout.speculative_config.model={warm_head if warm_head else 'null'}"]
     suffix = ["rollout.speculative_config.method=suffix", "rollout.speculative_config.model=null",
-              f"rollout.speculative_config.num_speculative_tokens={SUFFIX_K}", "draft.enabled=false", fixed]
+              f"rollout.speculative_config.num_speculative_tokens={SUFFIX_K}", "draft.enabled=false"]
     table = {"none": ["rollout.speculative_config.method=null", "draft.enabled=false"],
              "online": eagle + ["draft.enabled=true", fixed],
              "online-adaptive": eagle + ["draft.enabled=true", adapt],
-             "suffix": suffix + ["rollout.speculative_config.suffix_decoding_max_cached_requests=0"],
-             "suffix-group": suffix}
+             "suffix": suffix + ["rollout.speculative_config.suffix_decoding_max_cached_requests=0", fixed],
+             "suffix-group": suffix + [fixed],
+             "suffix-group-adaptive": suffix + [adapt]}
     if warm_head:
         table["frozen"] = eagle + ["draft.enabled=false", fixed]
         table["adaptive"] = eagle + ["draft.enabled=false", adapt]
@@ -234,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                     "adaptive; without it online starts from a fresh head)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--runs", default="none,frozen,online",
-                    help="which of none,frozen,online,adaptive,online-adaptive,suffix,suffix-group")
+                    help="which of none,frozen,online,adaptive,online-adaptive,suffix,suffix-group,"
+                         "suffix-group-adaptive")
     ap.add_argument("--none-seeds", default="",
                     help="further trainer.seed values for extra `none` runs (none@<seed>): the "
                     "seed-to-seed reward spread the speculative runs are compared with")

@@ -57,6 +57,29 @@ def test_good_draft_speculates_in_the_tail_only_and_bad_draft_never():
     assert bad.schedule() == [(1, 64, 0)]
 
 
+def test_a_match_drafter_is_judged_by_the_share_of_steps_it_drafts_on():
+    """n-gram and suffix draft only where their match does: a step then emits
+    1 + f (E(k) - 1) tokens and costs t(b, 0) + f (t(b, k) - t(b, 0)), so
+    the fixed margin over plain decoding takes more per draft when f is small."""
+    every = AdaptiveK(k_max=3, max_num_seqs=64, cost=CPU_COST)
+    every.update([600, 400, 250], num_drafts=1000, positions=3, sequence_steps=1000)
+    assert every.draft_fraction == 1.0 and format_schedule(every.schedule()) == "1:3 2:2 3-8:1 9-64:0"
+    rare = AdaptiveK(k_max=3, max_num_seqs=64, cost=CPU_COST)
+    rare.update([600, 400, 250], num_drafts=1000, positions=3, sequence_steps=10000)
+    assert rare.draft_fraction == pytest.approx(0.1)  # the first measurement, not averaged with the prior 1
+    sched = {b: rare.best_k(b) for b in range(1, 65)}
+    assert sched[1] == 3 and sched[8] == 0  # at 8 sequences 1 + 0.1 * 0.6 tokens no longer repay the margin
+    f, t = rare.draft_fraction, CPU_COST.seconds
+    for b, k in sched.items():
+        if k:
+            gain = (1 + f * (expected_tokens(rare.rates, k) - 1)) / (t(b, 0) + f * (t(b, k) - t(b, 0)))
+            assert gain >= rare.margin / t(b, 0)
+    rare.update([600, 400, 250], num_drafts=1000, positions=3, sequence_steps=5000)
+    assert rare.draft_fraction == pytest.approx(0.5 * 0.1 + 0.5 * 0.2)
+    rare.observe([100] * 15 + [512])
+    assert rare.drafting_positions([(1, 1, 3), (2, 64, 0)]) == 412
+
+
 def test_rollout_shape_decides_whether_a_tail_schedule_pays():
     """Drafting in the tail keeps the drafter in sync at every batch size:
     kept when the rollout spends long enough in the tail, dropped when the

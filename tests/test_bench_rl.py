@@ -38,6 +38,8 @@ def test_runs_differ_only_in_speculation_and_draft_training(tmp_path, gsm8k_dir)
     # suffix: the sequence's own prompt and response; suffix-group: vLLM's window of other responses too
     assert sfx.suffix_decoding_max_cached_requests == 0 and group.suffix_decoding_max_cached_requests is None
     assert not cfgs["suffix"].draft.enabled and group.model is None
+    assert not cfgs["suffix-group"].rollout.adaptive_k.enabled and cfgs["suffix-group-adaptive"].rollout.adaptive_k.enabled
+    assert vars(cfgs["suffix-group-adaptive"].rollout.speculative_config) == vars(group)
     assert len({(c.data.name, c.data.seed, c.trainer.seed, c.grpo.max_new_tokens) for c in cfgs.values()}) == 1
 
 

@@ -104,6 +104,7 @@ log = logging.getLogger(__name__)
 UTILITY = "rayspec_set_num_speculative_tokens_per_batch_size"
 ACCEPTANCE_FILE = "acceptance.json"
 HOOK = "adaptive k"
+MATCH_DRAFTERS = ("ngram", "suffix")  # vLLM methods that draft only where their match does
 _register_error: str | None = None  # why register() could not install the hooks, in this process
 
 
@@ -448,6 +449,12 @@ class AdaptiveK:
             estimated rate (``draft_estimated``; 1.0 where none was measured).
         positions: token positions per batch size in the last rollout
             ({b: n}, ``observe``): how long a rollout stays at each b.
+        draft_fraction: f, the share of sequence-steps that carry a draft
+            where k > 0: 1 for a model drafter (it drafts at every step);
+            for n-gram and suffix, which draft only where their match does,
+            measured (``update``'s ``sequence_steps``). A step then emits
+            1 + f (E(k) - 1) tokens per sequence and costs
+            t(b, 0) + f (t(b, k) - t(b, 0)).
     """
 
     k_max: int
@@ -460,6 +467,7 @@ class AdaptiveK:
     probe: bool = False
     positions: dict[int, int] = field(default_factory=dict)
     calibration: list[float] = field(default_factory=list)
+    draft_fraction: float = 1.0
     _refits: int = field(default=0, init=False, repr=False)  # since the last probe
     _estimate: list[float] | None = field(default=None, init=False, repr=False)  # not yet measured
 
@@ -496,20 +504,37 @@ class AdaptiveK:
                 prev = length
         self.positions = out
 
+    def drafting_positions(self, schedule: list[tuple[int, int, int]]) -> int:
+        """Token positions of the last rollout (``observe``) at the batch
+        sizes where ``schedule`` drafts."""
+        ks = {b: k for lo, hi, k in schedule for b in range(lo, hi + 1)}
+        return sum(n for b, n in self.positions.items() if ks.get(b, 0) > 0)
+
     def rollout_seconds(self, schedule: list[tuple[int, int, int]]) -> float:
         """Predicted seconds of the last rollout's shape under ``schedule``:
-        sum over b of positions(b) / E(k_b) * t(b, k_b), where a k = 0 step
-        costs t_sync(b) unless k is 0 at every batch size."""
+        sum over b of positions(b) / (1 + f (E(k_b) - 1)) * step(b, k_b), a
+        drafting step t(b, 0) + f (t(b, k_b) - t(b, 0)) and a k = 0 step
+        t_sync(b) unless k is 0 at every batch size (f: ``draft_fraction``)."""
         ks = {b: k for lo, hi, k in schedule for b in range(lo, hi + 1)}
         idle = drafts_nowhere(schedule)
         total = 0.0
         for b, n in self.positions.items():
             k = ks.get(b, 0)
-            step = self.cost.seconds(b, k) if k or idle else self.cost.sync_seconds(b)
-            total += n / expected_tokens(self.rates, k) * step
+            step = self._step(b, k) if k or idle else self.cost.sync_seconds(b)
+            total += n / self._tokens(k) * step
         return total
 
-    def update(self, accepted_per_pos: list[int], num_drafts: int, positions: int) -> None:
+    def _tokens(self, k: int) -> float:
+        """Tokens per sequence-step at k: 1 + f (E(k) - 1)."""
+        return 1.0 + self.draft_fraction * (expected_tokens(self.rates, k) - 1.0)
+
+    def _step(self, b: int, k: int) -> float:
+        """Seconds of a step at b sequences and k: t(b, 0) + f (t(b, k) - t(b, 0))."""
+        t0 = self.cost.seconds(b, 0)
+        return t0 + self.draft_fraction * (self.cost.seconds(b, k) - t0)
+
+    def update(self, accepted_per_pos: list[int], num_drafts: int, positions: int,
+               sequence_steps: int | None = None) -> None:
         """Fold one rollout's counters into the per-position rates.
 
         Args:
@@ -519,10 +544,17 @@ class AdaptiveK:
                 smallest non-zero k of the schedule used): a step with fewer
                 drafts does not reach the later positions, so their counts
                 over ``num_drafts`` would be biased low; they keep their rate.
+            sequence_steps: sequence-steps at the batch sizes that drafted,
+                for a drafter that drafts only where it matches (n-gram,
+                suffix): num_drafts / sequence_steps updates
+                ``draft_fraction``. None: a model drafter, f stays 1.
         """
         if num_drafts <= 0 or positions <= 0:
             return
         new = [a / num_drafts for a in accepted_per_pos[:positions]]
+        if sequence_steps:  # the first measurement replaces f's prior of 1, as it does the rates
+            f = min(num_drafts / sequence_steps, 1.0)
+            self.draft_fraction = (1 - self.ema) * self.draft_fraction + self.ema * f if self.rates else f
         self.probe = False
         if self._estimate is not None:  # the first measurement of an estimated draft
             self.calibration += [1.0] * (len(new) - len(self.calibration))
@@ -538,11 +570,12 @@ class AdaptiveK:
             self.rates[i] = (1 - self.ema) * self.rates[i] + self.ema * r
 
     def best_k(self, b: int) -> int:
-        """argmax_k b * E(k) / t(b, k), k = 0 unless it beats plain by ``margin``."""
+        """argmax_k b * (1 + f (E(k) - 1)) / (t(b, 0) + f (t(b, k) - t(b, 0))),
+        k = 0 unless it beats plain by ``margin``."""
         plain = 1.0 / self.cost.seconds(b, 0)
         best, best_tp = 0, plain * self.margin
         for k in range(1, self.k_max + 1):
-            tp = expected_tokens(self.rates, k) / self.cost.seconds(b, k)
+            tp = self._tokens(k) / self._step(b, k)
             if tp > best_tp:
                 best, best_tp = k, tp
         return best

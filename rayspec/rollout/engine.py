@@ -400,8 +400,11 @@ class SpecVLLMEngine:
         switch k if its choice changed (under the lock: a rollout may be
         waiting)."""
         drafted = [k for _, _, k in schedule if k > 0]
-        self.adaptive.update(stats.accepted_per_pos, stats.num_drafts, min(drafted, default=0))
         self.adaptive.observe(response_lens)
+        steps = None  # a model drafter drafts at every step
+        if self.speculative_config["method"] in adaptive_k_mod.MATCH_DRAFTERS:
+            steps = max(self.adaptive.drafting_positions(schedule) - stats.num_accepted_tokens, stats.num_drafts)
+        self.adaptive.update(stats.accepted_per_pos, stats.num_drafts, min(drafted, default=0), steps)
         new = self.adaptive.schedule()
         if new != [tuple(r) for r in schedule]:
             with self._busy_section():
