@@ -80,6 +80,28 @@ def test_a_match_drafter_is_judged_by_the_share_of_steps_it_drafts_on():
     assert rare.drafting_positions([(1, 1, 3), (2, 64, 0)]) == 412
 
 
+@pytest.mark.parametrize("method, probes", [("suffix", True), ("ngram", True), ("eagle3", False)])
+def test_a_policy_refit_probes_a_match_drafter_but_not_a_model_one(method, probes):
+    """An n-gram or suffix draft is the policy's own text, so a drafter
+    switched off everywhere is probed again after a policy refit; a head's
+    acceptance changes with its own refits (and their estimates)."""
+    from types import SimpleNamespace
+
+    from rayspec.rollout.engine import SpecVLLMEngine
+
+    eng = object.__new__(SpecVLLMEngine)  # the bookkeeping only: no vLLM engine
+    eng.llm = SimpleNamespace(reset_prefix_cache=lambda: None)
+    eng.speculative_config = {"method": method, "num_speculative_tokens": 3}
+    eng.adaptive = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST)
+    eng.adaptive.update([0, 0, 0], num_drafts=100, positions=3)
+    eng.set_k_schedule = lambda schedule: setattr(eng, "k_schedule", schedule)
+    eng.k_schedule = eng.adaptive.schedule()
+    assert eng.k_schedule == [(1, 16, 0)]
+    eng._loaded("policy", 1)
+    assert eng.policy_version == 1
+    assert eng.k_schedule == ([(1, 1, 1), (2, 16, 0)] if probes else [(1, 16, 0)])
+
+
 def test_rollout_shape_decides_whether_a_tail_schedule_pays():
     """Drafting in the tail keeps the drafter in sync at every batch size:
     kept when the rollout spends long enough in the tail, dropped when the

@@ -61,17 +61,17 @@ the replay covers every response while a schedule drafts only at some batch
 sizes (in RL on 2 CPU cores: the tail, whose long responses the replicas
 accepted at a third to a half of the replayed rate, docs/benchmarks.md).
 
-Suffix decoding (vLLM's ``suffix`` method) drafts a variable number of
-tokens per sequence, up to k and to the match's own limit, and only where
-its suffix tree matches. vLLM 0.32's suffix proposer refuses any k but its
-configured one, so the plugin passes it the scheduled k
-(``_suffix_at_scheduled_k``), which gives the long tail of a rollout (few
-sequences left, verification nearly free) the largest budget and a full
-batch none where drafting does not pay there. The rates are per draft (vLLM
-counts a draft only where a sequence proposed one) and the calibration
-times full k-token drafts, so for suffix the controller compares the gain
-of a drafting step with the cost of a full-length one: it errs towards
-k = 0, never towards a draft that costs more than it returns.
+Match drafters (vLLM's ``ngram`` and ``suffix`` methods) draft only where
+their match does, and suffix drafts end where the match does, up to k.
+vLLM 0.32's suffix proposer refuses any k but its configured one, so the
+plugin passes it the scheduled k (``_suffix_at_scheduled_k``): the long
+tail of a rollout (few sequences left, verification nearly free) gets the
+largest budget and a full batch none where drafting does not pay there. The
+controller measures f, the share of sequence-steps that carried a draft
+where k > 0 (``draft_fraction``), and predicts a step's tokens and cost
+with it (``best_k``). Its calibration times full k-token drafts, so for
+suffix it errs towards k = 0. Their drafts are the policy's own text, so
+for them a policy refit counts as a draft refit (``probe``).
 
 Model runners: the idle drafter and the plain sampler wrap vLLM 0.32's V1
 ``GPUModelRunner`` and its drafters (the CPU runner subclasses it). CUDA

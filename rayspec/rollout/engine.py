@@ -512,9 +512,11 @@ class SpecVLLMEngine:
         if target == "policy":
             self.llm.reset_prefix_cache()
             self.policy_version = version
-            return
-        self.draft_version = version
-        if self.adaptive is not None:  # the rates were the old draft's
+        else:
+            self.draft_version = version
+        # the rates were the old draft's; an n-gram or suffix draft is the policy's own text
+        if self.adaptive is not None and (target != "policy" or
+                                          self.speculative_config["method"] in adaptive_k_mod.MATCH_DRAFTERS):
             self.adaptive.draft_changed()
             self.set_k_schedule(self.adaptive.schedule())
 
