@@ -1,7 +1,7 @@
 """GPU smoke test: does rayspec's GPU path work on this node? One GPU, a few minutes.
 
     python -m jobs.gpu_smoke [--out gpu_smoke.json] [--work-dir /tmp/rayspec-gpu-smoke]
-        [--only versions,refit,adaptive_k,rl_colocate,rl_split]
+        [--only versions,refit,adaptive_k,suffix,rl_colocate,rl_split]
 
 Run it after ``bash cluster/install_node.sh cuda``, on a node with at least
 one NVIDIA GPU (about 20 GB of GPU memory is plenty). It prints one line per
@@ -22,6 +22,10 @@ check, ``PASS`` or ``FAIL`` with what was measured, and writes them as JSON:
   read, staging file, vLLM's in-place ``reload_weights``).
 - ``adaptive k``: an adaptive engine (CUDA graphs on) drafts nothing at
   k = 0, k tokens per step at k = 3, and nothing again at k = 0.
+- ``suffix``: vLLM's suffix decoding with the ``arctic-inference`` that
+  ``install_node.sh cuda`` built against CUDA torch, adaptive (its k is each
+  draft's budget): greedy responses equal a plain engine's, drafts at k = 8
+  longer than 2 tokens, at most 2 at k = 2, none at k = 0.
 - ``rl step colocate`` / ``rl step split``: one GRPO step of a tiny model
   through the real job (Serve replica, Ray Train + DeepSpeed bf16, online
   EAGLE-3 draft training, refit), colocated on the GPU (replica 0.6, Train
@@ -43,7 +47,7 @@ import time
 import traceback
 from pathlib import Path
 
-CHECKS = ("versions", "refit", "adaptive_k", "rl_colocate", "rl_split")
+CHECKS = ("versions", "refit", "adaptive_k", "suffix", "rl_colocate", "rl_split")
 ERROR_BOUND = 1e-3  # token_mult_prob_error after a refit, fp32
 GIB = 2**30
 
@@ -280,6 +284,36 @@ def check_adaptive_k(report: Report, models: dict[str, Path]) -> None:
         engine.shutdown()
 
 
+def check_suffix(report: Report, models: dict[str, Path]) -> None:
+    from importlib.metadata import version
+
+    from rayspec.rollout.adaptive import uniform
+    from rayspec.rollout.engine import SpecVLLMEngine
+
+    prompts = [[1, 504, 2118, 314, 216] * 6, [1, 9151, 28, 253, 1848, 30] * 5]  # repeats the tree can match
+    # float32: greedy equality across verification shapes, not bf16 ties
+    plain = SpecVLLMEngine(str(models["tiny"]), None, dtype="float32", engine_kwargs=_engine_kwargs(0.3))
+    try:
+        want, _ = plain.generate(prompts, temperature=0.0, max_tokens=24)
+    finally:
+        plain.shutdown()
+    engine = SpecVLLMEngine(str(models["tiny"]), {"method": "suffix", "num_speculative_tokens": 8},
+                            dtype="float32", engine_kwargs=_engine_kwargs(0.3), adaptive_k={"calibration_tokens": 8})
+    try:
+        got, same = [], True
+        for k in (8, 2, 0):
+            engine.set_k_schedule(uniform(k, engine.max_num_seqs))
+            batch, stats = engine.generate(prompts, temperature=0.0, max_tokens=24)
+            same &= batch.response_ids == want.response_ids
+            got.append((k, stats.num_drafts, stats.num_draft_tokens))
+        (_, d8, t8), (_, d2, t2), (_, d0, _) = got
+        ok = same and t8 > 2 * d8 > 0 and 0 < d2 and t2 <= 2 * d2 and d0 == 0
+        report.add("suffix", ok, f"arctic-inference {version('arctic-inference')}, runner {engine.model_runner}; "
+                   f"greedy equal to plain: {same}; (k, drafts, draft tokens): {got}", steps=got)
+    finally:
+        engine.shutdown()
+
+
 def check_rl_step(report: Report, models: dict[str, Path], work: Path, layout: str) -> None:
     from rayspec.config import load_config
     from rayspec.scheduler import run
@@ -342,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         report.run("refit", check_refit, models)
     if "adaptive_k" in args.only:
         report.run("adaptive k", check_adaptive_k, models)
+    if "suffix" in args.only:
+        report.run("suffix", check_suffix, models)
     for layout in ("colocate", "split"):
         if f"rl_{layout}" in args.only:
             report.run(f"rl step {layout}", check_rl_step, models, work, layout)
