@@ -160,7 +160,6 @@ def _check_worker_hooks(worker) -> None:
     if not getattr(getattr(type(runner), "_sample", None), "rayspec_wrapped", False):
         raise internals_error(HOOK, f"{name}._sample is not wrapped{why}")
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-
     from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
 
     drafter = runner.drafter
