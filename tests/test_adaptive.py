@@ -76,8 +76,9 @@ def test_a_match_drafter_is_judged_by_the_share_of_steps_it_drafts_on():
             assert gain >= rare.margin / t(b, 0)
     rare.update([600, 400, 250], num_drafts=1000, positions=3, sequence_steps=5000)
     assert rare.draft_fraction == pytest.approx(0.5 * 0.1 + 0.5 * 0.2)
-    rare.observe([100] * 15 + [512])
-    assert rare.drafting_positions([(1, 1, 3), (2, 64, 0)]) == 412
+    rare.observe([100] * 15 + [512])  # 16 sequences for 100 tokens, then 1 for 412
+    assert rare.drafted_tokens([(1, 1, 3), (2, 64, 0)]) == 412
+    assert rare.drafted_tokens(uniform(3, 64)) == 16 * 100 + 412
 
 
 @pytest.mark.parametrize("method, probes", [("suffix", True), ("ngram", True), ("eagle3", False)])

@@ -503,11 +503,11 @@ class AdaptiveK:
                 prev = length
         self.positions = out
 
-    def drafting_positions(self, schedule: list[tuple[int, int, int]]) -> int:
-        """Token positions of the last rollout (``observe``) at the batch
-        sizes where ``schedule`` drafts."""
+    def drafted_tokens(self, schedule: list[tuple[int, int, int]]) -> int:
+        """Tokens the last rollout (``observe``) generated at the batch sizes
+        where ``schedule`` drafts: sum of b x positions(b) over them."""
         ks = {b: k for lo, hi, k in schedule for b in range(lo, hi + 1)}
-        return sum(n for b, n in self.positions.items() if ks.get(b, 0) > 0)
+        return sum(b * n for b, n in self.positions.items() if ks.get(b, 0) > 0)
 
     def rollout_seconds(self, schedule: list[tuple[int, int, int]]) -> float:
         """Predicted seconds of the last rollout's shape under ``schedule``:

@@ -403,7 +403,8 @@ class SpecVLLMEngine:
         self.adaptive.observe(response_lens)
         steps = None  # a model drafter drafts at every step
         if self.speculative_config["method"] in adaptive_k_mod.MATCH_DRAFTERS:
-            steps = max(self.adaptive.drafting_positions(schedule) - stats.num_accepted_tokens, stats.num_drafts)
+            # each sequence-step emits one token plus its accepted drafts
+            steps = max(self.adaptive.drafted_tokens(schedule) - stats.num_accepted_tokens, stats.num_drafts)
         self.adaptive.update(stats.accepted_per_pos, stats.num_drafts, min(drafted, default=0), steps)
         new = self.adaptive.schedule()
         if new != [tuple(r) for r in schedule]:
