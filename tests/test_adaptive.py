@@ -100,7 +100,7 @@ def test_a_policy_refit_probes_a_match_drafter_but_not_a_model_one(method, probe
     assert eng.k_schedule == [(1, 16, 0)]
     eng._loaded("policy", 1)
     assert eng.policy_version == 1
-    assert eng.k_schedule == ([(1, 1, 1), (2, 16, 0)] if probes else [(1, 16, 0)])
+    assert eng.k_schedule == ([(1, 1, 3), (2, 16, 0)] if probes else [(1, 16, 0)])
 
 
 def test_rollout_shape_decides_whether_a_tail_schedule_pays():
@@ -133,7 +133,7 @@ def test_probe_every_n_draft_refits():
         ctl.draft_changed()
         assert ctl.schedule() == [(1, 16, 0)]
     ctl.draft_changed()
-    assert ctl.schedule() == [(1, 1, 1), (2, 16, 0)]
+    assert ctl.schedule() == [(1, 1, 3), (2, 16, 0)]
 
 
 def test_probe_after_draft_refit_and_partial_positions():
@@ -141,8 +141,9 @@ def test_probe_after_draft_refit_and_partial_positions():
     ctl.update([0, 0, 0], num_drafts=100, positions=3)
     assert ctl.schedule() == [(1, 16, 0)]
     ctl.probe = True  # the engine sets this on a draft refit
-    assert ctl.schedule() == [(1, 1, 1), (2, 16, 0)]
-    # the probe drafted one position: only rate 0 is measured, the rest keep theirs
+    assert ctl.schedule() == [(1, 1, 3), (2, 16, 0)]
+    # the probe measures every position; a schedule whose smallest k is 1
+    # measures only rate 0, and the rest keep theirs
     ctl.update([90, 0, 0], num_drafts=100, positions=1)
     assert not ctl.probe
     assert ctl.rates[0] == pytest.approx(0.45) and ctl.rates[1:] == [0.0, 0.0]
@@ -335,11 +336,11 @@ def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head, in_
         assert stats.k_schedule == [(1, 8, 3)] and stats.summary()["k_schedule"] == [[1, 8, 3]]
         assert eng.k_schedule == [(1, 8, 0)]
         eng.update_draft(vllm_state_dict(load_head(tiny_head)), 1)
-        assert eng.k_schedule == [(1, 1, 1), (2, 8, 0)]
+        assert eng.k_schedule == [(1, 1, 3), (2, 8, 0)]
         # the DraftTrainer's estimate of draft 1 replaces the probe before the
         # rollout; an estimate of a draft this replica does not hold is ignored
         _, stats = eng.generate(prompts, n=2, max_tokens=12, draft_acceptance=(2, [0.9, 0.8, 0.7]))
-        assert stats.k_schedule == [(1, 1, 1), (2, 8, 0)]
+        assert stats.k_schedule == [(1, 1, 3), (2, 8, 0)]
         _, stats = eng.generate(prompts, n=2, max_tokens=12, draft_acceptance=(1, [0.9, 0.8, 0.7]))
         assert stats.k_schedule == [(1, 2, 3), (3, 8, 2)] and stats.num_drafts > 0
         assert eng.k_schedule == [(1, 8, 0)]  # measured: the untrained head accepts nothing

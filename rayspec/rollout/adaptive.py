@@ -36,10 +36,13 @@ by ``margin``. A schedule that drafts at some batch sizes keeps the drafter
 in sync at the others (below), so it is kept only if the last rollout's shape
 (token positions spent at each b) would run ``margin`` faster with it than
 with k = 0 everywhere. Every ``probe_every`` draft refits (``probe``), when
-the rates say no k pays anywhere, batch size 1 drafts one token anyway:
+the rates say no k pays anywhere, batch size 1 drafts k_max tokens anyway:
 without drafts there is no acceptance to measure, and an online-trained
 draft would never be tried again; the probe costs the drafter's sync for one
-rollout and the steps run with one sequence left. t(b, k) comes from a
+rollout and the steps run with one sequence left, where a draft token costs
+least, and it measures every position at once (a 1-token probe left the
+later positions at their old rates, which a schedule drafting fewer tokens
+never measures again). t(b, k) comes from a
 calibration on the engine itself (plain, k = 0 with the drafter in sync, and
 k=K steps at a few concurrencies, linear in k between them, log-linear in
 b); the rates are updated after every rollout. They start from the draft's
@@ -594,7 +597,7 @@ class AdaptiveK:
                 and self.rollout_seconds(out) * self.margin > self.rollout_seconds(zero)):
             out = zero
         if self.probe and out == zero:
-            out = [(1, 1, 1)] + ([(2, self.max_num_seqs, 0)] if self.max_num_seqs > 1 else [])
+            out = [(1, 1, self.k_max)] + ([(2, self.max_num_seqs, 0)] if self.max_num_seqs > 1 else [])
         return out
 
 
