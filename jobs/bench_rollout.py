@@ -83,7 +83,7 @@ from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
-from rayspec.rollout.adaptive import MATCH_DRAFTERS, format_schedule, geometric_rate, physical_limit, uniform
+from rayspec.rollout.adaptive import format_schedule, geometric_rate, physical_limit, uniform
 
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 METHODS = ("none", "eagle3", "draft_model", "ngram", "suffix", "suffix-group")
@@ -541,9 +541,8 @@ def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_se
         # and the rollout's shape from the fixed-k rollout just run (rates=[]:
         # not the warm head's recorded held-out rates)
         costs[method] = engine.enable_adaptive(margin=args.adaptive_margin, cost=costs.get(method), rates=[])
-        match = engine.speculative_config["method"] in MATCH_DRAFTERS  # drafts where it matches: f measured
         engine.adaptive.update(cell.stats.accepted_per_pos, cell.stats.num_drafts, k,
-                               cell.stats.output_tokens - cell.stats.num_accepted_tokens if match else None)
+                               cell.stats.output_tokens - cell.stats.num_accepted_tokens)
         engine.adaptive.observe(cell.response_lens)
         engine.set_k_schedule(engine.adaptive.schedule())
         out.append(_record("adaptive", draft, engine.adaptive.k_max, n, t,

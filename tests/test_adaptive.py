@@ -61,10 +61,13 @@ def test_a_match_drafter_is_judged_by_the_share_of_steps_it_drafts_on():
     """n-gram and suffix draft only where their match does: a step then emits
     1 + f (E(k) - 1) tokens and costs t(b, 0) + f (t(b, k) - t(b, 0)), so
     the fixed margin over plain decoding takes more per draft when f is small."""
-    every = AdaptiveK(k_max=3, max_num_seqs=64, cost=CPU_COST)
+    every = AdaptiveK(k_max=3, max_num_seqs=64, cost=CPU_COST, match_drafter=True)
     every.update([600, 400, 250], num_drafts=1000, positions=3, sequence_steps=1000)
     assert every.draft_fraction == 1.0 and format_schedule(every.schedule()) == "1:3 2:2 3-8:1 9-64:0"
-    rare = AdaptiveK(k_max=3, max_num_seqs=64, cost=CPU_COST)
+    model = AdaptiveK(k_max=3, max_num_seqs=64, cost=CPU_COST)  # a head drafts at every step: f stays 1
+    model.update([600, 400, 250], num_drafts=1000, positions=3, sequence_steps=10000)
+    assert model.draft_fraction == 1.0
+    rare = AdaptiveK(k_max=3, max_num_seqs=64, cost=CPU_COST, match_drafter=True)
     rare.update([600, 400, 250], num_drafts=1000, positions=3, sequence_steps=10000)
     assert rare.draft_fraction == pytest.approx(0.1)  # the first measurement, not averaged with the prior 1
     sched = {b: rare.best_k(b) for b in range(1, 65)}
@@ -93,10 +96,10 @@ def test_a_policy_refit_probes_a_match_drafter_but_not_a_model_one(method, probe
     eng = object.__new__(SpecVLLMEngine)  # the bookkeeping only: no vLLM engine
     eng.llm = SimpleNamespace(reset_prefix_cache=lambda: None)
     eng.speculative_config = {"method": method, "num_speculative_tokens": 3}
-    eng.adaptive = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST)
-    eng.adaptive.update([0, 0, 0], num_drafts=100, positions=3)
+    eng.max_num_seqs = 16
     eng.set_k_schedule = lambda schedule: setattr(eng, "k_schedule", schedule)
-    eng.k_schedule = eng.adaptive.schedule()
+    eng.enable_adaptive(cost=CPU_COST, probe_every=1, rates=[0.0, 0.0, 0.0])  # measured: pays nowhere
+    assert eng.adaptive.match_drafter == probes
     assert eng.k_schedule == [(1, 16, 0)]
     eng._loaded("policy", 1)
     assert eng.policy_version == 1

@@ -165,7 +165,7 @@ class DraftTrainer:
             agree.append(acc)
         while len(newest) < expect:  # fewer steps than chunks: keep the rest for replay
             newest.append(chunks.get(len(newest)))
-            replay.add(to_device(newest[-1], self.device))
+            replay.add(newest[-1])
         self._buffer.append(newest)
         if steps:
             self.version += 1
@@ -253,8 +253,10 @@ class _DraftingReplay:
         self.drafts, self.accepted = 0, [0] * (k or 0)
 
     def add(self, f: dict[str, torch.Tensor]) -> None:
+        """Replay one chunk (host or device tensors: moved to the head's device)."""
         if self.head is None:
             return
+        f = to_device(f, self.embed.device)
         n, acc = replay_drafting(draft_top1(self.head, f["input_ids"], f["aux_hidden"], self.embed, self.k),
                                  f["input_ids"], f["loss_mask"], self.k)
         self.drafts, self.accepted = self.drafts + n, [a + b for a, b in zip(self.accepted, acc)]

@@ -453,10 +453,12 @@ class AdaptiveK:
             ({b: n}, ``observe``): how long a rollout stays at each b.
         draft_fraction: f, the share of sequence-steps that carry a draft
             where k > 0: 1 for a model drafter (it drafts at every step);
-            for n-gram and suffix, which draft only where their match does,
-            measured (``update``'s ``sequence_steps``). A step then emits
-            1 + f (E(k) - 1) tokens per sequence and costs
-            t(b, 0) + f (t(b, k) - t(b, 0)).
+            measured for a ``match_drafter`` (``update``'s
+            ``sequence_steps``). A step then emits 1 + f (E(k) - 1) tokens
+            per sequence and costs t(b, 0) + f (t(b, k) - t(b, 0)).
+        match_drafter: the drafter drafts only where its match does
+            (``MATCH_DRAFTERS``: n-gram, suffix), from the policy's own text:
+            f is measured, and a policy refit counts as a draft refit.
     """
 
     k_max: int
@@ -470,6 +472,7 @@ class AdaptiveK:
     positions: dict[int, int] = field(default_factory=dict)
     calibration: list[float] = field(default_factory=list)
     draft_fraction: float = 1.0
+    match_drafter: bool = False
     _refits: int = field(default=0, init=False, repr=False)  # since the last probe
     _estimate: list[float] | None = field(default=None, init=False, repr=False)  # not yet measured
 
@@ -546,15 +549,14 @@ class AdaptiveK:
                 smallest non-zero k of the schedule used): a step with fewer
                 drafts does not reach the later positions, so their counts
                 over ``num_drafts`` would be biased low; they keep their rate.
-            sequence_steps: sequence-steps at the batch sizes that drafted,
-                for a drafter that drafts only where it matches (n-gram,
-                suffix): num_drafts / sequence_steps updates
-                ``draft_fraction``. None: a model drafter, f stays 1.
+            sequence_steps: sequence-steps at the batch sizes that drafted:
+                num_drafts / sequence_steps updates ``draft_fraction`` of a
+                ``match_drafter`` (a model drafter's f stays 1).
         """
         if num_drafts <= 0 or positions <= 0:
             return
         new = [a / num_drafts for a in accepted_per_pos[:positions]]
-        if sequence_steps:  # the first measurement replaces f's prior of 1, as it does the rates
+        if self.match_drafter and sequence_steps:  # the first measurement replaces f's prior of 1, as for the rates
             f = min(num_drafts / sequence_steps, 1.0)
             self.draft_fraction = (1 - self.ema) * self.draft_fraction + self.ema * f if self.rates else f
         self.probe = False

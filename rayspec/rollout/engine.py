@@ -236,7 +236,9 @@ class SpecVLLMEngine:
         cost = cost or self.calibrate(k, tokens=calibration_tokens)
         self.adaptive = adaptive_k_mod.AdaptiveK(k, self.max_num_seqs, cost, margin=margin,
                                                  probe_every=probe_every,
-                                                 rates=adaptive_k_mod.extrapolate_rates(rates or [], k))
+                                                 rates=adaptive_k_mod.extrapolate_rates(rates or [], k),
+                                                 match_drafter=self.speculative_config["method"]
+                                                 in adaptive_k_mod.MATCH_DRAFTERS)
         self.set_k_schedule(self.adaptive.schedule())
         log.info("adaptive k: calibrated step seconds %s", cost)
         return cost
@@ -401,10 +403,8 @@ class SpecVLLMEngine:
         waiting)."""
         drafted = [k for _, _, k in schedule if k > 0]
         self.adaptive.observe(response_lens)
-        steps = None  # a model drafter drafts at every step
-        if self.speculative_config["method"] in adaptive_k_mod.MATCH_DRAFTERS:
-            # each sequence-step emits one token plus its accepted drafts
-            steps = max(self.adaptive.drafted_tokens(schedule) - stats.num_accepted_tokens, stats.num_drafts)
+        # each sequence-step emits one token plus its accepted drafts
+        steps = max(self.adaptive.drafted_tokens(schedule) - stats.num_accepted_tokens, stats.num_drafts)
         self.adaptive.update(stats.accepted_per_pos, stats.num_drafts, min(drafted, default=0), steps)
         new = self.adaptive.schedule()
         if new != [tuple(r) for r in schedule]:
@@ -516,8 +516,7 @@ class SpecVLLMEngine:
         else:
             self.draft_version = version
         # the rates were the old draft's; an n-gram or suffix draft is the policy's own text
-        if self.adaptive is not None and (target != "policy" or
-                                          self.speculative_config["method"] in adaptive_k_mod.MATCH_DRAFTERS):
+        if self.adaptive is not None and (target != "policy" or self.adaptive.match_drafter):
             self.adaptive.draft_changed()
             self.set_k_schedule(self.adaptive.schedule())
 
