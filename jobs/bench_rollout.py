@@ -195,8 +195,10 @@ def _cell(engine, prompts, conc: int, temperature: float, max_tokens: int, ignor
     wall = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     stats = diff_counters(before, read_counters(engine.llm.get_metrics()), tokens, wall)
-    # every engine step emits one token per sequence plus its accepted drafts
-    steps = (tokens - stats.num_accepted_tokens) / conc
+    # every engine step emits one token per sequence plus its accepted drafts;
+    # vLLM also counts drafts accepted past max_tokens, so a cell a few tokens
+    # long (a warm-up) can read no steps at all: at least one
+    steps = max(tokens - stats.num_accepted_tokens, conc) / conc
     digest = hashlib.sha1(json.dumps([list(c.token_ids) for o in outs for c in o.outputs]).encode())
     return Cell(stats, wall / steps, tokens / wall, digest.hexdigest(),
                 [len(c.token_ids) for o in outs for c in o.outputs])

@@ -1,5 +1,6 @@
 """jobs.bench_step on the tiny policy: decode steps are timed part by part,
-plain (k = 0, drafter idle) and speculative, beside the model's t(b, k)."""
+plain (k = 0, drafter idle) and speculative, beside the model's t(b, k), for
+an EAGLE-3 and a suffix engine."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ def test_bench_step_times_each_part_of_a_decode_step(tiny_llama_dir, tmp_path, i
     from jobs.bench_step import main
 
     out = tmp_path / "step.json"
-    assert main(["--model", str(tiny_llama_dir), "--concurrency", "2", "--k", "0,2", "--max-tokens", "8",
-                 "--prompt-len", "12", "--out", str(out), "--work-dir", str(tmp_path / "work")]) == 0
-    plain, spec = json.loads(out.read_text())
+    assert main(["--model", str(tiny_llama_dir), "--methods", "eagle3,suffix", "--concurrency", "2",
+                 "--k", "0,2", "--max-tokens", "8", "--prompt-len", "12", "--out", str(out),
+                 "--work-dir", str(tmp_path / "work")]) == 0
+    plain, spec, suffix0, suffix2 = json.loads(out.read_text())
+    assert [(c["method"], c["k"]) for c in (plain, spec, suffix0, suffix2)] == \
+        [("eagle3", 0), ("eagle3", 2), ("suffix", 0), ("suffix", 2)]
     assert (plain["k"], spec["k"]) == (0, 2)
     for c in (plain, spec):
         # 8 tokens per sequence: the first comes with the prefill, which is not a decode step
@@ -22,3 +26,8 @@ def test_bench_step_times_each_part_of_a_decode_step(tiny_llama_dir, tmp_path, i
     # k = 0 idles the drafter (its propose returns at once); with drafts it runs k passes a step
     assert 0 <= plain["drafter_ms"] < 0.2 * spec["drafter_ms"]
     assert plain["acceptance_length"] == 1.0 and spec["acceptance_length"] >= 1.0
+    assert 0.5 < spec["draft_fraction"] <= 1.0 and plain["draft_fraction"] == 0.0  # the prefill token has no draft
+    # the suffix drafter is not idled at k = 0: it still adds each step's tokens to its tree
+    assert suffix0["drafter_ms"] > 0 and suffix0["acceptance_length"] == 1.0
+    assert 0.0 <= suffix2["draft_fraction"] <= 1.0 and suffix2["step_ms"] > suffix2["drafter_ms"] > 0
+    assert suffix0["model_step_ms"] is None  # the performance model has no suffix drafter
