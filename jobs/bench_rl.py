@@ -134,16 +134,31 @@ def estimate_pairs(records: list[dict]) -> list[dict]:
     """Each step's DraftTrainer estimate (``draft_acceptance_estimate``: the
     replicas' drafting replayed with the head that drafted the step's
     rollout, on its responses) beside the acceptance rates per position that
-    rollout measured: [{"step", "estimated", "measured"}], positions both
-    have. Steps that drafted nothing are left out; where adaptive k drafted
-    fewer than k tokens at some batch sizes the later positions were
-    measured on fewer drafts than the replay makes."""
+    rollout measured: [{"step", "estimated", "measured"[,
+    "estimated_where_drafted"]}], positions both have. Steps that drafted
+    nothing are left out; where adaptive k drafted fewer than k tokens at
+    some batch sizes the later positions were measured on fewer drafts than
+    the replay makes. ``estimated_where_drafted`` (one replica, with the
+    replay by share of the rollout in flight): the estimate over the batch
+    sizes where the step's schedule drafted, as the controller weighs it
+    (``AdaptiveK.rates_where``)."""
+    from rayspec.rollout.adaptive import AdaptiveK, StepCost
+
     out = []
     for r in records:
         est, meas = r.get("draft_acceptance_estimate") or [], r.get("acceptance_rate_per_pos") or []
         if est and meas and r.get("num_drafts", 0) > 0:
             n = min(len(est), len(meas))
-            out.append({"step": r.get("step"), "estimated": est[:n], "measured": meas[:n]})
+            pair = {"step": r.get("step"), "estimated": est[:n], "measured": meas[:n]}
+            reps = list(r.get("replicas", {}).values())
+            if r.get("draft_acceptance_by_share") and len(reps) == 1 and reps[0].get("k_schedule"):
+                lens = r["response_lens"]
+                # the step cost is not read: only the rates and the rollout's shape
+                ctl = AdaptiveK(len(est), len(lens), StepCost([1], [1.0], [1.0], len(est)))
+                ctl.observe(lens)
+                ctl.draft_estimated(est, r["draft_acceptance_by_share"])
+                pair["estimated_where_drafted"] = ctl.rates_where([tuple(x) for x in reps[0]["k_schedule"]])[:n]
+            out.append(pair)
     return out
 
 
@@ -166,6 +181,11 @@ def summarize(name: str, records: list[dict]) -> dict:
         n = min(len(p["estimated"]) for p in pairs)
         for key in ("estimated", "measured"):
             out[f"acceptance_{key}_mean"] = [statistics.mean(p[key][i] for p in pairs) for i in range(n)]
+        where = [p for p in pairs if "estimated_where_drafted" in p]
+        if where:  # the steps that have it, with what they measured
+            out["acceptance_where_drafted_mean"] = [
+                [statistics.mean(p[key][i] for p in where) for i in range(n)]
+                for key in ("estimated_where_drafted", "measured")]
     return out
 
 
@@ -195,6 +215,11 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"{r['run']} acceptance rate per position, replayed by the DraftTrainer / measured "
                          f"by the replicas (mean over {len(r['estimate_pairs'])} steps): "
                          f"{fmt(r['acceptance_estimated_mean'])} / {fmt(r['acceptance_measured_mean'])}")
+            if r.get("acceptance_where_drafted_mean"):
+                est, meas = r["acceptance_where_drafted_mean"]
+                lines.append(f"{r['run']}   replayed where the schedule drafted / measured (mean over "
+                             f"the {sum('estimated_where_drafted' in p for p in r['estimate_pairs'])} of "
+                             f"them replayed by share): {fmt(est)} / {fmt(meas)}")
     lines.append("logprob agreement (token_mult_prob_error, median over steps): " + ", ".join(
         f"{r['run']} {r['token_mult_prob_error_median']:.2e}" for r in rows))
     spread = next((r for r in rows if "seed_spread" in r), None)

@@ -177,6 +177,32 @@ def test_estimated_draft_is_drafted_by_its_estimate_and_calibrated_by_measuremen
     assert ctl.rates == pytest.approx([0.6, 0.6, 1.0])  # scaled, capped at 1
 
 
+def test_estimate_by_share_drafts_the_tail_by_the_tails_rates_and_calibrates_where_it_drafted():
+    """With the replay by share of the rollout in flight, batch sizes in the
+    tail draft by the tail's rates (here far below the average, so not at
+    all), a share without enough replayed drafts takes the next one towards
+    the full batch, and the first measurement is compared with the estimate
+    where the schedule drafted, then folded into the overall rates."""
+    flat = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, ema=0.5)
+    flat.draft_estimated([0.8, 0.6, 0.45])
+    ctl = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, ema=0.5)
+    ctl.observe([4] * 12 + [40] * 4)  # 16 sequences; the last 4 run on alone
+    ctl.draft_estimated([0.8, 0.6, 0.45], [(1.0, 200, [0.9, 0.8, 0.675]), (0.25, 40, [0.1, 0.02, 0.0])])
+    assert ctl.rates == pytest.approx([0.8, 0.6, 0.45])  # overall, as without buckets
+    assert ctl.rates_at(16) == pytest.approx([0.9, 0.8, 0.675]) == ctl.rates_at(9)
+    assert ctl.rates_at(6) == pytest.approx([0.9, 0.8, 0.675])  # share 3/8: no bucket of its own
+    assert ctl.rates_at(4) == pytest.approx([0.1, 0.02, 0.0]) == ctl.rates_at(1)
+    assert flat.best_k(1) == 3 and ctl.best_k(1) == ctl.best_k(4) == 0
+    assert ctl.best_k(16) > 0
+    # measured where the schedule drafted (b = 9..16) as estimated there: calibration stays 1
+    ctl.update([90, 80, 0], num_drafts=100, positions=2, schedule=[(1, 8, 0), (9, 16, 2)])
+    assert ctl.calibration == pytest.approx([1.0, 1.0])
+    assert ctl.rates == pytest.approx([0.8, 0.6, 0.45])
+    # the same counters against the overall estimate read as 12-33% better than estimated
+    flat.update([90, 80, 0], num_drafts=100, positions=2)
+    assert flat.calibration == pytest.approx([(1 + 0.9 / 0.8) / 2, (1 + 0.8 / 0.6) / 2])
+
+
 def test_acceptance_estimate_needs_greedy_drafts():
     """The replay is what a replica does only where it drafts greedily."""
     from rayspec.config import estimated_k, load_config

@@ -68,6 +68,24 @@ def test_estimates_are_paired_with_the_same_rollouts_measurement():
     assert row["acceptance_estimated_mean"] == pytest.approx([(0.6 + 0.7 + 0.9) / 3, 0.3])
     assert row["acceptance_measured_mean"] == pytest.approx([(0.5 + 0.6 + 0.8) / 3, 0.2])
     assert "(mean over 3 steps): [0.733, 0.300] / [0.633, 0.200]" in format_table([row])
+    assert "acceptance_where_drafted_mean" not in row
+
+
+def test_estimate_where_the_schedule_drafted_weighs_the_replay_by_share_by_the_drafted_tokens():
+    """One replica drafted at 1-2 sequences of 8: the replay by share pairs
+    the tail's bucket, weighted as the controller weighs it, with the
+    measurement."""
+    recs = _records([1.5])
+    # 8 sequences: 6 of 4 tokens, 2 of 20 (16 positions at b = 2: the bucket of share 1/4)
+    recs[0].update(step=1, num_drafts=10, acceptance_rate_per_pos=[0.2, 0.05], response_lens=[4] * 6 + [20] * 2,
+                   draft_acceptance_estimate=[0.6, 0.3],
+                   draft_acceptance_by_share=[[1.0, 40, [0.8, 0.5]], [0.25, 20, [0.15, 0.0]]],
+                   replicas={"r0": {"k_schedule": [[1, 2, 2], [3, 8, 0]]}})
+    row = summarize("online", recs)
+    assert row["estimate_pairs"][0]["estimated_where_drafted"] == pytest.approx([0.15, 0.0])
+    assert row["acceptance_where_drafted_mean"] == [pytest.approx([0.15, 0.0]), pytest.approx([0.2, 0.05])]
+    assert "replayed where the schedule drafted / measured (mean over the 1 of them replayed by share): " \
+        "[0.150, 0.000] / [0.200, 0.050]" in format_table([row])
 
 
 def _write_run(run_dir, acc):

@@ -110,6 +110,26 @@ def test_replay_drafting_follows_the_drafts_until_one_misses():
     assert replay_drafting(drafts, ids, mask, 3) == (2, [2, 2, 0])
 
 
+def test_acceptance_by_share_buckets_drafts_by_the_sequences_still_in_flight():
+    """A draft made after p generated tokens falls in bucket j where the
+    sequences longer than p are N / 2^(j+1) < running <= N / 2^j; thin
+    buckets are left out; the buckets' drafts add up to the replay's."""
+    from rayspec.draft.loss import acceptance_by_share, drafting_counts
+
+    # 4 sequences: two of 3 tokens, two of 12; drafts at (generated, accepted)
+    chains = [(3, [(1, 1)]), (3, [(1, 0)]),
+              (12, [(1, 2), (4, 0), (5, 1), (7, 0), (8, 0), (9, 0), (10, 0)]),
+              (12, [(1, 2), (4, 1), (6, 0), (7, 0), (8, 0), (9, 0), (10, 0)])]
+    # p < 3: all 4 in flight (bucket 0, share 1); from p = 3 on 2 of 4 (bucket 1, share 1/2)
+    assert acceptance_by_share(chains, 2, min_drafts=1) == [
+        (1.0, 4, [3 / 4, 2 / 4]), (0.5, 12, [2 / 12, 0.0])]
+    assert sum(n for _, n, _ in acceptance_by_share(chains, 2, min_drafts=1)) == drafting_counts(chains, 2)[0] == 16
+    assert acceptance_by_share(chains, 2, min_drafts=5) == [(0.5, 12, [2 / 12, 0.0])]
+    # responses too short to draft from still count among the N that started
+    assert acceptance_by_share(chains + [(0, []), (1, []), (1, []), (0, [])], 2, min_drafts=1) == [
+        (0.5, 4, [3 / 4, 2 / 4]), (0.25, 12, [2 / 12, 0.0])]
+
+
 def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_path):
     save_head(init_head(tiny_policy), tmp_path / "head")
     g = torch.Generator().manual_seed(0)
@@ -137,12 +157,15 @@ def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_p
     feats = _features(tiny_policy, batch, 0, chunk=2)
     again = DraftTrainer(str(tmp_path / "trained"), lr=1e-3, ttt_steps=2, num_threads=2, num_speculative_tokens=3)
     again.submit_features(feats)
-    est = again.train(_verifier(tiny_policy), 1)["draft_acceptance_estimate"]
+    again_m = again.train(_verifier(tiny_policy), 1)
+    est = again_m["draft_acceptance_estimate"]
     embed = tiny_policy.model.embed_tokens.weight.detach().bfloat16().float()
     counts = [replay_drafting(draft_top1(trained, f["input_ids"], f["aux_hidden"], embed, 3),
                               f["input_ids"], f["loss_mask"], 3) for f in feats]
     drafts = sum(n for n, _ in counts)
     assert est == pytest.approx([sum(a[j] for _, a in counts) / drafts for j in range(3)]) and est[0] > 0.5
+    # by share of the step in flight: 4 sequences of 12 tokens, all in flight throughout
+    assert again_m["draft_acceptance_by_share"] == [[1.0, drafts, pytest.approx(est)]]
 
 
 def test_draft_trainer_trains_on_features_as_they_arrive(tiny_policy, tmp_path):

@@ -9,6 +9,7 @@ notebook, test_notebooks.py.)"""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import ray
@@ -69,6 +70,10 @@ def test_tiny_loop_async_split_two_replicas(ray_session, tiny_llama_dir, tmp_pat
         # the next rollouts carry to the replicas (generate(draft_acceptance=...))
         est = r["draft_acceptance_estimate"]
         assert len(est) == cfg.rollout.speculative_config.num_speculative_tokens and all(0 <= x <= 1 for x in est)
+        # the same by share of the step in flight: halving shares, each with its drafts and rates
+        shares = [share for share, _, _ in r["draft_acceptance_by_share"]]
+        assert shares == sorted(shares, reverse=True) and all(s == 2.0 ** round(math.log2(s)) <= 1 for s in shares)
+        assert all(n >= 16 and len(rates) == len(est) for _, n, rates in r["draft_acceptance_by_share"])
     # weights went through the collective transport (gloo; auto), landing behind the rollouts
     # in flight: step 1's policy and draft refits land in step 2's wait for its batch
     assert [r["weight_sync_transport"] for r in recs] == ["collective"] * 3

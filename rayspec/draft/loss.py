@@ -28,6 +28,10 @@ weight by m is the smooth form of that mask.)
 
 from __future__ import annotations
 
+import bisect
+import collections
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -162,22 +166,71 @@ def replay_drafting(drafts: torch.Tensor, input_ids: torch.Tensor, loss_mask: to
     Returns:
         (drafts made, [accepted drafts at position 0..k-1]).
     """
-    num_drafts, accepted = 0, [0] * k
+    return drafting_counts(replay_chains(drafts, input_ids, loss_mask, k, max_new_tokens), k)
+
+
+def replay_chains(drafts: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int,
+                  max_new_tokens: int | None = None) -> list[tuple[int, list[tuple[int, int]]]]:
+    """``replay_drafting`` draft by draft (same arguments).
+
+    Returns:
+        per sequence, (response length in tokens, [(tokens the sequence had
+        generated when the draft was made, drafts of it accepted)], one
+        entry per draft in order).
+    """
+    out = []
     for b in range(input_ids.shape[0]):
         resp = loss_mask[b].nonzero().flatten()
         if len(resp) < 2:
+            out.append((len(resp), []))
             continue
         first, last = int(resp[0]) + 1, int(resp[-1]) + 1  # response token indices
         limit = min(max_new_tokens or last - first + 1, last - first + 1)
         hits = (drafts[b, :, :k] == torch.stack(
             [F.pad(input_ids[b, 2 + j:], (0, 2 + j), value=-1) for j in range(k)], -1)).tolist()
-        t, generated = first - 1, 1  # the prefill samples the first response token
+        t, generated, chains = first - 1, 1, []  # the prefill samples the first response token
         while generated < limit:
             n, avail = 0, min(k, last - t - 1)
             while n < avail and hits[t][n]:
                 n += 1
-            num_drafts += 1
-            for j in range(n):
-                accepted[j] += 1
+            chains.append((generated, n))
             t, generated = t + n + 1, generated + n + 1
-    return num_drafts, accepted
+        out.append((last - first + 1, chains))
+    return out
+
+
+def drafting_counts(chains: list[tuple[int, list[tuple[int, int]]]], k: int) -> tuple[int, list[int]]:
+    """(drafts made, [accepted drafts at position 0..k-1]) of ``replay_chains``' drafts."""
+    made = [n for _, seq in chains for _, n in seq]
+    return len(made), [sum(n > j for n in made) for j in range(k)]
+
+
+def acceptance_by_share(chains: list[tuple[int, list[tuple[int, int]]]], k: int,
+                        min_drafts: int = 16) -> list[tuple[float, int, list[float]]]:
+    """Replayed acceptance by how much of the rollout was still generating.
+
+    A rollout's N sequences start together and leave at their lengths, so
+    when a draft is made after p generated tokens, the sequences longer
+    than p are in flight. Bucket j holds the drafts made while N / 2^(j+1)
+    < in flight <= N / 2^j: the head's acceptance where a replica's batch
+    has shrunk to that share of its rollout, e.g. the long tail, whose
+    responses can be harder to draft than the rollout's average
+    (``AdaptiveK.draft_estimated``).
+
+    Args:
+        chains: ``replay_chains`` of all N sequences of the rollout.
+        k: draft positions (num_speculative_tokens).
+        min_drafts: buckets with fewer drafts are left out (noise).
+
+    Returns:
+        [(share of the rollout in flight, at most 2^-j; drafts in the
+        bucket; accepted / drafts at position 0..k-1)], j ascending.
+    """
+    lengths = sorted(length for length, _ in chains)
+    buckets: dict[int, list[int]] = collections.defaultdict(list)
+    for _, seq in chains:
+        for p, n in seq:
+            running = len(lengths) - bisect.bisect_right(lengths, p)  # >= 1: this sequence
+            buckets[int(math.log2(len(lengths) / running))].append(n)
+    return [(2.0 ** -j, len(ns), [sum(n > i for n in ns) / len(ns) for i in range(k)])
+            for j, ns in sorted(buckets.items()) if len(ns) >= min_drafts]

@@ -26,7 +26,7 @@ import torch
 
 from rayspec.devices import to_device, to_host
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
-from rayspec.draft.loss import draft_top1, eagle3_loss, replay_drafting
+from rayspec.draft.loss import acceptance_by_share, draft_top1, drafting_counts, eagle3_loss, replay_chains
 
 
 class DraftTrainer:
@@ -50,7 +50,7 @@ class DraftTrainer:
             here; everything this actor returns is host memory.
         num_speculative_tokens: the replicas' k, where they draft greedily:
             ``train`` then replays their drafting on each RL step's rollouts
-            (``loss.replay_drafting``) to estimate the head's acceptance, for
+            (``loss.replay_chains``) to estimate the head's acceptance, for
             adaptive k. None: no estimate.
     """
 
@@ -118,6 +118,9 @@ class DraftTrainer:
             began, the one the replicas drafted this step's rollouts with,
             is replayed on all of this step's responses, which it never
             trained on; empty without ``num_speculative_tokens``),
+            "draft_acceptance_by_share" (the same by the share of the
+            step's sequences still generating when each draft was made,
+            ``loss.acceptance_by_share``: [[share, drafts, rates]]),
             "time_s" (seconds of this call), "start_time"/"end_time" (epoch s)}.
 
         Raises:
@@ -174,6 +177,7 @@ class DraftTrainer:
         return {"draft_loss": sum(losses) / len(losses) if losses else float("nan"),
                 "draft_top1_per_step": per_step, "draft_version": self.version,
                 "draft_acceptance_estimate": replay.rates(),
+                "draft_acceptance_by_share": replay.rates_by_share(),
                 "time_s": time.perf_counter() - t0, "start_time": t_start, "end_time": time.time()}
 
     def get_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -241,8 +245,8 @@ _ABANDONED = object()  # wakes a train() call that set_state abandoned
 
 class _DraftingReplay:
     """The replicas' drafting replayed on an RL step's chunks
-    (``loss.replay_drafting``) with a copy of ``head`` as it is now; k None:
-    nothing (``rates`` is empty)."""
+    (``loss.replay_chains``) with a copy of ``head`` as it is now; k None:
+    nothing (the rates are empty)."""
 
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, k: int | None):
         # the output layer is frozen within a train call (set from the verifier
@@ -250,20 +254,24 @@ class _DraftingReplay:
         out = head.lm_head.weight
         self.head = copy.deepcopy(head, memo={id(out): out}).eval() if k else None
         self.embed, self.k = embed, k
-        self.drafts, self.accepted = 0, [0] * (k or 0)
+        self.chains: list = []  # per sequence of the step: (length, [(generated, accepted)])
 
     def add(self, f: dict[str, torch.Tensor]) -> None:
         """Replay one chunk (host or device tensors: moved to the head's device)."""
         if self.head is None:
             return
         f = to_device(f, self.embed.device)
-        n, acc = replay_drafting(draft_top1(self.head, f["input_ids"], f["aux_hidden"], self.embed, self.k),
-                                 f["input_ids"], f["loss_mask"], self.k)
-        self.drafts, self.accepted = self.drafts + n, [a + b for a, b in zip(self.accepted, acc)]
+        self.chains += replay_chains(draft_top1(self.head, f["input_ids"], f["aux_hidden"], self.embed, self.k),
+                                     f["input_ids"], f["loss_mask"], self.k)
 
     def rates(self) -> list[float]:
         """Accepted drafts per position over drafts made (empty: none)."""
-        return [a / self.drafts for a in self.accepted] if self.drafts else []
+        drafts, accepted = drafting_counts(self.chains, self.k or 0)
+        return [a / drafts for a in accepted] if drafts else []
+
+    def rates_by_share(self) -> list[list]:
+        """``loss.acceptance_by_share`` of the step, as JSON-ready lists."""
+        return [[share, n, rates] for share, n, rates in acceptance_by_share(self.chains, self.k)] if self.k else []
 
 
 class _StepChunks:

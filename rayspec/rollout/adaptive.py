@@ -56,13 +56,16 @@ responses with the head the step began with
 (``rayspec.draft.loss.replay_drafting``), even where no replica drafted. The
 estimate replaces the probe: a head the estimate says pays is drafted with at
 once, wherever its measured predecessor was switched off, and one it says
-does not pay costs nothing. Each estimate is scaled by a per-position
-calibration, measured / estimated, learned from the rollouts that drafted
-right after an estimate: the head sent out is one step further trained than
-the one replayed, the policy moved since the responses were sampled, and
-the replay covers every response while a schedule drafts only at some batch
-sizes (in RL on 2 CPU cores: the tail, whose long responses the replicas
-accepted at a third to a half of the replayed rate, docs/benchmarks.md).
+does not pay costs nothing. The replay also comes by share of the rollout
+in flight (``rayspec.draft.loss.acceptance_by_share``): a rollout's tail,
+where a schedule on CPUs drafts, holds its longest responses, which the
+replicas accepted at a third to a half of the whole rollout's replayed rate
+(RL on 2 CPU cores, docs/benchmarks.md); so each batch size drafts by the
+rates of its share of the rollout (``rates_at``). Each estimate is scaled
+by a per-position calibration, measured / estimated where the schedule
+drafted, learned from the rollouts that drafted right after an estimate:
+the head sent out is one step further trained than the one replayed, and
+the policy moved since the responses were sampled.
 
 Match drafters (vLLM's ``ngram`` and ``suffix`` methods) draft only where
 their match does, and suffix drafts end where the match does, up to k.
@@ -459,6 +462,13 @@ class AdaptiveK:
         match_drafter: the drafter drafts only where its match does
             (``MATCH_DRAFTERS``: n-gram, suffix), from the policy's own text:
             f is measured, and a policy refit counts as a draft refit.
+        share_scale: per bucket j of the rollout's share in flight (b / n
+            in (2^-(j+1), 2^-j], n the last rollout's sequences), per
+            position, the estimated rate there over the estimate's overall
+            rate (``draft_estimated``'s ``by_share``; empty: 1 everywhere).
+            ``rates`` are overall rates; at batch size b the controller
+            drafts by ``rates_at(b)``.
+        sequences: sequences of the last rollout (``observe``; 0: none yet).
     """
 
     k_max: int
@@ -473,6 +483,8 @@ class AdaptiveK:
     calibration: list[float] = field(default_factory=list)
     draft_fraction: float = 1.0
     match_drafter: bool = False
+    share_scale: dict[int, list[float]] = field(default_factory=dict)
+    sequences: int = 0
     _refits: int = field(default=0, init=False, repr=False)  # since the last probe
     _estimate: list[float] | None = field(default=None, init=False, repr=False)  # not yet measured
 
@@ -483,17 +495,43 @@ class AdaptiveK:
             self._refits = 0
             self.probe = True
 
-    def draft_estimated(self, rates: list[float]) -> None:
+    def draft_estimated(self, rates: list[float], by_share: list | None = None) -> None:
         """The current draft's per-position acceptance rates as the
         DraftTrainer estimated them (``rayspec.draft.loss.replay_drafting``):
         they become the controller's rates, scaled by ``calibration`` and
         extrapolated to k_max, until a rollout measures the draft; no probe
-        is needed for it."""
+        is needed for it.
+
+        ``by_share``: the same replay by share of the rollout in flight
+        (``rayspec.draft.loss.acceptance_by_share``: [(share, drafts,
+        rates)]); it sets ``share_scale``, so the tail of a rollout drafts
+        by the tail's rates. None or empty: one rate for every batch size."""
         est = extrapolate_rates(list(rates), self.k_max)[:self.k_max]
         cal = self.calibration + [1.0] * (len(est) - len(self.calibration))
         self._estimate = est
         self.rates = [min(r * c, 1.0) for r, c in zip(est, cal)]
+        self.share_scale = {}
+        for share, _, bucket in by_share or []:
+            ext = extrapolate_rates(list(bucket), self.k_max)[:self.k_max]
+            self.share_scale[round(-math.log2(share))] = [x / e if e > 0 else 1.0 for x, e in zip(ext, est)]
         self.probe, self._refits = False, 0
+
+    def _scale(self, b: int) -> list[float] | None:
+        """``share_scale`` at batch size b: the bucket of b / n, or the
+        nearest one towards the full batch that the estimate had drafts in
+        (None: no buckets)."""
+        if not self.share_scale:
+            return None
+        n = self.sequences or self.max_num_seqs
+        j = int(math.log2(n / b)) if b < n else 0
+        have = sorted(self.share_scale)
+        return self.share_scale[max((x for x in have if x <= j), default=have[0])]
+
+    def rates_at(self, b: int) -> list[float]:
+        """Per-position acceptance rates at batch size b: ``rates`` x
+        ``share_scale`` of b's share of the rollout (at most 1)."""
+        scale = self._scale(b)
+        return [min(r * x, 1.0) for r, x in zip(self.rates, scale)] if scale else self.rates
 
     def observe(self, response_lens: list[int]) -> None:
         """Record how many token positions the last rollout spent at each
@@ -502,6 +540,7 @@ class AdaptiveK:
         ascending lengths run with n - i + 1 sequences in flight."""
         lens = sorted(response_lens)
         n, prev, out = len(lens), 0, {}
+        self.sequences = n
         for i, length in enumerate(lens):
             if length > prev:
                 b = min(n - i, self.max_num_seqs)
@@ -512,8 +551,29 @@ class AdaptiveK:
     def drafted_tokens(self, schedule: list[tuple[int, int, int]]) -> int:
         """Tokens the last rollout (``observe``) generated at the batch sizes
         where ``schedule`` drafts: sum of b x positions(b) over them."""
+        return sum(self._drafted_weights(schedule).values())
+
+    def rates_where(self, schedule: list[tuple[int, int, int]]) -> list[float]:
+        """Per-position rates over the batch sizes where ``schedule`` drafts
+        in the last rollout's shape (``observe``), weighted by their tokens:
+        what a rollout drafting by it should measure (``rates`` without
+        ``share_scale``)."""
+        return [min(r * x, 1.0) for r, x in zip(self.rates, self._drafted_scale(schedule))]
+
+    def _drafted_weights(self, schedule: list[tuple[int, int, int]]) -> dict[int, int]:
+        """{b: b x positions(b)} at the batch sizes where ``schedule`` drafts."""
         ks = {b: k for lo, hi, k in schedule for b in range(lo, hi + 1)}
-        return sum(b * n for b, n in self.positions.items() if ks.get(b, 0) > 0)
+        return {b: b * n for b, n in self.positions.items() if ks.get(b, 0) > 0}
+
+    def _drafted_scale(self, schedule: list | None) -> list[float]:
+        """Per position, ``share_scale`` over the batch sizes where
+        ``schedule`` drafted in the last rollout, weighted by their tokens
+        (1 without buckets or a schedule)."""
+        weights = self._drafted_weights(schedule) if self.share_scale and schedule else {}
+        total = sum(weights.values())
+        if not total:
+            return [1.0] * self.k_max
+        return [sum(w * self._scale(b)[i] for b, w in weights.items()) / total for i in range(self.k_max)]
 
     def rollout_seconds(self, schedule: list[tuple[int, int, int]]) -> float:
         """Predicted seconds of the last rollout's shape under ``schedule``:
@@ -526,12 +586,12 @@ class AdaptiveK:
         for b, n in self.positions.items():
             k = ks.get(b, 0)
             step = self._step(b, k) if k or idle else self.cost.sync_seconds(b)
-            total += n / self._tokens(k) * step
+            total += n / self._tokens(b, k) * step
         return total
 
-    def _tokens(self, k: int) -> float:
-        """Tokens per sequence-step at k: 1 + f (E(k) - 1)."""
-        return 1.0 + self.draft_fraction * (expected_tokens(self.rates, k) - 1.0)
+    def _tokens(self, b: int, k: int) -> float:
+        """Tokens per sequence-step at b sequences and k: 1 + f (E_b(k) - 1)."""
+        return 1.0 + self.draft_fraction * (expected_tokens(self.rates_at(b), k) - 1.0)
 
     def _step(self, b: int, k: int) -> float:
         """Seconds of a step at b sequences and k: t(b, 0) + f (t(b, k) - t(b, 0))."""
@@ -539,7 +599,7 @@ class AdaptiveK:
         return t0 + self.draft_fraction * (self.cost.seconds(b, k) - t0)
 
     def update(self, accepted_per_pos: list[int], num_drafts: int, positions: int,
-               sequence_steps: int | None = None) -> None:
+               sequence_steps: int | None = None, schedule: list | None = None) -> None:
         """Fold one rollout's counters into the per-position rates.
 
         Args:
@@ -552,9 +612,14 @@ class AdaptiveK:
             sequence_steps: sequence-steps at the batch sizes that drafted:
                 num_drafts / sequence_steps updates ``draft_fraction`` of a
                 ``match_drafter`` (a model drafter's f stays 1).
+            schedule: the rollout's schedule: with ``share_scale``, the
+                counters are rates where it drafted, so they are compared
+                with the estimate there and divided by the scale there
+                before they update the overall ``rates``. None: as overall.
         """
         if num_drafts <= 0 or positions <= 0:
             return
+        scale = self._drafted_scale(schedule)
         new = [a / num_drafts for a in accepted_per_pos[:positions]]
         if self.match_drafter and sequence_steps:  # the first measurement replaces f's prior of 1, as for the rates
             f = min(num_drafts / sequence_steps, 1.0)
@@ -563,10 +628,11 @@ class AdaptiveK:
         if self._estimate is not None:  # the first measurement of an estimated draft
             self.calibration += [1.0] * (len(new) - len(self.calibration))
             for i, r in enumerate(new):
-                if self._estimate[i] > 0:  # a ratio far off is noise from a few drafts: capped
-                    ratio = min(r / self._estimate[i], 2.0)
+                if self._estimate[i] * scale[i] > 0:  # a ratio far off is noise from a few drafts: capped
+                    ratio = min(r / (self._estimate[i] * scale[i]), 2.0)
                     self.calibration[i] = (1 - self.ema) * self.calibration[i] + self.ema * ratio
             self._estimate = None
+        new = [min(r / x, 1.0) if x > 0 else r for r, x in zip(new, scale)]  # the overall rates
         if not self.rates:  # positions not yet measured: extrapolate geometrically
             self.rates = extrapolate_rates(new, self.k_max)
             return
@@ -579,7 +645,7 @@ class AdaptiveK:
         plain = 1.0 / self.cost.seconds(b, 0)
         best, best_tp = 0, plain * self.margin
         for k in range(1, self.k_max + 1):
-            tp = self._tokens(k) / self._step(b, k)
+            tp = self._tokens(b, k) / self._step(b, k)
             if tp > best_tp:
                 best, best_tp = k, tp
         return best

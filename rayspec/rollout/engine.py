@@ -323,9 +323,10 @@ class SpecVLLMEngine:
                 checkpoints). None: the weights went through a weight-sync
                 group (``receive_weights``).
             draft_acceptance: (draft version, per-position acceptance rates
-                the DraftTrainer estimated for it); adaptive k drafts by them
-                where this replica holds that version and has not had them
-                yet (``AdaptiveK.draft_estimated``). Ignored otherwise.
+                the DraftTrainer estimated for it[, the same by share of the
+                rollout in flight]); adaptive k drafts by them where this
+                replica holds that version and has not had them yet
+                (``AdaptiveK.draft_estimated``). Ignored otherwise.
 
         Returns:
             (RolloutBatch with ``n * len(prompt_ids)`` rows, grouped by prompt,
@@ -384,14 +385,14 @@ class SpecVLLMEngine:
         stats.replicas = {self.replica_id: dataclasses.replace(stats)}
         return batch, stats
 
-    def _draft_estimated(self, version: int, rates: list[float]) -> None:
+    def _draft_estimated(self, version: int, rates: list[float], by_share: Optional[list] = None) -> None:
         """Hand the estimate of draft ``version`` to the controller once, if
         that draft is the one loaded (an async rollout may carry the estimate
         of a draft this replica has not received yet, or replaced)."""
         if version != self.draft_version or version == self._estimated_version or not rates:
             return
         self._estimated_version = version
-        self.adaptive.draft_estimated(rates)
+        self.adaptive.draft_estimated(rates, by_share)
         new = self.adaptive.schedule()
         if new != self.k_schedule:
             with self._busy_section():
@@ -405,7 +406,7 @@ class SpecVLLMEngine:
         self.adaptive.observe(response_lens)
         # each sequence-step emits one token plus its accepted drafts
         steps = max(self.adaptive.drafted_tokens(schedule) - stats.num_accepted_tokens, stats.num_drafts)
-        self.adaptive.update(stats.accepted_per_pos, stats.num_drafts, min(drafted, default=0), steps)
+        self.adaptive.update(stats.accepted_per_pos, stats.num_drafts, min(drafted, default=0), steps, schedule)
         new = self.adaptive.schedule()
         if new != [tuple(r) for r in schedule]:
             with self._busy_section():

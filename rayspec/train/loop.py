@@ -70,7 +70,7 @@ class StepContext:
         self.batches = 0  # batches drawn: the RL step the last submitted batch trains at
         self.draft_alive = True
         self.draft_version = 0
-        self.draft_acceptance: tuple[int, list[float]] | None = None  # the DraftTrainer's estimate
+        self.draft_acceptance: tuple | None = None  # the DraftTrainer's estimate (version, rates, by share)
 
     def submit_rollout(self):
         """Start the next prompts' rollouts on the replicas; returns
@@ -245,7 +245,8 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
             ctx.draft_version = draft_m["draft_version"]
             # replayed with the head the step began with; it goes out with the newer head
             # (the replicas' measured / estimated calibration absorbs the difference)
-            ctx.draft_acceptance = (ctx.draft_version, draft_m["draft_acceptance_estimate"])
+            ctx.draft_acceptance = (ctx.draft_version, draft_m["draft_acceptance_estimate"],
+                                    draft_m["draft_acceptance_by_share"])
             with timer("sync"):
                 ctx.refit("draft", ray.get(draft.vllm_weights.remote()), ctx.draft_version)
     dist.barrier()  # feature ObjectRefs are owned by their ranks: keep them alive until used
@@ -289,6 +290,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         "draft_loss": draft_m.get("draft_loss", float("nan")),
         "draft_top1_per_step": draft_m.get("draft_top1_per_step", []),
         "draft_acceptance_estimate": draft_m.get("draft_acceptance_estimate", []),
+        "draft_acceptance_by_share": draft_m.get("draft_acceptance_by_share", []),
         "num_drafts": stats.num_drafts,
         "num_draft_tokens": stats.num_draft_tokens,
         "num_accepted_tokens": stats.num_accepted_tokens,
