@@ -38,6 +38,11 @@ def test_step_cost_interpolates_in_log_batch_and_linearly_in_k():
     assert 0.030 < CPU_COST.seconds(20, 0) < 0.100
     assert CPU_COST.seconds(128, 0) == pytest.approx(0.200)  # past the last point: per sequence
     assert CPU_COST.cost_ratio(1) == pytest.approx(0.15)
+    # with a k = 1 calibration: linear from plain to it, then from it to k = K
+    kinked = StepCost(CPU_COST.concurrency, CPU_COST.plain_s, CPU_COST.spec_s, 3, spec1_s=[0.024, 0.050, 0.200])
+    assert kinked.seconds(8, 0) == pytest.approx(0.030) and kinked.seconds(8, 1) == pytest.approx(0.050)
+    assert kinked.seconds(8, 2) == pytest.approx(0.0625) and kinked.seconds(8, 3) == pytest.approx(0.075)
+    assert StepCost([1], [0.02], [0.03], 1, spec1_s=[0.05]).seconds(1, 1) == pytest.approx(0.03)  # K = 1: spec_s
 
 
 def test_good_draft_speculates_in_the_tail_only_and_bad_draft_never():
@@ -340,7 +345,8 @@ def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head, in_
     try:
         cost = eng.adaptive.cost
         assert cost.concurrency == [1, 4, 8] and cost.k == 3
-        assert len(cost.sync_s) == 3 and all(s > 0 for s in cost.plain_s + cost.spec_s + cost.sync_s)
+        assert len(cost.sync_s) == len(cost.spec1_s) == 3
+        assert all(s > 0 for s in cost.plain_s + cost.spec_s + cost.sync_s + cost.spec1_s)
         prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
         rejection_calls = []
         forward = RejectionSampler.forward

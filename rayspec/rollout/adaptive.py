@@ -43,9 +43,10 @@ rollout and the steps run with one sequence left, where a draft token costs
 least, and it measures every position at once (a 1-token probe left the
 later positions at their old rates, which a schedule drafting fewer tokens
 never measures again). t(b, k) comes from a
-calibration on the engine itself (plain, k = 0 with the drafter in sync, and
-k=K steps at a few concurrencies, linear in k between them, log-linear in
-b); the rates are updated after every rollout. They start from the draft's
+calibration on the engine itself (plain, k = 0 with the drafter in sync,
+k = 1 and k = K steps at a few concurrencies, linear in k between them,
+log-linear in b; the first draft brings the rejection sampler into the
+step, so t(b, 1) sits well above the line from plain to k = K); the rates are updated after every rollout. They start from the draft's
 held-out rates where ``jobs.warmstart_draft`` recorded them beside the head
 (``acceptance.json``); without them the first rollout drafts k_max at every
 batch size to measure them.
@@ -402,6 +403,12 @@ class StepCost:
         sync_s: seconds of a k = 0 step whose drafter keeps its KV in sync,
             as it must while the schedule drafts at any batch size (empty:
             as ``plain_s``).
+        spec1_s: seconds of a step with 1 draft at each b (empty: on the
+            line from ``plain_s`` to ``spec_s``). The first draft costs more
+            than the next ones: it brings the rejection sampler and a second
+            query token per sequence into every step (measured on 2 CPU
+            cores, suffix drafts at 16 sequences: k = 1 +33% over plain,
+            k = 8 +54%, ``jobs.bench_step``).
     """
 
     concurrency: list[int]
@@ -409,6 +416,7 @@ class StepCost:
     spec_s: list[float]
     k: int
     sync_s: list[float] = field(default_factory=list)
+    spec1_s: list[float] = field(default_factory=list)
 
     def _interp(self, ys: list[float], b: int) -> float:
         xs = self.concurrency
@@ -421,9 +429,13 @@ class StepCost:
         return ys[j - 1] + w * (ys[j] - ys[j - 1])
 
     def seconds(self, b: int, k: int) -> float:
-        """t(b, k): linear in k between the plain and the k=K step."""
-        t0 = self._interp(self.plain_s, b)
-        return t0 + (self._interp(self.spec_s, b) - t0) * k / self.k
+        """t(b, k): linear in k between the calibrated plain, k = 1 and
+        k = K steps (plain to K without a k = 1 calibration)."""
+        t0, tk = self._interp(self.plain_s, b), self._interp(self.spec_s, b)
+        if not self.spec1_s or self.k == 1 or k == 0:
+            return t0 + (tk - t0) * k / self.k
+        t1 = self._interp(self.spec1_s, b)
+        return t1 + (tk - t1) * (k - 1) / (self.k - 1)
 
     def sync_seconds(self, b: int) -> float:
         """t(b, 0) with the drafter kept in sync."""

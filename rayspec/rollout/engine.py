@@ -260,7 +260,8 @@ class SpecVLLMEngine:
                   tokens: int = 16) -> adaptive_k_mod.StepCost:
         """Measure the seconds of one engine step at several batch sizes
         (default 1, 4, 16, ... up to max_num_seqs): plain (k = 0, drafter
-        idle), k = 0 with the drafter kept in sync, and k drafts.
+        idle), k = 0 with the drafter kept in sync, 1 draft (if k > 1) and k
+        drafts.
 
         Each batch size runs b copies of a 32-token periodic prompt greedily
         for ``tokens`` new tokens (ignore_eos; the repetition gives n-gram and
@@ -286,23 +287,24 @@ class SpecVLLMEngine:
             wall = time.perf_counter() - t0
             return wall, read_counters(self.llm.get_metrics())["num_accepted_tokens"] - before["num_accepted_tokens"]
 
-        plain, sync, spec = [], [], []
+        plain, sync, spec1, spec = [], [], [], []
+        runs = [(0, None, plain), (0, False, sync)] + ([(1, None, spec1)] if k > 1 else []) + [(k, None, spec)]
         with self._busy_section():
             self._wake()
             for b in bs:
-                for kk, idle, out in ((0, None, plain), (0, False, sync), (k, None, spec)):
+                for kk, idle, out in runs:
                     self.set_k_schedule(adaptive_k_mod.uniform(kk, self.max_num_seqs), drafter_idle=idle)
                     prefill, _ = run(b, 1)
                     wall, accepted = run(b, tokens)
                     steps = tokens - 1 - accepted / b
                     out.append(max(wall - prefill, 1e-6) / max(steps, 1.0))
-        return adaptive_k_mod.StepCost(bs, plain, spec, k, sync_s=sync)
+        return adaptive_k_mod.StepCost(bs, plain, spec, k, sync_s=sync, spec1_s=spec1)
 
     def generate(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, max_tokens: int = 128, group_offset: int = 0,
                  seed: Optional[int] = None,
                  refits: Optional[dict[str, tuple[int, Any]]] = None,
-                 draft_acceptance: Optional[tuple[int, list[float]]] = None) -> tuple[RolloutBatch, SpecStats]:
+                 draft_acceptance: Optional[tuple] = None) -> tuple[RolloutBatch, SpecStats]:
         """Sample ``n`` responses per prompt.
 
         Args:
