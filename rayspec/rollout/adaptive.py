@@ -46,8 +46,9 @@ never measures again). t(b, k) comes from a
 calibration on the engine itself (plain, k = 0 with the drafter in sync,
 k = 1 and k = K steps at a few concurrencies, linear in k between them,
 log-linear in b; the first draft brings the rejection sampler into the
-step, so t(b, 1) sits well above the line from plain to k = K); the rates are updated after every rollout. They start from the draft's
-held-out rates where ``jobs.warmstart_draft`` recorded them beside the head
+step, so t(b, 1) sits well above the line from plain to k = K); the rates
+are updated after every rollout. They start from the draft's held-out
+rates where ``jobs.warmstart_draft`` recorded them beside the head
 (``acceptance.json``); without them the first rollout drafts k_max at every
 batch size to measure them.
 
@@ -568,8 +569,8 @@ class AdaptiveK:
     def rates_where(self, schedule: list[tuple[int, int, int]]) -> list[float]:
         """Per-position rates over the batch sizes where ``schedule`` drafts
         in the last rollout's shape (``observe``), weighted by their tokens:
-        what a rollout drafting by it should measure (``rates`` without
-        ``share_scale``)."""
+        what a rollout drafting by it should measure (``rates`` where
+        there is no ``share_scale``)."""
         return [min(r * x, 1.0) for r, x in zip(self.rates, self._drafted_scale(schedule))]
 
     def _drafted_weights(self, schedule: list[tuple[int, int, int]]) -> dict[int, int]:
