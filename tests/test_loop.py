@@ -72,6 +72,7 @@ def test_tiny_loop_async_split_two_replicas(ray_session, tiny_llama_dir, tmp_pat
         assert len(est) == cfg.rollout.speculative_config.num_speculative_tokens and all(0 <= x <= 1 for x in est)
         # the same by share of the step in flight: halving shares, each with its drafts and rates
         shares = [share for share, _, _ in r["draft_acceptance_by_share"]]
+        assert shares, r["draft_acceptance_by_share"]
         assert shares == sorted(shares, reverse=True) and all(s == 2.0 ** round(math.log2(s)) <= 1 for s in shares)
         assert all(n >= 16 and len(rates) == len(est) for _, n, rates in r["draft_acceptance_by_share"])
     # weights went through the collective transport (gloo; auto), landing behind the rollouts

@@ -586,7 +586,8 @@ class AdaptiveK:
         total = sum(weights.values())
         if not total:
             return [1.0] * self.k_max
-        return [sum(w * self._scale(b)[i] for b, w in weights.items()) / total for i in range(self.k_max)]
+        scaled = [[w * x for x in self._scale(b)] for b, w in weights.items()]
+        return [sum(col) / total for col in zip(*scaled)]
 
     def rollout_seconds(self, schedule: list[tuple[int, int, int]]) -> float:
         """Predicted seconds of the last rollout's shape under ``schedule``:
