@@ -6,8 +6,8 @@
         [--temperature 1.0,0] [--max-tokens 64] [--dtype float32] [--repeats 1]
         [--fixed-group-size 1] [--fresh-prompts] [--no-untrained-head]
 
-One engine per method (no speculation, eagle3, draft_model, ngram, suffix,
-suffix-group),
+One engine per method (no speculation, eagle3, eagle3-sampled, draft_model,
+ngram, suffix, suffix-group),
 built once per round with the largest k and a batch-size schedule, so k is
 switched at run time (``rayspec.rollout.adaptive``) instead of rebuilding;
 EAGLE-3 heads are swapped into the same engine through the refit path. Every cell runs the
@@ -27,6 +27,12 @@ Sequence i of every cell samples with seed i: where a speculative engine
 samples as the plain one does (k = 0 at every batch size), it draws the very
 same responses (``responses_sha1``), so its rollout runs the same tail and
 differs from the plain one only in what the engine costs.
+
+``eagle3-sampled`` runs the same heads with ``draft_sample_method:
+probabilistic`` (vLLM's key): each draft is sampled from the head's
+distribution q and accepted with probability min(1, p/q), so a position is
+accepted with probability sum_v min(p, q), where greedy drafts are accepted
+with p(argmax q), at most E[max_v p(v)].
 
 Suffix decoding (vLLM's ``suffix`` method, Arctic Inference's suffix tree)
 runs twice: ``suffix`` drafts from the sequence's own prompt and response
@@ -86,7 +92,7 @@ from tqdm import tqdm
 from rayspec.rollout.adaptive import format_schedule, geometric_rate, physical_limit, uniform
 
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-METHODS = ("none", "eagle3", "draft_model", "ngram", "suffix", "suffix-group")
+METHODS = ("none", "eagle3", "eagle3-sampled", "draft_model", "ngram", "suffix", "suffix-group")
 FULL = {"k": [1, 2, 3, 4, 5], "concurrency": [1, 8, 32, 128], "temperature": [1.0, 0.0],
         "max_tokens": 64, "methods": list(METHODS), "rollout_prompts": 8, "group_size": 8,
         "rollout_max_tokens": 256}
@@ -372,12 +378,12 @@ def engine_units(methods: list[str], heads: dict[str, Path], draft_model, draft_
     drafter's output layer and d2t map from the first head's config."""
     units = []
     for method in methods:
-        if method == "eagle3":
+        if method in ("eagle3", "eagle3-sampled"):
             by_vocab: dict[int, list] = {}
             for name, d in heads.items():
                 cfg = json.loads((Path(d) / "config.json").read_text())
                 by_vocab.setdefault(cfg.get("draft_vocab_size") or cfg["vocab_size"], []).append((name, d))
-            units.extend(("eagle3", group) for group in by_vocab.values())
+            units.extend((method, group) for group in by_vocab.values())
         elif method == "draft_model":
             units.append((method, [(f"layers{draft_layers}", draft_model())]))
         else:
@@ -390,10 +396,13 @@ def _speculative_config(method: str, draft_dir, kmax: int, max_seqs: int) -> dic
     batch-size schedule, so k changes at run time; None for no speculation."""
     if method == "none":
         return None
-    spec = {"method": "suffix" if method == "suffix-group" else method, "num_speculative_tokens": kmax,
+    base = {"suffix-group": "suffix", "eagle3-sampled": "eagle3"}.get(method, method)
+    spec = {"method": base, "num_speculative_tokens": kmax,
             "num_speculative_tokens_per_batch_size": uniform(kmax, max_seqs)}
-    if method in ("eagle3", "draft_model"):
+    if base in ("eagle3", "draft_model"):
         spec["model"] = str(draft_dir)
+    if method == "eagle3-sampled":  # drafts sampled from the head's q, accepted with min(1, p/q)
+        spec["draft_sample_method"] = "probabilistic"
     if method == "ngram":
         spec.update(prompt_lookup_max=4, prompt_lookup_min=2)
     if method == "suffix":  # the sequence's own text only; suffix-group keeps vLLM's window
@@ -463,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --eagle3 {spec}: expected NAME=DIR with an EAGLE-3 head", file=sys.stderr)
             return 2
         heads[name] = Path(d)
-    if "eagle3" in args.methods and not heads:
+    if {"eagle3", "eagle3-sampled"} & set(args.methods) and not heads:
         print("error: --no-untrained-head: method eagle3 then needs --eagle3 NAME=DIR", file=sys.stderr)
         return 2
     units = engine_units(args.methods, heads, lambda: truncated_copy(
@@ -486,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 _cell(engine, fixed[0, *grid[0]], 2, 1.0, 8, ignore_eos=True)  # first-call warm-up, untimed
                 for draft, d in drafts:
-                    if method == "eagle3" and d != drafts[0][1]:
+                    if method.startswith("eagle3") and d != drafts[0][1]:
                         engine.update_draft(vllm_state_dict(load_head(d)), engine.draft_version + 1)
                     todo = [(t, c, 0) for t in args.temperature for c in args.concurrency] if method == "none" else grid
                     desc = f"{method} {draft}".strip() + (f", round {r + 1}/{args.repeats}" if args.repeats > 1 else "")

@@ -152,8 +152,8 @@ class AdaptiveKConfig:
         probe_every: while no k pays, a draft refit is tried at one
             sequence in flight every this many refits (each try keeps the
             drafter's KV in sync for a whole rollout); not where the
-            DraftTrainer estimates each refit's acceptance
-            (``estimated_k``), which decides instead.
+            DraftTrainer estimates each refit's acceptance (online EAGLE-3),
+            which decides instead.
     """
 
     enabled: bool = False
@@ -738,15 +738,6 @@ def _default(d: dict, key: str, value: Any) -> None:
 def draft_online(cfg: RunConfig) -> bool:
     """Online draft training runs for EAGLE-3 when enabled."""
     return cfg.draft.enabled and cfg.rollout.speculative_config.method == "eagle3"
-
-
-def estimated_k(cfg: RunConfig) -> int | None:
-    """The k at which the DraftTrainer replays the replicas' drafting to
-    estimate the head's acceptance (``rayspec.draft.loss.replay_drafting``),
-    or None where the replay would not be what a replica does: sampled
-    drafts (``draft_sample_method: probabilistic``)."""
-    spec = cfg.rollout.speculative_config
-    return None if spec.draft_sample_method == "probabilistic" else spec.num_speculative_tokens
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -208,15 +208,6 @@ def test_estimate_by_share_drafts_the_tail_by_the_tails_rates_and_calibrates_whe
     assert flat.calibration == pytest.approx([(1 + 0.9 / 0.8) / 2, (1 + 0.8 / 0.6) / 2])
 
 
-def test_acceptance_estimate_needs_greedy_drafts():
-    """The replay is what a replica does only where it drafts greedily."""
-    from rayspec.config import estimated_k, load_config
-
-    assert estimated_k(load_config(None, ["rollout.speculative_config.num_speculative_tokens=4"])) == 4
-    assert estimated_k(load_config(None, ["rollout.speculative_config.method=eagle3",
-                                          "rollout.speculative_config.draft_sample_method=probabilistic"])) is None
-
-
 def test_acceptance_record_round_trips_and_bad_ones_name_the_file(tmp_path):
     assert read_acceptance(tmp_path) is None and read_acceptance(None) is None
     path = write_acceptance(tmp_path, [0.21, 0.06, 0.02], k=3, temperature=1.0)

@@ -43,6 +43,9 @@ def test_suffix_drafts_from_its_own_text_and_suffix_group_from_the_window():
     own, group = (_speculative_config(m, None, 8, 32) for m in ("suffix", "suffix-group"))
     assert own["method"] == group["method"] == "suffix" and own["num_speculative_tokens"] == 8
     assert own["suffix_decoding_max_cached_requests"] == 0 and "suffix_decoding_max_cached_requests" not in group
+    greedy, sampled = (_speculative_config(m, "/heads/warm", 3, 32) for m in ("eagle3", "eagle3-sampled"))
+    assert greedy["method"] == sampled["method"] == "eagle3" and sampled["model"] == "/heads/warm"
+    assert "draft_sample_method" not in greedy and sampled["draft_sample_method"] == "probabilistic"
 
 
 def test_table_columns_line_up_where_a_figure_is_missing():

@@ -166,6 +166,20 @@ def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_p
     assert est == pytest.approx([sum(a[j] for _, a in counts) / drafts for j in range(3)]) and est[0] > 0.5
     # by share of the step in flight: 4 sequences of 12 tokens, all in flight throughout
     assert again_m["draft_acceptance_by_share"] == [[1.0, drafts, pytest.approx(est)]]
+    # replicas sampling their drafts: at temperature 0 they are the greedy ones;
+    # at 1 the replay draws acceptances (test_sampled_drafts_replay_predicts_replica_acceptance)
+    for temperature in (0.0, 1.0):
+        sampled = DraftTrainer(str(tmp_path / "trained"), lr=1e-3, ttt_steps=2, num_threads=2,
+                               num_speculative_tokens=3, draft_sample_method="probabilistic", temperature=temperature)
+        sampled.submit_features(feats)
+        m = sampled.train(_verifier(tiny_policy), 0)
+        if temperature == 0.0:
+            assert m["draft_acceptance_estimate"] == pytest.approx(est)
+        else:
+            rates = m["draft_acceptance_estimate"]
+            assert len(rates) == 3 and all(0 <= r <= 1 for r in rates) and rates != pytest.approx(est)
+            [(share, _, by_share)] = m["draft_acceptance_by_share"]
+            assert share == 1.0 and by_share == pytest.approx(rates)
 
 
 def test_draft_trainer_trains_on_features_as_they_arrive(tiny_policy, tmp_path):
@@ -443,3 +457,75 @@ def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp
     assert after.acceptance_length > before.acceptance_length + 0.3
     assert (again.num_drafts, again.num_accepted_tokens) == (after.num_drafts, after.num_accepted_tokens)
     assert versions["draft"] == 2
+
+
+def _replayed_rates(head, policy, batch: RolloutBatch, k: int, temperature: float, draws: int = 40):
+    """(drafts, accepted per position) of ``draws`` replays of sampled drafts
+    on ``batch`` (loss.draft_overlap, loss.sampled_hits), in sum."""
+    from rayspec.draft.loss import draft_overlap, drafting_counts, replay_chains, sampled_hits
+
+    t = batch.to_padded(0)
+    with torch.no_grad(), capture_eagle3_features(policy, [1, 3, 4]) as f:
+        policy(input_ids=t["input_ids"], attention_mask=t["attention_mask"])
+    overlap = draft_overlap(head, t["input_ids"], f["aux_hidden"], f["final_hidden"], t["response_mask"],
+                            policy.model.embed_tokens.weight, policy.lm_head.weight, k, temperature)
+    g = torch.Generator().manual_seed(0)
+    drafts, accepted = 0, [0] * k
+    for _ in range(draws):
+        n, acc = drafting_counts(replay_chains(sampled_hits(overlap, g), t["response_mask"], k), k)
+        drafts, accepted = drafts + n, [a + b for a, b in zip(accepted, acc)]
+    return drafts, accepted
+
+
+@pytest.mark.slow
+def test_sampled_drafts_replay_predicts_replica_acceptance(tmp_path, in_process_engine_core):
+    """``draft_sample_method: probabilistic``: vLLM accepts a draft sampled
+    from the head's q with probability sum_v min(p, q) (``loss.draft_overlap``),
+    so the DraftTrainer's replay of sampled drafts predicts a replica's
+    acceptance per position, for an untrained head and a trained one, on a
+    Markov-chain policy (exact, peaked next-token distributions); the trained
+    head's sampled drafts are accepted above the greedy drafts' ceiling
+    E[max_v p(v)]."""
+    from rayspec.models import make_markov_llama
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+    from rayspec.rollout.lossless import markov_logits
+
+    k, temp, n_tokens = 3, 1.0, 96
+    policy_dir = make_markov_llama(tmp_path / "policy", markov_logits(32, 6))
+    policy = load_policy(policy_dir).float().eval()
+    head = init_head(policy, [1, 3, 4])
+    save_head(head, tmp_path / "head")
+    eng = SpecVLLMEngine(str(policy_dir), {"method": "eagle3", "num_speculative_tokens": k,
+                                           "model": str(tmp_path / "head"), "draft_sample_method": "probabilistic"},
+                         dtype="float32", engine_kwargs=engine_kwargs(skip_tokenizer_init=True, max_num_seqs=64),
+                         env=cpu_engine_env(1, "all"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 31, (8,), generator=g).tolist() for _ in range(16)]
+    try:
+        measured = {}
+        batch, stats = eng.generate(prompts, n=4, temperature=temp, max_tokens=n_tokens, seed=1)
+        measured["untrained"] = (head, batch, stats)
+        trainer = DraftTrainer(str(tmp_path / "head"), lr=3e-3, ttt_steps=k, num_threads=2)
+        trainer.submit_features(_features(policy, batch, 0, chunk=16, aux_ids=[1, 3, 4]))
+        trainer.train(_verifier(policy), 40)
+        trained = load_head(tmp_path / "head")
+        trained.load_state_dict({**trained.state_dict(), **{n: v.float() for n, v in trainer.vllm_weights().items()}})
+        eng.update_draft(trainer.vllm_weights(), version=2)
+        batch, stats = eng.generate(prompts, n=4, temperature=temp, max_tokens=n_tokens, seed=2)
+        measured["trained"] = (trained, batch, stats)
+    finally:
+        eng.shutdown()
+    rates = {}
+    for name, (h, batch, stats) in measured.items():
+        drafts, accepted = _replayed_rates(h.eval(), policy, batch, k, temp)
+        rates[name] = ([a / drafts for a in accepted], [a / stats.num_drafts for a in stats.accepted_per_pos])
+        print(name, "replayed", [f"{r:.3f}" for r in rates[name][0]], "measured",
+              [f"{r:.3f}" for r in rates[name][1]], "drafts", stats.num_drafts)
+        # binomial noise of ~1500 drafts (~0.013) plus the teacher forcing's bias past position 0
+        assert rates[name][0] == pytest.approx(rates[name][1], abs=0.05), name
+    with torch.no_grad():
+        t = measured["trained"][1].to_padded(0)
+        probs = torch.softmax(policy(input_ids=t["input_ids"]).logits[:, :-1] / temp, -1)
+        ceiling = probs.max(-1).values[t["response_mask"].bool()].mean().item()
+    print(f"greedy ceiling E[max p] {ceiling:.3f}")
+    assert rates["trained"][1][0] > ceiling + 0.1 > rates["untrained"][1][0] + 0.1

@@ -132,11 +132,63 @@ def draft_top1(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tens
     return torch.stack(out, -1)
 
 
+@torch.no_grad()
+def draft_overlap(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
+                  final_hidden: torch.Tensor, loss_mask: torch.Tensor, embed_weight: torch.Tensor,
+                  lm_head_weight: torch.Tensor, steps: int, temperature: float = 1.0) -> torch.Tensor:
+    """[B, L, steps] float32 (on the host): sum_v min(p(v), q(v)) for the
+    head's step j from chain start t (the distributions of token t + 2 + j
+    at ``temperature``; 0 where that token is not a response token).
+
+    With ``draft_sample_method: probabilistic`` vLLM samples each draft from
+    the head's q and accepts it with probability min(1, p/q), so a draft is
+    accepted with probability sum_v min(p, q) = 1 - TV(p, q) (Leviathan et al.
+    2023, Sec. 3.1, beta), which can exceed the greedy draft's p(argmax q).
+    q is zero outside a reduced draft vocabulary (vLLM's eagle3
+    ``compute_logits`` gives those tokens -inf); p is the verifier's
+    distribution over all V tokens. Teacher forced (``unroll``): step j is
+    fed the sequence's tokens, where a replica feeds the accepted drafts.
+
+    Args:
+        input_ids: [B, L] int64; aux_hidden: [B, L, 3H]; final_hidden:
+            [B, L, H]; loss_mask: [B, L-1] (``eagle3_loss``'s);
+            embed_weight / lm_head_weight: [V, H] the verifier's.
+        steps: draft steps; temperature: > 0, the rollout's (both p and q
+            are taken at it, as vLLM's proposer and sampler do).
+    """
+    B, L = input_ids.shape
+    dtype = head.fc.weight.dtype
+    ids = head.draft_ids
+    mask = torch.cat([loss_mask, loss_mask.new_zeros(B, 1)], 1)  # [B, L]
+    out = torch.zeros(B, L, steps)
+    for j, normed in unroll(head, input_ids, aux_hidden, embed_weight, steps):
+        m = _shift(mask, 1 + j).bool()  # token t + 2 + j is a response token
+        p = torch.softmax((_shift(final_hidden, 1 + j)[m].to(dtype) @ lm_head_weight.to(dtype).T) / temperature, -1)
+        q = torch.softmax(head.lm_head(normed[m]) / temperature, -1)  # [n, N]
+        out[..., j][m.cpu()] = torch.minimum(p if ids is None else p[:, ids], q).sum(-1).float().cpu()
+    return out
+
+
+def greedy_hits(drafts: torch.Tensor, input_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, L, k] bool: greedy draft j from chain start t (``draft_top1``)
+    equals the sequence's token t + 2 + j, which is exactly when vLLM
+    accepts it (see ``replay_drafting``)."""
+    return drafts[:, :, :k] == torch.stack(
+        [F.pad(input_ids[:, 2 + j:], (0, 2 + j), value=-1) for j in range(k)], -1)
+
+
+def sampled_hits(overlap: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[B, L, k] bool: each sampled draft accepted with its ``draft_overlap``
+    probability, independently: one draw of what a replica drafting with
+    ``draft_sample_method: probabilistic`` accepts on these responses."""
+    return torch.rand(overlap.shape, generator=generator) < overlap
+
+
 def replay_drafting(drafts: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int,
                     max_new_tokens: int | None = None) -> tuple[int, list[int]]:
     """vLLM's speculative decoding replayed on sampled responses: how many
-    drafts a replica drafting with this head would have made on them, and how
-    many it would have accepted at each position.
+    drafts a replica drafting greedily with this head would have made on
+    them, and how many it would have accepted at each position.
 
     With greedy drafts vLLM accepts draft d with the target's probability
     p(d) and otherwise samples from the residual, which excludes d
@@ -150,7 +202,8 @@ def replay_drafting(drafts: torch.Tensor, input_ids: torch.Tensor, loss_mask: to
     that equal the sampled tokens, emits one more token and drafts again
     from t + n + 1. So these counts are a sample of what a replica measures
     (``spec_decode_num_drafts`` / ``..._accepted_tokens_per_pos``), at any
-    temperature and top_p; not for ``draft_sample_method: probabilistic``.
+    temperature and top_p. Sampled drafts replay through ``replay_chains``
+    with ``sampled_hits``.
 
     Args:
         drafts: [B, L, >= k] int64 policy token ids, ``draft_top1`` of the
@@ -166,12 +219,17 @@ def replay_drafting(drafts: torch.Tensor, input_ids: torch.Tensor, loss_mask: to
     Returns:
         (drafts made, [accepted drafts at position 0..k-1]).
     """
-    return drafting_counts(replay_chains(drafts, input_ids, loss_mask, k, max_new_tokens), k)
+    return drafting_counts(replay_chains(greedy_hits(drafts, input_ids, k), loss_mask, k, max_new_tokens), k)
 
 
-def replay_chains(drafts: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int,
+def replay_chains(hits: torch.Tensor, loss_mask: torch.Tensor, k: int,
                   max_new_tokens: int | None = None) -> list[tuple[int, list[tuple[int, int]]]]:
-    """``replay_drafting`` draft by draft (same arguments).
+    """``replay_drafting`` draft by draft.
+
+    Args:
+        hits: [B, L, >= k] bool, draft j from chain start t accepted if the
+            ones before it were (``greedy_hits`` or ``sampled_hits``).
+        loss_mask, k, max_new_tokens: as ``replay_drafting``'s.
 
     Returns:
         per sequence, (response length in tokens, [(tokens the sequence had
@@ -179,19 +237,18 @@ def replay_chains(drafts: torch.Tensor, input_ids: torch.Tensor, loss_mask: torc
         entry per draft in order).
     """
     out = []
-    for b in range(input_ids.shape[0]):
+    for b in range(loss_mask.shape[0]):
         resp = loss_mask[b].nonzero().flatten()
         if len(resp) < 2:
             out.append((len(resp), []))
             continue
         first, last = int(resp[0]) + 1, int(resp[-1]) + 1  # response token indices
         limit = min(max_new_tokens or last - first + 1, last - first + 1)
-        hits = (drafts[b, :, :k] == torch.stack(
-            [F.pad(input_ids[b, 2 + j:], (0, 2 + j), value=-1) for j in range(k)], -1)).tolist()
+        hit = hits[b, :, :k].tolist()
         t, generated, chains = first - 1, 1, []  # the prefill samples the first response token
         while generated < limit:
             n, avail = 0, min(k, last - t - 1)
-            while n < avail and hits[t][n]:
+            while n < avail and hit[t][n]:
                 n += 1
             chains.append((generated, n))
             t, generated = t + n + 1, generated + n + 1

@@ -26,7 +26,8 @@ import torch
 
 from rayspec.devices import to_device, to_host
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
-from rayspec.draft.loss import acceptance_by_share, draft_top1, drafting_counts, eagle3_loss, replay_chains
+from rayspec.draft.loss import (acceptance_by_share, draft_overlap, draft_top1, drafting_counts, eagle3_loss,
+                                greedy_hits, replay_chains, sampled_hits)
 
 
 class DraftTrainer:
@@ -48,15 +49,21 @@ class DraftTrainer:
             GPU: Ray's CUDA_VISIBLE_DEVICES makes it ``cuda:0``). Features
             and the verifier's weights arrive as host tensors and are moved
             here; everything this actor returns is host memory.
-        num_speculative_tokens: the replicas' k, where they draft greedily:
-            ``train`` then replays their drafting on each RL step's rollouts
-            (``loss.replay_chains``) to estimate the head's acceptance, for
-            adaptive k. None: no estimate.
+        num_speculative_tokens: the replicas' k: ``train`` then replays their
+            drafting on each RL step's rollouts (``loss.replay_chains``) to
+            estimate the head's acceptance, for adaptive k. None: no estimate.
+        draft_sample_method: the replicas' (vLLM's key): ``greedy`` drafts
+            replay exactly (``loss.greedy_hits``), ``probabilistic`` ones by
+            one draw of each draft's acceptance probability
+            (``loss.draft_overlap``, ``loss.sampled_hits``).
+        temperature: the rollouts' sampling temperature (0: greedy rollouts,
+            where sampled drafts are the greedy ones).
     """
 
     def __init__(self, head_dir: str, lr: float, ttt_steps: int, num_threads: int = 1,
                  buffer_steps: int = 1, seed: int = 0, cores: list[int] | None = None,
-                 device: str = "cpu", num_speculative_tokens: int | None = None):
+                 device: str = "cpu", num_speculative_tokens: int | None = None,
+                 draft_sample_method: str = "greedy", temperature: float = 1.0):
         if cores:
             os.sched_setaffinity(0, cores)
             num_threads = min(num_threads, len(cores))
@@ -73,6 +80,8 @@ class DraftTrainer:
                                      lr=lr, weight_decay=0.0)
         self.ttt_steps = ttt_steps
         self.num_speculative_tokens = num_speculative_tokens
+        self.sampled_drafts = draft_sample_method == "probabilistic" and temperature > 0
+        self.temperature = temperature
         self.version = 0
         self._pending: queue.Queue = queue.Queue()
         self._buffer: collections.deque = collections.deque(maxlen=max(1, buffer_steps))
@@ -144,7 +153,8 @@ class DraftTrainer:
         self._rng.shuffle(older)
         # the replicas' head: later chunks must not be judged by a head
         # trained on their GRPO siblings in earlier chunks
-        replay = _DraftingReplay(self.head, embed, self.num_speculative_tokens)
+        replay = _DraftingReplay(self.head, embed, self.num_speculative_tokens,
+                                 (lm_head, self.temperature, self._rng.getrandbits(63)) if self.sampled_drafts else None)
         self.head.train()
         losses, agree = [], []
         for i in range(steps):
@@ -246,14 +256,17 @@ _ABANDONED = object()  # wakes a train() call that set_state abandoned
 class _DraftingReplay:
     """The replicas' drafting replayed on an RL step's chunks
     (``loss.replay_chains``) with a copy of ``head`` as it is now; k None:
-    nothing (the rates are empty)."""
+    nothing (the rates are empty). ``sampled``: (verifier lm_head [V, H],
+    temperature, seed) where the replicas sample their drafts."""
 
-    def __init__(self, head: Eagle3Head, embed: torch.Tensor, k: int | None):
+    def __init__(self, head: Eagle3Head, embed: torch.Tensor, k: int | None,
+                 sampled: tuple[torch.Tensor, float, int] | None = None):
         # the output layer is frozen within a train call (set from the verifier
         # at its start): shared, not copied ([V, H] with the whole vocabulary)
         out = head.lm_head.weight
         self.head = copy.deepcopy(head, memo={id(out): out}).eval() if k else None
-        self.embed, self.k = embed, k
+        self.embed, self.k, self.sampled = embed, k, sampled
+        self.generator = torch.Generator().manual_seed(sampled[2]) if sampled else None
         self.chains: list = []  # per sequence of the step: (length, [(generated, accepted)])
 
     def add(self, f: dict[str, torch.Tensor]) -> None:
@@ -261,8 +274,15 @@ class _DraftingReplay:
         if self.head is None:
             return
         f = to_device(f, self.embed.device)
-        self.chains += replay_chains(draft_top1(self.head, f["input_ids"], f["aux_hidden"], self.embed, self.k),
-                                     f["input_ids"], f["loss_mask"], self.k)
+        if self.sampled:
+            lm_head, temperature, _ = self.sampled
+            hits = sampled_hits(draft_overlap(self.head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
+                                              f["loss_mask"], self.embed, lm_head, self.k, temperature),
+                                self.generator)
+        else:
+            hits = greedy_hits(draft_top1(self.head, f["input_ids"], f["aux_hidden"], self.embed, self.k),
+                               f["input_ids"], self.k)
+        self.chains += replay_chains(hits, f["loss_mask"], self.k)
 
     def rates(self) -> list[float]:
         """Accepted drafts per position over drafts made (empty: none)."""

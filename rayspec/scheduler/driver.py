@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 from omegaconf import OmegaConf
 
-from rayspec.config import ConfigError, RunConfig, draft_online, dtype_reason, estimated_k
+from rayspec.config import ConfigError, RunConfig, draft_online, dtype_reason
 from rayspec.data import heldout_split, load_problems
 from rayspec.models import check_draft_matches_policy, load_policy, resolve_model_path
 from rayspec.rollout.adaptive import ACCEPTANCE_FILE, read_acceptance
@@ -231,7 +231,10 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
             draft_dir, cfg.draft.lr, cfg.draft.ttt_steps, cfg.draft.torch_threads,
             cfg.draft.buffer_steps, cfg.trainer.seed,
             plan.cores.get("draft", {}).get(plan.role("draft")[0].node_id),
-            device="cuda" if cfg.draft.num_gpus > 0 else "cpu", num_speculative_tokens=estimated_k(cfg))
+            device="cuda" if cfg.draft.num_gpus > 0 else "cpu",
+            num_speculative_tokens=cfg.rollout.speculative_config.num_speculative_tokens,
+            draft_sample_method=cfg.rollout.speculative_config.draft_sample_method or "greedy",
+            temperature=cfg.grpo.temperature)
     log.info("rollout ready in %.0fs", time.perf_counter() - t0)
     try:
         trainer = TorchTrainer(
