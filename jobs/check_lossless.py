@@ -11,6 +11,11 @@ kind of draft, at each temperature:
 
 - ``none``: no speculation (checks the engine and the test itself);
 - ``eagle3``: a fresh EAGLE-3 head for the policy, as an RL run starts;
+- ``eagle3_probabilistic``: a fresh head with a reduced draft vocabulary (16
+  of the 32 tokens, d2t), drafts sampled from its q
+  (``draft_sample_method: probabilistic``): q is exactly 0 on the tokens
+  outside the draft vocabulary that p samples, whose mass the residual must
+  give back;
 - ``draft_target``: draft_model = the policy, greedy drafts (one-hot q at p's argmax);
 - ``draft_target_probabilistic``: the same with drafts sampled from q = p
   (``draft_sample_method: probabilistic``): every draft accepted;
@@ -54,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
-CASES = ("none", "eagle3", "draft_target", "draft_target_probabilistic", "disjoint",
+CASES = ("none", "eagle3", "eagle3_probabilistic", "draft_target", "draft_target_probabilistic", "disjoint",
          "perturbed_probabilistic", "ngram", "suffix", "unpatched")
 VOCAB, SUPPORT, LENGTH = 32, 6, 100
 SEQ_PROMPT, SEQ_LENGTH = [3, 5], 3
@@ -121,7 +126,9 @@ def build_models(work: Path) -> dict[str, Path]:
     paths = {"target": make_markov_llama(work / "target", logits),
              "disjoint": make_markov_llama(work / "disjoint", disjoint, seed=1),
              "perturbed": make_markov_llama(work / "perturbed", perturbed, seed=2)}
-    paths["eagle3"] = save_head(init_head(load_policy(paths["target"])), work / "eagle3_head")
+    policy = load_policy(paths["target"])
+    paths["eagle3"] = save_head(init_head(policy), work / "eagle3_head")
+    paths["eagle3_reduced"] = save_head(init_head(policy, draft_vocab=torch.arange(16)), work / "eagle3_reduced_head")
     return paths
 
 
@@ -131,6 +138,8 @@ def speculative_config(case: str, paths: dict[str, Path], k: int) -> dict | None
                               "model": str(paths[draft]), **kw}
     return {"none": None,
             "eagle3": {"method": "eagle3", "num_speculative_tokens": k, "model": str(paths["eagle3"])},
+            "eagle3_probabilistic": {"method": "eagle3", "num_speculative_tokens": k,
+                                     "model": str(paths["eagle3_reduced"]), "draft_sample_method": "probabilistic"},
             "draft_target": dm("target"),
             "draft_target_probabilistic": dm("target", draft_sample_method="probabilistic"),
             "disjoint": dm("disjoint"),

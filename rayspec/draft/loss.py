@@ -74,20 +74,44 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Ten
     dtype = head.fc.weight.dtype
     mask = torch.cat([loss_mask, loss_mask.new_zeros(B, 1)], 1)  # [B, L]
     ids = head.draft_ids
+    position, target, target_top = verifier_targets(final_hidden, mask, lm_head_weight, ids, dtype)
     total, agree = 0.0, []
     for j, normed in unroll(head, input_ids, aux_hidden, embed_weight, ttt_steps):
         m = _shift(mask, 1 + j).bool()
         if not m.any():
             break
-        tgt_h = _shift(final_hidden, 1 + j)[m].to(dtype)
-        with torch.no_grad():
-            target = torch.softmax(tgt_h @ lm_head_weight.to(dtype).T, dim=-1)  # [n, V]
+        rows = position >= 1 + j  # the targets of step j's chain starts t = position - 1 - j, in m's order
         logits = head.lm_head(normed[m])  # [n, N]
-        in_vocab = target if ids is None else target[:, ids]
-        total = total + -(in_vocab * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        total = total + -(target[rows] * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
         drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
-        agree.append((drafted == target.argmax(-1)).float().mean().item())
+        agree.append((drafted == target_top[rows]).float().mean().item())
     return total / max(len(agree), 1), agree
+
+
+@torch.no_grad()
+def verifier_targets(final_hidden: torch.Tensor, mask: torch.Tensor, lm_head_weight: torch.Tensor,
+                     draft_ids: torch.Tensor | None, dtype: torch.dtype,
+                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The verifier's next-token distribution at every masked position, once
+    for all draft steps: step j from chain start t targets position t + 1 + j,
+    so the steps share these rows, and the [n, V] output layer, the largest
+    cost of a training step, runs once instead of once per step.
+
+    Args:
+        final_hidden: [B, L, H]; mask: [B, L], 1 where token s + 1 is a
+            response token; lm_head_weight: [V, H]; draft_ids: [N] policy ids
+            of the draft vocabulary or None (all V).
+        temperature: > 0, divides the logits.
+
+    Returns:
+        (position s of each row [n] int64, in (b, s) order; the probabilities
+        of the draft vocabulary's tokens [n, N] in ``dtype``, not
+        renormalised over it; the argmax over all V tokens [n] int64).
+    """
+    b, position = mask.bool().nonzero(as_tuple=True)
+    logits = (final_hidden[b, position].to(dtype) @ lm_head_weight.to(dtype).T) / temperature  # [n, V]
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    return position, ((logits if draft_ids is None else logits[:, draft_ids]) - lse).exp(), logits.argmax(-1)
 
 
 def unroll(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
@@ -160,12 +184,12 @@ def draft_overlap(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.T
     dtype = head.fc.weight.dtype
     ids = head.draft_ids
     mask = torch.cat([loss_mask, loss_mask.new_zeros(B, 1)], 1)  # [B, L]
+    position, p, _ = verifier_targets(final_hidden, mask, lm_head_weight, ids, dtype, temperature)
     out = torch.zeros(B, L, steps)
     for j, normed in unroll(head, input_ids, aux_hidden, embed_weight, steps):
         m = _shift(mask, 1 + j).bool()  # token t + 2 + j is a response token
-        p = torch.softmax((_shift(final_hidden, 1 + j)[m].to(dtype) @ lm_head_weight.to(dtype).T) / temperature, -1)
         q = torch.softmax(head.lm_head(normed[m]) / temperature, -1)  # [n, N]
-        out[..., j][m.cpu()] = torch.minimum(p if ids is None else p[:, ids], q).sum(-1).float().cpu()
+        out[..., j][m.cpu()] = torch.minimum(p[position >= 1 + j], q).sum(-1).float().cpu()
     return out
 
 
