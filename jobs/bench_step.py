@@ -7,7 +7,8 @@ speculative, next to the performance model's t(b, k).
 
 One engine per method, in ``--methods`` order (``none``: no speculation;
 ``eagle3``: an untrained head unless ``--eagle3`` names one, a head's cost
-does not depend on its training; ``suffix`` / ``suffix-group``: vLLM's
+does not depend on its training; ``eagle3-sampled``: the same head drafting
+by sampling (``draft_sample_method: probabilistic``); ``suffix`` / ``suffix-group``: vLLM's
 suffix decoding over the sequence's own text / also the engine's window of
 responses, as ``jobs.bench_rollout`` builds them), runs its engine core in
 this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so vLLM's model runner
@@ -58,7 +59,7 @@ from unittest import mock
 
 from jobs.bench_rollout import _cell, _ints, _speculative_config, untrained_head, work_dir_for
 
-METHODS = ("none", "eagle3", "suffix", "suffix-group")
+METHODS = ("none", "eagle3", "eagle3-sampled", "suffix", "suffix-group")
 MODELLED = ("none", "eagle3")  # what rayspec.perfmodel models a step of
 
 RUNNER_TIMERS = {"execute_model": "target", "_model_forward": "forward", "_sample": "sampler",
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         head = Path(args.eagle3)
         if not (head / "config.json").is_file():
             raise SystemExit(f"error: --eagle3 {args.eagle3}: no EAGLE-3 head there (config.json)")
-    elif "eagle3" in args.methods:
+    elif {"eagle3", "eagle3-sampled"} & set(args.methods):
         head = untrained_head(model_dir, work_dir_for(args.work_dir, model_dir))
     try:
         prompts = _prompts(args, model_dir)

@@ -101,9 +101,12 @@ class SpeculativeConfig:
             EAGLE-3 head for the policy in the run directory and train it online.
         prompt_lookup_max / prompt_lookup_min: n-gram window (tokens), ngram only.
         draft_sample_method: ``greedy`` (vLLM's default: drafts are the
-            draft's argmax, treated as one-hot q in rejection sampling) or
+            draft's argmax, treated as one-hot q in rejection sampling, so
+            a position is accepted with p(argmax q), at most E[max p]) or
             ``probabilistic`` (drafts sampled from q, the full q in the
-            acceptance ratio p/q); null leaves vLLM's default.
+            acceptance ratio p/q: accepted with sum_v min(p, q)); null
+            leaves vLLM's default. The DraftTrainer's acceptance estimate
+            replays either (``rayspec.draft.loss``).
         suffix_decoding_max_tree_depth / _max_cached_requests /
             _max_spec_factor / _min_token_prob: ``suffix`` only (Suffix
             Decoding, arXiv 2411.04975, through Arctic Inference's suffix

@@ -166,6 +166,53 @@ def test_recovered_tokens_follow_the_residual_distribution(with_draft_probs):
     assert chisquare(counts[support], expected).pvalue > 1e-3
 
 
+def _eagle3_proposer(vocab: int, targets: torch.Tensor, hidden: int = 8):
+    """A vLLM proposer (no __init__) drafting sampled tokens with a stand-in
+    EAGLE-3 model whose draft vocabulary is ``targets`` (policy ids), and
+    vLLM's own ``compute_logits`` for it."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    g = torch.Generator().manual_seed(0)
+    model = SimpleNamespace(lm_head=SimpleNamespace(weight=torch.randn(len(targets), hidden, generator=g) * 2),
+                            draft_id_to_target_id=targets - torch.arange(len(targets)),
+                            config=SimpleNamespace(vocab_size=vocab, draft_vocab_size=len(targets)),
+                            logits_processor=lambda head, h: h @ head.weight.T)
+    model.compute_logits = lambda h: Eagle3LlamaForCausalLM.compute_logits(model, h)
+    proposer = SpecDecodeBaseProposer.__new__(SpecDecodeBaseProposer)
+    proposer.model, proposer.use_heterogeneous_vocab, proposer.use_fp64_gumbel = model, False, False
+    proposer._enable_probabilistic_draft_probs, proposer.use_local_argmax_reduction = True, False
+    return proposer
+
+
+def test_sampled_eagle3_drafts_draw_over_the_draft_vocabulary():
+    """A head with 5 of 12 tokens: the patched sampler gives vLLM's own q
+    (softmax over all 12 with -inf off the draft vocabulary) at T = 0.7,
+    drafts only draft-vocabulary tokens, with q's frequencies (chi-square
+    at 1e-3 over 20 000 draws, seeded); greedy requests keep upstream's path."""
+    from types import SimpleNamespace
+
+    from scipy.stats import chisquare
+
+    vllm_patches.register()
+    targets = torch.tensor([1, 3, 4, 8, 11])
+    proposer = _eagle3_proposer(12, targets)
+    n = 20_000
+    h = torch.randn(1, 8, generator=torch.Generator().manual_seed(1)).expand(n, 8).contiguous()
+    meta = SimpleNamespace(all_greedy=False, all_random=True, temperature=torch.full((n,), 0.7))
+    torch.manual_seed(2)
+    _, q_upstream = vllm_patches.upstream_sample_draft_tokens()(proposer, h.clone(), meta)
+    draft, q = vllm_patches._sample_draft_tokens(proposer, h.clone(), meta)
+    assert q.shape == (n, 12) and torch.allclose(q, q_upstream, atol=1e-6)
+    assert torch.isin(draft, targets).all()
+    counts = torch.bincount(draft, minlength=12).double()[targets]
+    assert chisquare(counts, n * q[0, targets].double() / q[0, targets].double().sum()).pvalue > 1e-3
+    greedy, q_greedy = vllm_patches._sample_draft_tokens(proposer, h[:3].clone(), SimpleNamespace(all_greedy=True))
+    assert q_greedy is None and (greedy == targets[(h[:3] @ proposer.model.lm_head.weight.T).argmax(-1)]).all()
+
+
 @pytest.mark.slow
 def test_ngram_worker_runs_one_openmp_runtime(tiny_llama_dir, monkeypatch):
     """An n-gram engine's worker must not load numba's OpenMP pool (a second
