@@ -153,6 +153,9 @@ def test_suffix_keys_reach_vllm_under_its_names():
     assert cfg.rollout.adaptive_k.enabled  # the preset's adaptive k: each suffix draft's budget
     assert speculative_config_for_vllm(vars(cfg.rollout.speculative_config)) == {
         "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 512}
+    # the preset's sampled drafts are its EAGLE-3 head's; a suffix match has no distribution
+    eagle = speculative_config_for_vllm(vars(load_config(DEFAULT, []).rollout.speculative_config))
+    assert eagle == {"method": "eagle3", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
 
 
 def test_draft_model_with_existing_dir(tmp_path):

@@ -82,10 +82,17 @@ def replica_env(rollout) -> dict[str, str]:
 
 
 def speculative_config_for_vllm(spec: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """Drop null keys; None when speculation is off (method null)."""
+    """Drop null keys, and ``draft_sample_method`` where the drafter has no
+    distribution to sample (n-gram and suffix drafts are text matches: the
+    key is a no-op there, and a preset that sets it for its EAGLE-3 head
+    stays valid when the method is switched); None when speculation is off
+    (method null)."""
     if not spec or spec.get("method") is None:
         return None
-    return {k: v for k, v in spec.items() if v is not None}
+    out = {k: v for k, v in spec.items() if v is not None}
+    if out["method"] in ("ngram", "suffix"):
+        out.pop("draft_sample_method", None)
+    return out
 
 
 def _resolve(x):
