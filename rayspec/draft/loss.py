@@ -49,7 +49,7 @@ def _shift(x: torch.Tensor, j: int, fill=0) -> torch.Tensor:
 def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
                 final_hidden: torch.Tensor, loss_mask: torch.Tensor,
                 embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                ttt_steps: int) -> tuple[torch.Tensor, list[float]]:
+                ttt_steps: int, targets: tuple | None = None) -> tuple[torch.Tensor, list[float]]:
     """Soft cross-entropy of the unrolled head against the verifier.
 
     Args:
@@ -64,17 +64,18 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Ten
         lm_head_weight: [V, H] verifier output layer (the whole vocabulary:
             the target distribution is the verifier's).
         ttt_steps: draft steps unrolled (1 = plain EAGLE training).
+        targets: ``verifier_targets`` of these features at T = 1 where the
+            caller has them already (None: computed here).
 
     Returns:
         (scalar loss averaged over steps and masked positions, per-step top-1
         agreement of draft and verifier argmax, both as policy token ids, on
         masked positions).
     """
-    B, L = input_ids.shape
     dtype = head.fc.weight.dtype
-    mask = torch.cat([loss_mask, loss_mask.new_zeros(B, 1)], 1)  # [B, L]
+    mask = target_mask(loss_mask)
     ids = head.draft_ids
-    position, target, target_top = verifier_targets(final_hidden, mask, lm_head_weight, ids, dtype)
+    position, target, target_top = targets or verifier_targets(final_hidden, mask, lm_head_weight, ids, dtype)
     total, agree = 0.0, []
     for j, normed in unroll(head, input_ids, aux_hidden, embed_weight, ttt_steps):
         m = _shift(mask, 1 + j).bool()
@@ -86,6 +87,12 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Ten
         drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
         agree.append((drafted == target_top[rows]).float().mean().item())
     return total / max(len(agree), 1), agree
+
+
+def target_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] mask of the positions s whose next token s + 1 is a response
+    token (``loss_mask`` [B, L-1] padded with a 0 at the end)."""
+    return torch.cat([loss_mask, loss_mask.new_zeros(loss_mask.shape[0], 1)], 1)
 
 
 @torch.no_grad()
@@ -159,7 +166,8 @@ def draft_top1(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tens
 @torch.no_grad()
 def draft_overlap(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
                   final_hidden: torch.Tensor, loss_mask: torch.Tensor, embed_weight: torch.Tensor,
-                  lm_head_weight: torch.Tensor, steps: int, temperature: float = 1.0) -> torch.Tensor:
+                  lm_head_weight: torch.Tensor, steps: int, temperature: float = 1.0,
+                  targets: tuple | None = None) -> torch.Tensor:
     """[B, L, steps] float32 (on the host): sum_v min(p(v), q(v)) for the
     head's step j from chain start t (the distributions of token t + 2 + j
     at ``temperature``; 0 where that token is not a response token).
@@ -179,12 +187,14 @@ def draft_overlap(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.T
             embed_weight / lm_head_weight: [V, H] the verifier's.
         steps: draft steps; temperature: > 0, the rollout's (both p and q
             are taken at it, as vLLM's proposer and sampler do).
+        targets: ``verifier_targets`` of these features at ``temperature``
+            where the caller has them already (None: computed here).
     """
     B, L = input_ids.shape
     dtype = head.fc.weight.dtype
     ids = head.draft_ids
-    mask = torch.cat([loss_mask, loss_mask.new_zeros(B, 1)], 1)  # [B, L]
-    position, p, _ = verifier_targets(final_hidden, mask, lm_head_weight, ids, dtype, temperature)
+    mask = target_mask(loss_mask)
+    position, p, _ = targets or verifier_targets(final_hidden, mask, lm_head_weight, ids, dtype, temperature)
     out = torch.zeros(B, L, steps)
     for j, normed in unroll(head, input_ids, aux_hidden, embed_weight, steps):
         m = _shift(mask, 1 + j).bool()  # token t + 2 + j is a response token

@@ -27,7 +27,8 @@ import torch
 from rayspec.devices import to_device, to_host
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
 from rayspec.draft.loss import (acceptance_by_share, draft_overlap, draft_top1, drafting_counts, eagle3_loss,
-                                greedy_hits, replay_chains, sampled_hits)
+                                greedy_hits, replay_chains, sampled_hits, target_mask,
+                                verifier_targets)
 
 
 class DraftTrainer:
@@ -161,15 +162,16 @@ class DraftTrainer:
             if len(newest) < expect:
                 newest.append(chunks.get(len(newest)))
                 f = to_device(newest[-1], self.device)
-                replay.add(f)
+                targets = replay.add(f)
             else:
                 seen = older + newest
                 f = to_device(seen[(i - expect) % len(seen)], self.device)  # the buffer keeps host copies
+                targets = None
             with self._lock:
                 if pending is not self._pending:
                     raise RuntimeError("DraftTrainer.train: abandoned (the trainer was restored from a checkpoint)")
                 loss, acc = eagle3_loss(self.head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
-                                        f["loss_mask"], embed, lm_head, self.ttt_steps)
+                                        f["loss_mask"], embed, lm_head, self.ttt_steps, targets=targets)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
@@ -269,20 +271,27 @@ class _DraftingReplay:
         self.generator = torch.Generator().manual_seed(sampled[2]) if sampled else None
         self.chains: list = []  # per sequence of the step: (length, [(generated, accepted)])
 
-    def add(self, f: dict[str, torch.Tensor]) -> None:
-        """Replay one chunk (host or device tensors: moved to the head's device)."""
+    def add(self, f: dict[str, torch.Tensor]):
+        """Replay one chunk (host or device tensors: moved to the head's
+        device). Returns the verifier's targets the sampled replay computed
+        (``loss.verifier_targets``) where they are the loss's too (T = 1),
+        so the chunk's training step does not compute them again; else None."""
         if self.head is None:
-            return
+            return None
         f = to_device(f, self.embed.device)
+        targets = None
         if self.sampled:
             lm_head, temperature, _ = self.sampled
+            targets = verifier_targets(f["final_hidden"], target_mask(f["loss_mask"]), lm_head, self.head.draft_ids,
+                                       self.head.fc.weight.dtype, temperature)
             hits = sampled_hits(draft_overlap(self.head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
-                                              f["loss_mask"], self.embed, lm_head, self.k, temperature),
-                                self.generator)
+                                              f["loss_mask"], self.embed, lm_head, self.k, temperature,
+                                              targets=targets), self.generator)
         else:
             hits = greedy_hits(draft_top1(self.head, f["input_ids"], f["aux_hidden"], self.embed, self.k),
                                f["input_ids"], self.k)
         self.chains += replay_chains(hits, f["loss_mask"], self.k)
+        return targets if self.sampled and self.sampled[1] == 1.0 else None
 
     def rates(self) -> list[float]:
         """Accepted drafts per position over drafts made (empty: none)."""
