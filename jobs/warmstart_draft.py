@@ -17,7 +17,10 @@
    peak learning rate ``draft.lr`` with warmup and cosine decay over
    ``--steps``. Every ``--eval-every`` steps the head is loaded into the same
    engine (refit) and held-out acceptance length is measured at the RL
-   temperature and greedily; training stops once it has not improved by
+   temperature and greedily, with the drafts the run will make
+   (``rollout.speculative_config.draft_sample_method``: greedy drafts cap a
+   position's acceptance at E[max p] at T = 1, sampled ones do not, so early
+   stopping on greedy drafts stops where only they saturate); training stops once it has not improved by
    ``--min-delta`` for ``--patience`` evaluations (early stopping), or at
    ``--steps``. The best evaluation is the result ("after").
 
@@ -141,8 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     head_ids = load_head(out / HEAD).draft_ids
     draft_vocab = {"draft_vocab_size": V if head_ids is None else head_ids.numel(), "vocab_size": V,
                    "train_coverage": 1.0 if head_ids is None else coverage(counts, head_ids)}
+    # held-out acceptance with the run's drafts (greedy or sampled): what early
+    # stopping watches and acceptance.json records, where adaptive k starts
     engine = SpecVLLMEngine(
         str(model_dir), {"method": "eagle3", "model": str(out / HEAD), "num_speculative_tokens": k,
+                         "draft_sample_method": spec.draft_sample_method,
                          "num_speculative_tokens_per_batch_size": uniform(k, seqs)}, **engine_args)
     try:
         held = [chat_prompt_ids(tok, p) for p in held_p]

@@ -145,7 +145,7 @@ def test_probe_every_n_draft_refits():
 
 
 def test_probe_after_draft_refit_and_partial_positions():
-    ctl = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST)
+    ctl = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, min_drafts=1)
     ctl.update([0, 0, 0], num_drafts=100, positions=3)
     assert ctl.schedule() == [(1, 16, 0)]
     ctl.probe = True  # the engine sets this on a draft refit
@@ -162,7 +162,7 @@ def test_estimated_draft_is_drafted_by_its_estimate_and_calibrated_by_measuremen
     an estimate that pays drafts at once, one that does not stays at k = 0
     without probing; the first measurement after an estimate calibrates the
     next one (measured / estimated per position, capped at 2)."""
-    ctl = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, ema=0.5)
+    ctl = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, ema=0.5, min_drafts=1)
     ctl.update([0, 0, 0], num_drafts=100, positions=3)
     assert ctl.schedule() == [(1, 16, 0)]
     ctl.draft_changed()
@@ -188,9 +188,9 @@ def test_estimate_by_share_drafts_the_tail_by_the_tails_rates_and_calibrates_whe
     all), a share without enough replayed drafts takes the next one towards
     the full batch, and the first measurement is compared with the estimate
     where the schedule drafted, then folded into the overall rates."""
-    flat = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, ema=0.5)
+    flat = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, ema=0.5, min_drafts=1)
     flat.draft_estimated([0.8, 0.6, 0.45])
-    ctl = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, ema=0.5)
+    ctl = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, ema=0.5, min_drafts=1)
     ctl.observe([4] * 12 + [40] * 4)  # 16 sequences; the last 4 run on alone
     ctl.draft_estimated([0.8, 0.6, 0.45], [(1.0, 200, [0.9, 0.8, 0.675]), (0.25, 40, [0.1, 0.02, 0.0])])
     assert ctl.rates == pytest.approx([0.8, 0.6, 0.45])  # overall, as without buckets
@@ -208,14 +208,79 @@ def test_estimate_by_share_drafts_the_tail_by_the_tails_rates_and_calibrates_whe
     assert flat.calibration == pytest.approx([(1 + 0.9 / 0.8) / 2, (1 + 0.8 / 0.6) / 2])
 
 
+def test_a_rollout_weighs_by_its_drafts():
+    """A rollout whose schedule drafted only at batch size 1 may make one
+    draft: accepted whole, it must not move the rates to 1 (nor, rejected,
+    to 0), where a rollout of hundreds of drafts moves them by nearly ema.
+    (A replica's first rollout after a warm head's record drafted once and
+    took its rates from 0.30 / 0.09 to 0.65 / 0.55, so the next rollout
+    drafted 2 tokens at 16 sequences and measured 0.41 / 0.18.)"""
+    ctl = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, ema=0.5, min_drafts=16, rates=[0.3, 0.09, 0.035])
+    ctl.update([1, 1, 1], num_drafts=1, positions=3)
+    assert ctl.rates == pytest.approx([0.3 + 0.7 / 32, 0.09 + 0.91 / 32, 0.035 + 0.965 / 32])
+    ctl.update([0, 0, 0], num_drafts=1, positions=3)
+    before = ctl.rates[0]
+    assert before == pytest.approx((0.3 + 0.7 / 32) * (1 - 1 / 32))
+    ctl.update([4, 2, 1], num_drafts=8, positions=3)  # half of min_drafts: half of ema
+    assert ctl.rates[0] == pytest.approx(0.75 * before + 0.25 * 0.5)
+    many = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, ema=0.5, rates=[0.3, 0.09, 0.035])
+    many.update([400, 180, 80], num_drafts=1000, positions=3)
+    assert many.rates == pytest.approx([0.35, 0.135, 0.0575])  # from 16 drafts on: ema
+
+
+def test_calibration_prefills_every_timed_run_from_an_empty_prefix_cache():
+    """A step's seconds are (long run - 1-token run) / steps, so both runs
+    must pay the same prefill: with the prefix cache on, the calibration
+    prompt repeats and every run after the first would hit the cache, so the
+    subtraction took a prefill off steps that never paid it (SmolLM2 on 2
+    CPU cores: plain steps of 21 and 23 ms at 1 and 4 sequences, where 26
+    and 29 ms were timed on distinct prompts). Each configuration runs once
+    untimed first."""
+    import threading
+
+    from rayspec.rollout.engine import SpecVLLMEngine
+
+    calls = []
+
+    class LLM:
+        def reset_prefix_cache(self):
+            calls.append("reset")
+
+        def generate(self, prompts, params, use_tqdm):
+            calls.append((len(prompts), params.max_tokens))
+
+        def get_metrics(self):
+            return []
+
+    eng = object.__new__(SpecVLLMEngine)
+    eng.__dict__.update(llm=LLM(), max_num_seqs=4, _asleep=set(), _lock=threading.Lock(), _busy=[],
+                        _busy_since=None)
+    schedules = []
+    eng.set_k_schedule = lambda schedule, drafter_idle=None: schedules.append((schedule[0][2], drafter_idle))
+    cost = eng.calibrate(3, concurrencies=[1, 4], tokens=8)
+    assert schedules == [(0, None), (0, False), (1, None), (3, None)] * 3
+    runs = [c for c in calls if c != "reset"]
+    assert runs == [(1, 8)] * 4 + [(1, 1), (1, 8)] * 4 + [(4, 1), (4, 8)] * 4
+    assert calls == [x for r in runs for x in ("reset", r)]  # a reset before every run
+    assert cost.concurrency == [1, 4] and len(cost.plain_s) == len(cost.spec1_s) == 2
+    eng.__dict__.pop("llm")
+
+
 def test_acceptance_record_round_trips_and_bad_ones_name_the_file(tmp_path):
     assert read_acceptance(tmp_path) is None and read_acceptance(None) is None
     path = write_acceptance(tmp_path, [0.21, 0.06, 0.02], k=3, temperature=1.0)
     assert read_acceptance(tmp_path) == [0.21, 0.06, 0.02]
     assert not list(tmp_path.glob("*.tmp"))
+    # a record without the key was measured with greedy drafts (vLLM's default):
+    # not the rates of sampled ones, and the reverse
+    assert read_acceptance(tmp_path, "probabilistic") is None
+    write_acceptance(tmp_path, [0.43, 0.18], draft_sample_method="probabilistic")
+    assert read_acceptance(tmp_path, "probabilistic") == [0.43, 0.18] and read_acceptance(tmp_path) is None
     for text, fragment in (("{", "not an acceptance record"), ('{"k": 3}', "not an acceptance record"),
                            ('{"acceptance_rate_per_pos": [0.5, NaN]}', "list of rates in [0, 1]"),
-                           ('{"acceptance_rate_per_pos": 0.5}', "list of rates in [0, 1]")):
+                           ('{"acceptance_rate_per_pos": 0.5}', "list of rates in [0, 1]"),
+                           ('{"acceptance_rate_per_pos": [0.5], "draft_sample_method": "top-k"}',
+                            "draft_sample_method must be one of")):
         path.write_text(text)
         with pytest.raises(ValueError, match=str(path)) as e:
             read_acceptance(tmp_path)

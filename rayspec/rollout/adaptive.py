@@ -112,6 +112,7 @@ log = logging.getLogger(__name__)
 UTILITY = "rayspec_set_num_speculative_tokens_per_batch_size"
 ACCEPTANCE_FILE = "acceptance.json"
 HOOK = "adaptive k"
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM 0.32's speculative_config.draft_sample_method
 MATCH_DRAFTERS = ("ngram", "suffix")  # vLLM methods that draft only where their match does
 _register_error: str | None = None  # why register() could not install the hooks, in this process
 
@@ -359,24 +360,39 @@ def write_acceptance(draft_dir, rates: list[float], **meta) -> Path:
                              json.dumps({"acceptance_rate_per_pos": list(rates), **meta}, indent=1))
 
 
-def read_acceptance(draft_dir) -> list[float] | None:
+def read_acceptance(draft_dir, draft_sample_method: str = "greedy") -> list[float] | None:
     """The acceptance rates per position recorded beside a draft
     (``write_acceptance``), or None where there is no record (or no
-    ``draft_dir``).
+    ``draft_dir``), or where it was measured with drafts of another
+    ``draft_sample_method`` than the engine's (a record without the key was
+    measured with vLLM's default, greedy): sampled drafts are accepted with
+    sum_v min(p, q) where greedy ones are with p(argmax q), so one method's
+    rates misjudge the other's (the warm GSM8K head at T = 1: 0.30 greedy
+    against 0.43 sampled at position 1), and the first rollout then drafts
+    at every batch size to measure them instead.
 
     Raises:
-        ValueError: the record is not JSON or its ``acceptance_rate_per_pos``
-            is not a list of rates in [0, 1] (the file is named).
+        ValueError: the record is not JSON, its ``acceptance_rate_per_pos``
+            is not a list of rates in [0, 1] or its ``draft_sample_method``
+            not one of vLLM's (the file is named).
     """
     path = Path(draft_dir) / ACCEPTANCE_FILE if draft_dir else None
     if path is None or not path.is_file():
         return None
     try:
-        rates = json.loads(path.read_text())["acceptance_rate_per_pos"]
-    except (ValueError, KeyError, TypeError) as e:
+        record = json.loads(path.read_text())
+        rates = record["acceptance_rate_per_pos"]
+        method = record.get("draft_sample_method", "greedy")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not an acceptance record ({type(e).__name__}: {e})") from None
     if not (isinstance(rates, list) and all(isinstance(r, (int, float)) and 0 <= r <= 1 for r in rates)):
         raise ValueError(f"{path}: acceptance_rate_per_pos must be a list of rates in [0, 1], got {rates!r}")
+    if method not in DRAFT_SAMPLE_METHODS:
+        raise ValueError(f"{path}: draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, got {method!r}")
+    if method != draft_sample_method:
+        log.warning("adaptive k: %s was measured with %s drafts, the engine drafts %s: not used",
+                    path, method, draft_sample_method)
+        return None
     return [float(r) for r in rates]
 
 
@@ -458,7 +474,12 @@ class AdaptiveK:
         cost: calibrated step costs.
         margin: a speculative k is chosen only if its predicted throughput is
             at least ``margin`` times plain decoding's (1.0: any gain).
-        ema: weight of the newest rollout in the acceptance rates.
+        ema: weight of the newest rollout in the acceptance rates (and the
+            calibration), for a rollout of at least ``min_drafts`` drafts.
+        min_drafts: a rollout of n < min_drafts drafts weighs
+            ema * n / min_drafts: the one draft that a schedule drafting only
+            at batch size 1 may make does not move the rates halfway to 0
+            or 1.
         probe_every: draft refits between probes (1: after every refit).
         probe: the draft changed since the rates were measured (set by
             ``draft_changed`` every ``probe_every`` refits; cleared by the
@@ -489,6 +510,7 @@ class AdaptiveK:
     cost: StepCost
     margin: float = 1.05
     ema: float = 0.5
+    min_drafts: int = 16
     probe_every: int = 1
     rates: list[float] = field(default_factory=list)
     probe: bool = False
@@ -635,6 +657,7 @@ class AdaptiveK:
             return
         scale = self._drafted_scale(schedule)
         new = [a / num_drafts for a in accepted_per_pos[:positions]]
+        w = self.ema * min(1.0, num_drafts / self.min_drafts)
         if self.match_drafter and sequence_steps:  # the first measurement replaces f's prior of 1, as for the rates
             f = min(num_drafts / sequence_steps, 1.0)
             self.draft_fraction = (1 - self.ema) * self.draft_fraction + self.ema * f if self.rates else f
@@ -644,14 +667,14 @@ class AdaptiveK:
             for i, r in enumerate(new):
                 if self._estimate[i] * scale[i] > 0:  # a ratio far off is noise from a few drafts: capped
                     ratio = min(r / (self._estimate[i] * scale[i]), 2.0)
-                    self.calibration[i] = (1 - self.ema) * self.calibration[i] + self.ema * ratio
+                    self.calibration[i] = (1 - w) * self.calibration[i] + w * ratio
             self._estimate = None
         new = [min(r / x, 1.0) if x > 0 else r for r, x in zip(new, scale)]  # the overall rates
         if not self.rates:  # positions not yet measured: extrapolate geometrically
             self.rates = extrapolate_rates(new, self.k_max)
             return
         for i, r in enumerate(new):
-            self.rates[i] = (1 - self.ema) * self.rates[i] + self.ema * r
+            self.rates[i] = (1 - w) * self.rates[i] + w * r
 
     def best_k(self, b: int) -> int:
         """argmax_k b * (1 + f (E(k) - 1)) / (t(b, 0) + f (t(b, k) - t(b, 0))),

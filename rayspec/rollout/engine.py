@@ -223,8 +223,8 @@ class SpecVLLMEngine:
         ``probe_every`` draft refits. Returns the step cost.
 
         ``rates`` None: the draft's held-out rates where
-        ``jobs.warmstart_draft`` recorded them beside it
-        (``adaptive.read_acceptance``). With no rates (None and no record,
+        ``jobs.warmstart_draft`` recorded them beside it with drafts of this
+        engine's ``draft_sample_method`` (``adaptive.read_acceptance``). With no rates (None and no record,
         or []) the first rollout drafts num_speculative_tokens at every batch
         size to measure them.
 
@@ -236,7 +236,8 @@ class SpecVLLMEngine:
             raise RuntimeError("adaptive speculation needs a speculative_config")
         k = self.speculative_config["num_speculative_tokens"]
         if rates is None:
-            rates = adaptive_k_mod.read_acceptance(self.speculative_config.get("model"))
+            rates = adaptive_k_mod.read_acceptance(self.speculative_config.get("model"),
+                                                   self.speculative_config.get("draft_sample_method", "greedy"))
             if rates:
                 log.info("adaptive k: starting from the draft's recorded acceptance rates %s",
                          [round(r, 3) for r in rates])
@@ -275,7 +276,13 @@ class SpecVLLMEngine:
         suffix drafters something to propose at every step, as a model
         drafter always does), minus a 1-token run (the prefill); each
         sequence then takes tokens - 1 - accepted / b steps (accepted: vLLM's
-        accepted-draft count). Leaves the schedule at k.
+        accepted-draft count). Every run starts from an empty prefix cache:
+        the 1-token run must pay the prefill the longer run pays, or the
+        subtraction takes a prefill the longer run skipped off its steps
+        (SmolLM2 on 2 CPU cores: plain steps of 21 and 23 ms at 1 and 4
+        sequences against 26 and 29 ms timed on distinct prompts; 26-28 and
+        24 ms with the reset). One untimed run per configuration first, so no
+        timed run pays a first call's allocations. Leaves the schedule at k.
 
         Raises:
             RuntimeError: the engine was built without a schedule.
@@ -288,6 +295,7 @@ class SpecVLLMEngine:
 
         def run(b: int, n_tok: int) -> tuple[float, int]:
             params = SamplingParams(temperature=0.0, max_tokens=n_tok, ignore_eos=True)
+            self.llm.reset_prefix_cache()
             before = read_counters(self.llm.get_metrics())
             t0 = time.perf_counter()
             self.llm.generate([prompt] * b, params, use_tqdm=False)
@@ -298,6 +306,9 @@ class SpecVLLMEngine:
         runs = [(0, None, plain), (0, False, sync)] + ([(1, None, spec1)] if k > 1 else []) + [(k, None, spec)]
         with self._busy_section():
             self._wake()
+            for kk, idle, _ in runs:
+                self.set_k_schedule(adaptive_k_mod.uniform(kk, self.max_num_seqs), drafter_idle=idle)
+                run(bs[0], tokens)
             for b in bs:
                 for kk, idle, out in runs:
                     self.set_k_schedule(adaptive_k_mod.uniform(kk, self.max_num_seqs), drafter_idle=idle)
