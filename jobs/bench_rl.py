@@ -70,7 +70,7 @@ from rayspec.metrics import read_metrics
 
 DEFAULT_PRESET = Path(__file__).parent / "configs" / "default.yaml"
 SERIES = ("acceptance_length", "rollout_tokens_per_s", "reward_mean", "kl", "time_step_s", "time_rollout_s",
-          "token_mult_prob_error")
+          "time_policy_s", "time_draft_s", "time_sync_s", "draft_trained", "token_mult_prob_error")
 SUFFIX_K = 8  # the most a suffix draft may hold; its length follows the match (see SpeculativeConfig)
 EVAL_SERIES = ("policy_version", "reward_greedy", "reward_sampled", "acceptance_length", "greedy_changed")
 

@@ -308,7 +308,8 @@ class DraftConfig:
     """Online EAGLE-3 draft-head training (Li et al. 2025, arXiv 2503.01840).
 
     Args:
-        enabled: train the head online on the verifier's features every step.
+        enabled: train the head online on the verifier's features (every step
+            while it drafts or learns, see ``idle_train_every``).
         lr: AdamW learning rate of the head.
         steps_per_rl_step: optimizer steps per RL step.
         ttt_steps: training-time-test unroll depth (draft positions trained).
@@ -326,6 +327,18 @@ class DraftConfig:
         num_gpus: Ray GPUs reserved for the DraftTrainer actor.
         torch_threads: intra-op threads of the DraftTrainer (it runs while the
             other roles wait, in the colocated layout).
+        idle_train_every: while the head is idle (the step's rollout made no
+            draft: adaptive k found no batch size where drafting pays) and no
+            longer learning (its replayed acceptance length rose less than
+            ``min_acceptance_gain`` over its previous training step), it is
+            trained only every this many idle steps: training it costs the
+            policy update its cores on a colocated node and buys no rollout
+            time while nothing drafts with it
+            (``rayspec.draft.trainer.TrainingCadence``).
+            0: trained every step.
+        min_acceptance_gain: rise of the replayed acceptance length (tokens
+            per verification step) between training steps below which the
+            head counts as no longer learning.
     """
 
     enabled: bool = True
@@ -338,6 +351,8 @@ class DraftConfig:
     num_cpus: float = 0.2
     num_gpus: float = 0.0
     torch_threads: int = 2
+    idle_train_every: int = 4
+    min_acceptance_gain: float = 0.02
 
 
 @dataclass
@@ -605,6 +620,11 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.draft.steps_per_rl_step >= 0, "draft.steps_per_rl_step",
            cfg.draft.steps_per_rl_step, "must be >= 0")
     _check(cfg.draft.ttt_steps >= 1, "draft.ttt_steps", cfg.draft.ttt_steps, "must be >= 1")
+    _check(_is_int(cfg.draft.idle_train_every) and cfg.draft.idle_train_every >= 0, "draft.idle_train_every",
+           cfg.draft.idle_train_every, "must be an integer >= 0 (0: train every step)")
+    _check(isinstance(cfg.draft.min_acceptance_gain, (int, float)) and not isinstance(cfg.draft.min_acceptance_gain, bool)
+           and cfg.draft.min_acceptance_gain >= 0,
+           "draft.min_acceptance_gain", cfg.draft.min_acceptance_gain, "must be a number >= 0")
     _check(cfg.draft.draft_vocab_size is None or (_is_int(cfg.draft.draft_vocab_size)
                                                   and cfg.draft.draft_vocab_size >= 1),
            "draft.draft_vocab_size", cfg.draft.draft_vocab_size, "must be an integer >= 1, or null for the "

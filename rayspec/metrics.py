@@ -48,7 +48,8 @@ def format_step_line(m: dict[str, Any]) -> str:
             f"accept_len {m['acceptance_length']:.2f} | accept/pos [{rates}] | "
             f"rollout {m['rollout_tokens_per_s']:.0f} tok/s | "
             f"t rollout {m['time_rollout_s']:.1f}s policy {m['time_policy_s']:.1f}s "
-            f"draft {m['time_draft_s']:.1f}s sync {m['time_sync_s']:.1f}s")
+            + (f"draft {m['time_draft_s']:.1f}s " if m.get("draft_trained", 1) else "draft idle ")
+            + f"sync {m['time_sync_s']:.1f}s")
     # adaptive speculation: k per batch-size range, each distinct schedule once
     schedules = {str(r["k_schedule"]): r["k_schedule"] for r in m.get("replicas", {}).values()
                  if r.get("k_schedule")}

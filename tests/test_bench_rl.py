@@ -48,6 +48,7 @@ def test_table_and_plot(tmp_path):
             summarize("online", _records([2.0, 2.1, 2.2]))]
     assert rows[0]["acceptance_length_median"] == 1.8 and rows[0]["steps_seconds_total"] == 150.0
     assert rows[0]["kl"] == [0.0, 0.01, 0.02] and rows[0]["eval"]["policy_version"] == [0, 3]
+    assert len(rows[0]["draft_trained"]) == 3  # NaN where a run's steps lack the key (no draft)
     table = format_table(rows)
     # header, 3 steps, medians, a held-out line per run, logprob agreement
     assert "frozen" in table and table.count("\n") == 7

@@ -12,7 +12,7 @@ from rayspec.batch import RolloutBatch
 from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, init_head, load_head,
                                   save_head, vllm_state_dict)
 from rayspec.draft.loss import draft_top1, replay_drafting
-from rayspec.draft.trainer import DraftTrainer
+from rayspec.draft.trainer import DraftTrainer, TrainingCadence
 from rayspec.models import load_policy, load_tokenizer
 from rayspec.sync.transport import CollectiveTransport, LocalReplicas
 from rayspec.train.capture import capture_eagle3_features
@@ -288,6 +288,29 @@ def _public_eagle3_head(policy, token_ids: torch.Tensor, out) -> None:
     t2d[ids] = True
     sd = {k: v.half() for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
     torch.save({"d2t": ids - torch.arange(len(ids)), "t2d": t2d, **sd}, out / "pytorch_model.bin")
+
+
+def test_training_cadence_trains_while_drafted_with_or_learning():
+    """The head trains every step while its rollouts draft or its replayed
+    acceptance length still rises by min_gain; idle and no longer learning,
+    every idle_every-th step; idle_every 0 trains every step."""
+    cadence = TrainingCadence(idle_every=3, min_gain=0.02)
+    assert cadence.due(drafted=False)  # no estimate yet: learning
+    cadence.trained([0.30, 0.10])
+    assert cadence.due(drafted=False)  # one estimate: nothing to compare, learning
+    cadence.trained([0.35, 0.12])  # +0.07: still learning
+    assert cadence.due(drafted=False)
+    cadence.trained([0.36, 0.12])  # +0.01: no longer
+    assert [cadence.due(drafted=False) for _ in range(6)] == [False, False, True, False, False, True]
+    assert cadence.due(drafted=True) and cadence.idle_steps == 0  # a rollout that drafted resets the count
+    assert [cadence.due(drafted=False) for _ in range(3)] == [False, False, True]
+    cadence.trained([0.45, 0.2])  # the idle step's training moved it: learning again
+    assert cadence.due(drafted=False)
+    cadence.trained([])  # no estimate (k unknown to the DraftTrainer): counts as learning
+    assert cadence.due(drafted=False)
+    always = TrainingCadence(idle_every=0, min_gain=0.02)
+    always.trained([0.3]), always.trained([0.3])
+    assert all(always.due(drafted=False) for _ in range(5))
 
 
 def test_draft_vocabulary_by_frequency():

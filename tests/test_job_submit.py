@@ -108,8 +108,11 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
     run_dir = tmp_path / "job"
     job = client.submit_job(
         entrypoint=(f"{sys.executable} -m jobs.grpo model.path={tiny_llama_dir} model.dtype=float32 "
-                    f"trainer.steps=2 trainer.run_dir={run_dir} grpo.max_new_tokens=24 "
+                    f"trainer.steps=3 trainer.run_dir={run_dir} grpo.max_new_tokens=24 "
                     "data.prompts_per_step=2 grpo.group_size=4 draft.steps_per_rl_step=2 "
+                    # the head never counts as learning after its second training step,
+                    # so a step whose rollout drafts nothing skips its training
+                    "draft.min_acceptance_gain=100 draft.idle_train_every=2 "
                     # no evaluation: the first generate is then step 1's rollout, with k=3 everywhere
                     "trainer.eval_every=0 rollout.adaptive_k.enabled=true"),
         runtime_env={"working_dir": str(REPO), "excludes": [".venv", ".git", "runs", "*.egg-info"]},
@@ -118,10 +121,10 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
     status = _wait(client, job, 600, lambda: seen.update(_scrape(metrics_port)))
     logs = client.get_job_logs(job)
     assert status == JobStatus.SUCCEEDED, logs[-3000:]
-    assert re.search(r"step +2 \| reward [0-9.]+ \| accept_len", logs), logs[-3000:]
+    assert re.search(r"step +3 \| reward [0-9.]+ \| accept_len", logs), logs[-3000:]
     assert f"done: {run_dir / 'metrics.jsonl'}" in logs
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [1, 2]
+    assert [r["step"] for r in recs] == [1, 2, 3]
     # adaptive k: the first rollout drafts k=3 at every batch size (nothing
     # measured yet); each step reports the schedule its rollout used
     assert recs[0]["num_drafts"] > 0
@@ -131,11 +134,17 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
         assert list(r["replicas"].values())[0]["k_schedule"][0][0] == 1
         assert len(r["acceptance_rate_per_pos"]) == 3
         assert r["rollout_tokens_per_s"] > 0
-        assert r["time_policy_s"] > 0 and r["time_draft_s"] > 0 and r["time_sync_s"] > 0
+        assert r["time_policy_s"] > 0 and r["time_sync_s"] > 0
+        assert (r["time_draft_s"] > 0) == bool(r["draft_trained"])
         assert r["sample"]["question"] and isinstance(r["sample"]["response"], str)
         assert r["sample"]["reward"] in (0.0, 1.0)
-    assert [r["policy_version"] for r in recs] == [0, 1]
-    assert [r["draft_version"] for r in recs] == [1, 2]
+    assert [r["policy_version"] for r in recs] == [0, 1, 2]
+    # the training cadence: the first two steps train the head (no estimate to
+    # compare yet); the third only if its rollout drafted (adaptive k turns the
+    # tiny untrained head off, so it usually does not)
+    trained = [r["draft_trained"] for r in recs]
+    assert trained == [1, 1, int(recs[2]["num_drafts"] > 0)]
+    assert [r["draft_version"] for r in recs] == [1, 2, 2 + trained[2]]
     assert (run_dir / "draft_head" / "model.safetensors").is_file()
     assert (run_dir / "policy" / "model.safetensors").is_file()
 

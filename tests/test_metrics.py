@@ -28,7 +28,8 @@ def test_log_writes_jsonl_tensorboard_and_plot(tmp_path):
     png = plot_run(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     line = format_step_line(recs[1])
-    assert "step    2" in line and "accept_len 1.20" in line and "v1" in line
+    assert "step    2" in line and "accept_len 1.20" in line and "v1" in line and "draft 5.0s" in line
+    assert "draft idle sync" in format_step_line({**recs[1], "draft_trained": 0})
 
 
 def _scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:

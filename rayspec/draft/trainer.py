@@ -255,6 +255,56 @@ class DraftTrainer:
 _ABANDONED = object()  # wakes a train() call that set_state abandoned
 
 
+class TrainingCadence:
+    """Which RL steps train the draft head (rank 0 decides, ``rl_step``).
+
+    The head trains every step while the replicas draft with it or while it
+    is still learning; otherwise (adaptive k found no batch size where
+    drafting pays, so the step's rollout made no draft, and the head's
+    replayed acceptance length rose less than ``min_gain`` between its last
+    two training steps) only every ``idle_every``-th idle step. Training a
+    head nothing drafts with buys no rollout time, and on a colocated node
+    it takes the policy update's cores (2 CPU cores, GSM8K: 5.4 s of a 44 s
+    step, docs/benchmarks.md); the idle steps that do train keep it up with
+    the policy and give adaptive k a fresh estimate, which turns drafting
+    back on where the head comes to pay.
+
+    Args:
+        idle_every: train every this many idle steps (0: every step).
+        min_gain: acceptance length (tokens per verification step) the
+            replayed estimate must rise by for the head to count as learning.
+    """
+
+    def __init__(self, idle_every: int, min_gain: float):
+        self.idle_every, self.min_gain = idle_every, min_gain
+        self.learning = True  # no estimate yet
+        self.idle_steps = 0  # idle steps since the head last trained
+        self._last: float | None = None  # acceptance length of the last estimate
+
+    def due(self, drafted: bool) -> bool:
+        """Whether this step trains the head; ``drafted``: its rollout made
+        at least one draft."""
+        if not self.idle_every or drafted or self.learning:
+            self.idle_steps = 0
+            return True
+        self.idle_steps += 1
+        if self.idle_steps >= self.idle_every:
+            self.idle_steps = 0
+            return True
+        return False
+
+    def trained(self, estimate: list[float]) -> None:
+        """A training step's replayed per-position acceptance rates (the
+        DraftTrainer's ``draft_acceptance_estimate``; empty: none, the head
+        counts as learning)."""
+        if not estimate:
+            self.learning, self._last = True, None
+            return
+        length = 1.0 + sum(estimate)
+        self.learning = self._last is None or length - self._last >= self.min_gain
+        self._last = length
+
+
 class _DraftingReplay:
     """The replicas' drafting replayed on an RL step's chunks
     (``loss.replay_chains``) with a copy of ``head`` as it is now; k None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from rayspec.batch import RolloutBatch
 from rayspec.config import RunConfig
 from rayspec.data import PromptSource, batch_rewards, chat_prompt_ids, heldout_split, load_problems
+from rayspec.draft.trainer import TrainingCadence
 from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, plot_run
 from rayspec.rollout import serve as rollout
 from rayspec.scheduler.pipeline import RolloutPipeline
@@ -71,6 +72,7 @@ class StepContext:
         self.draft_alive = True
         self.draft_version = 0
         self.draft_acceptance: tuple | None = None  # the DraftTrainer's estimate (version, rates, by share)
+        self.draft_cadence = TrainingCadence(cfg.draft.idle_train_every, cfg.draft.min_acceptance_gain)
 
     def submit_rollout(self):
         """Start the next prompts' rollouts on the replicas; returns
@@ -212,8 +214,9 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
             score(batch, problems)
             if cfg.scheduler.layout == "colocate":
                 ctx.release_replicas()
-        batch = _broadcast_object(batch if rank == 0 else None, rank)
-    train_draft = draft is not None and cfg.draft.steps_per_rl_step > 0
+            train_draft = draft is not None and cfg.draft.steps_per_rl_step > 0 and \
+                ctx.draft_cadence.due(stats.num_drafts > 0)
+        batch, train_draft = _broadcast_object((batch, train_draft) if rank == 0 else None, rank)
     # the verifier's output layer before the update: the features come from it
     verifier = verifier_output_weights(engine, rank) if train_draft else None
     shard = batch.shard(rank, world)
@@ -243,6 +246,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
                 draft_died(ctx, step, e)
         if draft_m:
             ctx.draft_version = draft_m["draft_version"]
+            ctx.draft_cadence.trained(draft_m["draft_acceptance_estimate"])
             # replayed with the head the step began with; it goes out with the newer head
             # (the replicas' measured / estimated calibration absorbs the difference)
             ctx.draft_acceptance = (ctx.draft_version, draft_m["draft_acceptance_estimate"],
@@ -310,6 +314,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
     if aux_layer_ids:  # the run trains a draft online: whether it still does
         record["draft_alive"] = int(ctx.draft_alive)
     if draft is not None:
+        record["draft_trained"] = int(train_draft)
         record["idle_draft_s"] = max(0.0, window - _overlap(
             [(draft_m["start_time"], draft_m["end_time"])] if draft_m else [], t_start, t_end))
     return record
