@@ -79,15 +79,18 @@ def test_warmstart_job_raises_heldout_acceptance_stops_early_and_resumes(tiny_ll
     vocab = res["draft_vocab"]
     assert vocab["draft_vocab_size"] == 2048 and 0.5 < vocab["train_coverage"] <= 1.0
     assert 0 < vocab["heldout_coverage"] <= 1.0
-    # the fresh head accepts nothing; 100 steps on a random tiny policy teach it
-    # a little (1.08 here; the standard error over ~1000 held-out tokens is ~0.01)
-    assert res["before"]["acceptance_length"] == 1.0
+    # the preset samples drafts from the head: the fresh head's are accepted only
+    # where its q happens to overlap p (1.001 here); 100 steps on a random tiny
+    # policy teach it a little (the standard error over ~1000 held-out tokens is ~0.01)
+    assert res["before"]["acceptance_length"] < 1.01
     assert res["after"]["acceptance_length"] > 1.03, res
     assert res["after"] == res["best"]["after"] and res["best"]["step"] in (50, 100)
     head = load_head(out / HEAD)
     assert head.cfg["architectures"] == ["LlamaForCausalLMEagle3"] and head.draft_ids.numel() == 2048
-    # the "after" rates are recorded beside the head, for adaptive speculation
-    assert read_acceptance(out / HEAD) == res["after"]["acceptance_rate_per_pos"]
+    # the "after" rates are recorded beside the head, for adaptive speculation,
+    # as rates of sampled drafts: not for an engine that drafts greedily
+    assert read_acceptance(out / HEAD, "probabilistic") == res["after"]["acceptance_rate_per_pos"]
+    assert read_acceptance(out / HEAD) is None
     # resume: same corpus, training continues; one evaluation without a gain of 10 stops it
     stop = common + ["--steps", "200", "--eval-every", "10", "--patience", "1", "--min-delta", "10"]
     assert main(stop) == 0
@@ -103,4 +106,4 @@ def test_warmstart_job_raises_heldout_acceptance_stops_early_and_resumes(tiny_ll
     # a stopped run stays stopped
     assert main(stop) == 0
     assert json.loads((out / "result.json").read_text()) == resumed
-    assert read_acceptance(out / HEAD) == resumed["after"]["acceptance_rate_per_pos"]
+    assert read_acceptance(out / HEAD, "probabilistic") == resumed["after"]["acceptance_rate_per_pos"]

@@ -142,7 +142,7 @@ def check_inputs(cfg: RunConfig) -> str:
     if spec.model is not None:
         check_draft_matches_policy(policy_cfg, spec.model, spec.method)
         try:
-            read_acceptance(spec.model)
+            read_acceptance(spec.model, spec.draft_sample_method or "greedy")
         except ValueError as e:
             raise ConfigError(f"rollout.speculative_config.model={spec.model}: {e}") from None
     try:
