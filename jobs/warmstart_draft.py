@@ -3,15 +3,16 @@
     python -m jobs.warmstart_draft --out runs/warm data.name=gsm8k data.path=../shared/data/gsm8k \\
         --train-prompts 256 --samples 4 --eval-every 100
 
-1. The policy (``model.path``) samples ``--samples`` responses to each of the
-   first ``--train-prompts`` prompts of ``data.*`` (temperature
-   ``grpo.temperature``, up to ``grpo.max_new_tokens``) on a plain vLLM
-   engine (no drafts: an untrained head only slows generation down).
+1. The policy (``model.path``) samples ``--samples`` responses to each of
+   ``--train-prompts`` prompts of ``data.*``, those after the first
+   ``--heldout-prompts`` (held out), at temperature ``grpo.temperature`` up
+   to ``grpo.max_new_tokens`` on a plain vLLM engine (no drafts: an untrained
+   head only slows generation down).
 2. The head: ``rollout.speculative_config.model`` when given, else a new one
    whose draft vocabulary is the ``draft.draft_vocab_size`` most frequent
    tokens of those responses (their coverage, and the held-out responses',
-   go to ``result.json``). Acceptance length on the next
-   ``--heldout-prompts`` prompts (held out) with the head as it is ("before").
+   go to ``result.json``). Acceptance length on the held-out prompts with
+   the head as it is ("before").
 3. Optimizer steps of ``eagle3_loss`` (``draft.ttt_steps``) on the
    verifier's features of the generated samples (``rayspec.draft.warmstart``),
    peak learning rate ``draft.lr`` with warmup and cosine decay over
@@ -29,9 +30,10 @@
 holds the "after" rates, where adaptive speculation starts from), the
 optimizer state, ``result.json`` (every evaluation under ``history``) and
 ``acceptance.png`` (held-out acceptance length against training tokens).
-Re-running with the same ``DIR`` resumes: the corpus is reused, training
-continues from the saved step, and ``--steps`` is the total; a run that
-stopped early stays stopped.
+Re-running with the same ``DIR`` resumes: the corpus is reused (a larger
+``--train-prompts`` grows it; the draft vocabulary stays the one chosen
+first), training continues from the saved step, and ``--steps`` is the
+total; a run that stopped early stays stopped.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from pathlib import Path
 from rayspec.config import ConfigError, load_config
 
 DEFAULT_PRESET = Path(__file__).parent / "configs" / "default.yaml"
+GENERATE_CHUNK = 128  # prompts per engine call while the corpus is generated
 
 
 def parse_args(argv):
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     from rayspec.data import chat_prompt_ids, load_problems
     from rayspec.draft.eagle3 import init_head, load_head, save_head, vllm_state_dict
     from rayspec.draft.vocab import coverage, select_draft_vocab, token_counts
-    from rayspec.draft.warmstart import BEST, CORPUS, HEAD, read_corpus, split_prompts, train_head, write_corpus
+    from rayspec.draft.warmstart import (BEST, CORPUS, HEAD, missing_prompts, read_corpus, split_prompts,
+                                      train_head, write_corpus)
     from rayspec.models import load_policy, load_tokenizer, resolve_model_path
     from rayspec.rollout.adaptive import uniform, write_acceptance
     from rayspec.rollout.engine import SpecVLLMEngine, replica_env
@@ -116,22 +120,35 @@ def main(argv: list[str] | None = None) -> int:
     spec = cfg.rollout.speculative_config
     result_path = out / "result.json"
     result = json.loads(result_path.read_text()) if result_path.is_file() else {}
+    if result.get("heldout_prompts", args.heldout_prompts) != args.heldout_prompts:
+        print(f"error: --heldout-prompts {args.heldout_prompts}: {result_path} was scored on "
+              f"{result['heldout_prompts']} held-out prompts", file=sys.stderr)
+        return 2
     k = spec.num_speculative_tokens
     seqs = cfg.rollout.engine_kwargs.get("max_num_seqs", 256)
     engine_args = dict(dtype=cfg.model.dtype, engine_kwargs=dict(cfg.rollout.engine_kwargs),
                        env=replica_env(cfg.rollout))
-    if not (out / CORPUS).is_file():
-        t0 = time.perf_counter()
+    held = [chat_prompt_ids(tok, p) for p in held_p]
+    samples = read_corpus(out / CORPUS) if (out / CORPUS).is_file() else []
+    try:
+        todo = missing_prompts([chat_prompt_ids(tok, p) for p in train_p], samples, held)
+    except ValueError as e:
+        print(f"error: {out / CORPUS}: {e}", file=sys.stderr)
+        return 2
+    if todo:  # a new corpus, or a larger --train-prompts grows it
+        t0, tokens = time.perf_counter(), 0
         engine = SpecVLLMEngine(str(model_dir), None, **engine_args)
-        try:
-            batch, _ = engine.generate([chat_prompt_ids(tok, p) for p in train_p], n=args.samples,
-                                       temperature=cfg.grpo.temperature, max_tokens=cfg.grpo.max_new_tokens)
+        try:  # written chunk by chunk: an interrupted generation resumes from its last chunk
+            for i in range(0, len(todo), GENERATE_CHUNK):
+                batch, _ = engine.generate(todo[i:i + GENERATE_CHUNK], n=args.samples,
+                                           temperature=cfg.grpo.temperature, max_tokens=cfg.grpo.max_new_tokens)
+                samples += zip(batch.prompt_ids, batch.response_ids)
+                tokens += sum(map(len, batch.response_ids))
+                write_corpus(samples, out / CORPUS)
         finally:
             engine.shutdown()
-        write_corpus(batch, out / CORPUS)
-        print(f"corpus: {len(batch)} samples, {sum(map(len, batch.response_ids))} response tokens "
-              f"in {time.perf_counter() - t0:.0f} s")
-    samples = read_corpus(out / CORPUS)
+        print(f"corpus: {len(todo)} new prompts x {args.samples} samples, {tokens} response tokens "
+              f"in {time.perf_counter() - t0:.0f} s; {len(samples)} samples in all")
     V = policy.config.vocab_size
     counts = token_counts((r for _, r in samples), V)
     if not (out / HEAD / "model.safetensors").is_file():
@@ -151,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
                          "draft_sample_method": spec.draft_sample_method,
                          "num_speculative_tokens_per_batch_size": uniform(k, seqs)}, **engine_args)
     try:
-        held = [chat_prompt_ids(tok, p) for p in held_p]
         if "before" not in result:
             result["before"], _ = acceptance(engine, held, args.heldout_samples, cfg)
+            result["heldout_prompts"] = len(held)
             result_path.write_text(json.dumps(result, indent=1))
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         history, best = result.get("history", []), result.get("best")

@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 BUNDLED_MODEL = "bundled:smollm2-135m-instruct"
 SPEC_METHODS = ("eagle3", "draft_model", "mtp", "ngram", "suffix")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM 0.32's speculative_config.draft_sample_method
 DATASETS = ("arithmetic", "gsm8k")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "collective", "object_store")
 LAYOUTS = ("colocate", "split")
@@ -527,9 +528,9 @@ def validate(cfg: RunConfig) -> None:
         _check(spec.num_speculative_tokens >= 1,
                "rollout.speculative_config.num_speculative_tokens",
                spec.num_speculative_tokens, "k must be >= 1")
-    _check(spec.draft_sample_method in (None, "greedy", "probabilistic"),
+    _check(spec.draft_sample_method is None or spec.draft_sample_method in DRAFT_SAMPLE_METHODS,
            "rollout.speculative_config.draft_sample_method", spec.draft_sample_method,
-           "expected greedy, probabilistic or null")
+           f"expected one of {DRAFT_SAMPLE_METHODS} or null")
     for key, ok, want in (("suffix_decoding_max_tree_depth", lambda v: v >= 1, ">= 1"),
                           ("suffix_decoding_max_cached_requests", lambda v: v >= 0, ">= 0"),
                           ("suffix_decoding_max_spec_factor", lambda v: v >= 0, ">= 0"),

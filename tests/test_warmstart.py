@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rayspec.draft.eagle3 import init_head, load_head, save_head
-from rayspec.draft.warmstart import HEAD, read_corpus, split_prompts, train_head
+from rayspec.draft.warmstart import HEAD, missing_prompts, read_corpus, split_prompts, train_head, write_corpus
 from rayspec.models import load_policy
 from rayspec.rollout.adaptive import read_acceptance
 
@@ -50,9 +50,24 @@ def test_bad_corpus_row_names_file_and_line(tmp_path):
 
 def test_split_prompts_is_disjoint_and_checks_size():
     train, held = split_prompts(range(10), 6, 3)
-    assert train == list(range(6)) and held == [6, 7, 8]
+    assert train == [3, 4, 5, 6, 7, 8] and held == [0, 1, 2]
+    # more training prompts keep the held-out ones
+    assert split_prompts(range(10), 7, 3) == ([3, 4, 5, 6, 7, 8, 9], held)
     with pytest.raises(ValueError, match="need 8 \\+ 3 prompts, the dataset has 10"):
         split_prompts(range(10), 8, 3)
+
+
+def test_a_corpus_grows_by_the_prompts_it_lacks_and_never_holds_heldout_ones(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus([([1, 2], [5]), ([1, 2], [6]), ([3], [7])], corpus)
+    samples = read_corpus(corpus)
+    assert samples == [([1, 2], [5]), ([1, 2], [6]), ([3], [7])]
+    assert missing_prompts([[1, 2], [3], [4, 4]], samples, heldout=[[9]]) == [[4, 4]]
+    assert missing_prompts([[1, 2], [3]], samples, heldout=[[9]]) == []
+    # a corpus made with another split holds a held-out prompt: refused, not scored on training data
+    with pytest.raises(ValueError, match="1 of the 2 held-out prompts are in the corpus"):
+        missing_prompts([[4, 4]], samples, heldout=[[3], [9]])
+    assert not list(tmp_path.glob(".*.tmp"))  # written atomically
 
 
 @pytest.mark.slow
@@ -103,7 +118,14 @@ def test_warmstart_job_raises_heldout_acceptance_stops_early_and_resumes(tiny_ll
     best = load_head(out / "best_head")
     for (k, a), b in zip(load_head(out / HEAD).state_dict().items(), best.state_dict().values()):
         assert torch.equal(a, b), k
-    # a stopped run stays stopped
-    assert main(stop) == 0
+    # a stopped run stays stopped; a larger --train-prompts grows its corpus by the new prompts' samples
+    grown = [a if a != "64" else "66" for a in stop]
+    assert main(grown) == 0
     assert json.loads((out / "result.json").read_text()) == resumed
+    samples = read_corpus(out / "corpus.jsonl")
+    assert len(samples) == 264 and (out / "corpus.jsonl").read_text().startswith(corpus)
+    assert len({tuple(p) for p, _ in samples}) == 66
+    # another held-out split is refused before anything is written
+    assert main(grown + ["--heldout-prompts", "4"]) == 2
+    assert json.loads((out / "result.json").read_text()) == resumed and len(read_corpus(out / "corpus.jsonl")) == 264
     assert read_acceptance(out / HEAD, "probabilistic") == resumed["after"]["acceptance_rate_per_pos"]

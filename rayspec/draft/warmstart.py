@@ -39,11 +39,12 @@ HEAD = "draft_head"
 BEST = "best_head"
 
 
-def write_corpus(batch: RolloutBatch, path: Path) -> None:
-    """Write the samples of ``batch`` as JSONL atomically (temp file, rename)."""
+def write_corpus(samples: Iterable[tuple[list[int], list[int]]], path: Path) -> None:
+    """Write (prompt_ids, response_ids) samples as JSONL atomically (temp file,
+    rename), so a corpus being extended is never left half-written."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
-        for p, r in zip(batch.prompt_ids, batch.response_ids):
+        for p, r in samples:
             f.write(json.dumps({"prompt_ids": p, "response_ids": r}) + "\n")
     os.replace(tmp, path)
 
@@ -201,8 +202,9 @@ def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str 
 
 
 def split_prompts(items: Iterable, num_train: int, num_heldout: int) -> tuple[list, list]:
-    """The first ``num_train`` items for training and the next ``num_heldout``
-    held out (disjoint).
+    """The first ``num_heldout`` items held out and the next ``num_train`` for
+    training (disjoint). Held-out items come first so that a corpus grown by a
+    larger ``num_train`` is still scored on the same held-out items.
 
     Raises:
         ValueError: fewer items than ``num_train + num_heldout``.
@@ -210,4 +212,22 @@ def split_prompts(items: Iterable, num_train: int, num_heldout: int) -> tuple[li
     items = list(items)
     if len(items) < num_train + num_heldout:
         raise ValueError(f"need {num_train} + {num_heldout} prompts, the dataset has {len(items)}")
-    return items[:num_train], items[num_train:num_train + num_heldout]
+    return items[num_heldout:num_heldout + num_train], items[:num_heldout]
+
+
+def missing_prompts(prompts: list[list[int]], samples: list[tuple[list[int], list[int]]],
+                    heldout: list[list[int]]) -> list[list[int]]:
+    """The training prompts (token ids) that have no sample in the corpus yet:
+    what a resumed warm start generates to grow its corpus.
+
+    Raises:
+        ValueError: a held-out prompt has samples in the corpus (it was made
+            with other ``--train-prompts`` / ``--heldout-prompts``), so held-out
+            acceptance would be measured on training data.
+    """
+    have = {tuple(p) for p, _ in samples}
+    leaked = sum(tuple(p) in have for p in heldout)
+    if leaked:
+        raise ValueError(f"{leaked} of the {len(heldout)} held-out prompts are in the corpus: it was "
+                         "generated with another split; use a new --out or the split it was made with")
+    return [p for p in prompts if tuple(p) not in have]

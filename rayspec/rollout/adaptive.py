@@ -104,6 +104,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rayspec.config import DRAFT_SAMPLE_METHODS
 from rayspec.files import write_text_atomic
 from rayspec.rollout.vllm_compat import internals_error
 
@@ -112,7 +113,6 @@ log = logging.getLogger(__name__)
 UTILITY = "rayspec_set_num_speculative_tokens_per_batch_size"
 ACCEPTANCE_FILE = "acceptance.json"
 HOOK = "adaptive k"
-DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM 0.32's speculative_config.draft_sample_method
 MATCH_DRAFTERS = ("ngram", "suffix")  # vLLM methods that draft only where their match does
 _register_error: str | None = None  # why register() could not install the hooks, in this process
 

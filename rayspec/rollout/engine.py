@@ -224,9 +224,9 @@ class SpecVLLMEngine:
 
         ``rates`` None: the draft's held-out rates where
         ``jobs.warmstart_draft`` recorded them beside it with drafts of this
-        engine's ``draft_sample_method`` (``adaptive.read_acceptance``). With no rates (None and no record,
-        or []) the first rollout drafts num_speculative_tokens at every batch
-        size to measure them.
+        engine's ``draft_sample_method`` (``adaptive.read_acceptance``).
+        With no rates (None and no record, or []) the first rollout drafts
+        num_speculative_tokens at every batch size to measure them.
 
         Raises:
             RuntimeError: no speculative_config, or built without a schedule.
