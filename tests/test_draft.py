@@ -313,6 +313,21 @@ def test_training_cadence_trains_while_drafted_with_or_learning():
     assert all(always.due(drafted=False) for _ in range(5))
 
 
+def test_training_cadence_resumes_from_its_state():
+    """A checkpoint's cadence decides a resumed run's steps as the
+    uninterrupted run's; a fresh one would train at once (learning)."""
+    cadence = TrainingCadence(idle_every=3, min_gain=0.02)
+    cadence.trained([0.30]), cadence.trained([0.30])
+    assert not cadence.due(drafted=False)
+    state = json.loads(json.dumps(cadence.state_dict()))
+    resumed = TrainingCadence(idle_every=3, min_gain=0.02)
+    resumed.load_state_dict(state)
+    assert [resumed.due(drafted=False) for _ in range(4)] == [cadence.due(drafted=False) for _ in range(4)] \
+        == [False, True, False, False]
+    resumed.trained([0.40])
+    assert resumed.due(drafted=False)  # +0.1 against the restored estimate: learning
+
+
 def test_draft_vocabulary_by_frequency():
     from rayspec.draft.vocab import coverage, select_draft_vocab, token_counts
 

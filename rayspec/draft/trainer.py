@@ -304,6 +304,14 @@ class TrainingCadence:
         self.learning = self._last is None or length - self._last >= self.min_gain
         self._last = length
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (JSON): a resumed run trains the head when
+        the uninterrupted one would."""
+        return {"learning": self.learning, "idle_steps": self.idle_steps, "last": self._last}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.learning, self.idle_steps, self._last = state["learning"], state["idle_steps"], state["last"]
+
 
 class _DraftingReplay:
     """The replicas' drafting replayed on an RL step's chunks

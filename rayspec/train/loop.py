@@ -134,15 +134,19 @@ class StepContext:
         ahead (async) are not kept: the cursor is the one before them."""
         ahead = self.pipeline.ahead()
         return {"step": step, "policy_version": version, "draft_version": self.draft_version,
+                "draft_cadence": self.draft_cadence.state_dict(),
                 "prompts": ahead[0][1] if ahead else self.prompts.state_dict()}
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continue after ``state``'s step: its prompt cursor and batch count;
+        """Continue after ``state``'s step: its prompt cursor, batch count and
+        draft training cadence;
         metrics.jsonl records of later steps (a failed attempt) move to
         metrics.discarded.jsonl."""
         self.prompts.load_state_dict(state["prompts"])
         self.batches = state["step"]
         self.draft_version = state.get("draft_version", 0)
+        if "draft_cadence" in state:  # absent from checkpoints written before the cadence
+            self.draft_cadence.load_state_dict(state["draft_cadence"])
         self.log.discard_after(state["step"])
 
     def release_replicas(self) -> None:
