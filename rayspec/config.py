@@ -328,8 +328,8 @@ class DraftConfig:
         num_gpus: Ray GPUs reserved for the DraftTrainer actor.
         torch_threads: intra-op threads of the DraftTrainer (it runs while the
             other roles wait, in the colocated layout).
-        idle_train_every: while the head is idle (the step's rollout made no
-            draft: adaptive k found no batch size where drafting pays) and no
+        idle_train_every: while the head is idle (adaptive k drafted in less
+            than ``min_drafted_share`` of the step's rollout) and no
             longer learning (its replayed acceptance length rose less than
             ``min_acceptance_gain`` over its previous training step), it is
             trained only every this many idle steps: training it costs the
@@ -340,6 +340,10 @@ class DraftConfig:
         min_acceptance_gain: rise of the replayed acceptance length (tokens
             per verification step) between training steps below which the
             head counts as no longer learning.
+        min_drafted_share: share of a rollout's generated tokens emitted by
+            verification steps that carried a draft below which the step
+            counts as idle (a tail of a few sequences drafting saves less
+            than training the head every step costs).
     """
 
     enabled: bool = True
@@ -354,6 +358,7 @@ class DraftConfig:
     torch_threads: int = 2
     idle_train_every: int = 4
     min_acceptance_gain: float = 0.02
+    min_drafted_share: float = 0.1
 
 
 @dataclass
@@ -626,6 +631,9 @@ def validate(cfg: RunConfig) -> None:
     _check(isinstance(cfg.draft.min_acceptance_gain, (int, float)) and not isinstance(cfg.draft.min_acceptance_gain, bool)
            and cfg.draft.min_acceptance_gain >= 0,
            "draft.min_acceptance_gain", cfg.draft.min_acceptance_gain, "must be a number >= 0")
+    share = cfg.draft.min_drafted_share
+    _check(isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1,
+           "draft.min_drafted_share", share, "must be a number in [0, 1]")
     _check(cfg.draft.draft_vocab_size is None or (_is_int(cfg.draft.draft_vocab_size)
                                                   and cfg.draft.draft_vocab_size >= 1),
            "draft.draft_vocab_size", cfg.draft.draft_vocab_size, "must be an integer >= 1, or null for the "

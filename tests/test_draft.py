@@ -14,6 +14,7 @@ from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, init_head,
 from rayspec.draft.loss import draft_top1, replay_drafting
 from rayspec.draft.trainer import DraftTrainer, TrainingCadence
 from rayspec.models import load_policy, load_tokenizer
+from rayspec.rollout.spec_stats import SpecStats
 from rayspec.sync.transport import CollectiveTransport, LocalReplicas
 from rayspec.train.capture import capture_eagle3_features
 from tests.conftest import engine_kwargs
@@ -291,26 +292,32 @@ def _public_eagle3_head(policy, token_ids: torch.Tensor, out) -> None:
 
 
 def test_training_cadence_trains_while_drafted_with_or_learning():
-    """The head trains every step while its rollouts draft or its replayed
-    acceptance length still rises by min_gain; idle and no longer learning,
-    every idle_every-th step; idle_every 0 trains every step."""
-    cadence = TrainingCadence(idle_every=3, min_gain=0.02)
-    assert cadence.due(drafted=False)  # no estimate yet: learning
+    """The head trains every step while its rollouts draft (in at least
+    min_drafted_share of their tokens) or its replayed acceptance length
+    still rises by min_gain; idle and no longer learning, every
+    idle_every-th step; idle_every 0 trains every step."""
+    cadence = TrainingCadence(idle_every=3, min_gain=0.02, min_drafted_share=0.1)
+    assert cadence.due(0.0)  # no estimate yet: learning
     cadence.trained([0.30, 0.10])
-    assert cadence.due(drafted=False)  # one estimate: nothing to compare, learning
+    assert cadence.due(0.0)  # one estimate: nothing to compare, learning
     cadence.trained([0.35, 0.12])  # +0.07: still learning
-    assert cadence.due(drafted=False)
+    assert cadence.due(0.0)
     cadence.trained([0.36, 0.12])  # +0.01: no longer
-    assert [cadence.due(drafted=False) for _ in range(6)] == [False, False, True, False, False, True]
-    assert cadence.due(drafted=True) and cadence.idle_steps == 0  # a rollout that drafted resets the count
-    assert [cadence.due(drafted=False) for _ in range(3)] == [False, False, True]
+    assert [cadence.due(0.0) for _ in range(6)] == [False, False, True, False, False, True]
+    assert cadence.due(0.3) and cadence.idle_steps == 0  # a rollout that drafted resets the count
+    # a tail of a few sequences drafting (5% of the tokens) is idle
+    assert [cadence.due(0.05) for _ in range(3)] == [False, False, True]
     cadence.trained([0.45, 0.2])  # the idle step's training moved it: learning again
-    assert cadence.due(drafted=False)
+    assert cadence.due(0.0)
     cadence.trained([])  # no estimate (k unknown to the DraftTrainer): counts as learning
-    assert cadence.due(drafted=False)
+    assert cadence.due(0.0)
     always = TrainingCadence(idle_every=0, min_gain=0.02)
     always.trained([0.3]), always.trained([0.3])
-    assert all(always.due(drafted=False) for _ in range(5))
+    assert all(always.due(0.0) for _ in range(5))
+    # min_drafted_share 0: any draft counts
+    anydraft = TrainingCadence(idle_every=3, min_gain=0.02, min_drafted_share=0.0)
+    anydraft.trained([0.3]), anydraft.trained([0.3])
+    assert [anydraft.due(0.01), anydraft.due(0.0), anydraft.due(0.01)] == [True, False, True]
 
 
 def test_training_cadence_resumes_from_its_state():
@@ -318,14 +325,20 @@ def test_training_cadence_resumes_from_its_state():
     uninterrupted run's; a fresh one would train at once (learning)."""
     cadence = TrainingCadence(idle_every=3, min_gain=0.02)
     cadence.trained([0.30]), cadence.trained([0.30])
-    assert not cadence.due(drafted=False)
+    assert not cadence.due(0.0)
     state = json.loads(json.dumps(cadence.state_dict()))
     resumed = TrainingCadence(idle_every=3, min_gain=0.02)
     resumed.load_state_dict(state)
-    assert [resumed.due(drafted=False) for _ in range(4)] == [cadence.due(drafted=False) for _ in range(4)] \
+    assert [resumed.due(0.0) for _ in range(4)] == [cadence.due(0.0) for _ in range(4)] \
         == [False, True, False, False]
     resumed.trained([0.40])
-    assert resumed.due(drafted=False)  # +0.1 against the restored estimate: learning
+    assert resumed.due(0.0)  # +0.1 against the restored estimate: learning
+
+
+def test_drafted_share_counts_the_tokens_of_steps_that_carried_a_draft():
+    # 10 drafted steps emitted 10 + 6 accepted tokens of 64
+    assert SpecStats(num_drafts=10, num_accepted_tokens=6, output_tokens=64).drafted_share == 0.25
+    assert SpecStats(output_tokens=64).drafted_share == 0.0 and SpecStats().drafted_share == 0.0
 
 
 def test_draft_vocabulary_by_frequency():

@@ -140,10 +140,13 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
         assert r["sample"]["reward"] in (0.0, 1.0)
     assert [r["policy_version"] for r in recs] == [0, 1, 2]
     # the training cadence: the first two steps train the head (no estimate to
-    # compare yet); the third only if its rollout drafted (adaptive k turns the
-    # tiny untrained head off, so it usually does not)
+    # compare yet); the third only if its rollout drafted in at least
+    # draft.min_drafted_share (0.1) of its tokens (adaptive k turns the tiny
+    # untrained head off, so it usually does not)
+    assert recs[0]["drafted_share"] == min(1.0, (recs[0]["num_drafts"] + recs[0]["num_accepted_tokens"])
+                                           / recs[0]["rollout_tokens"]) > 0.1
     trained = [r["draft_trained"] for r in recs]
-    assert trained == [1, 1, int(recs[2]["num_drafts"] > 0)]
+    assert trained == [1, 1, int(recs[2]["drafted_share"] >= 0.1)]
     assert [r["draft_version"] for r in recs] == [1, 2, 2 + trained[2]]
     assert (run_dir / "draft_head" / "model.safetensors").is_file()
     assert (run_dir / "policy" / "model.safetensors").is_file()

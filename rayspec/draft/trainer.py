@@ -259,11 +259,12 @@ class TrainingCadence:
     """Which RL steps train the draft head (rank 0 decides, ``rl_step``).
 
     The head trains every step while the replicas draft with it or while it
-    is still learning; otherwise (adaptive k found no batch size where
-    drafting pays, so the step's rollout made no draft, and the head's
-    replayed acceptance length rose less than ``min_gain`` between its last
-    two training steps) only every ``idle_every``-th idle step. Training a
-    head nothing drafts with buys no rollout time, and on a colocated node
+    is still learning; otherwise (adaptive k drafted in less than
+    ``min_drafted_share`` of the step's rollout, at most a tail of a few
+    sequences, and the head's replayed acceptance length rose less than
+    ``min_gain`` between its last two training steps) only every
+    ``idle_every``-th idle step. Training a head that drafts little or
+    nothing buys little rollout time, and on a colocated node
     it takes the policy update's cores (2 CPU cores, GSM8K: 5.4 s of a 44 s
     step, docs/benchmarks.md); the idle steps that do train keep it up with
     the policy and give adaptive k a fresh estimate, which turns drafting
@@ -273,17 +274,21 @@ class TrainingCadence:
         idle_every: train every this many idle steps (0: every step).
         min_gain: acceptance length (tokens per verification step) the
             replayed estimate must rise by for the head to count as learning.
+        min_drafted_share: share of a rollout's generated tokens that steps
+            carrying a draft emitted (``SpecStats.drafted_share``) from which
+            the rollout counts as drafted.
     """
 
-    def __init__(self, idle_every: int, min_gain: float):
-        self.idle_every, self.min_gain = idle_every, min_gain
+    def __init__(self, idle_every: int, min_gain: float, min_drafted_share: float = 0.0):
+        self.idle_every, self.min_gain, self.min_drafted_share = idle_every, min_gain, min_drafted_share
         self.learning = True  # no estimate yet
         self.idle_steps = 0  # idle steps since the head last trained
         self._last: float | None = None  # acceptance length of the last estimate
 
-    def due(self, drafted: bool) -> bool:
-        """Whether this step trains the head; ``drafted``: its rollout made
-        at least one draft."""
+    def due(self, drafted_share: float) -> bool:
+        """Whether this step trains the head; ``drafted_share``: its
+        rollout's ``SpecStats.drafted_share`` (a rollout with no draft: 0)."""
+        drafted = drafted_share > 0 and drafted_share >= self.min_drafted_share
         if not self.idle_every or drafted or self.learning:
             self.idle_steps = 0
             return True

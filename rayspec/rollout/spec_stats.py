@@ -42,6 +42,13 @@ class SpecStats:
         return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
 
     @property
+    def drafted_share(self) -> float:
+        """Share of the generated tokens that verification steps carrying a
+        draft emitted ((drafts + accepted) / output tokens; 0.0 without output)."""
+        return min(1.0, (self.num_drafts + self.num_accepted_tokens) / self.output_tokens) \
+            if self.output_tokens else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 

@@ -72,7 +72,8 @@ class StepContext:
         self.draft_alive = True
         self.draft_version = 0
         self.draft_acceptance: tuple | None = None  # the DraftTrainer's estimate (version, rates, by share)
-        self.draft_cadence = TrainingCadence(cfg.draft.idle_train_every, cfg.draft.min_acceptance_gain)
+        self.draft_cadence = TrainingCadence(cfg.draft.idle_train_every, cfg.draft.min_acceptance_gain,
+                                             cfg.draft.min_drafted_share)
 
     def submit_rollout(self):
         """Start the next prompts' rollouts on the replicas; returns
@@ -219,7 +220,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
             if cfg.scheduler.layout == "colocate":
                 ctx.release_replicas()
             train_draft = draft is not None and cfg.draft.steps_per_rl_step > 0 and \
-                ctx.draft_cadence.due(stats.num_drafts > 0)
+                ctx.draft_cadence.due(stats.drafted_share)
         batch, train_draft = _broadcast_object((batch, train_draft) if rank == 0 else None, rank)
     # the verifier's output layer before the update: the features come from it
     verifier = verifier_output_weights(engine, rank) if train_draft else None
@@ -303,6 +304,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         "num_draft_tokens": stats.num_draft_tokens,
         "num_accepted_tokens": stats.num_accepted_tokens,
         "rollout_tokens": stats.output_tokens,
+        "drafted_share": stats.drafted_share,  # what the draft training cadence reads
         "response_len_mean": sum(resp_lens) / len(resp_lens),
         "response_lens": resp_lens,  # per sample: the performance model's concurrency decay
         "prompt_len_mean": sum(len(p) for p in batch.prompt_ids) / len(batch.prompt_ids),
