@@ -315,6 +315,7 @@ class TrainingCadence:
         return {"learning": self.learning, "idle_steps": self.idle_steps, "last": self._last}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned."""
         self.learning, self.idle_steps, self._last = state["learning"], state["idle_steps"], state["last"]
 
 
