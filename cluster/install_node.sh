@@ -40,7 +40,11 @@ if [ "$flavor" = cpu ]; then
   # DeepSpeed JIT-compiles its CPU ops (ZeRO's FusedAdam, the shared-memory
   # all-reduce) into ~/.cache/torch_extensions on first use: ~80 s on 2
   # cores, which would otherwise stall the node's first Train workers while
-  # the rollout replica waits. Build them here, once per node.
+  # the rollout replica waits. Build them here, once per node. A process
+  # killed while it held an op's build lock (torch's FileBaton has no
+  # timeout) would leave every later build waiting forever: a lock older
+  # than a build (10 min) is stale.
+  find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -name lock -mmin +10 -delete 2>/dev/null || true
   "$venv/bin/python" -c "
 from deepspeed.accelerator import get_accelerator
 for name in ('FusedAdamBuilder', 'ShareMemCommBuilder'):
