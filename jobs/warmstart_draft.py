@@ -13,9 +13,9 @@
    tokens of those responses (their coverage, and the held-out responses',
    go to ``result.json``). Acceptance length on the held-out prompts with
    the head as it is ("before").
-3. Optimizer steps of ``eagle3_loss`` (``draft.ttt_steps``) on the
-   verifier's features of the generated samples (``rayspec.draft.warmstart``),
-   peak learning rate ``draft.lr`` with warmup and cosine decay over
+3. Optimizer steps of ``eagle3_loss`` (``draft.ttt_steps``,
+   ``draft.tv_loss_weight``) on the verifier's features of the generated
+   samples (``rayspec.draft.warmstart``), peak learning rate ``draft.lr`` with warmup and cosine decay over
    ``--steps``. Every ``--eval-every`` steps the head is loaded into the same
    engine (refit) and held-out acceptance length is measured at the RL
    temperature and greedily, with the drafts the run will make
@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             target = min(args.steps, done + args.eval_every) if args.eval_every else args.steps
             trained = train_head(policy, samples, out, target, cfg.draft.lr, cfg.draft.ttt_steps, pad,
                                  micro_batch=args.micro_batch, save_every=args.save_every,
-                                 seed=cfg.trainer.seed, schedule_steps=args.steps)
+                                 seed=cfg.trainer.seed, schedule_steps=args.steps,
+                                 tv_weight=cfg.draft.tv_loss_weight)
             done = trained["steps"]
             engine.update_draft(vllm_state_dict(load_head(out / HEAD)), done)
             at_t, held_responses = acceptance(engine, held, args.heldout_samples, cfg)

@@ -314,6 +314,12 @@ class DraftConfig:
         lr: AdamW learning rate of the head.
         steps_per_rl_step: optimizer steps per RL step.
         ttt_steps: training-time-test unroll depth (draft positions trained).
+        tv_loss_weight: weight of the total-variation distance between the
+            verifier's and the head's next-token distributions, added to
+            EAGLE-3's soft cross-entropy at every draft step
+            (``rayspec.draft.loss.eagle3_loss``): one minus it is a sampled
+            draft's acceptance probability, which cross-entropy only bounds
+            (DistillSpec, arXiv 2310.08461). 0: cross-entropy alone.
         aux_hidden_state_layer_ids: verifier layers whose inputs feed the head
             (null: 1, L/2-1, L-4 for an L-layer policy).
         draft_vocab_size: tokens a head that rayspec creates proposes from
@@ -350,6 +356,7 @@ class DraftConfig:
     lr: float = 1.0e-3
     steps_per_rl_step: int = 4
     ttt_steps: int = 3
+    tv_loss_weight: float = 0.0
     aux_hidden_state_layer_ids: Optional[list[int]] = None
     draft_vocab_size: Optional[int] = 8192
     buffer_steps: int = 4
@@ -626,6 +633,9 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.draft.steps_per_rl_step >= 0, "draft.steps_per_rl_step",
            cfg.draft.steps_per_rl_step, "must be >= 0")
     _check(cfg.draft.ttt_steps >= 1, "draft.ttt_steps", cfg.draft.ttt_steps, "must be >= 1")
+    tv = cfg.draft.tv_loss_weight
+    _check(isinstance(tv, (int, float)) and not isinstance(tv, bool) and tv >= 0,
+           "draft.tv_loss_weight", tv, "must be a number >= 0")
     _check(_is_int(cfg.draft.idle_train_every) and cfg.draft.idle_train_every >= 0, "draft.idle_train_every",
            cfg.draft.idle_train_every, "must be an integer >= 0 (0: train every step)")
     _check(isinstance(cfg.draft.min_acceptance_gain, (int, float)) and not isinstance(cfg.draft.min_acceptance_gain, bool)

@@ -113,7 +113,7 @@ def test_policy_update_computes_on_the_engine_device_and_puts_host_tensors(
 def test_draft_trainer_trains_on_its_device_and_returns_host_tensors(head_dir, copied_from, monkeypatch):
     loss_inputs: list[str] = []
 
-    def eagle3_loss(head, *args, targets=None):
+    def eagle3_loss(head, *args, targets=None, tv_weight=0.0):
         # the real loss indexes by the mask's values (data-dependent shapes),
         # which meta tensors lack; what matters here is where its inputs are
         loss_inputs.extend(a.device.type for a in args[:-1] + tuple(targets or ()))

@@ -387,6 +387,39 @@ def test_reduced_vocab_head_roundtrips_and_drafts_in_policy_ids(tiny_policy, tmp
     assert torch.isfinite(loss)
 
 
+def test_tv_term_is_the_rejection_probability_of_sampled_drafts(tiny_policy):
+    """tv_weight adds w * (1 - sum_v min(p, q)) per draft step: the rejection
+    probability that ``draft_overlap`` (checked against a replica in
+    test_sampled_drafts_replay_predicts_replica_acceptance) gives, with q zero
+    outside a reduced draft vocabulary, and it has a gradient."""
+    from rayspec.draft.loss import _shift, draft_overlap, eagle3_loss, target_mask
+
+    torch.manual_seed(0)
+    head = init_head(tiny_policy, draft_vocab=torch.arange(0, 256, 2))
+    seq = torch.randint(0, 256, (2, 12))
+    loss_mask = torch.ones(2, 11)
+    loss_mask[:, :3] = 0  # a prompt
+    loss_mask[1, 9:] = 0  # padding
+    with torch.no_grad(), capture_eagle3_features(tiny_policy, [1, 3, 4]) as f:
+        tiny_policy(input_ids=seq)
+    args = (head, seq, f["aux_hidden"], f["final_hidden"], loss_mask,
+            tiny_policy.model.embed_tokens.weight, tiny_policy.lm_head.weight, 3)
+    with torch.no_grad():
+        ce, _ = eagle3_loss(*args)
+        overlap = draft_overlap(*args)
+    valid = [_shift(target_mask(loss_mask), 1 + j).bool() for j in range(3)]
+    tv = sum(1 - overlap[..., j][valid[j]].mean() for j in range(3)) / 3
+    assert 0.5 < tv < 1  # an untrained head: most drafts rejected, and mass outside the draft vocabulary
+    both, _ = eagle3_loss(*args, tv_weight=2.0)
+    assert both.item() == pytest.approx(ce.item() + 2.0 * tv.item(), rel=1e-5)
+    both.backward()
+    ce_only, _ = eagle3_loss(*args)
+    grad_both = head.fc.weight.grad.clone()
+    head.zero_grad()
+    ce_only.backward()
+    assert not torch.allclose(grad_both, head.fc.weight.grad)
+
+
 def test_head_checkpoints_with_bad_vocab_maps_are_refused(tiny_policy, tmp_path):
     out = save_head(init_head(tiny_policy), tmp_path / "head")
     cfg = json.loads((out / "config.json").read_text())

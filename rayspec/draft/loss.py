@@ -24,6 +24,15 @@ whose likely next tokens lie outside D (small m) weighs less, as it should:
 whatever the head proposes there is mostly rejected. (The reference code
 renormalises and masks positions whose verifier argmax is outside D; the
 weight by m is the smooth form of that mask.)
+
+With sampled drafts (vLLM's ``draft_sample_method: probabilistic``) a draft
+token x ~ q is accepted with probability min(1, p(x) / q(x)), so a position
+is accepted with sum_v min(p(v), q(v)) = 1 - TV(p, q) (Leviathan et al. 2023,
+arXiv 2211.17192, Sec. 3). Cross-entropy only bounds TV (Pinsker), so
+``tv_weight`` adds w * TV(p, q) per draft step: the divergence the decoding
+uses, as DistillSpec (Zhou et al. 2023, arXiv 2310.08461) proposes. TV over
+D with p not renormalised counts the mass outside D as never accepted, which
+it is.
 """
 
 from __future__ import annotations
@@ -49,8 +58,10 @@ def _shift(x: torch.Tensor, j: int, fill=0) -> torch.Tensor:
 def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
                 final_hidden: torch.Tensor, loss_mask: torch.Tensor,
                 embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                ttt_steps: int, targets: tuple | None = None) -> tuple[torch.Tensor, list[float]]:
-    """Soft cross-entropy of the unrolled head against the verifier.
+                ttt_steps: int, targets: tuple | None = None,
+                tv_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+    """Soft cross-entropy of the unrolled head against the verifier, plus
+    ``tv_weight`` times the total-variation distance (module docstring).
 
     Args:
         head: the draft head (fp32 parameters).
@@ -66,6 +77,9 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Ten
         ttt_steps: draft steps unrolled (1 = plain EAGLE training).
         targets: ``verifier_targets`` of these features at T = 1 where the
             caller has them already (None: computed here).
+        tv_weight: >= 0, weight of 1 - sum_v min(p(v), q(v)) per step, the
+            rejection probability of a sampled draft (0: cross-entropy only,
+            EAGLE-3's objective).
 
     Returns:
         (scalar loss averaged over steps and masked positions, per-step top-1
@@ -83,7 +97,10 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Ten
             break
         rows = position >= 1 + j  # the targets of step j's chain starts t = position - 1 - j, in m's order
         logits = head.lm_head(normed[m])  # [n, N]
-        total = total + -(target[rows] * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        logq = torch.log_softmax(logits, dim=-1)
+        total = total + -(target[rows] * logq).sum(-1).mean()
+        if tv_weight:
+            total = total + tv_weight * (1 - torch.minimum(target[rows], logq.exp()).sum(-1).mean())
         drafted = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
         agree.append((drafted == target_top[rows]).float().mean().item())
     return total / max(len(agree), 1), agree

@@ -59,12 +59,15 @@ class DraftTrainer:
             (``loss.draft_overlap``, ``loss.sampled_hits``).
         temperature: the rollouts' sampling temperature (0: greedy rollouts,
             where sampled drafts are the greedy ones).
+        tv_loss_weight: weight of the total-variation term of
+            ``eagle3_loss`` (``draft.tv_loss_weight``).
     """
 
     def __init__(self, head_dir: str, lr: float, ttt_steps: int, num_threads: int = 1,
                  buffer_steps: int = 1, seed: int = 0, cores: list[int] | None = None,
                  device: str = "cpu", num_speculative_tokens: int | None = None,
-                 draft_sample_method: str = "greedy", temperature: float = 1.0):
+                 draft_sample_method: str = "greedy", temperature: float = 1.0,
+                 tv_loss_weight: float = 0.0):
         if cores:
             os.sched_setaffinity(0, cores)
             num_threads = min(num_threads, len(cores))
@@ -80,6 +83,7 @@ class DraftTrainer:
         self.opt = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad],
                                      lr=lr, weight_decay=0.0)
         self.ttt_steps = ttt_steps
+        self.tv_loss_weight = tv_loss_weight
         self.num_speculative_tokens = num_speculative_tokens
         self.sampled_drafts = draft_sample_method == "probabilistic" and temperature > 0
         self.temperature = temperature
@@ -171,7 +175,8 @@ class DraftTrainer:
                 if pending is not self._pending:
                     raise RuntimeError("DraftTrainer.train: abandoned (the trainer was restored from a checkpoint)")
                 loss, acc = eagle3_loss(self.head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
-                                        f["loss_mask"], embed, lm_head, self.ttt_steps, targets=targets)
+                                        f["loss_mask"], embed, lm_head, self.ttt_steps, targets=targets,
+                                        tv_weight=self.tv_loss_weight)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)

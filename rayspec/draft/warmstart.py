@@ -137,7 +137,8 @@ def lr_at(step: int, lr: float, schedule_steps: int | None) -> float:
 
 def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str | os.PathLike,
                steps: int, lr: float, ttt_steps: int, pad_id: int, micro_batch: int = 4,
-               save_every: int = 50, seed: int = 0, schedule_steps: int | None = None) -> dict[str, float]:
+               save_every: int = 50, seed: int = 0, schedule_steps: int | None = None,
+               tv_weight: float = 0.0) -> dict[str, float]:
     """Train the head in ``<out_dir>/draft_head`` on ``samples`` for ``steps``
     optimizer steps in total, resuming from the step saved there.
 
@@ -158,6 +159,7 @@ def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str 
         schedule_steps: length of the learning-rate schedule (``lr_at``;
             None: constant ``lr``), the most steps a run may take when it is
             trained in parts with evaluations between them.
+        tv_weight: weight of ``eagle3_loss``'s total-variation term.
 
     Returns:
         {"steps": total steps done, "draft_loss": mean loss of the last <= 20
@@ -188,7 +190,7 @@ def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str 
         for g in opt.param_groups:
             g["lr"] = lr_at(step, lr, schedule_steps)
         loss, acc = eagle3_loss(head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
-                                f["loss_mask"], embed, lm_head, ttt_steps)
+                                f["loss_mask"], embed, lm_head, ttt_steps, tv_weight=tv_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

@@ -234,7 +234,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
             device="cuda" if cfg.draft.num_gpus > 0 else "cpu",
             num_speculative_tokens=cfg.rollout.speculative_config.num_speculative_tokens,
             draft_sample_method=cfg.rollout.speculative_config.draft_sample_method or "greedy",
-            temperature=cfg.grpo.temperature)
+            temperature=cfg.grpo.temperature, tv_loss_weight=cfg.draft.tv_loss_weight)
     log.info("rollout ready in %.0fs", time.perf_counter() - t0)
     try:
         trainer = TorchTrainer(
