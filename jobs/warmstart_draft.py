@@ -68,6 +68,9 @@ def parse_args(argv):
                     help="held-out acceptance length gain that counts as improvement")
     ap.add_argument("--micro-batch", type=int, default=4, help="samples per optimizer step")
     ap.add_argument("--save-every", type=int, default=50)
+    ap.add_argument("--feature-cache-gib", type=float, default=4.0,
+                    help="host memory for the verifier features of training micro-batches (GiB); "
+                         "those past it are recomputed each epoch")
     args, rest = ap.parse_known_args(argv)
     preset = DEFAULT_PRESET
     if rest and rest[0].endswith((".yaml", ".yml")):
@@ -182,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             trained = train_head(policy, samples, out, target, cfg.draft.lr, cfg.draft.ttt_steps, pad,
                                  micro_batch=args.micro_batch, save_every=args.save_every,
                                  seed=cfg.trainer.seed, schedule_steps=args.steps,
-                                 tv_weight=cfg.draft.tv_loss_weight)
+                                 tv_weight=cfg.draft.tv_loss_weight,
+                                 feature_cache_bytes=int(args.feature_cache_gib * 2 ** 30))
             done = trained["steps"]
             engine.update_draft(vllm_state_dict(load_head(out / HEAD)), done)
             at_t, held_responses = acceptance(engine, held, args.heldout_samples, cfg)

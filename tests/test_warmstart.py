@@ -41,6 +41,26 @@ def test_training_resumes_where_it_stopped(tiny_llama_dir, tmp_path):
     assert torch.equal(a.lm_head.weight, policy.lm_head.weight.to(torch.bfloat16).float())
 
 
+def test_features_past_the_cache_budget_are_recomputed_alike(tiny_llama_dir, tmp_path, monkeypatch):
+    """With no room for features every step recomputes its micro-batch's, and
+    the head is the same as with all of them cached."""
+    import rayspec.draft.warmstart as ws
+
+    policy = load_policy(tiny_llama_dir).eval()
+    samples = _samples(12)  # 3 micro-batches, so 7 steps come round to each again
+    made, compute = [], ws.features
+    monkeypatch.setattr(ws, "features", lambda *a: made.append(1) or compute(*a))
+    for d, budget in (("cached", None), ("recomputed", 0)):
+        save_head(init_head(policy), tmp_path / d / HEAD)
+        made.clear()
+        train_head(policy, samples, tmp_path / d, 7, 1e-3, 2, pad_id=0, micro_batch=4,
+                   save_every=7, feature_cache_bytes=budget)
+        assert len(made) == (3 if budget is None else 7), d
+    a, b = load_head(tmp_path / "cached" / HEAD), load_head(tmp_path / "recomputed" / HEAD)
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
 def test_bad_corpus_row_names_file_and_line(tmp_path):
     f = tmp_path / "corpus.jsonl"
     f.write_text('{"prompt_ids": [1], "response_ids": [2]}\n{"prompt_ids": [1]}\n')

@@ -138,7 +138,7 @@ def lr_at(step: int, lr: float, schedule_steps: int | None) -> float:
 def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str | os.PathLike,
                steps: int, lr: float, ttt_steps: int, pad_id: int, micro_batch: int = 4,
                save_every: int = 50, seed: int = 0, schedule_steps: int | None = None,
-               tv_weight: float = 0.0) -> dict[str, float]:
+               tv_weight: float = 0.0, feature_cache_bytes: int | None = 4 << 30) -> dict[str, float]:
     """Train the head in ``<out_dir>/draft_head`` on ``samples`` for ``steps``
     optimizer steps in total, resuming from the step saved there.
 
@@ -160,6 +160,11 @@ def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str 
             None: constant ``lr``), the most steps a run may take when it is
             trained in parts with evaluations between them.
         tv_weight: weight of ``eagle3_loss``'s total-variation term.
+        feature_cache_bytes: micro-batches' verifier features are kept in
+            host memory as they are first computed, up to this many bytes;
+            the others are recomputed each time they come round (None: no
+            limit). They take 4 H bf16 values per token: 33 GB for 1M
+            tokens of an 8B policy (H = 4096).
 
     Returns:
         {"steps": total steps done, "draft_loss": mean loss of the last <= 20
@@ -178,15 +183,17 @@ def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str 
     order = list(range(len(samples)))
     random.Random(seed).shuffle(order)
     chunks = [order[i:i + micro_batch] for i in range(0, len(order), micro_batch)]
-    cache: dict[int, dict] = {}  # features per chunk, made once
+    cache: dict[int, dict] = {}  # features of a fixed set of chunks: in a cycle, LRU would miss every time
+    cached = 0
     losses, top1 = [], []
     head.train()
     for step in tqdm(range(done, steps), initial=done, total=steps, desc="warm start",
                      unit="step", disable=None):
         c = step % len(chunks)
-        if c not in cache:
-            cache[c] = features(policy, [samples[i] for i in chunks[c]], ids, pad_id)
-        f = cache[c]
+        f = cache.get(c) or features(policy, [samples[i] for i in chunks[c]], ids, pad_id)
+        size = sum(t.nbytes for t in f.values())
+        if c not in cache and (feature_cache_bytes is None or cached + size <= feature_cache_bytes):
+            cache[c], cached = f, cached + size
         for g in opt.param_groups:
             g["lr"] = lr_at(step, lr, schedule_steps)
         loss, acc = eagle3_loss(head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
