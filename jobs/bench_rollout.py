@@ -120,7 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--data-path", default=str(SHARED_GSM8K), help="GSM8K jsonl directory")
     ap.add_argument("--first-prompt", type=int, default=1000,
                     help="index of the first GSM8K train problem used (the shared copy has no test "
-                         "split; jobs.warmstart_draft trains on the first ones)")
+                         "split; jobs.warmstart_draft trains on the first ones, and a head whose "
+                         "acceptance.json records those as train_prompts is refused on them)")
     ap.add_argument("--methods", help=f"default {','.join(METHODS)}")
     ap.add_argument("--eagle3", action="append", default=[], metavar="NAME=DIR",
                     help="an EAGLE-3 head to bench (e.g. warm=runs/warm/draft_head); "
@@ -440,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     from rayspec.data import chat_prompt_ids, load_gsm8k
     from rayspec.draft.eagle3 import load_head, vllm_state_dict
+    from rayspec.draft.warmstart import trained_prompt_overlap
     from rayspec.models import load_tokenizer, resolve_model_path, truncated_copy
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
 
@@ -455,14 +457,17 @@ def main(argv: list[str] | None = None) -> int:
     # k = 0 on a speculative engine: what speculation costs when it drafts nothing
     grid = [(t, c, k) for t in args.temperature for c in args.concurrency for k in sorted({0, *args.k})]
     # rollout cells on the first prompts, fixed cells on the ones after them
-    pool = problems[args.first_prompt + args.rollout_prompts:]
+    start = args.first_prompt + args.rollout_prompts
+    pool = problems[start:]
     try:
         fixed = fixed_cell_prompts(len(pool), grid, args.repeats, args.fixed_group_size, args.fresh_prompts)
     except ValueError as e:
         print(f"error: --first-prompt {args.first_prompt}: {args.data_path} has {len(problems)} train "
               f"problems; after the {args.rollout_prompts} rollout prompts, {e}", file=sys.stderr)
         return 2
-    ids = {i: chat_prompt_ids(tok, pool[i]) for i in sorted({i for v in fixed.values() for i in v})}
+    used = sorted({i for v in fixed.values() for i in v})
+    ids = {i: chat_prompt_ids(tok, pool[i]) for i in used}
+    bench_indices = [*range(args.first_prompt, start), *(start + i for i in used)]  # into the train split
     fixed = {key: [ids[i] for i in v] for key, v in fixed.items()}
     prompts = [chat_prompt_ids(tok, p) for p in problems[args.first_prompt:args.first_prompt + args.rollout_prompts]]
     heads = {"untrained": untrained_head(model_dir, work)} if args.untrained_head else {}
@@ -472,6 +477,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --eagle3 {spec}: expected NAME=DIR with an EAGLE-3 head", file=sys.stderr)
             return 2
         heads[name] = Path(d)
+        try:
+            trained = trained_prompt_overlap(d, "gsm8k", bench_indices)
+        except ValueError as e:
+            print(f"error: --eagle3 {spec}: {e}", file=sys.stderr)
+            return 2
+        if trained:
+            print(f"error: --first-prompt {args.first_prompt}: {len(trained)} of the bench's GSM8K train "
+                  f"prompts (indices {trained[0]}-{trained[-1]}) are in the warm-start corpus of --eagle3 "
+                  f"{spec} (train_prompts in its acceptance.json): start past them", file=sys.stderr)
+            return 2
     if {"eagle3", "eagle3-sampled"} & set(args.methods) and not heads:
         print("error: --no-untrained-head: method eagle3 then needs --eagle3 NAME=DIR", file=sys.stderr)
         return 2

@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     from rayspec.data import chat_prompt_ids, load_problems
     from rayspec.draft.eagle3 import init_head, load_head, save_head, vllm_state_dict
     from rayspec.draft.vocab import coverage, select_draft_vocab, token_counts
-    from rayspec.draft.warmstart import (BEST, CORPUS, HEAD, missing_prompts, read_corpus, split_prompts,
-                                      train_head, write_corpus)
+    from rayspec.draft.warmstart import (BEST, CORPUS, HEAD, corpus_prompt_span, missing_prompts, read_corpus,
+                                      split_prompts, train_head, write_corpus)
     from rayspec.models import load_policy, load_tokenizer, resolve_model_path
     from rayspec.rollout.adaptive import uniform, write_acceptance
     from rayspec.rollout.engine import SpecVLLMEngine, replica_env
@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     tok = load_tokenizer(model_dir)
-    problems = load_problems(cfg.data)
+    prompts = [chat_prompt_ids(tok, p) for p in load_problems(cfg.data)]
     try:
-        train_p, held_p = split_prompts(problems, args.train_prompts, args.heldout_prompts)
+        train_p, held = split_prompts(prompts, args.train_prompts, args.heldout_prompts)
     except ValueError as e:
         print(f"error: --train-prompts/--heldout-prompts: {e}", file=sys.stderr)
         return 2
@@ -131,10 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     seqs = cfg.rollout.engine_kwargs.get("max_num_seqs", 256)
     engine_args = dict(dtype=cfg.model.dtype, engine_kwargs=dict(cfg.rollout.engine_kwargs),
                        env=replica_env(cfg.rollout))
-    held = [chat_prompt_ids(tok, p) for p in held_p]
     samples = read_corpus(out / CORPUS) if (out / CORPUS).is_file() else []
     try:
-        todo = missing_prompts([chat_prompt_ids(tok, p) for p in train_p], samples, held)
+        todo = missing_prompts(train_p, samples, held)
     except ValueError as e:
         print(f"error: {out / CORPUS}: {e}", file=sys.stderr)
         return 2
@@ -220,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         write_acceptance(out / HEAD, best["after"]["acceptance_rate_per_pos"], k=k,
                          temperature=cfg.grpo.temperature, draft_sample_method=spec.draft_sample_method or "greedy",
                          data=cfg.data.name, heldout_prompts=len(held),
-                         heldout_samples=args.heldout_samples, policy=str(model_dir), train_steps=best["step"])
+                         heldout_samples=args.heldout_samples, policy=str(model_dir), train_steps=best["step"],
+                         train_prompts=corpus_prompt_span(prompts, samples))
     finally:
         engine.shutdown()
     print(f"{'':<8}{'acc len':>9}{'tok/s':>8}  accept/pos   (held-out: {len(held)} prompts x "

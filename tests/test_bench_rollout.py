@@ -99,6 +99,24 @@ def test_eagle3_heads_share_an_engine_only_with_the_same_draft_vocabulary(tmp_pa
         ("draft_model", ["layers6"])]
 
 
+def test_refuses_bench_prompts_a_head_was_warm_started_on(tiny_llama_dir, gsm8k_dir, tmp_path, capsys):
+    from jobs.bench_rollout import main
+    from rayspec.draft.eagle3 import init_head, save_head
+    from rayspec.models import load_policy
+    from rayspec.rollout.adaptive import write_acceptance
+
+    head = save_head(init_head(load_policy(tiny_llama_dir)), tmp_path / "head")
+    write_acceptance(head, [0.5, 0.2], data="gsm8k", train_prompts=[16, 2016])
+    common = ["--model", str(tiny_llama_dir), "--data-path", str(gsm8k_dir), "--methods", "none,eagle3",
+              "--eagle3", f"warm={head}", "--no-untrained-head", "--k", "2", "--concurrency", "1",
+              "--repeats", "2", "--fresh-prompts", "--rollout-prompts", "0", "--out", str(tmp_path / "cells.json"),
+              "--work-dir", str(tmp_path / "work")]
+    assert main(common + ["--first-prompt", "2014"]) == 2
+    err = capsys.readouterr().err
+    assert "--first-prompt 2014: 2 of the bench's GSM8K train prompts (indices 2014-2015)" in err
+    assert f"--eagle3 warm={head}" in err and not (tmp_path / "cells.json").exists()
+
+
 @pytest.mark.slow
 def test_bench_rollout_cells(tiny_llama_dir, gsm8k_dir, tmp_path, in_process_engine_core):
     from jobs.bench_rollout import main

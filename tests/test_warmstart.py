@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from rayspec.draft.eagle3 import init_head, load_head, save_head
-from rayspec.draft.warmstart import HEAD, missing_prompts, read_corpus, split_prompts, train_head, write_corpus
+from rayspec.draft.warmstart import (HEAD, corpus_prompt_span, missing_prompts, read_corpus, split_prompts,
+                                     train_head, trained_prompt_overlap, write_corpus)
 from rayspec.models import load_policy
-from rayspec.rollout.adaptive import read_acceptance
+from rayspec.rollout.adaptive import read_acceptance, write_acceptance
 
 
 def _samples(n: int) -> list[tuple[list[int], list[int]]]:
@@ -90,6 +91,23 @@ def test_a_corpus_grows_by_the_prompts_it_lacks_and_never_holds_heldout_ones(tmp
     assert not list(tmp_path.glob(".*.tmp"))  # written atomically
 
 
+def test_the_corpus_prompt_span_is_recorded_and_overlaps_are_found(tmp_path):
+    samples = [([3], [7]), ([1, 2], [5]), ([8], [1])]  # [8] is not the dataset's
+    dataset = [[9], [1, 2], [4], [3], [6]]
+    assert corpus_prompt_span(dataset, samples) == [1, 4]
+    assert corpus_prompt_span(dataset, [([8], [1])]) is None
+    head = tmp_path / "head"
+    head.mkdir()
+    assert trained_prompt_overlap(head, "gsm8k", range(10)) == []  # no record: nothing to show
+    write_acceptance(head, [0.5], data="gsm8k", train_prompts=[1, 4])
+    assert trained_prompt_overlap(head, "gsm8k", [0, 5, 3, 1, 3]) == [1, 3]
+    assert trained_prompt_overlap(head, "gsm8k", [0, 4, 9]) == []
+    assert trained_prompt_overlap(head, "math", [1, 2]) == []  # trained on another dataset
+    (head / "acceptance.json").write_text("{")
+    with pytest.raises(ValueError, match="acceptance.json: not JSON"):
+        trained_prompt_overlap(head, "gsm8k", [1])
+
+
 @pytest.mark.slow
 def test_warmstart_job_raises_heldout_acceptance_stops_early_and_resumes(tiny_llama_dir, gsm8k_dir, tmp_path,
                                                                           in_process_engine_core):
@@ -126,6 +144,8 @@ def test_warmstart_job_raises_heldout_acceptance_stops_early_and_resumes(tiny_ll
     # as rates of sampled drafts: not for an engine that drafts greedily
     assert read_acceptance(out / HEAD, "probabilistic") == res["after"]["acceptance_rate_per_pos"]
     assert read_acceptance(out / HEAD) is None
+    record = json.loads((out / HEAD / "acceptance.json").read_text())
+    assert record["train_prompts"] == [8, 72] and record["data"] == "gsm8k"  # what benches must stay out of
     # resume: same corpus, training continues; one evaluation without a gain of 10 stops it
     stop = common + ["--steps", "200", "--eval-every", "10", "--patience", "1", "--min-delta", "10"]
     assert main(stop) == 0
@@ -145,6 +165,7 @@ def test_warmstart_job_raises_heldout_acceptance_stops_early_and_resumes(tiny_ll
     samples = read_corpus(out / "corpus.jsonl")
     assert len(samples) == 264 and (out / "corpus.jsonl").read_text().startswith(corpus)
     assert len({tuple(p) for p, _ in samples}) == 66
+    assert json.loads((out / HEAD / "acceptance.json").read_text())["train_prompts"] == [8, 74]
     # another held-out split is refused before anything is written
     assert main(grown + ["--heldout-prompts", "4"]) == 2
     assert json.loads((out / "result.json").read_text()) == resumed and len(read_corpus(out / "corpus.jsonl")) == 264

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from rayspec.batch import RolloutBatch
 from rayspec.draft.eagle3 import Eagle3Head, aux_layer_ids, load_head, save_head
 from rayspec.draft.loss import eagle3_loss
+from rayspec.rollout.adaptive import ACCEPTANCE_FILE
 from rayspec.train.capture import capture_eagle3_features
 
 CORPUS = "corpus.jsonl"
@@ -240,3 +241,30 @@ def missing_prompts(prompts: list[list[int]], samples: list[tuple[list[int], lis
         raise ValueError(f"{leaked} of the {len(heldout)} held-out prompts are in the corpus: it was "
                          "generated with another split; use a new --out or the split it was made with")
     return [p for p in prompts if tuple(p) not in have]
+
+
+def corpus_prompt_span(prompts: list[list[int]], samples: list[tuple[list[int], list[int]]]) -> list[int] | None:
+    """[first, end): the smallest span of dataset indices holding every
+    prompt of ``prompts`` (the dataset's, as token ids, in its order) that
+    the corpus has samples of; None where it has none. A benchmark whose
+    prompts fall in it would measure the head on its training data
+    (``trained_prompt_overlap``)."""
+    have = {tuple(p) for p, _ in samples}
+    seen = [i for i, p in enumerate(prompts) if tuple(p) in have]
+    return [seen[0], seen[-1] + 1] if seen else None
+
+
+def trained_prompt_overlap(head_dir: str | os.PathLike, data: str, indices: Iterable[int]) -> list[int]:
+    """The ``indices`` of dataset ``data`` (e.g. "gsm8k", train split) inside
+    the ``train_prompts`` span that the warm start recorded in the head's
+    ``acceptance.json`` for that dataset, sorted; [] where the head has no
+    such record (no overlap can be shown then, for a head made elsewhere)."""
+    path = Path(head_dir) / ACCEPTANCE_FILE
+    try:
+        record = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    span = record.get("train_prompts")
+    if record.get("data") != data or not span:
+        return []
+    return sorted(i for i in set(indices) if span[0] <= i < span[1])
