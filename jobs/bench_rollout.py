@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                      "enable_prefix_caching": False}
     env = cpu_engine_env(args.kv_cache_gib, "all")
     rounds: list[list[dict]] = []
-    costs: dict = {}  # method -> calibrated step cost (adaptive), once per engine
+    costs: dict = {}  # (method, temperature) -> calibrated step cost (adaptive), once per engine
     k_best: dict = {}  # (method, draft, temperature) -> the rollout's fixed k, chosen in round 1
     t_start = time.time()
     for r in range(args.repeats):
@@ -566,7 +566,8 @@ def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_se
         # a fresh controller, given this draft's acceptance at this temperature
         # and the rollout's shape from the fixed-k rollout just run (rates=[]:
         # not the warm head's recorded held-out rates)
-        costs[method] = engine.enable_adaptive(margin=args.adaptive_margin, cost=costs.get(method), rates=[])
+        costs[method, t] = engine.enable_adaptive(margin=args.adaptive_margin, cost=costs.get((method, t)),
+                                                  rates=[], temperature=t)
         engine.adaptive.update(cell.stats.accepted_per_pos, cell.stats.num_drafts, k,
                                cell.stats.output_tokens - cell.stats.num_accepted_tokens)
         engine.adaptive.observe(cell.response_lens)

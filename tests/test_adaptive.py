@@ -248,6 +248,7 @@ def test_calibration_prefills_every_timed_run_from_an_empty_prefix_cache():
 
         def generate(self, prompts, params, use_tqdm):
             calls.append((len(prompts), params.max_tokens))
+            sampled.append((params.temperature, params.logprobs))
 
         def get_metrics(self):
             return []
@@ -257,7 +258,11 @@ def test_calibration_prefills_every_timed_run_from_an_empty_prefix_cache():
                         _busy_since=None)
     schedules = []
     eng.set_k_schedule = lambda schedule, drafter_idle=None: schedules.append((schedule[0][2], drafter_idle))
-    cost = eng.calibrate(3, concurrencies=[1, 4], tokens=8)
+    sampled = []
+    cost = eng.calibrate(3, concurrencies=[1, 4], tokens=8, temperature=0.7)
+    # timed as rollouts sample: at their temperature, with logprobs (vLLM's
+    # random rejection path and logprobs over every verified position)
+    assert set(sampled) == {(0.7, 0)}
     assert schedules == [(0, None), (0, False), (1, None), (3, None)] * 3
     runs = [c for c in calls if c != "reset"]
     assert runs == [(1, 8)] * 4 + [(1, 1), (1, 8)] * 4 + [(4, 1), (4, 8)] * 4

@@ -140,7 +140,8 @@ class SpecVLLMEngine:
             the rollout role; the replica binds vLLM's CPU threads to its
             node's set (VLLM_CPU_OMP_THREADS_BIND). None: ``env`` as given.
         adaptive_k: adaptive speculation (``rayspec.rollout.adaptive``):
-            {"margin", "calibration_tokens", "probe_every"}; the engine is calibrated once
+            {"margin", "calibration_tokens", "probe_every", "temperature"}
+            (``enable_adaptive``'s arguments); the engine is calibrated once
             here and re-chooses k per batch size after every ``generate``.
             Runs on vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``
             unless ``env`` says otherwise). None: k as configured.
@@ -216,7 +217,8 @@ class SpecVLLMEngine:
     def enable_adaptive(self, margin: float = 1.05, calibration_tokens: int = 16,
                         cost: Optional[adaptive_k_mod.StepCost] = None,
                         probe_every: int = 1,
-                        rates: Optional[list[float]] = None) -> adaptive_k_mod.StepCost:
+                        rates: Optional[list[float]] = None,
+                        temperature: float = 0.0) -> adaptive_k_mod.StepCost:
         """Turn on adaptive speculation: calibrate the step cost (unless
         ``cost`` is given) and choose k per batch size from acceptance rates
         per draft position ``rates``; probe a draft that does not pay every
@@ -227,6 +229,8 @@ class SpecVLLMEngine:
         engine's ``draft_sample_method`` (``adaptive.read_acceptance``).
         With no rates (None and no record, or []) the first rollout drafts
         num_speculative_tokens at every batch size to measure them.
+        ``temperature``: the rollouts', at which the steps are timed
+        (``calibrate``).
 
         Raises:
             RuntimeError: no speculative_config, or built without a schedule.
@@ -241,7 +245,7 @@ class SpecVLLMEngine:
             if rates:
                 log.info("adaptive k: starting from the draft's recorded acceptance rates %s",
                          [round(r, 3) for r in rates])
-        cost = cost or self.calibrate(k, tokens=calibration_tokens)
+        cost = cost or self.calibrate(k, tokens=calibration_tokens, temperature=temperature)
         self.adaptive = adaptive_k_mod.AdaptiveK(k, self.max_num_seqs, cost, margin=margin,
                                                  probe_every=probe_every,
                                                  rates=adaptive_k_mod.extrapolate_rates(rates or [], k),
@@ -265,11 +269,21 @@ class SpecVLLMEngine:
         self.k_schedule = [tuple(r) for r in schedule]
 
     def calibrate(self, k: int, concurrencies: Optional[list[int]] = None,
-                  tokens: int = 16) -> adaptive_k_mod.StepCost:
+                  tokens: int = 16, temperature: float = 0.0) -> adaptive_k_mod.StepCost:
         """Measure the seconds of one engine step at several batch sizes
         (default 1, 4, 16, ... up to max_num_seqs): plain (k = 0, drafter
         idle), k = 0 with the drafter kept in sync, 1 draft (if k > 1) and k
         drafts.
+
+        Steps sample as ``generate`` does: at ``temperature`` (the
+        rollouts') with the sampled token's logprob. At T > 0 vLLM's
+        rejection sampler leaves its greedy path for target softmax, uniform
+        draws and recovered-token sampling over [b (k + 1), V], and the
+        logprobs cover every verified position: on 2 CPU cores at 16
+        sequences a 1-draft step cost 1.37x a plain one timed greedily
+        without logprobs, 1.66-1.77x timed at T = 1 with them, and 1.69-1.96x
+        in T = 1 rollouts of GSM8K prompts (docs/benchmarks.md). Timed
+        greedily, the controller drafted where it lost.
 
         Each batch size runs b copies of a 32-token periodic prompt greedily
         for ``tokens`` new tokens (ignore_eos; the repetition gives n-gram and
@@ -294,7 +308,7 @@ class SpecVLLMEngine:
         prompt = TokensPrompt(prompt_token_ids=list(range(100, 108)) * 4)
 
         def run(b: int, n_tok: int) -> tuple[float, int]:
-            params = SamplingParams(temperature=0.0, max_tokens=n_tok, ignore_eos=True)
+            params = SamplingParams(temperature=temperature, max_tokens=n_tok, ignore_eos=True, logprobs=0)
             self.llm.reset_prefix_cache()
             before = read_counters(self.llm.get_metrics())
             t0 = time.perf_counter()
