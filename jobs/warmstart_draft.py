@@ -15,8 +15,8 @@
    the head as it is ("before").
 3. Optimizer steps of ``eagle3_loss`` (``draft.ttt_steps``,
    ``draft.tv_loss_weight``) on the verifier's features of the generated
-   samples (``rayspec.draft.warmstart``), peak learning rate ``draft.lr`` with warmup and cosine decay over
-   ``--steps``. Every ``--eval-every`` steps the head is loaded into the same
+   samples (``rayspec.draft.warmstart``), peak learning rate ``draft.lr``
+   with warmup and cosine decay over ``--steps``. Every ``--eval-every`` steps the head is loaded into the same
    engine (refit) and held-out acceptance length is measured at the RL
    temperature and greedily, with the drafts the run will make
    (``rollout.speculative_config.draft_sample_method``: greedy drafts cap a
