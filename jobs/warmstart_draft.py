@@ -16,14 +16,16 @@
 3. Optimizer steps of ``eagle3_loss`` (``draft.ttt_steps``,
    ``draft.tv_loss_weight``) on the verifier's features of the generated
    samples (``rayspec.draft.warmstart``), peak learning rate ``draft.lr``
-   with warmup and cosine decay over ``--steps``. Every ``--eval-every`` steps the head is loaded into the same
-   engine (refit) and held-out acceptance length is measured at the RL
-   temperature and greedily, with the drafts the run will make
+   with warmup and cosine decay over ``--steps``. Every ``--eval-every``
+   steps the head is loaded into the same engine (refit) and held-out
+   acceptance length is measured at the RL temperature and greedily, with
+   the drafts the run will make
    (``rollout.speculative_config.draft_sample_method``: greedy drafts cap a
    position's acceptance at E[max p] at T = 1, sampled ones do not, so early
-   stopping on greedy drafts stops where only they saturate); training stops once it has not improved by
-   ``--min-delta`` for ``--patience`` evaluations (early stopping), or at
-   ``--steps``. The best evaluation is the result ("after").
+   stopping on greedy drafts stops where only they saturate); training stops
+   once it has not improved by ``--min-delta`` for ``--patience``
+   evaluations (early stopping), or at ``--steps``. The best evaluation is
+   the result ("after").
 
 ``DIR`` holds ``corpus.jsonl``, ``draft_head/`` (the best head: load it with
 ``rollout.speculative_config.model=DIR/draft_head``; its ``acceptance.json``
