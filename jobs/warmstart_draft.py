@@ -47,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from rayspec.config import ConfigError, load_config
+from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, ConfigError, load_config
 
 DEFAULT_PRESET = Path(__file__).parent / "configs" / "default.yaml"
 GENERATE_CHUNK = 128  # prompts per engine call while the corpus is generated
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         # training state stays the last step's, where a resumed run continues)
         save_head(load_head(out / BEST), out / HEAD)
         write_acceptance(out / HEAD, best["after"]["acceptance_rate_per_pos"], k=k,
-                         temperature=cfg.grpo.temperature, draft_sample_method=spec.draft_sample_method or "greedy",
+                         temperature=cfg.grpo.temperature, draft_sample_method=spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
                          data=cfg.data.name, heldout_prompts=len(held),
                          heldout_samples=args.heldout_samples, policy=str(model_dir), train_steps=best["step"],
                          train_prompts=corpus_prompt_span(prompts, samples))

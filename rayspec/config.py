@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 BUNDLED_MODEL = "bundled:smollm2-135m-instruct"
 SPEC_METHODS = ("eagle3", "draft_model", "mtp", "ngram", "suffix")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM 0.32's speculative_config.draft_sample_method
+DEFAULT_DRAFT_SAMPLE_METHOD = "greedy"  # vLLM's, where the key is unset
 DATASETS = ("arithmetic", "gsm8k")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "collective", "object_store")
 LAYOUTS = ("colocate", "split")

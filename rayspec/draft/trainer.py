@@ -24,6 +24,7 @@ from typing import Any
 import ray
 import torch
 
+from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD
 from rayspec.devices import to_device, to_host
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
 from rayspec.draft.loss import (acceptance_by_share, draft_overlap, draft_top1, drafting_counts, eagle3_loss,
@@ -66,7 +67,7 @@ class DraftTrainer:
     def __init__(self, head_dir: str, lr: float, ttt_steps: int, num_threads: int = 1,
                  buffer_steps: int = 1, seed: int = 0, cores: list[int] | None = None,
                  device: str = "cpu", num_speculative_tokens: int | None = None,
-                 draft_sample_method: str = "greedy", temperature: float = 1.0,
+                 draft_sample_method: str = DEFAULT_DRAFT_SAMPLE_METHOD, temperature: float = 1.0,
                  tv_loss_weight: float = 0.0):
         if cores:
             os.sched_setaffinity(0, cores)

@@ -104,7 +104,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rayspec.config import DRAFT_SAMPLE_METHODS
+from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, DRAFT_SAMPLE_METHODS
 from rayspec.files import write_text_atomic
 from rayspec.rollout.vllm_compat import internals_error
 
@@ -360,7 +360,7 @@ def write_acceptance(draft_dir, rates: list[float], **meta) -> Path:
                              json.dumps({"acceptance_rate_per_pos": list(rates), **meta}, indent=1))
 
 
-def read_acceptance(draft_dir, draft_sample_method: str = "greedy") -> list[float] | None:
+def read_acceptance(draft_dir, draft_sample_method: str = DEFAULT_DRAFT_SAMPLE_METHOD) -> list[float] | None:
     """The acceptance rates per position recorded beside a draft
     (``write_acceptance``), or None where there is no record (or no
     ``draft_dir``), or where it was measured with drafts of another
@@ -382,7 +382,7 @@ def read_acceptance(draft_dir, draft_sample_method: str = "greedy") -> list[floa
     try:
         record = json.loads(path.read_text())
         rates = record["acceptance_rate_per_pos"]
-        method = record.get("draft_sample_method", "greedy")
+        method = record.get("draft_sample_method", DEFAULT_DRAFT_SAMPLE_METHOD)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not an acceptance record ({type(e).__name__}: {e})") from None
     if not (isinstance(rates, list) and all(isinstance(r, (int, float)) and 0 <= r <= 1 for r in rates)):

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from rayspec.batch import RolloutBatch
+from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD
 from rayspec.rollout import adaptive as adaptive_k_mod
 from rayspec.rollout.spec_stats import SpecStats, diff_counters, read_counters
 from rayspec.rollout.vllm_compat import check_vllm_version, vllm_version
@@ -241,7 +242,7 @@ class SpecVLLMEngine:
         k = self.speculative_config["num_speculative_tokens"]
         if rates is None:
             rates = adaptive_k_mod.read_acceptance(self.speculative_config.get("model"),
-                                                   self.speculative_config.get("draft_sample_method", "greedy"))
+                                                   self.speculative_config.get("draft_sample_method", DEFAULT_DRAFT_SAMPLE_METHOD))
             if rates:
                 log.info("adaptive k: starting from the draft's recorded acceptance rates %s",
                          [round(r, 3) for r in rates])

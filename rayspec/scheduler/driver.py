@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 from omegaconf import OmegaConf
 
-from rayspec.config import ConfigError, RunConfig, draft_online, dtype_reason
+from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, ConfigError, RunConfig, draft_online, dtype_reason
 from rayspec.data import heldout_split, load_problems
 from rayspec.models import check_draft_matches_policy, load_policy, resolve_model_path
 from rayspec.rollout.adaptive import ACCEPTANCE_FILE, read_acceptance
@@ -142,7 +142,7 @@ def check_inputs(cfg: RunConfig) -> str:
     if spec.model is not None:
         check_draft_matches_policy(policy_cfg, spec.model, spec.method)
         try:
-            read_acceptance(spec.model, spec.draft_sample_method or "greedy")
+            read_acceptance(spec.model, spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD)
         except ValueError as e:
             raise ConfigError(f"rollout.speculative_config.model={spec.model}: {e}") from None
     try:
@@ -233,7 +233,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
             plan.cores.get("draft", {}).get(plan.role("draft")[0].node_id),
             device="cuda" if cfg.draft.num_gpus > 0 else "cpu",
             num_speculative_tokens=cfg.rollout.speculative_config.num_speculative_tokens,
-            draft_sample_method=cfg.rollout.speculative_config.draft_sample_method or "greedy",
+            draft_sample_method=cfg.rollout.speculative_config.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
             temperature=cfg.grpo.temperature, tv_loss_weight=cfg.draft.tv_loss_weight)
     log.info("rollout ready in %.0fs", time.perf_counter() - t0)
     try:
