@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         # training state stays the last step's, where a resumed run continues)
         save_head(load_head(out / BEST), out / HEAD)
         write_acceptance(out / HEAD, best["after"]["acceptance_rate_per_pos"], k=k,
-                         temperature=cfg.grpo.temperature, draft_sample_method=spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
+                         temperature=cfg.grpo.temperature,
+                         draft_sample_method=spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
                          data=cfg.data.name, heldout_prompts=len(held),
                          heldout_samples=args.heldout_samples, policy=str(model_dir), train_steps=best["step"],
                          train_prompts=corpus_prompt_span(prompts, samples))

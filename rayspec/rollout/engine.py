@@ -241,8 +241,9 @@ class SpecVLLMEngine:
             raise RuntimeError("adaptive speculation needs a speculative_config")
         k = self.speculative_config["num_speculative_tokens"]
         if rates is None:
-            rates = adaptive_k_mod.read_acceptance(self.speculative_config.get("model"),
-                                                   self.speculative_config.get("draft_sample_method", DEFAULT_DRAFT_SAMPLE_METHOD))
+            rates = adaptive_k_mod.read_acceptance(
+                self.speculative_config.get("model"),
+                self.speculative_config.get("draft_sample_method", DEFAULT_DRAFT_SAMPLE_METHOD))
             if rates:
                 log.info("adaptive k: starting from the draft's recorded acceptance rates %s",
                          [round(r, 3) for r in rates])
