@@ -287,10 +287,10 @@ class SpecVLLMEngine:
         in T = 1 rollouts of GSM8K prompts (docs/benchmarks.md). Timed
         greedily, the controller drafted where it lost.
 
-        Each batch size runs b copies of a 32-token periodic prompt greedily
-        for ``tokens`` new tokens (ignore_eos; the repetition gives n-gram and
-        suffix drafters something to propose at every step, as a model
-        drafter always does), minus a 1-token run (the prefill); each
+        Each batch size runs b copies of a 32-token periodic prompt for
+        ``tokens`` new tokens (ignore_eos; the repetition gives n-gram and
+        suffix drafters something to propose, as a model drafter always
+        has), minus a 1-token run (the prefill); each
         sequence then takes tokens - 1 - accepted / b steps (accepted: vLLM's
         accepted-draft count). Every run starts from an empty prefix cache:
         the 1-token run must pay the prefill the longer run pays, or the
