@@ -16,7 +16,7 @@
 3. Optimizer steps of ``eagle3_loss`` (``draft.ttt_steps``,
    ``draft.tv_loss_weight``) on the verifier's features of the generated
    samples (``rayspec.draft.warmstart``), peak learning rate ``draft.lr``
-   with warmup and cosine decay over ``--steps``. Every ``--eval-every``
+   (null: 1e-3) with warmup and cosine decay over ``--steps``. Every ``--eval-every``
    steps the head is loaded into the same engine (refit) and held-out
    acceptance length is measured at the RL temperature and greedily, with
    the drafts the run will make
@@ -29,7 +29,9 @@
 
 ``DIR`` holds ``corpus.jsonl``, ``draft_head/`` (the best head: load it with
 ``rollout.speculative_config.model=DIR/draft_head``; its ``acceptance.json``
-holds the "after" rates, where adaptive speculation starts from), the
+holds the "after" rates, where adaptive speculation starts from, and
+``final_lr``, the rate of the best head's last step, which online training
+continues at), the
 optimizer state, ``result.json`` (every evaluation under ``history``) and
 ``acceptance.png`` (held-out acceptance length against training tokens).
 Re-running with the same ``DIR`` resumes: the corpus is reused (a larger
@@ -47,7 +49,7 @@ import sys
 import time
 from pathlib import Path
 
-from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, ConfigError, load_config
+from rayspec.config import DEFAULT_DRAFT_LR, DEFAULT_DRAFT_SAMPLE_METHOD, ConfigError, load_config
 
 DEFAULT_PRESET = Path(__file__).parent / "configs" / "default.yaml"
 GENERATE_CHUNK = 128  # prompts per engine call while the corpus is generated
@@ -105,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     from rayspec.data import chat_prompt_ids, load_problems
     from rayspec.draft.eagle3 import init_head, load_head, save_head, vllm_state_dict
     from rayspec.draft.vocab import coverage, select_draft_vocab, token_counts
-    from rayspec.draft.warmstart import (BEST, CORPUS, HEAD, corpus_prompt_span, missing_prompts, read_corpus,
-                                      split_prompts, train_head, write_corpus)
+    from rayspec.draft.warmstart import (BEST, CORPUS, HEAD, corpus_prompt_span, lr_at, missing_prompts,
+                                      read_corpus, split_prompts, train_head, write_corpus)
     from rayspec.models import load_policy, load_tokenizer, resolve_model_path
     from rayspec.rollout.adaptive import uniform, write_acceptance
     from rayspec.rollout.engine import SpecVLLMEngine, replica_env
@@ -179,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         history, best = result.get("history", []), result.get("best")
         done = history[-1]["step"] if history else 0
+        peak_lr = DEFAULT_DRAFT_LR if cfg.draft.lr is None else cfg.draft.lr
         tokens_per_step = args.micro_batch * sum(len(r) for _, r in samples) / len(samples)
         t0, seconds_before = time.perf_counter(), result.get("train_seconds", 0.0)
         while not result.get("stopped") and done < args.steps:
             target = min(args.steps, done + args.eval_every) if args.eval_every else args.steps
-            trained = train_head(policy, samples, out, target, cfg.draft.lr, cfg.draft.ttt_steps, pad,
+            trained = train_head(policy, samples, out, target, peak_lr, cfg.draft.ttt_steps, pad,
                                  micro_batch=args.micro_batch, save_every=args.save_every,
                                  seed=cfg.trainer.seed, schedule_steps=args.steps,
                                  tv_weight=cfg.draft.tv_loss_weight,
@@ -223,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                          draft_sample_method=spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
                          data=cfg.data.name, heldout_prompts=len(held),
                          heldout_samples=args.heldout_samples, policy=str(model_dir), train_steps=best["step"],
+                         final_lr=lr_at(best["step"] - 1, peak_lr, args.steps),
                          train_prompts=corpus_prompt_span(prompts, samples))
     finally:
         engine.shutdown()

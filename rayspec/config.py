@@ -28,6 +28,7 @@ BUNDLED_MODEL = "bundled:smollm2-135m-instruct"
 SPEC_METHODS = ("eagle3", "draft_model", "mtp", "ngram", "suffix")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM 0.32's speculative_config.draft_sample_method
 DEFAULT_DRAFT_SAMPLE_METHOD = "greedy"  # vLLM's, where the key is unset
+DEFAULT_DRAFT_LR = 1.0e-3  # AdamW rate of a fresh head (online) and the warm start's peak
 DATASETS = ("arithmetic", "gsm8k")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "collective", "object_store")
 LAYOUTS = ("colocate", "split")
@@ -312,7 +313,14 @@ class DraftConfig:
     Args:
         enabled: train the head online on the verifier's features (every step
             while it drafts or learns, see ``idle_train_every``).
-        lr: AdamW learning rate of the head.
+        lr: AdamW learning rate of the head online, and the warm start's
+            peak rate (``jobs.warmstart_draft``). null: 1e-3 for a head the
+            run creates (and the warm start's peak); for a head given as
+            ``rollout.speculative_config.model``, the rate its warm start
+            ended at (``final_lr`` in its ``acceptance.json``), else 1e-4
+            (``rayspec.draft.trainer.online_lr``): at 1e-3 with fresh AdamW
+            moments one RL step cost the warm GSM8K head 0.10 of acceptance
+            length, 1e-4 kept it (docs/benchmarks.md).
         steps_per_rl_step: optimizer steps per RL step.
         ttt_steps: training-time-test unroll depth (draft positions trained).
         tv_loss_weight: weight of the total-variation distance between the
@@ -354,7 +362,7 @@ class DraftConfig:
     """
 
     enabled: bool = True
-    lr: float = 1.0e-3
+    lr: Optional[float] = None
     steps_per_rl_step: int = 4
     ttt_steps: int = 3
     tv_loss_weight: float = 0.0
@@ -633,6 +641,9 @@ def validate(cfg: RunConfig) -> None:
            "must be an integer >= 1")
     _check(cfg.draft.steps_per_rl_step >= 0, "draft.steps_per_rl_step",
            cfg.draft.steps_per_rl_step, "must be >= 0")
+    lr = cfg.draft.lr
+    _check(lr is None or (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0),
+           "draft.lr", lr, "must be a number > 0, or null (see DraftConfig)")
     _check(cfg.draft.ttt_steps >= 1, "draft.ttt_steps", cfg.draft.ttt_steps, "must be >= 1")
     tv = cfg.draft.tv_loss_weight
     _check(isinstance(tv, (int, float)) and not isinstance(tv, bool) and tv >= 0,

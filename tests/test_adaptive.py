@@ -296,14 +296,19 @@ def test_run_copies_the_heads_acceptance_record(head_dir, tmp_path):
     """The RL driver serves a copy of the configured head; its recorded
     acceptance travels with it, so adaptive replicas start from it."""
     from rayspec.config import load_config
-    from rayspec.scheduler.driver import prepare_draft
+    from rayspec.scheduler.driver import draft_start, prepare_draft
 
     head = copy_model_dir(head_dir, tmp_path / "warm")
-    write_acceptance(head, [0.4, 0.1])
+    write_acceptance(head, [0.4, 0.1], final_lr=1.2e-4)
     cfg = load_config(None, ["rollout.speculative_config.method=eagle3",
-                             f"rollout.speculative_config.model={head}"])
+                             f"rollout.speculative_config.model={head}",
+                             "rollout.speculative_config.num_speculative_tokens=2"])
     served, _ = prepare_draft(cfg, "unused: the head is given", tmp_path / "run")
     assert read_acceptance(served) == [0.4, 0.1]
+    # the DraftTrainer continues at the warm start's final rate, and the
+    # training cadence starts from the recorded acceptance length (1 + 0.4 + 0.1)
+    lr, _, prior = draft_start(cfg, served)
+    assert lr == 1.2e-4 and prior == pytest.approx(1.5)
     (head / "acceptance.json").unlink()
     served, _ = prepare_draft(cfg, "unused", tmp_path / "run")
     assert read_acceptance(served) is None  # save_head replaced the copy whole

@@ -39,6 +39,7 @@ def test_bad_policy_stops_the_run(kind, fragments, tmp_path, tiny_llama_dir, cap
     ("eagle3", "no-head", ["expected an EAGLE-3 head"]),
     ("eagle3", "head-bad-acceptance", ["acceptance.json", "acceptance_rate_per_pos must be a list of rates in [0, 1]",
                                        "[0.3, 1.2]"]),
+    ("eagle3", "head-bad-final-lr", ["acceptance.json", "final_lr must be a number > 0", "-0.001"]),
     ("draft_model", "other-vocab", ["vocab_size=32", "policy's vocab_size=49152"]),
     ("draft_model", "pickle-weights", ["no *.safetensors weights"]),
 ])
@@ -52,6 +53,8 @@ def test_draft_that_does_not_match_the_policy_stops_the_run(method, draft, fragm
          "head-aux-layers": lambda: copy_model_dir(head_dir, tmp_path / "h",
                                           eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 12]}),
          "head-bad-acceptance": lambda: write_acceptance(copy_model_dir(head_dir, tmp_path / "h"), [0.3, 1.2]).parent,
+         "head-bad-final-lr": lambda: write_acceptance(copy_model_dir(head_dir, tmp_path / "h"), [0.3],
+                                                       final_lr=-1e-3).parent,
          "no-head": lambda: planted_policy("no-config", tmp_path, tiny_llama_dir),
          "other-vocab": lambda: make_markov_llama(tmp_path / "markov", markov_logits()),
          "pickle-weights": lambda: planted_policy("pickle-weights", tmp_path, tiny_llama_dir)}[draft]()

@@ -203,13 +203,15 @@ def test_draft_model_with_existing_dir(tmp_path):
     (["draft.min_acceptance_gain=-0.1"], "draft.min_acceptance_gain", "-0.1"),
     (["draft.min_drafted_share=1.5"], "draft.min_drafted_share", "1.5"),
     (["draft.tv_loss_weight=-1"], "draft.tv_loss_weight", "-1"),
+    (["draft.lr=0"], "draft.lr", "0"),
 ], ids=["unknown-key", "k<1", "unknown-method", "missing-model", "group-size-1", "greedy", "wrong-type",
         "draft-model-no-path", "draft-model-missing-dir", "num-workers-not-dividing",
         "unknown-dataset", "adaptive-calibration-too-short", "adaptive-probe-every-0",
         "bad-draft-sample-method", "micro-batch-not-int", "zero-section-not-a-map", "unknown-section",
         "eval-every-negative", "eval-samples-0", "eval-problems-0", "max-operand-1", "mapping-for-a-list",
         "suffix-key-without-suffix", "suffix-min-prob-above-1", "idle-train-every-negative",
-        "min-acceptance-gain-negative", "min-drafted-share-above-1", "tv-loss-weight-negative"])
+        "min-acceptance-gain-negative", "min-drafted-share-above-1", "tv-loss-weight-negative",
+        "draft-lr-0"])
 def test_bad_override_names_key_and_value(overrides, key, value):
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, overrides)

@@ -12,7 +12,7 @@ from rayspec.batch import RolloutBatch
 from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, init_head, load_head,
                                   save_head, vllm_state_dict)
 from rayspec.draft.loss import draft_top1, replay_drafting
-from rayspec.draft.trainer import DraftTrainer, TrainingCadence
+from rayspec.draft.trainer import DraftTrainer, TrainingCadence, online_lr, recorded_acceptance_length
 from rayspec.models import load_policy, load_tokenizer
 from rayspec.rollout.spec_stats import SpecStats
 from rayspec.sync.transport import CollectiveTransport, LocalReplicas
@@ -291,6 +291,25 @@ def _public_eagle3_head(policy, token_ids: torch.Tensor, out) -> None:
     torch.save({"d2t": ids - torch.arange(len(ids)), "t2d": t2d, **sd}, out / "pytorch_model.bin")
 
 
+def test_online_lr_continues_a_warm_heads_rate(tmp_path):
+    """draft.lr null: a fresh head learns at 1e-3; a given (trained) head
+    continues at its warm start's final rate, or at 1e-4 without a record;
+    a set draft.lr wins; a bad record names its file."""
+    from rayspec.rollout.adaptive import write_acceptance
+
+    assert online_lr(None, tmp_path, trained=False)[0] == 1e-3
+    assert online_lr(None, tmp_path, trained=True)[0] == pytest.approx(1e-4)
+    write_acceptance(tmp_path, [0.46, 0.23], final_lr=1.5e-4)
+    lr, why = online_lr(None, tmp_path, trained=True)
+    assert lr == 1.5e-4 and "final_lr" in why
+    assert online_lr(None, tmp_path, trained=False)[0] == 1e-3  # the run's own head, not the record's
+    assert online_lr(5e-4, tmp_path, trained=True) == (5e-4, "draft.lr")
+    for bad in (0, -1e-4, "1e-4", True):
+        write_acceptance(tmp_path, [0.46], final_lr=bad)
+        with pytest.raises(ValueError, match=f"{tmp_path}/acceptance.json: final_lr must be a number > 0"):
+            online_lr(None, tmp_path, trained=True)
+
+
 def test_training_cadence_trains_while_drafted_with_or_learning():
     """The head trains every step while its rollouts draft (in at least
     min_drafted_share of their tokens) or its replayed acceptance length
@@ -318,6 +337,26 @@ def test_training_cadence_trains_while_drafted_with_or_learning():
     anydraft = TrainingCadence(idle_every=3, min_gain=0.02, min_drafted_share=0.0)
     anydraft.trained([0.3]), anydraft.trained([0.3])
     assert [anydraft.due(0.01), anydraft.due(0.0), anydraft.due(0.01)] == [True, False, True]
+
+
+def test_training_cadence_of_a_warm_head_starts_idle(tmp_path):
+    """A head with a recorded acceptance length (its warm start's) is not
+    learning until an estimate rises min_gain above the record: idle, it
+    trains at the idle_every-th step, not at the first two."""
+    from rayspec.rollout.adaptive import write_acceptance
+
+    write_acceptance(tmp_path, [0.5, 0.25], draft_sample_method="probabilistic")
+    assert recorded_acceptance_length(tmp_path, "greedy", 3) is None  # another method's rates
+    prior = recorded_acceptance_length(tmp_path, "probabilistic", 3)
+    assert prior == pytest.approx(1.875)  # 1 + 0.5 + 0.25 + 0.125 (geometric a = 0.5)
+    assert recorded_acceptance_length(tmp_path, "probabilistic", 1) == pytest.approx(1.5)
+    cadence = TrainingCadence(idle_every=3, min_gain=0.02, min_drafted_share=0.1, prior=prior)
+    assert [cadence.due(0.0) for _ in range(3)] == [False, False, True]
+    cadence.trained([0.49, 0.26, 0.13])  # +0.005 over the record: still not learning
+    assert not cadence.due(0.0)
+    assert cadence.due(0.2)  # drafted: trains
+    cadence.trained([0.55, 0.3, 0.15])  # +0.13: learning
+    assert cadence.due(0.0)
 
 
 def test_training_cadence_resumes_from_its_state():

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rayspec.draft.eagle3 import init_head, load_head, save_head
-from rayspec.draft.warmstart import (HEAD, corpus_prompt_span, missing_prompts, read_corpus, split_prompts,
+from rayspec.draft.trainer import online_lr
+from rayspec.draft.warmstart import (HEAD, corpus_prompt_span, lr_at, missing_prompts, read_corpus, split_prompts,
                                      train_head, trained_prompt_overlap, write_corpus)
 from rayspec.models import load_policy
 from rayspec.rollout.adaptive import read_acceptance, write_acceptance
@@ -104,7 +105,7 @@ def test_the_corpus_prompt_span_is_recorded_and_overlaps_are_found(tmp_path):
     assert trained_prompt_overlap(head, "gsm8k", [0, 4, 9]) == []
     assert trained_prompt_overlap(head, "math", [1, 2]) == []  # trained on another dataset
     (head / "acceptance.json").write_text("{")
-    with pytest.raises(ValueError, match="acceptance.json: not JSON"):
+    with pytest.raises(ValueError, match="acceptance.json: not an acceptance record"):
         trained_prompt_overlap(head, "gsm8k", [1])
 
 
@@ -146,6 +147,10 @@ def test_warmstart_job_raises_heldout_acceptance_stops_early_and_resumes(tiny_ll
     assert read_acceptance(out / HEAD) is None
     record = json.loads((out / HEAD / "acceptance.json").read_text())
     assert record["train_prompts"] == [8, 72] and record["data"] == "gsm8k"  # what benches must stay out of
+    # online training continues at the rate of the best head's last step (3e-3
+    # peak, cosine over 100 steps), not at a fresh head's
+    assert record["final_lr"] == pytest.approx(lr_at(res["best"]["step"] - 1, 3e-3, 100))
+    assert online_lr(None, out / HEAD, trained=True)[0] == record["final_lr"] < 3e-3
     # resume: same corpus, training continues; one evaluation without a gain of 10 stops it
     stop = common + ["--steps", "200", "--eval-every", "10", "--patience", "1", "--min-delta", "10"]
     assert main(stop) == 0

@@ -24,12 +24,53 @@ from typing import Any
 import ray
 import torch
 
-from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD
+from rayspec.config import DEFAULT_DRAFT_LR, DEFAULT_DRAFT_SAMPLE_METHOD
 from rayspec.devices import to_device, to_host
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
 from rayspec.draft.loss import (acceptance_by_share, draft_overlap, draft_top1, drafting_counts, eagle3_loss,
                                 greedy_hits, replay_chains, sampled_hits, target_mask,
                                 verifier_targets)
+from rayspec.rollout.adaptive import (ACCEPTANCE_FILE, acceptance_record, expected_tokens, extrapolate_rates,
+                                      read_acceptance)
+
+
+def recorded_acceptance_length(head_dir, draft_sample_method: str, k: int) -> float | None:
+    """Acceptance length (tokens per verification step) at k drafts of the
+    rates recorded beside a head (``adaptive.read_acceptance``: None where
+    there are none for drafts of ``draft_sample_method``), continued past the
+    measured positions geometrically (``adaptive.extrapolate_rates``)."""
+    rates = read_acceptance(head_dir, draft_sample_method)
+    return expected_tokens(extrapolate_rates(rates, k), k) if rates else None
+
+
+def online_lr(lr: float | None, head_dir, trained: bool) -> tuple[float, str]:
+    """The DraftTrainer's AdamW learning rate and why (for the log).
+
+    ``lr`` (``draft.lr``) where set. Else a fresh head (one the run created)
+    learns at ``DEFAULT_DRAFT_LR``, and a ``trained`` one (given as
+    ``rollout.speculative_config.model``) continues at the rate its warm
+    start ended at (``final_lr`` in its acceptance record, written by
+    ``jobs.warmstart_draft``), or at 0.1 x ``DEFAULT_DRAFT_LR`` without one:
+    AdamW's first steps from fresh moments move every weight by about the
+    learning rate, which at the fresh head's rate undoes a converged head's
+    fine structure (one RL step at 1e-3 cost the warm GSM8K head 0.10 of
+    acceptance length on unseen responses, 1e-4 and 1e-5 kept it:
+    docs/benchmarks.md, "Online training at draft.lr 1e-3").
+
+    Raises:
+        ValueError: the record's ``final_lr`` is not a number > 0 (the file
+            is named), or the record is not JSON.
+    """
+    if lr is not None:
+        return float(lr), "draft.lr"
+    if not trained:
+        return DEFAULT_DRAFT_LR, "a fresh head (draft.lr null)"
+    final = (acceptance_record(head_dir) or {}).get("final_lr")
+    if final is None:
+        return 0.1 * DEFAULT_DRAFT_LR, "a trained head without a recorded final_lr (draft.lr null)"
+    if not isinstance(final, (int, float)) or isinstance(final, bool) or not final > 0:
+        raise ValueError(f"{Path(head_dir) / ACCEPTANCE_FILE}: final_lr must be a number > 0, got {final!r}")
+    return float(final), f"the rate its warm start ended at ({Path(head_dir) / ACCEPTANCE_FILE} final_lr)"
 
 
 class DraftTrainer:
@@ -283,13 +324,21 @@ class TrainingCadence:
         min_drafted_share: share of a rollout's generated tokens that steps
             carrying a draft emitted (``SpecStats.drafted_share``) from which
             the rollout counts as drafted.
+        prior: acceptance length the head was measured at before the run
+            (its warm start's held-out record, ``recorded_acceptance_length``),
+            or None (a fresh head). With one, the head does not count as
+            learning until an estimate rises ``min_gain`` above it: the warm
+            start trained it until held-out acceptance stopped rising, and
+            otherwise the run's first two steps would train it whether or
+            not anything drafts with it.
     """
 
-    def __init__(self, idle_every: int, min_gain: float, min_drafted_share: float = 0.0):
+    def __init__(self, idle_every: int, min_gain: float, min_drafted_share: float = 0.0,
+                 prior: float | None = None):
         self.idle_every, self.min_gain, self.min_drafted_share = idle_every, min_gain, min_drafted_share
-        self.learning = True  # no estimate yet
+        self.learning = prior is None  # no estimate yet
         self.idle_steps = 0  # idle steps since the head last trained
-        self._last: float | None = None  # acceptance length of the last estimate
+        self._last: float | None = prior  # acceptance length of the last estimate
 
     def due(self, drafted_share: float) -> bool:
         """Whether this step trains the head; ``drafted_share``: its

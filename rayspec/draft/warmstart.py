@@ -32,7 +32,7 @@ from tqdm import tqdm
 from rayspec.batch import RolloutBatch
 from rayspec.draft.eagle3 import Eagle3Head, aux_layer_ids, load_head, save_head
 from rayspec.draft.loss import eagle3_loss
-from rayspec.rollout.adaptive import ACCEPTANCE_FILE
+from rayspec.rollout.adaptive import acceptance_record
 from rayspec.train.capture import capture_eagle3_features
 
 CORPUS = "corpus.jsonl"
@@ -259,11 +259,7 @@ def trained_prompt_overlap(head_dir: str | os.PathLike, data: str, indices: Iter
     the ``train_prompts`` span that the warm start recorded in the head's
     ``acceptance.json`` for that dataset, sorted; [] where the head has no
     such record (no overlap can be shown then, for a head made elsewhere)."""
-    path = Path(head_dir) / ACCEPTANCE_FILE
-    try:
-        record = json.loads(path.read_text()) if path.is_file() else {}
-    except ValueError as e:
-        raise ValueError(f"{path}: not JSON ({e})") from None
+    record = acceptance_record(head_dir) or {}
     span = record.get("train_prompts")
     if record.get("data") != data or not span:
         return []

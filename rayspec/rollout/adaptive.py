@@ -360,6 +360,26 @@ def write_acceptance(draft_dir, rates: list[float], **meta) -> Path:
                              json.dumps({"acceptance_rate_per_pos": list(rates), **meta}, indent=1))
 
 
+def acceptance_record(draft_dir) -> dict | None:
+    """The whole record ``write_acceptance`` left beside a draft (its rates
+    and what the warm start noted: ``train_prompts``, ``final_lr``, ...),
+    or None where there is none (or no ``draft_dir``).
+
+    Raises:
+        ValueError: the file is not a JSON object (the file is named).
+    """
+    path = Path(draft_dir) / ACCEPTANCE_FILE if draft_dir else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not an acceptance record (not JSON: {e})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: not an acceptance record (a {type(record).__name__}, not a JSON object)")
+    return record
+
+
 def read_acceptance(draft_dir, draft_sample_method: str = DEFAULT_DRAFT_SAMPLE_METHOD) -> list[float] | None:
     """The acceptance rates per position recorded beside a draft
     (``write_acceptance``), or None where there is no record (or no
@@ -376,15 +396,14 @@ def read_acceptance(draft_dir, draft_sample_method: str = DEFAULT_DRAFT_SAMPLE_M
             is not a list of rates in [0, 1] or its ``draft_sample_method``
             not one of vLLM's (the file is named).
     """
-    path = Path(draft_dir) / ACCEPTANCE_FILE if draft_dir else None
-    if path is None or not path.is_file():
+    record = acceptance_record(draft_dir)
+    if record is None:
         return None
-    try:
-        record = json.loads(path.read_text())
-        rates = record["acceptance_rate_per_pos"]
-        method = record.get("draft_sample_method", DEFAULT_DRAFT_SAMPLE_METHOD)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path}: not an acceptance record ({type(e).__name__}: {e})") from None
+    path = Path(draft_dir) / ACCEPTANCE_FILE
+    if "acceptance_rate_per_pos" not in record:
+        raise ValueError(f"{path}: not an acceptance record (no acceptance_rate_per_pos)")
+    rates = record["acceptance_rate_per_pos"]
+    method = record.get("draft_sample_method", DEFAULT_DRAFT_SAMPLE_METHOD)
     if not (isinstance(rates, list) and all(isinstance(r, (int, float)) and 0 <= r <= 1 for r in rates)):
         raise ValueError(f"{path}: acceptance_rate_per_pos must be a list of rates in [0, 1], got {rates!r}")
     if method not in DRAFT_SAMPLE_METHODS:

@@ -102,6 +102,25 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
     return str(head_dir), aux_ids(json.loads((head_dir / "config.json").read_text()))
 
 
+def draft_start(cfg: RunConfig, draft_dir: str) -> tuple[float, str, float | None]:
+    """How the DraftTrainer starts on ``prepare_draft``'s head: its learning
+    rate and why (``online_lr``: a given head continues at its warm start's
+    final rate) and the training cadence's prior, the head's recorded
+    acceptance length at the replicas' k and draft method
+    (``recorded_acceptance_length``; None for a fresh head).
+
+    Raises:
+        ValueError: the head's acceptance record is malformed (named).
+    """
+    from rayspec.draft.trainer import online_lr, recorded_acceptance_length
+
+    spec = cfg.rollout.speculative_config
+    lr, why = online_lr(cfg.draft.lr, draft_dir, trained=spec.model is not None)
+    prior = recorded_acceptance_length(draft_dir, spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
+                                       spec.num_speculative_tokens)
+    return lr, why, prior
+
+
 def _prompt_draft_vocab(cfg: RunConfig, model_dir: str, vocab_size: int):
     """[draft.draft_vocab_size] token ids, the most frequent in the first 1000
     training prompts (the policy has written nothing yet), or None for the
@@ -143,6 +162,10 @@ def check_inputs(cfg: RunConfig) -> str:
         check_draft_matches_policy(policy_cfg, spec.model, spec.method)
         try:
             read_acceptance(spec.model, spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD)
+            if draft_online(cfg):
+                from rayspec.draft.trainer import online_lr
+
+                online_lr(cfg.draft.lr, spec.model, trained=True)
         except ValueError as e:
             raise ConfigError(f"rollout.speculative_config.model={spec.model}: {e}") from None
     try:
@@ -223,17 +246,21 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     log.info("deploying %d rollout replica(s) (speculative_config=%s)", cfg.rollout.num_replicas,
              cfg.rollout.speculative_config)
     deploy_rollout(cfg, model_dir, draft_dir, plan)
-    draft = None
+    draft, draft_prior = None, None
     if draft_online(cfg):
+        spec = cfg.rollout.speculative_config
+        lr, why, draft_prior = draft_start(cfg, draft_dir)
+        log.info("draft head learning rate %.3g: %s; recorded acceptance length %s", lr, why,
+                 "none (a fresh head)" if draft_prior is None else f"{draft_prior:.3f}")
         # threaded: features arrive (submit_features) while train() runs
         draft = ray.remote(DraftTrainer).options(
             name=DRAFT_TRAINER_NAME, max_concurrency=2, **plan.draft_options()).remote(
-            draft_dir, cfg.draft.lr, cfg.draft.ttt_steps, cfg.draft.torch_threads,
+            draft_dir, lr, cfg.draft.ttt_steps, cfg.draft.torch_threads,
             cfg.draft.buffer_steps, cfg.trainer.seed,
             plan.cores.get("draft", {}).get(plan.role("draft")[0].node_id),
             device="cuda" if cfg.draft.num_gpus > 0 else "cpu",
-            num_speculative_tokens=cfg.rollout.speculative_config.num_speculative_tokens,
-            draft_sample_method=cfg.rollout.speculative_config.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
+            num_speculative_tokens=spec.num_speculative_tokens,
+            draft_sample_method=spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
             temperature=cfg.grpo.temperature, tv_loss_weight=cfg.draft.tv_loss_weight)
     log.info("rollout ready in %.0fs", time.perf_counter() - t0)
     try:
@@ -241,7 +268,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
             rl_worker_loop,
             train_loop_config={"cfg": cfg, "model_dir": model_dir,
                                "aux_layer_ids": aux_ids if draft is not None else None,
-                               "cores": plan.cores.get("train", {})},
+                               "cores": plan.cores.get("train", {}), "draft_prior": draft_prior},
             scaling_config=plan.scaling_config(),
             # storage_path must be shared by all nodes (NFS, or a cloud URI) on a multi-node cluster
             run_config=TrainRunConfig(

@@ -43,9 +43,10 @@ EVAL_SEED_KEY = -1  # shard_seed key of the evaluations' sampling (rollout batch
 
 class StepContext:
     """What rank 0 needs across steps: prompts, tokenizer, handles, the
-    rollout pipeline, logs."""
+    rollout pipeline, logs, the draft training cadence (``draft_prior``:
+    the head's recorded acceptance length, ``TrainingCadence``)."""
 
-    def __init__(self, cfg: RunConfig, tokenizer, device: torch.device):
+    def __init__(self, cfg: RunConfig, tokenizer, device: torch.device, draft_prior: float | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         problems, self.eval_problems = heldout_split(
@@ -73,7 +74,7 @@ class StepContext:
         self.draft_version = 0
         self.draft_acceptance: tuple | None = None  # the DraftTrainer's estimate (version, rates, by share)
         self.draft_cadence = TrainingCadence(cfg.draft.idle_train_every, cfg.draft.min_acceptance_gain,
-                                             cfg.draft.min_drafted_share)
+                                             cfg.draft.min_drafted_share, prior=draft_prior)
 
     def submit_rollout(self):
         """Start the next prompts' rollouts on the replicas; returns
@@ -378,7 +379,9 @@ def rl_worker_loop(config: dict) -> None:
 
     Args:
         config: {"cfg": RunConfig, "model_dir": str, "aux_layer_ids": list | None,
-            "cores": {node id: CPU cores} of the train role, or absent}.
+            "cores": {node id: CPU cores} of the train role, or absent,
+            "draft_prior": the head's recorded acceptance length
+            (``TrainingCadence``'s prior), None or absent}.
     """
     import ray.train
     import ray.train.torch
@@ -404,7 +407,7 @@ def rl_worker_loop(config: dict) -> None:
     # which disagree where one host runs several Ray nodes.
     gpu_index = ray.train.torch.get_device().index if cfg.train.gpus_per_worker > 0 else None
     device = torch.device("cuda", gpu_index) if gpu_index is not None else torch.device("cpu")
-    ctx = StepContext(cfg, tokenizer, device) if rank == 0 else None
+    ctx = StepContext(cfg, tokenizer, device, config.get("draft_prior")) if rank == 0 else None
     draft = find_draft_trainer(ctx, bool(config["aux_layer_ids"]))
     if rank == 0 and cfg.scheduler.layout == "colocate":
         ctx.release_replicas()  # before DeepSpeed allocates on their devices (the ranks wait below)
