@@ -354,7 +354,8 @@ class DraftConfig:
             0: trained every step.
         min_acceptance_gain: rise of the replayed acceptance length (tokens
             per verification step) between training steps below which the
-            head counts as no longer learning.
+            head counts as no longer learning (the rise must also exceed
+            twice its standard error, ``TrainingCadence``).
         min_drafted_share: share of a rollout's generated tokens emitted by
             verification steps that carried a draft below which the step
             counts as idle (a tail of a few sequences drafting saves less

@@ -131,6 +131,21 @@ def test_acceptance_by_share_buckets_drafts_by_the_sequences_still_in_flight():
         (0.5, 4, [3 / 4, 2 / 4]), (0.25, 12, [2 / 12, 0.0])]
 
 
+def test_acceptance_length_se_clusters_drafts_by_sequence():
+    """The ratio estimator's standard error over sequences: (1 + accepted)
+    summed per sequence against its drafts; sequences without drafts do
+    not count, and one sequence alone gives no estimate (0.0)."""
+    from rayspec.draft.loss import acceptance_length_se
+
+    # tokens per sequence 3, 6, 1 over drafts 2, 2, 1: length 2.0, residuals
+    # -1, 2, -1: variance 3 / 2 * 6 / 5^2 = 0.36
+    chains = [(9, [(1, 0), (2, 1)]), (9, [(1, 2), (4, 2)]), (3, [(1, 0)]), (1, [])]
+    assert acceptance_length_se(chains) == pytest.approx(0.6)
+    assert acceptance_length_se(chains[:1]) == acceptance_length_se([]) == 0.0
+    # equal sequences: no spread between them, whatever their drafts' spread
+    assert acceptance_length_se([(9, [(1, 0), (2, 2)])] * 4) == 0.0
+
+
 def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_path):
     save_head(init_head(tiny_policy), tmp_path / "head")
     g = torch.Generator().manual_seed(0)
@@ -153,6 +168,7 @@ def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_p
     assert len(est0) == len(est1) == 3 and all(0 <= r <= 1 for r in est0 + est1)
     assert est1[0] > est0[0] and est1[0] >= est1[1] >= est1[2]
     assert last["draft_version"] == 2
+    assert last["draft_acceptance_se"] > 0  # 4 sequences that drafted
     # every chunk of the step is replayed, also those left for later steps' replay
     trained = load_head(trainer.save(str(tmp_path / "trained")))
     feats = _features(tiny_policy, batch, 0, chunk=2)
@@ -357,6 +373,11 @@ def test_training_cadence_of_a_warm_head_starts_idle(tmp_path):
     assert cadence.due(0.2)  # drafted: trains
     cadence.trained([0.55, 0.3, 0.15])  # +0.13: learning
     assert cadence.due(0.0)
+    # a rise within twice the standard error of the difference is noise
+    cadence.trained([0.6, 0.3, 0.15], se=0.04)  # +0.05 against 2 * hypot(0.04, 0) = 0.08
+    assert not cadence.due(0.0)
+    cadence.trained([0.71, 0.3, 0.15], se=0.03)  # +0.11 against 2 * hypot(0.03, 0.04) = 0.10
+    assert cadence.due(0.0)
 
 
 def test_training_cadence_resumes_from_its_state():
@@ -372,6 +393,13 @@ def test_training_cadence_resumes_from_its_state():
         == [False, True, False, False]
     resumed.trained([0.40])
     assert resumed.due(0.0)  # +0.1 against the restored estimate: learning
+    resumed.trained([0.40], se=0.05)
+    again = TrainingCadence(idle_every=3, min_gain=0.02)
+    again.load_state_dict(json.loads(json.dumps(resumed.state_dict())))
+    again.trained([0.52], se=0.0)  # +0.12 against 2 * 0.05 of the restored estimate
+    assert again.learning
+    again.trained([0.6], se=0.05)  # +0.08 against 2 * 0.05: noise
+    assert not again.learning
 
 
 def test_drafted_share_counts_the_tokens_of_steps_that_carried_a_draft():

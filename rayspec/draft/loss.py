@@ -313,6 +313,27 @@ def drafting_counts(chains: list[tuple[int, list[tuple[int, int]]]], k: int) -> 
     return len(made), [sum(n > j for n in made) for j in range(k)]
 
 
+def acceptance_length_se(chains: list[tuple[int, list[tuple[int, int]]]]) -> float:
+    """Standard error of the replayed acceptance length (tokens per
+    verification step: sum over drafts of 1 + accepted, over drafts made)
+    with each sequence's drafts as one cluster: a response's drafts are
+    easy or hard together, so the binomial error of independent drafts
+    understates it. The ratio estimator's linearized variance (Cochran,
+    Sampling Techniques, 3rd ed., eq. 6.9, with the n / (n - 1) correction)
+    over the sequences that drafted; 0.0 with fewer than two (unknown).
+
+    Args:
+        chains: ``replay_chains`` of a step's sequences.
+    """
+    per = [(len(seq), sum(1 + n for _, n in seq)) for _, seq in chains if seq]
+    if len(per) < 2:
+        return 0.0
+    drafts = sum(d for d, _ in per)
+    length = sum(t for _, t in per) / drafts
+    var = len(per) / (len(per) - 1) * sum((t - length * d) ** 2 for d, t in per) / drafts ** 2
+    return math.sqrt(var)
+
+
 def acceptance_by_share(chains: list[tuple[int, list[tuple[int, int]]]], k: int,
                         min_drafts: int = 16) -> list[tuple[float, int, list[float]]]:
     """Replayed acceptance by how much of the rollout was still generating.

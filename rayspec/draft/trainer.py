@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 import os
 import queue
 import random
@@ -27,7 +28,7 @@ import torch
 from rayspec.config import DEFAULT_DRAFT_LR, DEFAULT_DRAFT_SAMPLE_METHOD
 from rayspec.devices import to_device, to_host
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
-from rayspec.draft.loss import (acceptance_by_share, draft_overlap, draft_top1, drafting_counts, eagle3_loss,
+from rayspec.draft.loss import (acceptance_by_share, acceptance_length_se, draft_overlap, draft_top1, drafting_counts, eagle3_loss,
                                 greedy_hits, replay_chains, sampled_hits, target_mask,
                                 verifier_targets)
 from rayspec.rollout.adaptive import (ACCEPTANCE_FILE, acceptance_record, expected_tokens, extrapolate_rates,
@@ -177,6 +178,8 @@ class DraftTrainer:
             "draft_acceptance_by_share" (the same by the share of the
             step's sequences still generating when each draft was made,
             ``loss.acceptance_by_share``: [[share, drafts, rates]]),
+            "draft_acceptance_se" (standard error of the estimate's
+            acceptance length, ``loss.acceptance_length_se``; 0.0: unknown),
             "time_s" (seconds of this call), "start_time"/"end_time" (epoch s)}.
 
         Raises:
@@ -237,6 +240,7 @@ class DraftTrainer:
                 "draft_top1_per_step": per_step, "draft_version": self.version,
                 "draft_acceptance_estimate": replay.rates(),
                 "draft_acceptance_by_share": replay.rates_by_share(),
+                "draft_acceptance_se": replay.length_se(),
                 "time_s": time.perf_counter() - t0, "start_time": t_start, "end_time": time.time()}
 
     def get_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -302,6 +306,9 @@ class DraftTrainer:
 _ABANDONED = object()  # wakes a train() call that set_state abandoned
 
 
+LEARNING_Z = 2.0  # standard errors a rise of the estimate must exceed to count as learning
+
+
 class TrainingCadence:
     """Which RL steps train the draft head (rank 0 decides, ``rl_step``).
 
@@ -310,7 +317,13 @@ class TrainingCadence:
     ``min_drafted_share`` of the step's rollout, at most a tail of a few
     sequences, and the head's replayed acceptance length rose less than
     ``min_gain`` between its last two training steps) only every
-    ``idle_every``-th idle step. Training a head that drafts little or
+    ``idle_every``-th idle step. A rise counts as learning where it is at
+    least ``min_gain`` and ``LEARNING_Z`` standard errors of the difference
+    of the two estimates: each estimate is a replay of one step's responses,
+    and on 16 GSM8K responses consecutive estimates of a warm head trained
+    at 1e-4 between them differed by 0.17 (docs/benchmarks.md), so a fixed
+    0.02 took noise for learning and trained the head again after each
+    idle step that trained it. Training a head that drafts little or
     nothing buys little rollout time, and on a colocated node
     it takes the policy update's cores (2 CPU cores, GSM8K: 5.4 s of a 44 s
     step, docs/benchmarks.md); the idle steps that do train keep it up with
@@ -339,6 +352,7 @@ class TrainingCadence:
         self.learning = prior is None  # no estimate yet
         self.idle_steps = 0  # idle steps since the head last trained
         self._last: float | None = prior  # acceptance length of the last estimate
+        self._last_se = 0.0  # its standard error (the prior's: taken as exact)
 
     def due(self, drafted_share: float) -> bool:
         """Whether this step trains the head; ``drafted_share``: its
@@ -353,25 +367,29 @@ class TrainingCadence:
             return True
         return False
 
-    def trained(self, estimate: list[float]) -> None:
+    def trained(self, estimate: list[float], se: float = 0.0) -> None:
         """A training step's replayed per-position acceptance rates (the
         DraftTrainer's ``draft_acceptance_estimate``; empty: none, the head
-        counts as learning)."""
+        counts as learning) and the standard error of their acceptance
+        length (``draft_acceptance_se``; 0.0: unknown, ``min_gain`` alone)."""
         if not estimate:
-            self.learning, self._last = True, None
+            self.learning, self._last, self._last_se = True, None, 0.0
             return
         length = 1.0 + sum(estimate)
-        self.learning = self._last is None or length - self._last >= self.min_gain
-        self._last = length
+        self.learning = self._last is None or \
+            length - self._last >= max(self.min_gain, LEARNING_Z * math.hypot(se, self._last_se))
+        self._last, self._last_se = length, se
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (JSON): a resumed run trains the head when
         the uninterrupted one would."""
-        return {"learning": self.learning, "idle_steps": self.idle_steps, "last": self._last}
+        return {"learning": self.learning, "idle_steps": self.idle_steps, "last": self._last,
+                "last_se": self._last_se}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` returned."""
         self.learning, self.idle_steps, self._last = state["learning"], state["idle_steps"], state["last"]
+        self._last_se = state.get("last_se", 0.0)  # absent from checkpoints before the standard error
 
 
 class _DraftingReplay:
@@ -416,6 +434,10 @@ class _DraftingReplay:
         """Accepted drafts per position over drafts made (empty: none)."""
         drafts, accepted = drafting_counts(self.chains, self.k or 0)
         return [a / drafts for a in accepted] if drafts else []
+
+    def length_se(self) -> float:
+        """``loss.acceptance_length_se`` of the step (0.0: none)."""
+        return acceptance_length_se(self.chains)
 
     def rates_by_share(self) -> list[list]:
         """``loss.acceptance_by_share`` of the step, as JSON-ready lists."""
