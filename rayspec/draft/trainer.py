@@ -28,9 +28,9 @@ import torch
 from rayspec.config import DEFAULT_DRAFT_LR, DEFAULT_DRAFT_SAMPLE_METHOD
 from rayspec.devices import to_device, to_host
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
-from rayspec.draft.loss import (acceptance_by_share, acceptance_length_se, draft_overlap, draft_top1, drafting_counts, eagle3_loss,
-                                greedy_hits, replay_chains, sampled_hits, target_mask,
-                                verifier_targets)
+from rayspec.draft.loss import (acceptance_by_share, acceptance_length_se, draft_overlap, draft_top1,
+                                drafting_counts, eagle3_loss, greedy_hits, replay_chains, sampled_hits,
+                                target_mask, verifier_targets)
 from rayspec.rollout.adaptive import (ACCEPTANCE_FILE, acceptance_record, expected_tokens, extrapolate_rates,
                                       read_acceptance)
 
@@ -340,7 +340,7 @@ class TrainingCadence:
         prior: acceptance length the head was measured at before the run
             (its warm start's held-out record, ``recorded_acceptance_length``),
             or None (a fresh head). With one, the head does not count as
-            learning until an estimate rises ``min_gain`` above it: the warm
+            learning until an estimate rises above it (as above): the warm
             start trained it until held-out acceptance stopped rising, and
             otherwise the run's first two steps would train it whether or
             not anything drafts with it.
