@@ -155,6 +155,10 @@ class AdaptiveKConfig:
         calibration_tokens: new tokens per calibration run when a replica
             starts (it times plain and k-draft steps at batch sizes 1, 4,
             16, ... up to max_num_seqs).
+        calibration_rounds: timings per step kind and batch size, of which
+            the calibration takes the median (one timing let a noisy start
+            draft where drafting loses; each round took 50 s with
+            SmolLM2-135M, max_num_seqs 64, on 2 CPU cores).
         probe_every: while no k pays, a draft refit is tried at one
             sequence in flight every this many refits (each try keeps the
             drafter's KV in sync for a whole rollout); not where the
@@ -165,6 +169,7 @@ class AdaptiveKConfig:
     enabled: bool = False
     margin: float = 1.05
     calibration_tokens: int = 16
+    calibration_rounds: int = 3
     probe_every: int = 4
 
 
@@ -567,6 +572,8 @@ def validate(cfg: RunConfig) -> None:
         _check(ak.margin > 0, "rollout.adaptive_k.margin", ak.margin, "must be > 0")
         _check(ak.calibration_tokens >= 2, "rollout.adaptive_k.calibration_tokens",
                ak.calibration_tokens, "must be >= 2")
+        _check(ak.calibration_rounds >= 1, "rollout.adaptive_k.calibration_rounds",
+               ak.calibration_rounds, "must be >= 1")
         _check(ak.probe_every >= 1, "rollout.adaptive_k.probe_every", ak.probe_every, "must be >= 1")
     ws = cfg.rollout.weight_sync
     _check(ws.transport in WEIGHT_SYNC_TRANSPORTS, "rollout.weight_sync.transport", ws.transport,

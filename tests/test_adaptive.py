@@ -259,7 +259,7 @@ def test_calibration_prefills_every_timed_run_from_an_empty_prefix_cache():
     schedules = []
     eng.set_k_schedule = lambda schedule, drafter_idle=None: schedules.append((schedule[0][2], drafter_idle))
     sampled = []
-    cost = eng.calibrate(3, concurrencies=[1, 4], tokens=8, temperature=0.7)
+    cost = eng.calibrate(3, concurrencies=[1, 4], tokens=8, temperature=0.7, rounds=1)
     # timed as rollouts sample: at their temperature, with logprobs (vLLM's
     # random rejection path and logprobs over every verified position)
     assert set(sampled) == {(0.7, 0)}
@@ -268,6 +268,50 @@ def test_calibration_prefills_every_timed_run_from_an_empty_prefix_cache():
     assert runs == [(1, 8)] * 4 + [(1, 1), (1, 8)] * 4 + [(4, 1), (4, 8)] * 4
     assert calls == [x for r in runs for x in ("reset", r)]  # a reset before every run
     assert cost.concurrency == [1, 4] and len(cost.plain_s) == len(cost.spec1_s) == 2
+    eng.__dict__.pop("llm")
+
+
+def test_calibration_keeps_the_median_of_rounds_in_alternating_order(monkeypatch):
+    """Each step kind is timed ``rounds`` times at each batch size, the kinds
+    in reverse order every other round, and the median is kept: a timing
+    slowed by another process (here 10x, the second round's k = 3 run at 4
+    sequences) does not move the cost, where a single timing or a mean
+    would have put k = 3 at 4 sequences at 3.2x or 4x its cost."""
+    import threading
+    from types import SimpleNamespace
+
+    from rayspec.rollout import engine as engine_mod
+    from rayspec.rollout.engine import SpecVLLMEngine
+
+    step_s = {(0, None): 0.010, (0, False): 0.011, (1, None): 0.015, (3, None): 0.025}
+    clock, state, timed = [0.0], {}, []
+
+    class LLM:
+        def reset_prefix_cache(self):
+            pass
+
+        def get_metrics(self):
+            return []
+
+        def generate(self, prompts, params, use_tqdm):
+            b, n, kind = len(prompts), params.max_tokens, (state["k"], state["idle"])
+            if n > 1:
+                timed.append((b, kind))
+            slow = 10.0 if n > 1 and (b, kind) == (4, (3, None)) and timed.count((4, (3, None))) == 2 else 1.0
+            clock[0] += 0.1 * b + (n - 1) * step_s[kind] * slow  # prefill, then the steps
+
+    monkeypatch.setattr(engine_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0], time=lambda: 0.0))
+    eng = object.__new__(SpecVLLMEngine)
+    eng.__dict__.update(llm=LLM(), max_num_seqs=4, _asleep=set(), _lock=threading.Lock(), _busy=[],
+                        _busy_since=None)
+    eng.set_k_schedule = lambda schedule, drafter_idle=None: state.update(k=schedule[0][2], idle=drafter_idle)
+    cost = eng.calibrate(3, concurrencies=[1, 4], tokens=8, rounds=3)
+    kinds = list(step_s)
+    assert [kind for b, kind in timed[4:]] == kinds + kinds + kinds[::-1] * 2 + kinds * 2  # after the warm-up
+    assert cost.plain_s == pytest.approx([0.010] * 2) and cost.sync_s == pytest.approx([0.011] * 2)
+    assert cost.spec1_s == pytest.approx([0.015] * 2) and cost.spec_s == pytest.approx([0.025] * 2)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        eng.calibrate(3, rounds=0)
     eng.__dict__.pop("llm")
 
 

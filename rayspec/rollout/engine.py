@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -141,7 +142,8 @@ class SpecVLLMEngine:
             the rollout role; the replica binds vLLM's CPU threads to its
             node's set (VLLM_CPU_OMP_THREADS_BIND). None: ``env`` as given.
         adaptive_k: adaptive speculation (``rayspec.rollout.adaptive``):
-            {"margin", "calibration_tokens", "probe_every", "temperature"}
+            {"margin", "calibration_tokens", "calibration_rounds", "probe_every",
+            "temperature"}
             (``enable_adaptive``'s arguments); the engine is calibrated once
             here and re-chooses k per batch size after every ``generate``.
             Runs on vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``
@@ -219,7 +221,7 @@ class SpecVLLMEngine:
                         cost: Optional[adaptive_k_mod.StepCost] = None,
                         probe_every: int = 1,
                         rates: Optional[list[float]] = None,
-                        temperature: float = 0.0) -> adaptive_k_mod.StepCost:
+                        temperature: float = 0.0, calibration_rounds: int = 3) -> adaptive_k_mod.StepCost:
         """Turn on adaptive speculation: calibrate the step cost (unless
         ``cost`` is given) and choose k per batch size from acceptance rates
         per draft position ``rates``; probe a draft that does not pay every
@@ -230,8 +232,9 @@ class SpecVLLMEngine:
         engine's ``draft_sample_method`` (``adaptive.read_acceptance``).
         With no rates (None and no record, or []) the first rollout drafts
         num_speculative_tokens at every batch size to measure them.
-        ``temperature``: the rollouts', at which the steps are timed
-        (``calibrate``).
+        ``temperature``: the rollouts', at which the steps are timed;
+        ``calibration_tokens`` / ``calibration_rounds``: ``calibrate``'s
+        ``tokens`` / ``rounds``.
 
         Raises:
             RuntimeError: no speculative_config, or built without a schedule.
@@ -247,7 +250,8 @@ class SpecVLLMEngine:
             if rates:
                 log.info("adaptive k: starting from the draft's recorded acceptance rates %s",
                          [round(r, 3) for r in rates])
-        cost = cost or self.calibrate(k, tokens=calibration_tokens, temperature=temperature)
+        cost = cost or self.calibrate(k, tokens=calibration_tokens, temperature=temperature,
+                                      rounds=calibration_rounds)
         self.adaptive = adaptive_k_mod.AdaptiveK(k, self.max_num_seqs, cost, margin=margin,
                                                  probe_every=probe_every,
                                                  rates=adaptive_k_mod.extrapolate_rates(rates or [], k),
@@ -271,11 +275,16 @@ class SpecVLLMEngine:
         self.k_schedule = [tuple(r) for r in schedule]
 
     def calibrate(self, k: int, concurrencies: Optional[list[int]] = None,
-                  tokens: int = 16, temperature: float = 0.0) -> adaptive_k_mod.StepCost:
+                  tokens: int = 16, temperature: float = 0.0, rounds: int = 3) -> adaptive_k_mod.StepCost:
         """Measure the seconds of one engine step at several batch sizes
         (default 1, 4, 16, ... up to max_num_seqs): plain (k = 0, drafter
         idle), k = 0 with the drafter kept in sync, 1 draft (if k > 1) and k
-        drafts.
+        drafts; each the median of ``rounds`` timings, the configurations
+        in reverse order every other round. Timed once each, the boundary
+        where drafting stops paying came out at 5 sequences in some starts
+        of the same replica and at 16 in another (RL on 2 CPU cores); five
+        back-to-back calibrations of one engine put single timings of a
+        1-draft step at one sequence at 49.6-60.9 ms (docs/benchmarks.md).
 
         Steps sample as ``generate`` does: at ``temperature`` (the
         rollouts') with the sampled token's logprob. At T > 0 vLLM's
@@ -302,8 +311,12 @@ class SpecVLLMEngine:
 
         Raises:
             RuntimeError: the engine was built without a schedule.
+            ValueError: ``rounds`` < 1.
         """
         from vllm import SamplingParams, TokensPrompt
+
+        if rounds < 1:
+            raise ValueError(f"calibrate: rounds must be >= 1, got {rounds}")
 
         bs = concurrencies or sorted({*(4 ** i for i in range(8) if 4 ** i < self.max_num_seqs),
                                       self.max_num_seqs})
@@ -318,21 +331,24 @@ class SpecVLLMEngine:
             wall = time.perf_counter() - t0
             return wall, read_counters(self.llm.get_metrics())["num_accepted_tokens"] - before["num_accepted_tokens"]
 
-        plain, sync, spec1, spec = [], [], [], []
-        runs = [(0, None, plain), (0, False, sync)] + ([(1, None, spec1)] if k > 1 else []) + [(k, None, spec)]
+        runs = [(0, None), (0, False)] + ([(1, None)] if k > 1 else []) + [(k, None)]
+        timed: dict[tuple[int, int], list[float]] = {(b, i): [] for b in bs for i in range(len(runs))}
         with self._busy_section():
             self._wake()
-            for kk, idle, _ in runs:
+            for kk, idle in runs:
                 self.set_k_schedule(adaptive_k_mod.uniform(kk, self.max_num_seqs), drafter_idle=idle)
                 run(bs[0], tokens)
-            for b in bs:
-                for kk, idle, out in runs:
-                    self.set_k_schedule(adaptive_k_mod.uniform(kk, self.max_num_seqs), drafter_idle=idle)
-                    prefill, _ = run(b, 1)
-                    wall, accepted = run(b, tokens)
-                    steps = tokens - 1 - accepted / b
-                    out.append(max(wall - prefill, 1e-6) / max(steps, 1.0))
-        return adaptive_k_mod.StepCost(bs, plain, spec, k, sync_s=sync, spec1_s=spec1)
+            for r in range(rounds):
+                for b in bs:
+                    for i in (range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))):
+                        kk, idle = runs[i]
+                        self.set_k_schedule(adaptive_k_mod.uniform(kk, self.max_num_seqs), drafter_idle=idle)
+                        prefill, _ = run(b, 1)
+                        wall, accepted = run(b, tokens)
+                        steps = tokens - 1 - accepted / b
+                        timed[b, i].append(max(wall - prefill, 1e-6) / max(steps, 1.0))
+        plain, sync, *spec = ([statistics.median(timed[b, i]) for b in bs] for i in range(len(runs)))
+        return adaptive_k_mod.StepCost(bs, plain, spec[-1], k, sync_s=sync, spec1_s=spec[0] if k > 1 else [])
 
     def generate(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, max_tokens: int = 128, group_offset: int = 0,
