@@ -131,10 +131,11 @@ def test_acceptance_by_share_buckets_drafts_by_the_sequences_still_in_flight():
         (0.5, 4, [3 / 4, 2 / 4]), (0.25, 12, [2 / 12, 0.0])]
 
 
-def test_acceptance_length_se_clusters_drafts_by_sequence():
-    """The ratio estimator's standard error over sequences: (1 + accepted)
-    summed per sequence against its drafts; sequences without drafts do
-    not count, and one sequence alone gives no estimate (0.0)."""
+def test_acceptance_length_se_clusters_drafts():
+    """The ratio estimator's standard error over clusters: (1 + accepted)
+    summed per sequence (or per GRPO group) against its drafts; sequences
+    without drafts do not count, and one cluster alone gives no estimate
+    (0.0)."""
     from rayspec.draft.loss import acceptance_length_se
 
     # tokens per sequence 3, 6, 1 over drafts 2, 2, 1: length 2.0, residuals
@@ -144,6 +145,38 @@ def test_acceptance_length_se_clusters_drafts_by_sequence():
     assert acceptance_length_se(chains[:1]) == acceptance_length_se([]) == 0.0
     # equal sequences: no spread between them, whatever their drafts' spread
     assert acceptance_length_se([(9, [(1, 0), (2, 2)])] * 4) == 0.0
+    # clustered by prompt (GRPO group): tokens 9 and 3 over drafts 4 and 2,
+    # length 2.0, residuals 1 and -1: variance 2 / 1 * 2 / 6^2
+    grouped = [chains[0], chains[1], chains[2], (3, [(1, 1)])]
+    assert acceptance_length_se(grouped, [7, 7, 9, 9]) == pytest.approx(1 / 3)
+    assert acceptance_length_se(grouped) == pytest.approx((4 / 3 * 6 / 36) ** 0.5)
+    assert acceptance_length_se(grouped, [7, 7, 7, 7]) == 0.0  # one cluster: unknown
+    with pytest.raises(ValueError, match="3 ids for 4 sequences"):
+        acceptance_length_se(grouped, [7, 7, 9])
+
+
+def test_draft_trainer_clusters_the_estimate_by_grpo_group(tiny_policy, tmp_path, monkeypatch):
+    """The estimate's standard error takes the features' ``group`` ids (the
+    policy update sends each micro-batch's) as its clusters, in the step's
+    sequence order; a chunk without them counts each sequence alone."""
+    from rayspec.draft import trainer as trainer_mod
+
+    save_head(init_head(tiny_policy), tmp_path / "head")
+    g = torch.Generator().manual_seed(4)
+    batch = RolloutBatch([torch.randint(0, 1000, (6,), generator=g).tolist() for _ in range(4)],
+                         [torch.randint(0, 1000, (8,), generator=g).tolist() for _ in range(4)],
+                         [[0.0] * 8] * 4, [5, 5, 6, 6])
+    chunks = _features(tiny_policy, batch, 0, chunk=2)
+    seen = []
+    monkeypatch.setattr(trainer_mod, "acceptance_length_se",
+                        lambda chains, clusters: seen.append((len(chains), clusters)) or 0.25)
+    t = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=1, num_speculative_tokens=2,
+                     draft_sample_method="greedy")
+    t.submit_features([{**chunks[0], "group": torch.tensor([5, 5])}, {**chunks[1], "group": torch.tensor([6, 6])}])
+    assert t.train(_verifier(tiny_policy), 2)["draft_acceptance_se"] == 0.25
+    t.submit_features(chunks)
+    t.train(_verifier(tiny_policy), 2)
+    assert seen == [(4, [5, 5, 6, 6]), (4, [-1, -2, -3, -4])]
 
 
 def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_path):

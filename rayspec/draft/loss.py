@@ -313,19 +313,36 @@ def drafting_counts(chains: list[tuple[int, list[tuple[int, int]]]], k: int) -> 
     return len(made), [sum(n > j for n in made) for j in range(k)]
 
 
-def acceptance_length_se(chains: list[tuple[int, list[tuple[int, int]]]]) -> float:
+def acceptance_length_se(chains: list[tuple[int, list[tuple[int, int]]]],
+                         clusters: list[int] | None = None) -> float:
     """Standard error of the replayed acceptance length (tokens per
     verification step: sum over drafts of 1 + accepted, over drafts made)
-    with each sequence's drafts as one cluster: a response's drafts are
-    easy or hard together, so the binomial error of independent drafts
-    understates it. The ratio estimator's linearized variance (Cochran,
-    Sampling Techniques, 3rd ed., eq. 6.9, with the n / (n - 1) correction)
-    over the sequences that drafted; 0.0 with fewer than two (unknown).
+    with each cluster's drafts as one unit: a response's drafts are easy or
+    hard together, and so are the responses to one prompt (a GRPO group),
+    so the binomial error of independent drafts understates it. The ratio
+    estimator's linearized variance (Cochran, Sampling Techniques, 3rd ed.,
+    eq. 6.9, with the n / (n - 1) correction) over the clusters that
+    drafted; 0.0 with fewer than two (unknown).
 
     Args:
         chains: ``replay_chains`` of a step's sequences.
+        clusters: per sequence of ``chains``, its cluster (the GRPO group
+            id); None: each sequence its own.
+
+    Raises:
+        ValueError: ``clusters`` is not one id per sequence.
     """
-    per = [(len(seq), sum(1 + n for _, n in seq)) for _, seq in chains if seq]
+    if clusters is None:
+        clusters = list(range(len(chains)))
+    if len(clusters) != len(chains):
+        raise ValueError(f"clusters: {len(clusters)} ids for {len(chains)} sequences")
+    sums: dict[int, list[int]] = {}
+    for c, (_, seq) in zip(clusters, chains):
+        if seq:
+            acc = sums.setdefault(c, [0, 0])
+            acc[0] += len(seq)
+            acc[1] += sum(1 + n for _, n in seq)
+    per = list(sums.values())
     if len(per) < 2:
         return 0.0
     drafts = sum(d for d, _ in per)

@@ -142,7 +142,9 @@ class DraftTrainer:
         Args:
             feature_refs: ObjectRefs (or dicts) of features, each a dict with
                 input_ids [B, L], aux_hidden [B, L, 3H], final_hidden [B, L, H],
-                loss_mask [B, L-1] (see ``eagle3_loss``). Passing them through
+                loss_mask [B, L-1] (see ``eagle3_loss``), and optionally
+                group [B] int64 (GRPO group ids: the clusters of the
+                estimate's standard error). Passing them through
                 an actor call keeps Ray's ownership tracking intact.
             indices: each chunk's place in the RL step's order (micro-batch *
                 world size + rank): ``train`` uses the chunks in this order,
@@ -179,7 +181,8 @@ class DraftTrainer:
             step's sequences still generating when each draft was made,
             ``loss.acceptance_by_share``: [[share, drafts, rates]]),
             "draft_acceptance_se" (standard error of the estimate's
-            acceptance length, ``loss.acceptance_length_se``; 0.0: unknown),
+            acceptance length, ``loss.acceptance_length_se`` clustered by
+            the features' ``group`` ids where they carry them; 0.0: unknown),
             "time_s" (seconds of this call), "start_time"/"end_time" (epoch s)}.
 
         Raises:
@@ -407,6 +410,7 @@ class _DraftingReplay:
         self.embed, self.k, self.sampled = embed, k, sampled
         self.generator = torch.Generator().manual_seed(sampled[2]) if sampled else None
         self.chains: list = []  # per sequence of the step: (length, [(generated, accepted)])
+        self.groups: list[int] = []  # per sequence, its GRPO group (negative: its own, a chunk without ids)
 
     def add(self, f: dict[str, torch.Tensor]):
         """Replay one chunk (host or device tensors: moved to the head's
@@ -428,6 +432,8 @@ class _DraftingReplay:
             hits = greedy_hits(draft_top1(self.head, f["input_ids"], f["aux_hidden"], self.embed, self.k),
                                f["input_ids"], self.k)
         self.chains += replay_chains(hits, f["loss_mask"], self.k)
+        b = f["loss_mask"].shape[0]
+        self.groups += f["group"].tolist() if "group" in f else [-len(self.groups) - i - 1 for i in range(b)]
         return targets if self.sampled and self.sampled[1] == 1.0 else None
 
     def rates(self) -> list[float]:
@@ -436,8 +442,9 @@ class _DraftingReplay:
         return [a / drafts for a in accepted] if drafts else []
 
     def length_se(self) -> float:
-        """``loss.acceptance_length_se`` of the step (0.0: none)."""
-        return acceptance_length_se(self.chains)
+        """``loss.acceptance_length_se`` of the step with its GRPO groups as
+        the clusters (0.0: none)."""
+        return acceptance_length_se(self.chains, self.groups)
 
     def rates_by_share(self) -> list[list]:
         """``loss.acceptance_by_share`` of the step, as JSON-ready lists."""

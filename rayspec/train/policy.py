@@ -111,6 +111,7 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
         if aux_layer_ids:
             feature_refs.append(ray.put({
                 **to_host({"input_ids": t["input_ids"], "loss_mask": t["response_mask"]}),
+                "group": torch.tensor(part.group),  # [B] GRPO group ids: the estimate's clusters
                 **to_host({"aux_hidden": feats["aux_hidden"], "final_hidden": feats["final_hidden"]},
                           torch.bfloat16),
             }))
