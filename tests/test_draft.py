@@ -315,6 +315,56 @@ def test_draft_trainer_state_roundtrips_through_checkpoint_files(tiny_policy, tm
         assert torch.equal(a, b), k
 
 
+def test_draft_trainer_reset_starts_over_as_a_new_one(tiny_policy, tmp_path):
+    """``reset`` (Train workers restarted before the first checkpoint) puts
+    the trainer back where a new one starts: the next steps train exactly as
+    a new trainer's first steps (head, AdamW moments, replay buffer, RNG),
+    and a ``train`` call still waiting from the failed attempt is abandoned."""
+    import threading
+    import time
+
+    save_head(init_head(tiny_policy), tmp_path / "head")
+    g = torch.Generator().manual_seed(5)
+    batches = [RolloutBatch([torch.randint(0, 1000, (6,), generator=g).tolist() for _ in range(4)],
+                            [torch.randint(0, 1000, (8,), generator=g).tolist() for _ in range(4)],
+                            [[0.0] * 8] * 4, [0, 0, 1, 1]) for _ in range(2)]
+    verifier = _verifier(tiny_policy)
+
+    def trainer():
+        return DraftTrainer(str(tmp_path / "head"), lr=1e-2, ttt_steps=2, num_threads=1,
+                            buffer_steps=2, seed=3)
+
+    def run(t):
+        outs = []
+        for b in batches:
+            t.submit_features(_features(tiny_policy, b, 0, chunk=2))
+            outs.append(t.train(verifier, 3, expect=2))  # the second step replays the first's chunks
+        return outs
+
+    used = trainer()
+    first = run(used)
+    assert first[-1]["draft_version"] == 2
+    stale = {}
+
+    def wait_for_features():
+        try:
+            used.train(verifier, 1, expect=1, timeout_s=60)
+        except RuntimeError as e:
+            stale["error"] = str(e)
+
+    waiting = threading.Thread(target=wait_for_features)
+    waiting.start()
+    time.sleep(0.3)
+    assert used.reset() == 2 and used.version == 0
+    waiting.join(timeout=10)
+    assert "abandoned" in stale["error"]
+    again, fresh = run(used), run(trainer())
+    assert [o["draft_loss"] for o in again] == [o["draft_loss"] for o in fresh] == \
+        [o["draft_loss"] for o in first]
+    assert [o["draft_version"] for o in again] == [1, 2]
+    assert used.reset() == 2 and used.reset() == 0
+
+
 def _public_eagle3_head(policy, token_ids: torch.Tensor, out) -> None:
     """Write a reduced-vocabulary head for ``policy`` in the layout of the
     published EAGLE-3 heads (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): the

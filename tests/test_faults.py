@@ -273,3 +273,56 @@ def test_workers_started_after_the_draft_trainer_died_go_on_without_it(ray_sessi
         assert find_draft_trainer(ctx, online=True) is None and not ctx.draft_alive
     finally:
         dist.destroy_process_group()
+
+
+def test_restart_before_the_first_checkpoint_resets_the_draft_head(ray_session, head_dir, tmp_path,
+                                                                  monkeypatch):
+    """Train workers restarted with no checkpoint start over from step 1
+    (``reset_replicas``): where the first attempt trained the head (the
+    DraftTrainer's version) or the replicas hold a later policy or draft,
+    the DraftTrainer goes back to its initial head, fresh AdamW state and
+    version 0, and the replicas get policy version 0 and that head; a
+    fresh start sends nothing."""
+    import torch
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from rayspec.draft.eagle3 import load_head, vllm_state_dict
+    from rayspec.draft.trainer import DraftTrainer
+    from rayspec.train import loop
+
+    initial = vllm_state_dict(load_head(head_dir))
+    draft = ray.remote(DraftTrainer).options(num_cpus=0).remote(str(head_dir), 1e-3, 1)
+    held = [{"policy": 0, "draft": 0}]
+    refits = []
+    ctx = SimpleNamespace(rollout=SimpleNamespace(broadcast=lambda method: SimpleNamespace(results=lambda: held)),
+                          refit=lambda target, weights, version: refits.append((target, weights, version)),
+                          pipeline=SimpleNamespace(wait_refits=lambda: None), draft_alive=True)
+    policy = {"w": torch.ones(2)}
+    monkeypatch.setattr(loop, "full_state_dict", lambda engine, dtype, rank: policy)
+    cfg = load_config(None, [])
+
+    def trained_elsewhere(version):  # the first attempt's head: other weights, a later version
+        tensors, meta = ray.get(draft.get_state.remote())
+        ray.get(draft.set_state.remote({k: v + 1 if k.startswith("head.") else v for k, v in tensors.items()},
+                                       {**meta, "version": version}))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        loop.reset_replicas(None, ctx, draft, cfg, 0)  # a fresh start
+        assert refits == []
+        for replicas, trainer in (({"policy": 2, "draft": 2}, 2), ({"policy": 0, "draft": 0}, 1),
+                                  ({"policy": 1, "draft": 0}, 0)):
+            held[:] = [replicas]
+            if trainer:
+                trained_elsewhere(trainer)
+            refits.clear()
+            loop.reset_replicas(None, ctx, draft, cfg, 0)
+            assert [(t, v) for t, _, v in refits] == [("policy", 0), ("draft", 0)], replicas
+            assert refits[0][1] is policy
+            sent = refits[1][1]
+            assert sent.keys() == initial.keys() and all(torch.equal(sent[k], initial[k]) for k in initial)
+            assert ray.get(draft.get_state.remote())[1]["version"] == 0
+    finally:
+        dist.destroy_process_group()
+        ray.kill(draft)

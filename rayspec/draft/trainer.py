@@ -116,7 +116,21 @@ class DraftTrainer:
             num_threads = min(num_threads, len(cores))
         torch.set_num_threads(num_threads)
         self.device = torch.device(device)
-        self.head: Eagle3Head = load_head(head_dir).to(self.device)
+        self.ttt_steps = ttt_steps
+        self.tv_loss_weight = tv_loss_weight
+        self.num_speculative_tokens = num_speculative_tokens
+        self.sampled_drafts = draft_sample_method == "probabilistic" and temperature > 0
+        self.temperature = temperature
+        self._head_dir, self._lr, self._seed = head_dir, lr, seed
+        self._pending: queue.Queue = queue.Queue()
+        self._buffer: collections.deque = collections.deque(maxlen=max(1, buffer_steps))
+        self._lock = threading.Lock()  # optimizer steps vs. get_state / set_state / reset
+        self._start()
+
+    def _start(self) -> None:
+        """The initial state: ``head_dir``'s head, fresh AdamW moments, an
+        empty replay buffer, the replay RNG at ``seed``, version 0."""
+        self.head: Eagle3Head = load_head(self._head_dir).to(self.device)
         # The output layer is the verifier's (its draft-vocabulary rows), frozen
         # and refreshed each step: with the full vocabulary vLLM drafts with
         # the verifier's own lm_head when the head's equals it at start
@@ -124,17 +138,31 @@ class DraftTrainer:
         # the replicas draft with; a reduced one is refit with the head.
         self.head.lm_head.weight.requires_grad_(False)
         self.opt = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad],
-                                     lr=lr, weight_decay=0.0)
-        self.ttt_steps = ttt_steps
-        self.tv_loss_weight = tv_loss_weight
-        self.num_speculative_tokens = num_speculative_tokens
-        self.sampled_drafts = draft_sample_method == "probabilistic" and temperature > 0
-        self.temperature = temperature
+                                     lr=self._lr, weight_decay=0.0)
+        self._buffer.clear()
+        self._rng = random.Random(self._seed)
         self.version = 0
-        self._pending: queue.Queue = queue.Queue()
-        self._buffer: collections.deque = collections.deque(maxlen=max(1, buffer_steps))
-        self._rng = random.Random(seed)
-        self._lock = threading.Lock()  # optimizer steps vs. get_state / set_state
+
+    def _abandon_pending(self) -> None:
+        """Drop queued features and wake a ``train`` call waiting for more
+        (it raises): they belong to an attempt that failed."""
+        stale, self._pending = self._pending, queue.Queue()
+        stale.put(_ABANDONED)
+
+    def reset(self) -> int:
+        """Back to the initial state (``head_dir``'s head, fresh AdamW
+        state, empty replay buffer, version 0): the Train workers restarted
+        before the run's first checkpoint, so the run starts over from step
+        1 and must train the head as the first attempt did. ``head_dir``
+        holds the initial head until the run ends (the driver saves the
+        trained one there after ``fit``). Queued features and a waiting
+        ``train`` call are abandoned. Returns the version the head had (0:
+        it had not trained)."""
+        with self._lock:
+            had = self.version
+            self._abandon_pending()
+            self._start()
+        return had
 
     def submit_features(self, feature_refs: list, indices: list[int] | None = None) -> int:
         """Queue features for the (running or next) ``train`` call; returns the queue length.
@@ -220,8 +248,7 @@ class DraftTrainer:
                 f = to_device(seen[(i - expect) % len(seen)], self.device)  # the buffer keeps host copies
                 targets = None
             with self._lock:
-                if pending is not self._pending:
-                    raise RuntimeError("DraftTrainer.train: abandoned (the trainer was restored from a checkpoint)")
+                _check_current(pending, self._pending)
                 loss, acc = eagle3_loss(self.head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
                                         f["loss_mask"], embed, lm_head, self.ttt_steps, targets=targets,
                                         tv_weight=self.tv_loss_weight)
@@ -234,9 +261,11 @@ class DraftTrainer:
         while len(newest) < expect:  # fewer steps than chunks: keep the rest for replay
             newest.append(chunks.get(len(newest)))
             replay.add(newest[-1])
-        self._buffer.append(newest)
-        if steps:
-            self.version += 1
+        with self._lock:
+            _check_current(pending, self._pending)
+            self._buffer.append(newest)
+            if steps:
+                self.version += 1
         per_step = [sum(a[j] for a in agree if len(a) > j) / max(1, sum(len(a) > j for a in agree))
                     for j in range(max((len(a) for a in agree), default=0))]
         return {"draft_loss": sum(losses) / len(losses) if losses else float("nan"),
@@ -277,8 +306,7 @@ class DraftTrainer:
         ``train`` call still waiting for them (from the failed attempt) are
         dropped. Returns the draft version."""
         with self._lock:
-            stale, self._pending = self._pending, queue.Queue()
-            stale.put(_ABANDONED)
+            self._abandon_pending()
             self.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
             state = {int(i): {k.split(".", 2)[2]: v for k, v in tensors.items()
                               if k.startswith(f"opt.{i}.")} for i in meta["opt_params"]}
@@ -306,7 +334,14 @@ class DraftTrainer:
         return str(save_head(self.head, Path(out_dir)))
 
 
-_ABANDONED = object()  # wakes a train() call that set_state abandoned
+_ABANDONED = object()  # wakes a train() call that set_state or reset abandoned
+
+
+def _check_current(pending: queue.Queue, current: queue.Queue) -> None:
+    """A ``train`` call whose feature queue was replaced must not touch the
+    restored (or reset) head, optimizer or buffer."""
+    if pending is not current:
+        raise RuntimeError("DraftTrainer.train: abandoned (the trainer was restored from a checkpoint or reset)")
 
 
 LEARNING_Z = 2.0  # standard errors a rise of the estimate must exceed to count as learning

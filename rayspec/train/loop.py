@@ -428,7 +428,7 @@ def rl_worker_loop(config: dict) -> None:
     else:
         if rank == 0:  # records of an attempt that failed before any checkpoint
             ctx.log.discard_after(0)
-        reset_replicas(engine, ctx, cfg, rank)
+        reset_replicas(engine, ctx, draft, cfg, rank)
         if rank == 0:
             ctx.evaluate(0)
     for step in range(version + 1, cfg.trainer.steps + 1):
@@ -504,17 +504,35 @@ def resume(checkpoint, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
     return version
 
 
-def reset_replicas(engine, ctx: StepContext | None, cfg: RunConfig, rank: int) -> None:
-    """Starting at version 0: if the replicas hold a later policy (the worker
-    group restarted before the first checkpoint), send them this one.
-    Collective."""
-    stale = rank == 0 and any(v["policy"] != 0 for v in rollout.broadcast(ctx.rollout, "versions"))
+def reset_replicas(engine, ctx: StepContext | None, draft, cfg: RunConfig, rank: int) -> None:
+    """Starting at version 0 (no checkpoint): if the worker group restarted
+    before the first checkpoint, the run starts over from step 1 and must
+    repeat the first attempt. Where the replicas hold a later policy or
+    draft, or the DraftTrainer a trained head, the DraftTrainer goes back to
+    its initial head (``DraftTrainer.reset``) and the replicas get this
+    policy and that head. Collective."""
+    stale = False
+    if rank == 0:
+        held = rollout.broadcast(ctx.rollout, "versions")
+        trained = 0
+        if draft is not None:
+            try:
+                trained = ray.get(draft.reset.remote())
+            except ray.exceptions.RayActorError as e:
+                draft_died(ctx, 0, e)
+        stale = bool(trained) or any(v["policy"] != 0 or (draft is not None and v["draft"] != 0) for v in held)
     if not _broadcast_object(stale, rank):
         return
     sd = full_state_dict(engine, _dtype(cfg.model.dtype), rank)
     if rank == 0:
-        log.warning("no checkpoint to restore: the run starts over from step 1 and resets the replicas")
+        log.warning("no checkpoint to restore: the run starts over from step 1 and resets the replicas%s",
+                    " and the draft head" if draft is not None and ctx.draft_alive else "")
         ctx.refit("policy", sd, 0)
+        if draft is not None and ctx.draft_alive:
+            try:
+                ctx.refit("draft", ray.get(draft.vllm_weights.remote()), 0)
+            except ray.exceptions.RayActorError as e:
+                draft_died(ctx, 0, e)
         ctx.pipeline.wait_refits()
 
 
