@@ -150,3 +150,25 @@ def test_none_seeds_add_spread_runs_and_equivalence_verdict(tmp_path, gsm8k_dir,
     assert "need --warm-head" in capsys.readouterr().err
     fresh = runs(None)
     assert "rollout.speculative_config.model=null" in fresh["online"] and "frozen" not in fresh
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_finished_run_checkpoints_are_deleted_unless_kept(tmp_path, gsm8k_dir, monkeypatch, keep):
+    """A run the bench finished leaves its metrics and drops its checkpoints
+    (gigabytes each) unless ``--keep-checkpoints``."""
+    import rayspec.scheduler as scheduler
+
+    def fake_run(cfg, resume=False):  # a finished run as the driver leaves it
+        run_dir = tmp_path / "r" / "none"
+        _write_run(run_dir, [1.0, 1.0])
+        (run_dir / "ray_train" / "train" / "checkpoint_000001").mkdir(parents=True)
+        (run_dir / "draft_head").mkdir()
+
+    monkeypatch.setattr(scheduler, "run", fake_run)
+    monkeypatch.setattr(scheduler, "init_ray", lambda cfg: None)
+    assert main(["--steps", "2", "--runs", "none", "--run-dir", str(tmp_path / "r"),
+                 "--out", str(tmp_path / "rl.json"), f"data.path={gsm8k_dir}"]
+                + (["--keep-checkpoints"] if keep else [])) == 0
+    assert json.loads((tmp_path / "rl.json").read_text())[0]["steps"] == 2
+    assert (tmp_path / "r" / "none" / "ray_train").exists() == keep
+    assert (tmp_path / "r" / "none" / "draft_head").exists()
