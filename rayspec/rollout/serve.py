@@ -60,7 +60,8 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
     )
     ak = cfg.rollout.adaptive_k
     adaptive = ({"margin": ak.margin, "calibration_tokens": ak.calibration_tokens,
-                 "calibration_rounds": ak.calibration_rounds, "probe_every": ak.probe_every, "temperature": cfg.grpo.temperature} if ak.enabled else None)
+                 "calibration_rounds": ak.calibration_rounds, "probe_every": ak.probe_every,
+                 "temperature": cfg.grpo.temperature} if ak.enabled else None)
     # the rollout app is reached through handles only: no HTTP proxy (no-op
     # where Serve already runs)
     serve.start(proxy_location="Disabled")
