@@ -356,7 +356,13 @@ class DraftConfig:
             policy update its cores on a colocated node and buys no rollout
             time while nothing drafts with it
             (``rayspec.draft.trainer.TrainingCadence``).
-            0: trained every step.
+            0: trained every step. After each idle step that trains it, the
+            spacing doubles, up to ``idle_train_max_every``.
+        idle_train_max_every: the largest spacing (idle steps) between idle
+            steps that train the head: the backoff's cap (equal to
+            ``idle_train_every``: a fixed spacing). A rollout that drafts, or
+            an estimate that rises (``min_acceptance_gain``), brings it back
+            to every step.
         min_acceptance_gain: rise of the replayed acceptance length (tokens
             per verification step) between training steps below which the
             head counts as no longer learning (the rise must also exceed
@@ -379,6 +385,7 @@ class DraftConfig:
     num_gpus: float = 0.0
     torch_threads: int = 2
     idle_train_every: int = 4
+    idle_train_max_every: int = 32
     min_acceptance_gain: float = 0.02
     min_drafted_share: float = 0.1
 
@@ -658,6 +665,9 @@ def validate(cfg: RunConfig) -> None:
            "draft.tv_loss_weight", tv, "must be a number >= 0")
     _check(_is_int(cfg.draft.idle_train_every) and cfg.draft.idle_train_every >= 0, "draft.idle_train_every",
            cfg.draft.idle_train_every, "must be an integer >= 0 (0: train every step)")
+    _check(_is_int(cfg.draft.idle_train_max_every) and cfg.draft.idle_train_max_every >= cfg.draft.idle_train_every,
+           "draft.idle_train_max_every", cfg.draft.idle_train_max_every,
+           f"must be an integer >= draft.idle_train_every ({cfg.draft.idle_train_every})")
     _check(isinstance(cfg.draft.min_acceptance_gain, (int, float)) and not isinstance(cfg.draft.min_acceptance_gain, bool)
            and cfg.draft.min_acceptance_gain >= 0,
            "draft.min_acceptance_gain", cfg.draft.min_acceptance_gain, "must be a number >= 0")

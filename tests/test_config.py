@@ -202,6 +202,7 @@ def test_draft_model_with_existing_dir(tmp_path):
       "rollout.speculative_config.suffix_decoding_min_token_prob=2"],
      "rollout.speculative_config.suffix_decoding_min_token_prob", "2.0"),
     (["draft.idle_train_every=-1"], "draft.idle_train_every", "-1"),
+    (["draft.idle_train_every=8", "draft.idle_train_max_every=4"], "draft.idle_train_max_every", "4"),
     (["draft.min_acceptance_gain=-0.1"], "draft.min_acceptance_gain", "-0.1"),
     (["draft.min_drafted_share=1.5"], "draft.min_drafted_share", "1.5"),
     (["draft.tv_loss_weight=-1"], "draft.tv_loss_weight", "-1"),
@@ -212,7 +213,7 @@ def test_draft_model_with_existing_dir(tmp_path):
         "adaptive-probe-every-0",
         "bad-draft-sample-method", "micro-batch-not-int", "zero-section-not-a-map", "unknown-section",
         "eval-every-negative", "eval-samples-0", "eval-problems-0", "max-operand-1", "mapping-for-a-list",
-        "suffix-key-without-suffix", "suffix-min-prob-above-1", "idle-train-every-negative",
+        "suffix-key-without-suffix", "suffix-min-prob-above-1", "idle-train-every-negative", "idle-train-max-every-below-it",
         "min-acceptance-gain-negative", "min-drafted-share-above-1", "tv-loss-weight-negative",
         "draft-lr-0"])
 def test_bad_override_names_key_and_value(overrides, key, value):

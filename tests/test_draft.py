@@ -485,6 +485,29 @@ def test_training_cadence_resumes_from_its_state():
     assert not again.learning
 
 
+def test_training_cadence_backs_off_while_the_head_is_idle():
+    """Idle and not learning, the head trains at idle steps spaced
+    idle_every, then twice as far each time, up to max_idle_every; a
+    drafted rollout or a rise of the estimate brings it back to every step,
+    and a resumed run keeps the spacing."""
+    cadence = TrainingCadence(idle_every=2, min_gain=0.02, min_drafted_share=0.1, prior=1.5, max_idle_every=8)
+    trained_at = []
+    for step in range(1, 31):
+        if cadence.due(0.0):
+            trained_at.append(step)
+            cadence.trained([0.5])  # the recorded length: not learning
+    assert trained_at == [2, 6, 14, 22, 30]  # spacing 2, 4, 8, then capped at 8
+    assert cadence.due(0.3) and cadence.spacing == 2  # drafted: every step, and the backoff starts over
+    cadence.trained([0.5])
+    assert [cadence.due(0.0) for _ in range(6)] == [False, True, False, False, False, True]
+    cadence.trained([0.6])  # +0.1: learning
+    assert cadence.due(0.0) and cadence.spacing == 2
+    resumed = TrainingCadence(idle_every=2, min_gain=0.02, max_idle_every=8)
+    cadence.trained([0.6]), cadence.due(0.0), cadence.due(0.0)  # not learning; an idle step trains: spacing 4
+    resumed.load_state_dict(json.loads(json.dumps(cadence.state_dict())))
+    assert [resumed.due(0.0) for _ in range(4)] == [cadence.due(0.0) for _ in range(4)] == [False, False, False, True]
+
+
 def test_drafted_share_counts_the_tokens_of_steps_that_carried_a_draft():
     # 10 drafted steps emitted 10 + 6 accepted tokens of 64
     assert SpecStats(num_drafts=10, num_accepted_tokens=6, output_tokens=64).drafted_share == 0.25

@@ -354,8 +354,11 @@ class TrainingCadence:
     is still learning; otherwise (adaptive k drafted in less than
     ``min_drafted_share`` of the step's rollout, at most a tail of a few
     sequences, and the head's replayed acceptance length rose less than
-    ``min_gain`` between its last two training steps) only every
-    ``idle_every``-th idle step. A rise counts as learning where it is at
+    ``min_gain`` between its last two training steps) only at spaced idle
+    steps: the ``idle_every``-th, then twice as far apart after each idle
+    step that trains it (exponential backoff, up to ``max_idle_every``),
+    back to ``idle_every`` once a rollout drafts or the head learns. A rise
+    counts as learning where it is at
     least ``min_gain`` and ``LEARNING_Z`` standard errors of the difference
     of the two estimates: each estimate is a replay of one step's responses,
     and on 16 GSM8K responses consecutive estimates of a warm head trained
@@ -366,10 +369,18 @@ class TrainingCadence:
     it takes the policy update's cores (2 CPU cores, GSM8K: 5.4 s of a 44 s
     step, docs/benchmarks.md); the idle steps that do train keep it up with
     the policy and give adaptive k a fresh estimate, which turns drafting
-    back on where the head comes to pay.
+    back on where the head comes to pay. The backoff: an idle training step
+    whose estimate shows no learning says the next one most likely will not
+    either (a warm head on GSM8K: estimates 1.74-1.90 around its recorded
+    1.80 at every idle step that trained it, each such step 6-11 s longer
+    than its neighbours, docs/benchmarks.md), so over n idle steps the head
+    trains about log2(n) times until ``max_idle_every`` caps the spacing.
 
     Args:
-        idle_every: train every this many idle steps (0: every step).
+        idle_every: idle steps before the first idle training step, and
+            the spacing the backoff starts from (0: train every step).
+        max_idle_every: the largest spacing of idle training steps the
+            backoff reaches (None or ``idle_every``: no backoff).
         min_gain: acceptance length (tokens per verification step) the
             replayed estimate must rise by for the head to count as learning.
         min_drafted_share: share of a rollout's generated tokens that steps
@@ -385,10 +396,12 @@ class TrainingCadence:
     """
 
     def __init__(self, idle_every: int, min_gain: float, min_drafted_share: float = 0.0,
-                 prior: float | None = None):
+                 prior: float | None = None, max_idle_every: int | None = None):
         self.idle_every, self.min_gain, self.min_drafted_share = idle_every, min_gain, min_drafted_share
+        self.max_idle_every = max(idle_every, max_idle_every or 0)
         self.learning = prior is None  # no estimate yet
         self.idle_steps = 0  # idle steps since the head last trained
+        self.spacing = idle_every  # idle steps between idle training steps (the backoff's)
         self._last: float | None = prior  # acceptance length of the last estimate
         self._last_se = 0.0  # its standard error (the prior's: taken as exact)
 
@@ -397,11 +410,12 @@ class TrainingCadence:
         rollout's ``SpecStats.drafted_share`` (a rollout with no draft: 0)."""
         drafted = drafted_share > 0 and drafted_share >= self.min_drafted_share
         if not self.idle_every or drafted or self.learning:
-            self.idle_steps = 0
+            self.idle_steps, self.spacing = 0, self.idle_every
             return True
         self.idle_steps += 1
-        if self.idle_steps >= self.idle_every:
-            self.idle_steps = 0
+        if self.idle_steps >= self.spacing:
+            # the step's estimate showing learning brings the next due() back to every step
+            self.idle_steps, self.spacing = 0, min(2 * self.spacing, self.max_idle_every)
             return True
         return False
 
@@ -422,12 +436,13 @@ class TrainingCadence:
         """What a checkpoint keeps (JSON): a resumed run trains the head when
         the uninterrupted one would."""
         return {"learning": self.learning, "idle_steps": self.idle_steps, "last": self._last,
-                "last_se": self._last_se}
+                "last_se": self._last_se, "spacing": self.spacing}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` returned."""
         self.learning, self.idle_steps, self._last = state["learning"], state["idle_steps"], state["last"]
         self._last_se = state.get("last_se", 0.0)  # absent from checkpoints before the standard error
+        self.spacing = state.get("spacing", self.idle_every)  # absent from checkpoints before the backoff
 
 
 class _DraftingReplay:

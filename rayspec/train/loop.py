@@ -74,7 +74,8 @@ class StepContext:
         self.draft_version = 0
         self.draft_acceptance: tuple | None = None  # the DraftTrainer's estimate (version, rates, by share)
         self.draft_cadence = TrainingCadence(cfg.draft.idle_train_every, cfg.draft.min_acceptance_gain,
-                                             cfg.draft.min_drafted_share, prior=draft_prior)
+                                             cfg.draft.min_drafted_share, prior=draft_prior,
+                                             max_idle_every=cfg.draft.idle_train_max_every)
 
     def submit_rollout(self):
         """Start the next prompts' rollouts on the replicas; returns
