@@ -136,7 +136,7 @@ def test_acceptance_length_se_clusters_drafts():
     summed per sequence (or per GRPO group) against its drafts; sequences
     without drafts do not count, and one cluster alone gives no estimate
     (0.0)."""
-    from rayspec.draft.loss import acceptance_length_se
+    from rayspec.draft.loss import acceptance_length_se, drafting_clusters
 
     # tokens per sequence 3, 6, 1 over drafts 2, 2, 1: length 2.0, residuals
     # -1, 2, -1: variance 3 / 2 * 6 / 5^2 = 0.36
@@ -151,6 +151,7 @@ def test_acceptance_length_se_clusters_drafts():
     assert acceptance_length_se(grouped, [7, 7, 9, 9]) == pytest.approx(1 / 3)
     assert acceptance_length_se(grouped) == pytest.approx((4 / 3 * 6 / 36) ** 0.5)
     assert acceptance_length_se(grouped, [7, 7, 7, 7]) == 0.0  # one cluster: unknown
+    assert drafting_clusters(grouped, [7, 7, 9, 9]) == 2 and drafting_clusters(chains) == 3  # (1, []) drafted nothing
     with pytest.raises(ValueError, match="3 ids for 4 sequences"):
         acceptance_length_se(grouped, [7, 7, 9])
 
@@ -173,7 +174,8 @@ def test_draft_trainer_clusters_the_estimate_by_grpo_group(tiny_policy, tmp_path
     t = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=1, num_speculative_tokens=2,
                      draft_sample_method="greedy")
     t.submit_features([{**chunks[0], "group": torch.tensor([5, 5])}, {**chunks[1], "group": torch.tensor([6, 6])}])
-    assert t.train(_verifier(tiny_policy), 2)["draft_acceptance_se"] == 0.25
+    m = t.train(_verifier(tiny_policy), 2)
+    assert m["draft_acceptance_se"] == 0.25 and m["draft_acceptance_clusters"] == 2
     t.submit_features(chunks)
     t.train(_verifier(tiny_policy), 2)
     assert seen == [(4, [5, 5, 6, 6]), (4, [-1, -2, -3, -4])]
@@ -461,6 +463,31 @@ def test_training_cadence_of_a_warm_head_starts_idle(tmp_path):
     assert not cadence.due(0.0)
     cadence.trained([0.71, 0.3, 0.15], se=0.03)  # +0.11 against 2 * hypot(0.03, 0.04) = 0.10
     assert cadence.due(0.0)
+
+
+def test_training_cadence_takes_few_clusters_into_account():
+    """With few GRPO groups the standard error is itself uncertain: a rise
+    must exceed Student's t quantile (df: clusters - 1, the fewer of the two
+    estimates') in standard errors, not 2 (Cameron and Miller 2015)."""
+    from rayspec.draft.trainer import learning_threshold
+
+    assert learning_threshold(0) == 2.0
+    assert learning_threshold(3) == pytest.approx(3.307, abs=1e-3)
+    assert 2.0 < learning_threshold(100) < 2.05
+    # the GSM8K case: a warm head recorded at 1.80, step 4's estimate 1.935 +- 0.048 over 4 groups
+    for clusters, learning in ((4, False), (0, True), (200, True)):
+        cadence = TrainingCadence(idle_every=4, min_gain=0.02, prior=1.8)
+        cadence.trained([0.5, 0.285, 0.15], se=0.048, clusters=clusters)
+        assert cadence.learning is learning, clusters
+    cadence = TrainingCadence(idle_every=4, min_gain=0.02)
+    cadence.trained([0.5], se=0.01, clusters=200)
+    cadence.trained([0.55], se=0.01, clusters=3)  # +0.05: 2 clusters' t (4.53) x 0.014 = 0.064
+    assert not cadence.learning
+    state = json.loads(json.dumps(cadence.state_dict()))
+    resumed = TrainingCadence(idle_every=4, min_gain=0.02)
+    resumed.load_state_dict(state)
+    resumed.trained([0.6], se=0.01, clusters=200)  # +0.05 against the restored 3 clusters
+    assert not resumed.learning
 
 
 def test_training_cadence_resumes_from_its_state():

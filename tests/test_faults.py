@@ -127,7 +127,7 @@ def test_resume_continues_as_if_never_stopped(uninterrupted_dir, uninterrupted, 
     (ckpt,) = checkpoints(run_dir)
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["policy_version"] == 2
-    assert set(state["draft_cadence"]) == {"learning", "idle_steps", "last", "last_se", "spacing"}
+    assert set(state["draft_cadence"]) == {"learning", "idle_steps", "last", "last_se", "last_clusters", "spacing"}
     assert {"rng_rank0.json", "rng_rank1.json", "trainer_state.json", "draft.safetensors",
             "draft.json", "policy"} <= \
         {p.name for p in ckpt.iterdir()}

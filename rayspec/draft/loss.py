@@ -313,6 +313,31 @@ def drafting_counts(chains: list[tuple[int, list[tuple[int, int]]]], k: int) -> 
     return len(made), [sum(n > j for n in made) for j in range(k)]
 
 
+def _cluster_totals(chains: list[tuple[int, list[tuple[int, int]]]],
+                    clusters: list[int] | None) -> list[list[int]]:
+    """[drafts, tokens (1 + accepted, summed)] of each cluster that drafted
+    (``acceptance_length_se``'s arguments and errors)."""
+    if clusters is None:
+        clusters = list(range(len(chains)))
+    if len(clusters) != len(chains):
+        raise ValueError(f"clusters: {len(clusters)} ids for {len(chains)} sequences")
+    sums: dict[int, list[int]] = {}
+    for c, (_, seq) in zip(clusters, chains):
+        if seq:
+            acc = sums.setdefault(c, [0, 0])
+            acc[0] += len(seq)
+            acc[1] += sum(1 + n for _, n in seq)
+    return list(sums.values())
+
+
+def drafting_clusters(chains: list[tuple[int, list[tuple[int, int]]]],
+                      clusters: list[int] | None = None) -> int:
+    """Clusters with at least one draft: the units ``acceptance_length_se``
+    estimates from (its degrees of freedom are one fewer). Arguments and
+    errors as ``acceptance_length_se``'s."""
+    return len(_cluster_totals(chains, clusters))
+
+
 def acceptance_length_se(chains: list[tuple[int, list[tuple[int, int]]]],
                          clusters: list[int] | None = None) -> float:
     """Standard error of the replayed acceptance length (tokens per
@@ -332,17 +357,7 @@ def acceptance_length_se(chains: list[tuple[int, list[tuple[int, int]]]],
     Raises:
         ValueError: ``clusters`` is not one id per sequence.
     """
-    if clusters is None:
-        clusters = list(range(len(chains)))
-    if len(clusters) != len(chains):
-        raise ValueError(f"clusters: {len(clusters)} ids for {len(chains)} sequences")
-    sums: dict[int, list[int]] = {}
-    for c, (_, seq) in zip(clusters, chains):
-        if seq:
-            acc = sums.setdefault(c, [0, 0])
-            acc[0] += len(seq)
-            acc[1] += sum(1 + n for _, n in seq)
-    per = list(sums.values())
+    per = _cluster_totals(chains, clusters)
     if len(per) < 2:
         return 0.0
     drafts = sum(d for d, _ in per)

@@ -29,7 +29,7 @@ from rayspec.config import DEFAULT_DRAFT_LR, DEFAULT_DRAFT_SAMPLE_METHOD
 from rayspec.devices import to_device, to_host
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
 from rayspec.draft.loss import (acceptance_by_share, acceptance_length_se, draft_overlap, draft_top1,
-                                drafting_counts, eagle3_loss, greedy_hits, replay_chains, sampled_hits,
+                                drafting_clusters, drafting_counts, eagle3_loss, greedy_hits, replay_chains, sampled_hits,
                                 target_mask, verifier_targets)
 from rayspec.rollout.adaptive import (ACCEPTANCE_FILE, acceptance_record, expected_tokens, extrapolate_rates,
                                       read_acceptance)
@@ -211,6 +211,8 @@ class DraftTrainer:
             "draft_acceptance_se" (standard error of the estimate's
             acceptance length, ``loss.acceptance_length_se`` clustered by
             the features' ``group`` ids where they carry them; 0.0: unknown),
+            "draft_acceptance_clusters" (the clusters that estimate is
+            over, ``loss.drafting_clusters``),
             "time_s" (seconds of this call), "start_time"/"end_time" (epoch s)}.
 
         Raises:
@@ -273,6 +275,7 @@ class DraftTrainer:
                 "draft_acceptance_estimate": replay.rates(),
                 "draft_acceptance_by_share": replay.rates_by_share(),
                 "draft_acceptance_se": replay.length_se(),
+                "draft_acceptance_clusters": replay.clusters(),
                 "time_s": time.perf_counter() - t0, "start_time": t_start, "end_time": time.time()}
 
     def get_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -344,7 +347,23 @@ def _check_current(pending: queue.Queue, current: queue.Queue) -> None:
         raise RuntimeError("DraftTrainer.train: abandoned (the trainer was restored from a checkpoint or reset)")
 
 
-LEARNING_Z = 2.0  # standard errors a rise of the estimate must exceed to count as learning
+LEARNING_Z = 2.0  # standard errors a rise of the estimate must exceed to count as learning (many clusters)
+
+
+def learning_threshold(df: int) -> float:
+    """Standard errors a rise must exceed when the estimate's standard error
+    rests on ``df`` + 1 clusters: the quantile of Student's t with ``df``
+    degrees of freedom at the normal's one-sided level of ``LEARNING_Z``
+    (0.977), as cluster-robust inference with few clusters calls for
+    (Cameron and Miller, "A Practitioner's Guide to Cluster-Robust
+    Inference", J. Human Resources 50(2), 2015, section VI.C: T(G - 1)
+    critical values). 4 GRPO groups a step: 3.31 against 2.0. ``df`` < 1
+    (unknown): ``LEARNING_Z``."""
+    if df < 1:
+        return LEARNING_Z
+    from scipy import stats
+
+    return float(stats.t.ppf(stats.norm.cdf(LEARNING_Z), df))
 
 
 class TrainingCadence:
@@ -359,8 +378,10 @@ class TrainingCadence:
     step that trains it (exponential backoff, up to ``max_idle_every``),
     back to ``idle_every`` once a rollout drafts or the head learns. A rise
     counts as learning where it is at
-    least ``min_gain`` and ``LEARNING_Z`` standard errors of the difference
-    of the two estimates: each estimate is a replay of one step's responses,
+    least ``min_gain`` and ``learning_threshold`` standard errors of the
+    difference of the two estimates (``LEARNING_Z`` = 2 with many GRPO
+    groups, more with few: their standard errors rest on the groups that
+    drafted): each estimate is a replay of one step's responses,
     and on 16 GSM8K responses consecutive estimates of a warm head trained
     at 1e-4 between them differed by 0.17 (docs/benchmarks.md), so a fixed
     0.02 took noise for learning and trained the head again after each
@@ -404,6 +425,7 @@ class TrainingCadence:
         self.spacing = idle_every  # idle steps between idle training steps (the backoff's)
         self._last: float | None = prior  # acceptance length of the last estimate
         self._last_se = 0.0  # its standard error (the prior's: taken as exact)
+        self._last_clusters = 0  # the clusters that standard error rests on (0: none, exact)
 
     def due(self, drafted_share: float) -> bool:
         """Whether this step trains the head; ``drafted_share``: its
@@ -419,30 +441,36 @@ class TrainingCadence:
             return True
         return False
 
-    def trained(self, estimate: list[float], se: float = 0.0) -> None:
+    def trained(self, estimate: list[float], se: float = 0.0, clusters: int = 0) -> None:
         """A training step's replayed per-position acceptance rates (the
         DraftTrainer's ``draft_acceptance_estimate``; empty: none, the head
-        counts as learning) and the standard error of their acceptance
-        length (``draft_acceptance_se``; 0.0: unknown, ``min_gain`` alone)."""
+        counts as learning), the standard error of their acceptance length
+        (``draft_acceptance_se``; 0.0: unknown, ``min_gain`` alone) and the
+        clusters it rests on (``draft_acceptance_clusters``; 0: unknown,
+        ``LEARNING_Z`` standard errors). The difference's degrees of freedom
+        are the fewer of its two estimates' (a conservative choice)."""
         if not estimate:
-            self.learning, self._last, self._last_se = True, None, 0.0
+            self.learning, self._last, self._last_se, self._last_clusters = True, None, 0.0, 0
             return
         length = 1.0 + sum(estimate)
+        dfs = [g - 1 for s, g in ((se, clusters), (self._last_se, self._last_clusters)) if s > 0 and g > 1]
+        z = learning_threshold(min(dfs)) if dfs else LEARNING_Z
         self.learning = self._last is None or \
-            length - self._last >= max(self.min_gain, LEARNING_Z * math.hypot(se, self._last_se))
-        self._last, self._last_se = length, se
+            length - self._last >= max(self.min_gain, z * math.hypot(se, self._last_se))
+        self._last, self._last_se, self._last_clusters = length, se, clusters
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (JSON): a resumed run trains the head when
         the uninterrupted one would."""
         return {"learning": self.learning, "idle_steps": self.idle_steps, "last": self._last,
-                "last_se": self._last_se, "spacing": self.spacing}
+                "last_se": self._last_se, "last_clusters": self._last_clusters, "spacing": self.spacing}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` returned."""
         self.learning, self.idle_steps, self._last = state["learning"], state["idle_steps"], state["last"]
         self._last_se = state.get("last_se", 0.0)  # absent from checkpoints before the standard error
         self.spacing = state.get("spacing", self.idle_every)  # absent from checkpoints before the backoff
+        self._last_clusters = state.get("last_clusters", 0)  # absent before the t critical values
 
 
 class _DraftingReplay:
@@ -495,6 +523,10 @@ class _DraftingReplay:
         """``loss.acceptance_length_se`` of the step with its GRPO groups as
         the clusters (0.0: none)."""
         return acceptance_length_se(self.chains, self.groups)
+
+    def clusters(self) -> int:
+        """``loss.drafting_clusters`` of the step (its GRPO groups)."""
+        return drafting_clusters(self.chains, self.groups)
 
     def rates_by_share(self) -> list[list]:
         """``loss.acceptance_by_share`` of the step, as JSON-ready lists."""

@@ -253,7 +253,8 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
                 draft_died(ctx, step, e)
         if draft_m:
             ctx.draft_version = draft_m["draft_version"]
-            ctx.draft_cadence.trained(draft_m["draft_acceptance_estimate"], draft_m["draft_acceptance_se"])
+            ctx.draft_cadence.trained(draft_m["draft_acceptance_estimate"], draft_m["draft_acceptance_se"],
+                                      draft_m["draft_acceptance_clusters"])
             # replayed with the head the step began with; it goes out with the newer head
             # (the replicas' measured / estimated calibration absorbs the difference)
             ctx.draft_acceptance = (ctx.draft_version, draft_m["draft_acceptance_estimate"],
@@ -302,6 +303,7 @@ def rl_step(step: int, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
         "draft_top1_per_step": draft_m.get("draft_top1_per_step", []),
         "draft_acceptance_estimate": draft_m.get("draft_acceptance_estimate", []),
         "draft_acceptance_se": draft_m.get("draft_acceptance_se", 0.0),
+        "draft_acceptance_clusters": draft_m.get("draft_acceptance_clusters", 0),
         "draft_acceptance_by_share": draft_m.get("draft_acceptance_by_share", []),
         "num_drafts": stats.num_drafts,
         "num_draft_tokens": stats.num_draft_tokens,
