@@ -59,7 +59,8 @@ def _scrape(port: int, prefix: str = "rayspec_") -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def head_node():
     """A one-node Ray cluster started with ``ray start --head`` on 127.0.0.1;
-    yields (JobSubmissionClient, metrics port, the Serve HTTP port); stops its jobs (``ray stop``
+    yields (JobSubmissionClient, metrics port, the Serve HTTP port, the
+    session's ``logs/`` directory); stops its jobs (``ray stop``
     leaves a job's driver process running) and the cluster afterwards."""
     from ray.job_submission import JobSubmissionClient
 
@@ -76,7 +77,7 @@ def head_node():
                    env=env, check=True, capture_output=True, timeout=180)
     try:
         client = JobSubmissionClient(f"http://127.0.0.1:{dash}")
-        yield client, metrics, http
+        yield client, metrics, http, Path(temp_dir) / "session_latest" / "logs"
         for job in client.list_jobs():
             if not job.status.is_terminal():
                 client.stop_job(job.submission_id)
@@ -104,7 +105,7 @@ def _wait(client, job: str, timeout_s: float, on_poll=lambda: None):
 def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llama_dir, tmp_path):
     from ray.job_submission import JobStatus
 
-    client, metrics_port, _ = head_node
+    client, metrics_port, _, logs_dir = head_node
     run_dir = tmp_path / "job"
     job = client.submit_job(
         entrypoint=(f"{sys.executable} -m jobs.grpo model.path={tiny_llama_dir} model.dtype=float32 "
@@ -150,6 +151,13 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
     assert [r["draft_version"] for r in recs] == [1, 2, 2 + trained[2]]
     assert (run_dir / "draft_head" / "model.safetensors").is_file()
     assert (run_dir / "policy" / "model.safetensors").is_file()
+    # rayspec's INFO records in the replica reach its stderr (they were dropped):
+    # its worker log, which the dashboard shows
+    replica_err = "".join(p.read_text() for p in logs_dir.glob("worker-*.err")
+                          if "rayspec.rollout.engine: replica " in p.read_text())
+    assert re.search(r"rayspec.rollout.engine: replica \S+: vLLM 0\.\d+", replica_err), replica_err[-2000:]
+    assert "rayspec.rollout.engine: adaptive k: calibrated step seconds StepCost(concurrency=[" in replica_err, \
+        replica_err[-2000:]
 
     # the dashboard's metrics: the per-step gauges, tagged with run, method and replica
     assert set(GAUGES) <= seen.keys(), sorted(seen)
@@ -191,7 +199,7 @@ def test_job_submit_serves_the_trained_policy_with_speculation(head_node, finish
     from openai import OpenAI
     from ray.job_submission import JobStatus
 
-    client, metrics_port, http_port = head_node
+    client, metrics_port, http_port, _ = head_node
     job = client.submit_job(
         entrypoint=f"{sys.executable} -m jobs.serve {finished_run} --port {http_port} --model-id tiny",
         runtime_env={"working_dir": str(REPO), "excludes": ["runs", "*.egg-info"]},

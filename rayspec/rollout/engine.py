@@ -34,6 +34,33 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "rayspec.rollout.worker_ext.RefitExtension"
 
 
+def _log_to_serve_replica(level: str) -> None:
+    """Print rayspec's records in this Serve replica to its stderr at
+    ``level`` (Ray forwards it to the driver and keeps it in the replica's
+    worker log, which the dashboard shows).
+
+    Serve sets up only its ``ray.serve`` logger in a replica (propagate off)
+    and leaves the root logger without handlers, so rayspec's INFO records
+    (the replica's vLLM version and model runner, adaptive k's calibration)
+    were dropped. They do not go through ``ray.serve``'s handlers either:
+    vLLM 0.32's ``LLM()`` applies its logging config with
+    ``logging.config.dictConfig``, which closes every handler in the
+    process, and Serve's replica file handler (Ray 2.60) writes nothing
+    after that. A stream handler keeps working when closed.
+    """
+    ours = logging.getLogger("rayspec")
+    ours.setLevel(level)
+    if not any(isinstance(h, _ReplicaStderr) for h in ours.handlers):
+        h = _ReplicaStderr(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        ours.addHandler(h)
+    ours.propagate = False  # not also Python's last-resort handler (warnings)
+
+
+class _ReplicaStderr(logging.StreamHandler):
+    """``_log_to_serve_replica``'s handler (added once per process)."""
+
+
 def cpu_engine_env(kvcache_space_gib: int, omp_threads_bind: str) -> dict[str, str]:
     """Environment for vLLM's CPU backend (read when the engine starts).
 
@@ -148,6 +175,9 @@ class SpecVLLMEngine:
             here and re-chooses k per batch size after every ``generate``.
             Runs on vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``
             unless ``env`` says otherwise). None: k as configured.
+        log_level: in a Ray Serve replica, the level of rayspec's records,
+            which it then prints to its stderr (``_log_to_serve_replica``);
+            None (in-process use): logging left as the caller set it up.
 
     Attributes:
         model_runner: the vLLM model runner class the worker runs
@@ -163,7 +193,9 @@ class SpecVLLMEngine:
                  dtype: str = "bfloat16", engine_kwargs: Optional[dict[str, Any]] = None,
                  env: Optional[dict[str, str]] = None,
                  cpu_cores_by_node: Optional[dict[str, list[int]]] = None,
-                 adaptive_k: Optional[dict[str, Any]] = None):
+                 adaptive_k: Optional[dict[str, Any]] = None, log_level: Optional[str] = None):
+        if log_level is not None:
+            _log_to_serve_replica(log_level)
         check_vllm_version()
         env = dict(env or {})
         if cpu_cores_by_node:

@@ -67,7 +67,7 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
     serve.start(proxy_location="Disabled")
     app = deployment.bind(model=model_dir, speculative_config=spec, dtype=cfg.model.dtype,
                           engine_kwargs=engine_kwargs, env=env, cpu_cores_by_node=cores,
-                          adaptive_k=adaptive)
+                          adaptive_k=adaptive, log_level=cfg.logging.level)
     return serve.run(app, name=APP_NAME, route_prefix=None)
 
 
