@@ -154,7 +154,9 @@ class AdaptiveKConfig:
             decoding by this factor.
         calibration_tokens: new tokens per calibration run when a replica
             starts (it times plain and k-draft steps at batch sizes 1, 4,
-            16, ... up to max_num_seqs).
+            16, ... up to the smaller of max_num_seqs and the most sequences
+            one rollout or evaluation gives a replica,
+            ``rollout.serve.largest_shard``).
         calibration_rounds: timings per step kind and batch size, of which
             the calibration takes the median (one timing let a noisy start
             draft where drafting loses; each round took 50 s with

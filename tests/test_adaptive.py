@@ -451,10 +451,10 @@ def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head, in_
     eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "eagle3", "num_speculative_tokens": 3,
                                               "model": str(tiny_head)},
                          dtype="float32", engine_kwargs=engine_kwargs(max_num_seqs=8),
-                         env=cpu_engine_env(1, "all"), adaptive_k={"calibration_tokens": 4})
+                         env=cpu_engine_env(1, "all"), adaptive_k={"calibration_tokens": 4, "max_batch": 6})
     try:
         cost = eng.adaptive.cost
-        assert cost.concurrency == [1, 4, 8] and cost.k == 3
+        assert cost.concurrency == [1, 4, 6] and cost.k == 3  # up to max_batch, not max_num_seqs
         assert len(cost.sync_s) == len(cost.spec1_s) == 3
         assert all(s > 0 for s in cost.plain_s + cost.spec_s + cost.sync_s + cost.spec1_s)
         prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]

@@ -325,3 +325,15 @@ def test_replica_env_puts_engine_env_over_the_cpu_backend_settings():
     env = replica_env(cfg.rollout)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["NUMBA_THREADING_LAYER"] == "workqueue"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_largest_shard_is_a_rollout_or_an_evaluation_on_one_replica():
+    from rayspec.rollout.serve import largest_shard
+
+    gsm8k = CONFIG_DIR / "gsm8k.yaml"
+    # 64 held-out problems, 1 sample each, outgrow 4 prompts x 4 samples
+    assert largest_shard(load_config(gsm8k)) == 64
+    assert largest_shard(load_config(gsm8k, ["trainer.eval_every=0"])) == 16
+    # prompts split over replicas as rollout.submit splits them: 1, 2 and 1 of 4
+    assert largest_shard(load_config(gsm8k, ["trainer.eval_every=0", "rollout.num_replicas=3"])) == 8
+    assert largest_shard(load_config(gsm8k, ["rollout.num_replicas=3", "trainer.eval_samples=2"])) == 44

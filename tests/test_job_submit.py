@@ -156,7 +156,9 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
     replica_err = "".join(p.read_text() for p in logs_dir.glob("worker-*.err")
                           if "rayspec.rollout.engine: replica " in p.read_text())
     assert re.search(r"rayspec.rollout.engine: replica \S+: vLLM 0\.\d+", replica_err), replica_err[-2000:]
-    assert "rayspec.rollout.engine: adaptive k: calibrated step seconds StepCost(concurrency=[" in replica_err, \
+    # calibrated up to the largest rollout shard, 2 prompts x 4 samples (not max_num_seqs 64)
+    assert "rayspec.rollout.engine: adaptive k: calibrated step seconds StepCost(concurrency=[1, 4, 8]," \
+        in replica_err, \
         replica_err[-2000:]
 
     # the dashboard's metrics: the per-step gauges, tagged with run, method and replica

@@ -124,6 +124,12 @@ def speculative_config_for_vllm(spec: dict[str, Any]) -> Optional[dict[str, Any]
     return out
 
 
+def calibration_batch_sizes(largest: int) -> list[int]:
+    """The batch sizes ``SpecVLLMEngine.calibrate`` times up to ``largest``
+    sequences: 1, 4, 16, ... below it, and ``largest`` itself."""
+    return sorted({*(4 ** i for i in range(8) if 4 ** i < largest), largest})
+
+
 def _resolve(x):
     import ray
 
@@ -170,7 +176,7 @@ class SpecVLLMEngine:
             node's set (VLLM_CPU_OMP_THREADS_BIND). None: ``env`` as given.
         adaptive_k: adaptive speculation (``rayspec.rollout.adaptive``):
             {"margin", "calibration_tokens", "calibration_rounds", "probe_every",
-            "temperature"}
+            "temperature", "max_batch"}
             (``enable_adaptive``'s arguments); the engine is calibrated once
             here and re-chooses k per batch size after every ``generate``.
             Runs on vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``
@@ -253,7 +259,8 @@ class SpecVLLMEngine:
                         cost: Optional[adaptive_k_mod.StepCost] = None,
                         probe_every: int = 1,
                         rates: Optional[list[float]] = None,
-                        temperature: float = 0.0, calibration_rounds: int = 3) -> adaptive_k_mod.StepCost:
+                        temperature: float = 0.0, calibration_rounds: int = 3,
+                        max_batch: Optional[int] = None) -> adaptive_k_mod.StepCost:
         """Turn on adaptive speculation: calibrate the step cost (unless
         ``cost`` is given) and choose k per batch size from acceptance rates
         per draft position ``rates``; probe a draft that does not pay every
@@ -266,7 +273,13 @@ class SpecVLLMEngine:
         num_speculative_tokens at every batch size to measure them.
         ``temperature``: the rollouts', at which the steps are timed;
         ``calibration_tokens`` / ``calibration_rounds``: ``calibrate``'s
-        ``tokens`` / ``rounds``.
+        ``tokens`` / ``rounds``. ``max_batch``: the most sequences one
+        ``generate`` call gives this replica (``serve.largest_shard``); the
+        calibration times batch sizes up to it (None: up to max_num_seqs),
+        and a larger batch costs the largest calibrated one's seconds per
+        sequence (``StepCost``). On 2 CPU cores the 64-sequence timings
+        were 40% of each calibration round of a replica whose GSM8K
+        rollouts hold 16 sequences.
 
         Raises:
             RuntimeError: no speculative_config, or built without a schedule.
@@ -282,8 +295,9 @@ class SpecVLLMEngine:
             if rates:
                 log.info("adaptive k: starting from the draft's recorded acceptance rates %s",
                          [round(r, 3) for r in rates])
-        cost = cost or self.calibrate(k, tokens=calibration_tokens, temperature=temperature,
-                                      rounds=calibration_rounds)
+        cost = cost or self.calibrate(
+            k, calibration_batch_sizes(min(max_batch or self.max_num_seqs, self.max_num_seqs)),
+            tokens=calibration_tokens, temperature=temperature, rounds=calibration_rounds)
         self.adaptive = adaptive_k_mod.AdaptiveK(k, self.max_num_seqs, cost, margin=margin,
                                                  probe_every=probe_every,
                                                  rates=adaptive_k_mod.extrapolate_rates(rates or [], k),
@@ -309,7 +323,7 @@ class SpecVLLMEngine:
     def calibrate(self, k: int, concurrencies: Optional[list[int]] = None,
                   tokens: int = 16, temperature: float = 0.0, rounds: int = 3) -> adaptive_k_mod.StepCost:
         """Measure the seconds of one engine step at several batch sizes
-        (default 1, 4, 16, ... up to max_num_seqs): plain (k = 0, drafter
+        (default ``calibration_batch_sizes(max_num_seqs)``): plain (k = 0, drafter
         idle), k = 0 with the drafter kept in sync, 1 draft (if k > 1) and k
         drafts; each the median of ``rounds`` timings, the configurations
         in reverse order every other round. Timed once each, the boundary
@@ -350,8 +364,7 @@ class SpecVLLMEngine:
         if rounds < 1:
             raise ValueError(f"calibrate: rounds must be >= 1, got {rounds}")
 
-        bs = concurrencies or sorted({*(4 ** i for i in range(8) if 4 ** i < self.max_num_seqs),
-                                      self.max_num_seqs})
+        bs = concurrencies or calibration_batch_sizes(self.max_num_seqs)
         prompt = TokensPrompt(prompt_token_ids=list(range(100, 108)) * 4)
 
         def run(b: int, n_tok: int) -> tuple[float, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 from typing import Any, Callable, Optional
 
@@ -61,7 +62,7 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
     ak = cfg.rollout.adaptive_k
     adaptive = ({"margin": ak.margin, "calibration_tokens": ak.calibration_tokens,
                  "calibration_rounds": ak.calibration_rounds, "probe_every": ak.probe_every,
-                 "temperature": cfg.grpo.temperature} if ak.enabled else None)
+                 "temperature": cfg.grpo.temperature, "max_batch": largest_shard(cfg)} if ak.enabled else None)
     # the rollout app is reached through handles only: no HTTP proxy (no-op
     # where Serve already runs)
     serve.start(proxy_location="Disabled")
@@ -69,6 +70,21 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
                           engine_kwargs=engine_kwargs, env=env, cpu_cores_by_node=cores,
                           adaptive_k=adaptive, log_level=cfg.logging.level)
     return serve.run(app, name=APP_NAME, route_prefix=None)
+
+
+def largest_shard(cfg) -> int:
+    """The most sequences one ``generate`` call gives a replica in a run of
+    ``cfg`` (RunConfig): a step's rollout shard (``submit``: the prompts
+    split over ``rollout.num_replicas``, ``grpo.group_size`` samples each)
+    or, with ``trainer.eval_every``, an evaluation's (``trainer.eval_samples``
+    samples of ``data.eval_num_problems``). A replica runs one call at a
+    time (``max_ongoing_requests=1``), so no batch exceeds it."""
+    def shard(prompts: int, n: int) -> int:
+        return math.ceil(prompts / cfg.rollout.num_replicas) * n
+
+    evaluation = (shard(cfg.data.eval_num_problems, cfg.trainer.eval_samples)
+                  if cfg.trainer.eval_every else 0)
+    return max(shard(cfg.data.prompts_per_step, cfg.grpo.group_size), evaluation)
 
 
 def get_rollout_handle() -> serve.handle.DeploymentHandle:
