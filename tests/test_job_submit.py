@@ -153,13 +153,12 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
     assert (run_dir / "policy" / "model.safetensors").is_file()
     # rayspec's INFO records in the replica reach its stderr (they were dropped):
     # its worker log, which the dashboard shows
-    replica_err = "".join(p.read_text() for p in logs_dir.glob("worker-*.err")
-                          if "rayspec.rollout.engine: replica " in p.read_text())
+    replica_err = "".join(text for p in logs_dir.glob("worker-*.err")
+                          if "rayspec.rollout.engine: replica " in (text := p.read_text()))
     assert re.search(r"rayspec.rollout.engine: replica \S+: vLLM 0\.\d+", replica_err), replica_err[-2000:]
     # calibrated up to the largest rollout shard, 2 prompts x 4 samples (not max_num_seqs 64)
     assert "rayspec.rollout.engine: adaptive k: calibrated step seconds StepCost(concurrency=[1, 4, 8]," \
-        in replica_err, \
-        replica_err[-2000:]
+        in replica_err, replica_err[-2000:]
 
     # the dashboard's metrics: the per-step gauges, tagged with run, method and replica
     assert set(GAUGES) <= seen.keys(), sorted(seen)

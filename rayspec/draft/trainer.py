@@ -29,8 +29,8 @@ from rayspec.config import DEFAULT_DRAFT_LR, DEFAULT_DRAFT_SAMPLE_METHOD
 from rayspec.devices import to_device, to_host
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
 from rayspec.draft.loss import (acceptance_by_share, acceptance_length_se, draft_overlap, draft_top1,
-                                drafting_clusters, drafting_counts, eagle3_loss, greedy_hits, replay_chains, sampled_hits,
-                                target_mask, verifier_targets)
+                                drafting_clusters, drafting_counts, eagle3_loss, greedy_hits, replay_chains,
+                                sampled_hits, target_mask, verifier_targets)
 from rayspec.rollout.adaptive import (ACCEPTANCE_FILE, acceptance_record, expected_tokens, extrapolate_rates,
                                       read_acceptance)
 
