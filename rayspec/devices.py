@@ -11,6 +11,9 @@ cannot deserialize it at all).
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import platform
 from typing import Optional
 
 import torch
@@ -61,3 +64,32 @@ def cpu_native_bf16() -> Optional[str]:
         if getattr(torch.cpu, check)():
             return name
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library is another."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL("libc.so.6").malloc_trim
+
+
+def trim_host_heap() -> Optional[bool]:
+    """Give the freed pages of this process's C heap back to the OS
+    (glibc ``malloc_trim(0)``).
+
+    PyTorch's CPU tensors live on the C heap. glibc keeps what they free in
+    its arenas for reuse, so a process that idles after a large computation
+    keeps its peak resident set: the DraftTrainer kept 1.3 GiB after one
+    ``train`` call, 0.7 GiB of it freed (an in-process call on 16 GSM8K
+    chunks, SmolLM2-135M's features). On a node where the roles are
+    colocated that is memory the policy update runs short of. Dask's workers
+    trim for the same reason ("Memory not released back to the OS",
+    distributed.dask.org, worker memory management).
+
+    Returns:
+        True where pages were released, False where there were none to
+        release, None where the C library is not glibc (nothing done).
+    """
+    trim = _malloc_trim()
+    return None if trim is None else bool(trim(0))

@@ -26,7 +26,7 @@ import ray
 import torch
 
 from rayspec.config import DEFAULT_DRAFT_LR, DEFAULT_DRAFT_SAMPLE_METHOD
-from rayspec.devices import to_device, to_host
+from rayspec.devices import to_device, to_host, trim_host_heap
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
 from rayspec.draft.loss import (acceptance_by_share, acceptance_length_se, draft_overlap, draft_top1,
                                 drafting_clusters, drafting_counts, eagle3_loss, greedy_hits, replay_chains,
@@ -215,10 +215,20 @@ class DraftTrainer:
             over, ``loss.drafting_clusters``),
             "time_s" (seconds of this call), "start_time"/"end_time" (epoch s)}.
 
+        The heap the call freed goes back to the OS when it returns
+        (``trim_host_heap``): the actor idles between calls, beside the
+        policy update on a colocated node.
+
         Raises:
             RuntimeError: no features were submitted, or an expected chunk
                 did not arrive within ``timeout_s``.
         """
+        result = self._train(verifier_ref, steps, expect, timeout_s)
+        trim_host_heap()  # here, once _train's locals (fp32 verifier copies, activations) are freed
+        return result
+
+    def _train(self, verifier_ref, steps: int, expect: int | None, timeout_s: float) -> dict[str, Any]:
+        """``train`` without the heap trim."""
         t_start = time.time()
         t0 = time.perf_counter()
         pending = self._pending  # set_state replaces it: a call it abandons keeps the old one
