@@ -11,6 +11,11 @@ copies are zeros of the right shape (recording the device they came from).
 
 from __future__ import annotations
 
+import json
+import platform
+import subprocess
+import sys
+
 import pytest
 import ray
 import torch
@@ -136,3 +141,32 @@ def test_draft_trainer_trains_on_its_device_and_returns_host_tensors(head_dir, c
     assert _on_host(draft.vllm_weights())
     tensors, _ = draft.get_state()
     assert _on_host(tensors) and any(k.startswith("opt.") for k in tensors)
+
+
+# Frees 512 MiB of 4 MiB tensors from the middle of glibc's main heap: after
+# one 16 MiB chunk is freed, glibc's dynamic mmap threshold puts 4 MiB
+# allocations on the heap, and the tensor allocated last keeps its top in use
+# (so free() alone returns nothing).
+_FRAGMENTED_HEAP = """
+import json, torch
+from rayspec.devices import trim_host_heap
+def rss_mib():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024
+big = torch.ones(16 << 20, dtype=torch.uint8); del big
+start = rss_mib()
+tensors = [torch.ones(4 << 20, dtype=torch.uint8) for _ in range(128)]
+top = torch.ones(1 << 20, dtype=torch.uint8)
+del tensors
+freed = rss_mib()
+released = trim_host_heap()
+print(json.dumps({"start": start, "freed": freed, "released": released, "trimmed": rss_mib()}))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_trim_host_heap_gives_freed_tensors_back_to_the_os():
+    out = subprocess.run([sys.executable, "-c", _FRAGMENTED_HEAP], capture_output=True, text=True, check=True)
+    mib = json.loads(out.stdout.strip().splitlines()[-1])
+    assert mib["freed"] - mib["start"] > 400, mib  # free() kept the pages: what the trim is for
+    assert mib["released"] is True
+    assert mib["freed"] - mib["trimmed"] > 400, mib

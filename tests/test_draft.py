@@ -11,6 +11,7 @@ import torch
 from rayspec.batch import RolloutBatch
 from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, init_head, load_head,
                                   save_head, vllm_state_dict)
+from rayspec.draft import trainer as trainer_mod
 from rayspec.draft.loss import draft_top1, replay_drafting
 from rayspec.draft.trainer import DraftTrainer, TrainingCadence, online_lr, recorded_acceptance_length
 from rayspec.models import load_policy, load_tokenizer
@@ -160,7 +161,6 @@ def test_draft_trainer_clusters_the_estimate_by_grpo_group(tiny_policy, tmp_path
     """The estimate's standard error takes the features' ``group`` ids (the
     policy update sends each micro-batch's) as its clusters, in the step's
     sequence order; a chunk without them counts each sequence alone."""
-    from rayspec.draft import trainer as trainer_mod
 
     save_head(init_head(tiny_policy), tmp_path / "head")
     g = torch.Generator().manual_seed(4)
@@ -181,7 +181,7 @@ def test_draft_trainer_clusters_the_estimate_by_grpo_group(tiny_policy, tmp_path
     assert seen == [(4, [5, 5, 6, 6]), (4, [-1, -2, -3, -4])]
 
 
-def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_path):
+def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_path, monkeypatch):
     save_head(init_head(tiny_policy), tmp_path / "head")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (6,), generator=g).tolist() for _ in range(4)]
@@ -191,10 +191,13 @@ def test_draft_trainer_learns_verifier_argmax(tiny_policy, tiny_llama_dir, tmp_p
     trainer = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=2, num_threads=2, num_speculative_tokens=3)
     with pytest.raises(RuntimeError, match="no features"):
         trainer.train(_verifier(tiny_policy), 1)
+    trims = []
+    monkeypatch.setattr(trainer_mod, "trim_host_heap", lambda: trims.append(trainer.version))
     trainer.submit_features(_features(tiny_policy, batch, 0))
     first = trainer.train(_verifier(tiny_policy), 1)
     trainer.submit_features(_features(tiny_policy, batch, 0))
     last = trainer.train(_verifier(tiny_policy), 40)
+    assert trims == [1, 2]  # after each call's training, the actor idles with its heap trimmed
     assert last["draft_loss"] < first["draft_loss"]
     assert last["draft_top1_per_step"][0] > first["draft_top1_per_step"][0] + 0.2
     # the estimate replays the head each call began with: the untrained one,
