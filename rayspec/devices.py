@@ -81,7 +81,7 @@ def trim_host_heap() -> Optional[bool]:
     PyTorch's CPU tensors live on the C heap. glibc keeps what they free in
     its arenas for reuse, so a process that idles after a large computation
     keeps its peak resident set: the DraftTrainer kept 1.3 GiB after one
-    ``train`` call, 0.7 GiB of it freed (an in-process call on 16 GSM8K
+    ``train`` call, 0.6 GiB of it freed (an in-process call on 16 GSM8K
     chunks, SmolLM2-135M's features). On a node where the roles are
     colocated that is memory the policy update runs short of. Dask's workers
     trim for the same reason ("Memory not released back to the OS",

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from rayspec.batch import RolloutBatch
+from rayspec.draft import trainer as trainer_mod
 from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, init_head, load_head,
                                   save_head, vllm_state_dict)
-from rayspec.draft import trainer as trainer_mod
 from rayspec.draft.loss import draft_top1, replay_drafting
 from rayspec.draft.trainer import DraftTrainer, TrainingCadence, online_lr, recorded_acceptance_length
 from rayspec.models import load_policy, load_tokenizer
