@@ -37,7 +37,10 @@ optimizer state, ``result.json`` (every evaluation under ``history``) and
 Re-running with the same ``DIR`` resumes: the corpus is reused (a larger
 ``--train-prompts`` grows it; the draft vocabulary stays the one chosen
 first), training continues from the saved step, and ``--steps`` is the
-total; a run that stopped early stays stopped.
+total; a run that stopped early stays stopped. The learning-rate schedule
+is a function of the step and ``--steps``, so a larger ``--steps`` on
+resume stretches it: the rate jumps back up to the stretched schedule's
+(a warm restart: 0.1x to 0.69x the peak going from 600 to 1400 steps).
 """
 
 from __future__ import annotations
