@@ -710,7 +710,11 @@ GPU_MEMORY_UTILIZATION = {"colocate": 0.45, "split": 0.9}
 # Keys whose null / absent value means "the platform's default".
 PLATFORM_DEFAULT_KEYS = ("rollout.engine_kwargs.enforce_eager", "rollout.engine_kwargs.gpu_memory_utilization",
                          "train.deepspeed.bf16.enabled", "train.deepspeed.optimizer.params.torch_adam",
+                         "train.deepspeed.zero_optimization.reduce_bucket_size",
+                         "train.deepspeed.zero_optimization.allgather_bucket_size",
                          "train.torch_threads_per_worker", "train.gradient_checkpointing")
+# ZeRO's bucket sizes (elements) on CPU Train workers (``apply_platform_defaults``).
+CPU_ZERO_BUCKET_SIZE = 50_000_000
 
 
 def apply_platform_defaults(cfg: RunConfig) -> RunConfig:
@@ -735,6 +739,14 @@ def apply_platform_defaults(cfg: RunConfig) -> RunConfig:
         (torch's AdamW; DeepSpeed's FusedAdam would be JIT-compiled with nvcc
         on the first step); CPU unset (DeepSpeed's CPU FusedAdam, built by
         ``install_node.sh cpu``).
+      - ``deepspeed.zero_optimization.reduce_bucket_size`` and
+        ``allgather_bucket_size``: CPU ``CPU_ZERO_BUCKET_SIZE`` (5e7
+        elements), GPU DeepSpeed's own (5e8). A bucket of 5e8 holds a small
+        policy's whole gradient in one buffer, in host memory the workers
+        share with the replicas and the DraftTrainer: with 5e7, two ZeRO-2
+        workers of SmolLM2-135M peaked 0.85-1.15 GiB lower together and
+        their updates took as long or less (docs/benchmarks.md, "ZeRO-2's
+        bucket sizes on CPU workers").
       - ``gradient_checkpointing``: GPU true, CPU false.
       - ``torch_threads_per_worker``: CPU 1 (colocated roles share the
         cores); GPU left to torch.
@@ -760,6 +772,10 @@ def apply_platform_defaults(cfg: RunConfig) -> RunConfig:
         _default(opt, "params", {})
         if isinstance(opt["params"], dict):
             _default(opt["params"], "torch_adam", True)
+    zero = ds.get("zero_optimization")
+    if not train_gpu and isinstance(zero, dict):
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+            _default(zero, key, CPU_ZERO_BUCKET_SIZE)
     if train.gradient_checkpointing is None:
         train.gradient_checkpointing = train_gpu
     if train.torch_threads_per_worker is None and not train_gpu:

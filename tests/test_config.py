@@ -11,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rayspec.config import (BUNDLED_MODEL, GPU_MEMORY_UTILIZATION, PLATFORM_DEFAULT_KEYS, ConfigError, RunConfig,
-                            apply_platform_defaults, dtype_reason, load_config, to_dict, validate)
+from rayspec.config import (BUNDLED_MODEL, CPU_ZERO_BUCKET_SIZE, GPU_MEMORY_UTILIZATION, PLATFORM_DEFAULT_KEYS,
+                            ConfigError, RunConfig, apply_platform_defaults, dtype_reason, load_config, to_dict,
+                            validate)
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -86,6 +87,8 @@ def test_cpu_roles_keep_the_cpu_defaults_and_gpu_roles_get_the_gpu_ones():
     assert cpu.train.deepspeed["bf16"] == {"enabled": False}
     assert "torch_adam" not in cpu.train.deepspeed["optimizer"]["params"]
     assert cpu.train.torch_threads_per_worker == 1 and cpu.train.gradient_checkpointing is False
+    zero = cpu.train.deepspeed["zero_optimization"]
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == CPU_ZERO_BUCKET_SIZE
 
     gpus = ["rollout.num_gpus_per_replica=0.6", "train.gpus_per_worker=0.3"]
     gpu = load_config(DEFAULT, gpus)
@@ -94,6 +97,7 @@ def test_cpu_roles_keep_the_cpu_defaults_and_gpu_roles_get_the_gpu_ones():
     assert gpu.train.deepspeed["bf16"] == {"enabled": True}
     assert gpu.train.deepspeed["optimizer"]["params"]["torch_adam"] is True  # no nvcc at run time
     assert gpu.train.torch_threads_per_worker is None and gpu.train.gradient_checkpointing is True
+    assert gpu.train.deepspeed["zero_optimization"] == {"stage": 2}  # DeepSpeed's own bucket sizes
     split = load_config(DEFAULT, ["scheduler.layout=split", "rollout.num_gpus_per_replica=1",
                                   "train.gpus_per_worker=1"])
     assert split.rollout.engine_kwargs["gpu_memory_utilization"] == GPU_MEMORY_UTILIZATION["split"]
@@ -103,12 +107,16 @@ def test_cpu_roles_keep_the_cpu_defaults_and_gpu_roles_get_the_gpu_ones():
                                         "rollout.engine_kwargs.gpu_memory_utilization=0.3",
                                         "train.deepspeed.bf16.enabled=false",
                                         "train.deepspeed.optimizer.params.torch_adam=false",
-                                        "train.torch_threads_per_worker=4", "train.gradient_checkpointing=false"])
+                                        "train.torch_threads_per_worker=4", "train.gradient_checkpointing=false",
+                                        "train.deepspeed.zero_optimization.reduce_bucket_size=1000"])
     assert mine.rollout.engine_kwargs["enforce_eager"] is True
     assert mine.rollout.engine_kwargs["gpu_memory_utilization"] == 0.3
     assert mine.train.deepspeed["bf16"] == {"enabled": False}
     assert mine.train.deepspeed["optimizer"]["params"]["torch_adam"] is False
     assert mine.train.torch_threads_per_worker == 4 and mine.train.gradient_checkpointing is False
+    assert mine.train.deepspeed["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert load_config(DEFAULT, ["train.deepspeed.zero_optimization.allgather_bucket_size=2000"]).train.deepspeed[
+        "zero_optimization"] == {"stage": 2, "reduce_bucket_size": CPU_ZERO_BUCKET_SIZE, "allgather_bucket_size": 2000}
 
 
 @pytest.mark.parametrize("amx, avx512_bf16, expected", [(False, False, "float32"), (False, True, "bfloat16"),
