@@ -134,6 +134,21 @@ def test_rollout_shape_decides_whether_a_tail_schedule_pays():
     assert ctl.rollout_seconds(uniform(0, 64)) == pytest.approx(500 * cost.seconds(16, 0) + 2 * cost.seconds(1, 0))
 
 
+def test_a_sync_step_timed_below_a_plain_one_does_not_keep_a_tail_schedule():
+    """An RL run's calibration (GSM8K preset, 2 CPU cores) timed the k = 0
+    step with the drafter in sync at 0.104 s and the plain one at 0.113 s at
+    16 sequences. Taken as measured, the shape rule kept drafting at 1-3
+    sequences in a rollout whose 16 sequences all but 3 ran to 128 tokens:
+    no tail to draft in, only the sync forward to pay."""
+    cost = StepCost([1, 4, 16], plain_s=[0.0694, 0.0763, 0.1130], spec_s=[0.0995, 0.1399, 0.2701], k=3,
+                    sync_s=[0.0722, 0.0730, 0.1039], spec1_s=[0.0821, 0.1117, 0.1652])
+    assert cost.sync_seconds(16) == cost.seconds(16, 0)  # at least a plain step
+    assert cost.sync_seconds(1) == pytest.approx(0.0722)  # above it: as measured
+    ctl = AdaptiveK(k_max=3, max_num_seqs=64, cost=cost, rates=[0.482, 0.247, 0.125])
+    ctl.observe([28, 35, 75, 107, 117] + [128] * 11)
+    assert ctl.schedule() == uniform(0, 64)
+
+
 def test_probe_every_n_draft_refits():
     ctl = AdaptiveK(k_max=3, max_num_seqs=16, cost=CPU_COST, probe_every=3)
     ctl.update([0, 0, 0], num_drafts=100, positions=3)

@@ -474,8 +474,18 @@ class StepCost:
         return t1 + (tk - t1) * (k - 1) / (self.k - 1)
 
     def sync_seconds(self, b: int) -> float:
-        """t(b, 0) with the drafter kept in sync."""
-        return self._interp(self.sync_s, b) if self.sync_s else self.seconds(b, 0)
+        """t(b, 0) with the drafter kept in sync, never below t(b, 0): the
+        step runs the plain step's target forward and the drafter's forward
+        besides, so a calibration that timed it faster is noise. Taken as
+        measured, it made keeping the drafter in sync look cheaper than
+        idling it: an RL run's calibration put it at 0.104 s against 0.113 s
+        plain at 16 sequences, and the shape rule kept a schedule drafting
+        at 1-3 sequences, in rollouts whose 16 sequences mostly ran to the
+        token limit together, for a predicted 8% it did not get; its
+        rollouts ran 0.85x of plain decoding's (docs/benchmarks.md, "A sync
+        step timed below a plain one")."""
+        plain = self.seconds(b, 0)
+        return max(self._interp(self.sync_s, b), plain) if self.sync_s else plain
 
     def cost_ratio(self, b: int) -> float:
         """c(b): extra cost of one draft token (drafting it and verifying it)
