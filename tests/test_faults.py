@@ -326,3 +326,43 @@ def test_restart_before_the_first_checkpoint_resets_the_draft_head(ray_session, 
     finally:
         dist.destroy_process_group()
         ray.kill(draft)
+
+
+def test_draft_state_is_staged_by_the_draft_trainer_on_its_node(ray_session, head_dir, tmp_path, monkeypatch):
+    """A checkpoint's draft state is written by the DraftTrainer itself where
+    it shares rank 0's node (every shared-memory page the object store
+    touches stays allocated to the end of the run), and comes through the
+    object store from another node: the same files either way, and each
+    restores into a fresh DraftTrainer by the same route."""
+    import torch
+    from safetensors.torch import load_file
+
+    from rayspec.draft.trainer import DraftTrainer
+    from rayspec.train import checkpoint
+
+    trained, fresh = (ray.remote(DraftTrainer).options(num_cpus=0).remote(str(head_dir), 1e-3, 1)
+                      for _ in range(2))
+    try:
+        tensors, meta = ray.get(trained.get_state.remote())
+        changed = {k: v + 1 if k.startswith("head.") and v.is_floating_point() else v for k, v in tensors.items()}
+        ray.get(trained.set_state.remote(changed, {**meta, "version": 5}))
+        by_file, by_store = tmp_path / "file", tmp_path / "store"
+        by_file.mkdir()
+        by_store.mkdir()
+        assert checkpoint.stage_draft_state(trained, by_file) == "file"
+        with monkeypatch.context() as m:
+            m.setattr(checkpoint, "_same_node", lambda actor: False)  # the actor on another node
+            assert checkpoint.stage_draft_state(trained, by_store) == "object_store"
+            assert checkpoint.restore_draft_state(fresh, by_store) == 5
+        written = [load_file(str(d / "draft.safetensors")) for d in (by_file, by_store)]
+        assert written[0].keys() == written[1].keys() == changed.keys()
+        assert all(torch.equal(written[0][k], written[1][k]) for k in changed)
+        assert (by_file / "draft.json").read_text() == (by_store / "draft.json").read_text()
+        assert ray.get(fresh.get_state.remote())[0]["head.fc.weight"].equal(changed["head.fc.weight"])
+        ray.get(fresh.reset.remote())
+        assert checkpoint.restore_draft_state(fresh, by_file) == 5
+        restored = ray.get(fresh.get_state.remote())[0]
+        assert all(torch.equal(restored[k], changed[k]) for k in changed if k.startswith("head."))
+    finally:
+        ray.kill(trained)
+        ray.kill(fresh)

@@ -33,6 +33,7 @@ from rayspec.draft.loss import (acceptance_by_share, acceptance_length_se, draft
                                 sampled_hits, target_mask, verifier_targets)
 from rayspec.rollout.adaptive import (ACCEPTANCE_FILE, acceptance_record, expected_tokens, extrapolate_rates,
                                       read_acceptance)
+from rayspec.train.checkpoint import load_draft_state, save_draft_state
 
 
 def recorded_acceptance_length(head_dir, draft_sample_method: str, k: int) -> float | None:
@@ -331,6 +332,27 @@ class DraftTrainer:
             self._rng.setstate(meta["rng"])
             self.version = int(meta["version"])
         return self.version
+
+    def save_state(self, out_dir: str) -> None:
+        """``get_state`` written by this actor as ``out_dir/draft.safetensors``
+        + ``draft.json`` (``rayspec.train.checkpoint.save_draft_state``), so
+        the state never passes through Ray's object store; ``out_dir`` must
+        be on this actor's node.
+
+        Raises:
+            OSError: the files could not be written (full or unwritable disk).
+        """
+        save_draft_state(self.get_state(), Path(out_dir))
+        trim_host_heap()  # safetensors' serialized copy of the state
+
+    def load_state(self, in_dir: str) -> int:
+        """``set_state`` from what ``save_state`` wrote in ``in_dir`` (on this
+        actor's node); returns the draft version.
+
+        Raises:
+            FileNotFoundError: ``in_dir`` holds no draft state.
+        """
+        return self.set_state(*load_draft_state(Path(in_dir)))
 
     def node_and_gpu(self) -> tuple[str, str | None]:
         """(Ray node id, physical id of the GPU the head trains on, or None)."""

@@ -26,9 +26,10 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
+import ray
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -56,7 +57,7 @@ def _tuplify(x):
 
 def report_checkpoint(metrics: dict[str, Any], engine, rank: int,
                       trainer_state: dict[str, Any] | None,
-                      draft_state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None) -> None:
+                      stage_draft: Callable[[Path], Any] | None) -> None:
     """Write this rank's part of a checkpoint and report it with ``metrics``.
     Collective: every rank calls it at the same step.
 
@@ -66,7 +67,9 @@ def report_checkpoint(metrics: dict[str, Any], engine, rank: int,
         rank: world rank.
         trainer_state: rank 0: {"step", "policy_version", "prompts" (the
             PromptSource cursor of the next batch to train)}; None elsewhere.
-        draft_state: rank 0 with online draft training: ``DraftTrainer.get_state()``.
+        stage_draft: rank 0 with online draft training: writes the
+            DraftTrainer's state into the staging directory it is given
+            (``stage_draft_state``).
 
     Raises:
         OSError: this rank's part could not be staged (the system temp dir,
@@ -83,8 +86,8 @@ def report_checkpoint(metrics: dict[str, Any], engine, rank: int,
             (d / f"rng_rank{rank}.json").write_text(json.dumps(_rng_state()))
             if trainer_state is not None:
                 (d / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-            if draft_state is not None:
-                save_draft_state(draft_state, d)
+            if stage_draft is not None:
+                stage_draft(d)
         except (OSError, RuntimeError) as e:
             # torch.save reports a full disk as "basic_ios::clear: iostream error"
             staged = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
@@ -95,12 +98,20 @@ def report_checkpoint(metrics: dict[str, Any], engine, rank: int,
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
-def restore_checkpoint(checkpoint, engine, rank: int) -> tuple[dict[str, Any], tuple | None]:
+def restore_checkpoint(checkpoint, engine, rank: int,
+                       restore_draft: Callable[[Path, dict[str, Any]], Any] | None = None
+                       ) -> tuple[dict[str, Any], Any]:
     """Load a checkpoint written by ``report_checkpoint`` into ``engine`` and
     this process's RNGs. Collective (DeepSpeed ``load_checkpoint``).
 
+    Args:
+        restore_draft: rank 0 with online draft training: called with the
+            checkpoint's directory and its trainer state where it holds
+            draft state (``restore_draft_state``).
+
     Returns:
-        (trainer_state, draft_state or None); see ``report_checkpoint``.
+        (trainer_state, what ``restore_draft`` returned, or None where it was
+        not called); see ``report_checkpoint``.
 
     Raises:
         FileNotFoundError: the checkpoint lacks this rank's files (written
@@ -118,7 +129,7 @@ def restore_checkpoint(checkpoint, engine, rank: int) -> tuple[dict[str, Any], t
             raise FileNotFoundError(f"{d / 'policy'}: no DeepSpeed checkpoint '{POLICY_TAG}'")
         _set_rng_state(json.loads(rng.read_text()))
         state = json.loads((d / TRAINER_STATE).read_text())
-        draft = load_draft_state(d) if (d / "draft.json").is_file() else None
+        draft = restore_draft(d, state) if restore_draft is not None and (d / "draft.json").is_file() else None
     return state, draft
 
 
@@ -134,3 +145,47 @@ def load_draft_state(d: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     meta = json.loads((d / "draft.json").read_text())
     meta["rng"] = _tuplify(meta["rng"])
     return load_file(str(d / "draft.safetensors")), meta
+
+
+def stage_draft_state(draft, d: Path) -> str:
+    """Write the DraftTrainer actor ``draft``'s state (``get_state``) into the
+    staging directory ``d`` on this process's node.
+
+    On the actor's own node the actor writes the files itself
+    (``DraftTrainer.save_state``). Through the object store the state (head,
+    AdamW moments and replay buffer: 0.3-0.4 GiB on the GSM8K preset) raises
+    the store's high-water mark, and the shared-memory pages the store has
+    touched stay allocated to the end of the run (Ray 2.60 never gives
+    them back): memory a CPU node's policy update then runs without. An actor
+    on another node sends it through the object store.
+
+    Returns:
+        ``"file"`` or ``"object_store"``: how the state came.
+
+    Raises:
+        ray.exceptions.RayActorError: the actor died.
+        OSError: the files could not be written.
+    """
+    if _same_node(draft):
+        ray.get(draft.save_state.remote(str(d)))
+        return "file"
+    save_draft_state(ray.get(draft.get_state.remote()), d)
+    return "object_store"
+
+
+def restore_draft_state(draft, d: Path) -> int:
+    """Load the draft state in checkpoint directory ``d`` into the
+    DraftTrainer actor ``draft`` (``set_state``), read by the actor itself
+    where it shares this process's node (as ``stage_draft_state``); returns
+    the draft version.
+
+    Raises:
+        ray.exceptions.RayActorError: the actor died.
+    """
+    if _same_node(draft):
+        return ray.get(draft.load_state.remote(str(d)))
+    return ray.get(draft.set_state.remote(*load_draft_state(d)))
+
+
+def _same_node(actor) -> bool:
+    return ray.get(actor.node_and_gpu.remote())[0] == ray.get_runtime_context().get_node_id()

@@ -29,7 +29,7 @@ from rayspec.rollout import serve as rollout
 from rayspec.scheduler.pipeline import RolloutPipeline
 from rayspec.scheduler.placement import ClusterFitError, assigned_gpu, check_device_sharing
 from rayspec.sync import make_transport
-from rayspec.train.checkpoint import report_checkpoint, restore_checkpoint
+from rayspec.train.checkpoint import report_checkpoint, restore_checkpoint, restore_draft_state, stage_draft_state
 from rayspec.train.evaluate import eval_due, read_baseline, score_eval, write_baseline
 from rayspec.train.grpo import group_advantages
 from rayspec.train.policy import (build_engine, deepspeed_config, full_state_dict, num_micro_batches,
@@ -466,15 +466,15 @@ def save_checkpoint(metrics: dict[str, Any], engine, ctx: StepContext | None, dr
                     version: int, rank: int) -> None:
     """Checkpoint after ``step`` (collective): every rank's DeepSpeed shard and
     RNG state, rank 0's trainer state and the DraftTrainer's state."""
-    draft_state = trainer_state = None
-    if rank == 0:
-        if draft is not None and ctx.draft_alive:
-            try:
-                draft_state = ray.get(draft.get_state.remote())
-            except ray.exceptions.RayActorError as e:
-                draft_died(ctx, step, e)
-        trainer_state = ctx.trainer_state(step, version)
-    report_checkpoint(metrics, engine, rank, trainer_state, draft_state)
+    def stage_draft(d: Path) -> None:
+        try:
+            stage_draft_state(draft, d)
+        except ray.exceptions.RayActorError as e:
+            draft_died(ctx, step, e)
+
+    with_draft = rank == 0 and draft is not None and ctx.draft_alive
+    report_checkpoint(metrics, engine, rank, ctx.trainer_state(step, version) if rank == 0 else None,
+                      stage_draft if with_draft else None)
     if rank == 0:
         log.info("step %d: checkpoint saved", step)
 
@@ -483,7 +483,14 @@ def resume(checkpoint, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
     """Restore a checkpoint (a resumed run, or Train workers restarted after a
     failure) and send its weights to the replicas; returns the policy version
     (= the last step the checkpoint finished). Collective."""
-    state, draft_state = restore_checkpoint(checkpoint, engine, rank)
+    def restore_draft(d: Path, state: dict[str, Any]) -> int | None:
+        try:
+            return restore_draft_state(draft, d)
+        except ray.exceptions.RayActorError as e:
+            draft_died(ctx, state["step"], e)
+
+    state, draft_version = restore_checkpoint(checkpoint, engine, rank,
+                                              restore_draft if rank == 0 and draft is not None else None)
     version = state["policy_version"]
     sd = full_state_dict(engine, _dtype(cfg.model.dtype), rank)
     if rank != 0:
@@ -491,13 +498,13 @@ def resume(checkpoint, engine, ctx: StepContext | None, draft, cfg: RunConfig, r
     ctx.restore(state)
     ctx.refit("policy", sd, version)
     del sd
-    if draft is not None:
-        if draft_state is None:
+    if draft is not None and ctx.draft_alive:
+        if draft_version is None:
             log.warning("checkpoint %s holds no draft state: the DraftTrainer continues from its "
                         "current head", checkpoint.path)
         else:
             try:
-                ctx.draft_version = ray.get(draft.set_state.remote(*draft_state))
+                ctx.draft_version = draft_version
                 ctx.refit("draft", ray.get(draft.vllm_weights.remote()), ctx.draft_version)
             except ray.exceptions.RayActorError as e:
                 draft_died(ctx, state["step"], e)
