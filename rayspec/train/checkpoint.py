@@ -152,12 +152,16 @@ def stage_draft_state(draft, d: Path) -> str:
     staging directory ``d`` on this process's node.
 
     On the actor's own node the actor writes the files itself
-    (``DraftTrainer.save_state``). Through the object store the state (head,
-    AdamW moments and replay buffer: 0.3-0.4 GiB on the GSM8K preset) raises
-    the store's high-water mark, and the shared-memory pages the store has
-    touched stay allocated to the end of the run (Ray 2.60 never gives
-    them back): memory a CPU node's policy update then runs without. An actor
-    on another node sends it through the object store.
+    (``DraftTrainer.save_state``); from another node the state comes through
+    the object store. The state is the head's fp32 weights, AdamW's two
+    moments of its trained part and the replay buffer (``draft.buffer_steps``
+    RL steps of verifier features, 8 bytes per token per hidden unit):
+    80 MB plus 4.6 KB a token for SmolLM2-135M's 8192-token head, about 4 GB
+    plus 32 KiB a token for a Llama-3.1-8B EAGLE-3 head (0.42 B parameters).
+    Through the object store that is two more host copies (the store's and
+    this process's), and the store's shared-memory pages it touches above
+    their high-water mark stay allocated to the end of the run (Ray 2.60
+    never gives them back).
 
     Returns:
         ``"file"`` or ``"object_store"``: how the state came.
