@@ -31,7 +31,10 @@
 ``rollout.speculative_config.model=DIR/draft_head``; its ``acceptance.json``
 holds the "after" rates, where adaptive speculation starts from, and
 ``final_lr``, the rate of the best head's last step, which online training
-continues at), the
+continues at), ``best_head/`` (the best head so far, with its
+``acceptance.json`` from the evaluation that made it the best: while a warm
+start runs, or after one was interrupted, ``draft_head/`` is the last saved
+training step's head and has no record, so load ``best_head/``), the
 optimizer state, ``result.json`` (every evaluation under ``history``) and
 ``acceptance.png`` (held-out acceptance length against training tokens).
 Re-running with the same ``DIR`` resumes: the corpus is reused (a larger
@@ -187,6 +190,16 @@ def main(argv: list[str] | None = None) -> int:
         peak_lr = DEFAULT_DRAFT_LR if cfg.draft.lr is None else cfg.draft.lr
         tokens_per_step = args.micro_batch * sum(len(r) for _, r in samples) / len(samples)
         t0, seconds_before = time.perf_counter(), result.get("train_seconds", 0.0)
+
+        def record_acceptance(head_dir: Path) -> None:  # the best head's rates, for adaptive k
+            write_acceptance(head_dir, best["after"]["acceptance_rate_per_pos"], k=k,
+                             temperature=cfg.grpo.temperature,
+                             draft_sample_method=spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
+                             data=cfg.data.name, heldout_prompts=len(held),
+                             heldout_samples=args.heldout_samples, policy=str(model_dir), train_steps=best["step"],
+                             final_lr=lr_at(best["step"] - 1, peak_lr, args.steps),
+                             train_prompts=corpus_prompt_span(prompts, samples))
+
         while not result.get("stopped") and done < args.steps:
             target = min(args.steps, done + args.eval_every) if args.eval_every else args.steps
             trained = train_head(policy, samples, out, target, peak_lr, cfg.draft.ttt_steps, pad,
@@ -208,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             if best is None or at_t["acceptance_length"] > best["acceptance_length"] + args.min_delta:
                 best = {"step": done, "acceptance_length": at_t["acceptance_length"], "after": at_t}
                 save_head(load_head(out / HEAD), out / BEST)
+                record_acceptance(out / BEST)
                 if head_ids is not None:
                     draft_vocab["heldout_coverage"] = coverage(token_counts(held_responses, V), head_ids)
             elif args.eval_every and (done - best["step"]) // args.eval_every >= args.patience:
@@ -224,13 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         # the head the run hands on is the best held-out one (its fp32
         # training state stays the last step's, where a resumed run continues)
         save_head(load_head(out / BEST), out / HEAD)
-        write_acceptance(out / HEAD, best["after"]["acceptance_rate_per_pos"], k=k,
-                         temperature=cfg.grpo.temperature,
-                         draft_sample_method=spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
-                         data=cfg.data.name, heldout_prompts=len(held),
-                         heldout_samples=args.heldout_samples, policy=str(model_dir), train_steps=best["step"],
-                         final_lr=lr_at(best["step"] - 1, peak_lr, args.steps),
-                         train_prompts=corpus_prompt_span(prompts, samples))
+        record_acceptance(out / HEAD)
     finally:
         engine.shutdown()
     print(f"{'':<8}{'acc len':>9}{'tok/s':>8}  accept/pos   (held-out: {len(held)} prompts x "

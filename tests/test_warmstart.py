@@ -147,6 +147,9 @@ def test_warmstart_job_raises_heldout_acceptance_stops_early_and_resumes(tiny_ll
     assert read_acceptance(out / HEAD) is None
     record = json.loads((out / HEAD / "acceptance.json").read_text())
     assert record["train_prompts"] == [8, 72] and record["data"] == "gsm8k"  # what benches must stay out of
+    # best_head/ has its own record, written when it became the best: an
+    # interrupted warm start's draft_head/ is the last training step's head, without one
+    assert json.loads((out / "best_head" / "acceptance.json").read_text()) == record
     # online training continues at the rate of the best head's last step (3e-3
     # peak, cosine over 100 steps), not at a fresh head's
     assert record["final_lr"] == pytest.approx(lr_at(res["best"]["step"] - 1, 3e-3, 100))
