@@ -15,7 +15,9 @@ kind of draft, at each temperature:
   of the 32 tokens, d2t), drafts sampled from its q
   (``draft_sample_method: probabilistic``): q is exactly 0 on the tokens
   outside the draft vocabulary that p samples, whose mass the residual must
-  give back;
+  give back; the drafter's linear layers compute in bf16 beside the fp32
+  verifier (``additional_config.rayspec_draft_linear_dtype: bfloat16``, what
+  the presets' ``auto`` picks on CPUs with native bf16), on every CPU;
 - ``draft_target``: draft_model = the policy, greedy drafts (one-hot q at p's argmax);
 - ``draft_target_probabilistic``: the same with drafts sampled from q = p
   (``draft_sample_method: probabilistic``): every draft accepted;
@@ -59,6 +61,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rayspec.config import DRAFT_LINEAR_DTYPE
+
 CASES = ("none", "eagle3", "eagle3_probabilistic", "draft_target", "draft_target_probabilistic", "disjoint",
          "perturbed_probabilistic", "ngram", "suffix", "unpatched")
 VOCAB, SUPPORT, LENGTH = 32, 6, 100
@@ -66,6 +70,7 @@ SEQ_PROMPT, SEQ_LENGTH = [3, 5], 3
 FAMILY_ALPHA = 0.01
 ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 256, "max_num_seqs": 1024, "seed": 0,
                  "skip_tokenizer_init": True}
+CASE_ENGINE_KWARGS = {"eagle3_probabilistic": {"additional_config": {DRAFT_LINEAR_DTYPE: "bfloat16"}}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -173,7 +178,8 @@ def sample_engine(case: str, paths: dict[str, Path], args, tokens: int) -> dict:
         {temperature: {"token": (prompt_ids, response_ids), "sequence": response_ids,
         "acceptance_length": float, "draft_tokens": int}} (acceptance of the token run).
     """
-    engine = engine_in_process(paths["target"], speculative_config(case, paths, args.k), ENGINE_KWARGS)
+    engine = engine_in_process(paths["target"], speculative_config(case, paths, args.k),
+                               {**ENGINE_KWARGS, **CASE_ENGINE_KWARGS.get(case, {})})
     try:
         return _sample(lambda prompts, **kw: engine.generate(prompts, **kw), args, tokens)
     finally:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rayspec.config import (BUNDLED_MODEL, CPU_ZERO_BUCKET_SIZE, GPU_MEMORY_UTILIZATION, PLATFORM_DEFAULT_KEYS,
+from rayspec.config import (BUNDLED_MODEL, CPU_ZERO_BUCKET_SIZE, DRAFT_LINEAR_DTYPE, GPU_MEMORY_UTILIZATION, PLATFORM_DEFAULT_KEYS,
                             ConfigError, RunConfig, apply_platform_defaults, dtype_reason, load_config, to_dict,
                             validate)
 
@@ -84,6 +84,7 @@ def test_cpu_roles_keep_the_cpu_defaults_and_gpu_roles_get_the_gpu_ones():
     cpu = load_config(DEFAULT)
     assert cpu.rollout.engine_kwargs["enforce_eager"] is True
     assert "gpu_memory_utilization" not in cpu.rollout.engine_kwargs
+    assert cpu.rollout.engine_kwargs["additional_config"] == {DRAFT_LINEAR_DTYPE: "auto"}
     assert cpu.train.deepspeed["bf16"] == {"enabled": False}
     assert "torch_adam" not in cpu.train.deepspeed["optimizer"]["params"]
     assert cpu.train.torch_threads_per_worker == 1 and cpu.train.gradient_checkpointing is False
@@ -94,6 +95,7 @@ def test_cpu_roles_keep_the_cpu_defaults_and_gpu_roles_get_the_gpu_ones():
     gpu = load_config(DEFAULT, gpus)
     assert gpu.rollout.engine_kwargs["enforce_eager"] is False  # CUDA graphs
     assert gpu.rollout.engine_kwargs["gpu_memory_utilization"] == GPU_MEMORY_UTILIZATION["colocate"]
+    assert "additional_config" not in gpu.rollout.engine_kwargs  # a CPU patch's key
     assert gpu.train.deepspeed["bf16"] == {"enabled": True}
     assert gpu.train.deepspeed["optimizer"]["params"]["torch_adam"] is True  # no nvcc at run time
     assert gpu.train.torch_threads_per_worker is None and gpu.train.gradient_checkpointing is True
@@ -105,12 +107,16 @@ def test_cpu_roles_keep_the_cpu_defaults_and_gpu_roles_get_the_gpu_ones():
     # what the user sets stays, on either platform
     mine = load_config(DEFAULT, gpus + ["rollout.engine_kwargs.enforce_eager=true",
                                         "rollout.engine_kwargs.gpu_memory_utilization=0.3",
+                                        f"rollout.engine_kwargs.additional_config.{DRAFT_LINEAR_DTYPE}=float32",
                                         "train.deepspeed.bf16.enabled=false",
                                         "train.deepspeed.optimizer.params.torch_adam=false",
                                         "train.torch_threads_per_worker=4", "train.gradient_checkpointing=false",
                                         "train.deepspeed.zero_optimization.reduce_bucket_size=1000"])
     assert mine.rollout.engine_kwargs["enforce_eager"] is True
     assert mine.rollout.engine_kwargs["gpu_memory_utilization"] == 0.3
+    assert mine.rollout.engine_kwargs["additional_config"] == {DRAFT_LINEAR_DTYPE: "float32"}
+    with pytest.raises(ConfigError, match=rf"rollout\.engine_kwargs\.additional_config\.{DRAFT_LINEAR_DTYPE}='fp16'"):
+        load_config(DEFAULT, [f"rollout.engine_kwargs.additional_config.{DRAFT_LINEAR_DTYPE}=fp16"])
     assert mine.train.deepspeed["bf16"] == {"enabled": False}
     assert mine.train.deepspeed["optimizer"]["params"]["torch_adam"] is False
     assert mine.train.torch_threads_per_worker == 4 and mine.train.gradient_checkpointing is False

@@ -17,6 +17,7 @@ from rayspec.config import load_config
 from rayspec.draft.eagle3 import init_head, save_head
 from rayspec.models import load_policy, load_tokenizer
 from rayspec.rollout.engine import ReplicaBehind
+from rayspec.rollout.vllm_patches import DRAFT_LINEAR_DTYPE
 from rayspec.sync.transport import CollectiveTransport, LocalReplicas, plan_buckets, state_dict_nbytes
 from rayspec.train.grpo import group_advantages, token_logprobs, token_mult_prob_error
 from rayspec.train.policy import build_engine, deepspeed_config, full_state_dict, policy_update
@@ -81,14 +82,16 @@ def test_a_sleeping_replica_wakes_only_its_weights_for_a_refit(tmp_path):
 
 @pytest.fixture(scope="module")
 def spec_engine(tiny_llama_dir, tmp_path_factory):
-    """A speculative (EAGLE-3, k=3) fp32 engine of the tiny policy."""
+    """A speculative (EAGLE-3, k=3) fp32 engine of the tiny policy whose
+    drafter's linear layers compute in bf16 (``vllm_patches.draft_linear_dtype``)."""
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
 
     head = tmp_path_factory.mktemp("head") / "head"
     save_head(init_head(load_policy(tiny_llama_dir)), head)
     eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "eagle3", "num_speculative_tokens": 3,
                                               "model": str(head)},
-                         dtype="float32", engine_kwargs=engine_kwargs(), env=cpu_engine_env(1, "all"))
+                         dtype="float32", env=cpu_engine_env(1, "all"),
+                         engine_kwargs=engine_kwargs(additional_config={DRAFT_LINEAR_DTYPE: "bfloat16"}))
     yield eng
     eng.shutdown()
 
@@ -201,7 +204,9 @@ def test_draft_refit_leaves_the_verifier_alone(spec_engine, tiny_llama_dir):
     """A draft refit must not touch the weights the head shares with the
     verifier (embed_tokens): without the fix in worker_ext, vLLM's in-place
     reload of the drafter put the engine's initial embedding back, and the
-    rollouts stopped following the refit policy."""
+    rollouts stopped following the refit policy. The drafter's linear layers
+    compute in bf16 before and after it (the verifier's fp32 distribution is
+    still what is sampled)."""
     from rayspec.draft.eagle3 import init_head, vllm_state_dict
     from rayspec.train.grpo import token_logprobs
 
@@ -213,7 +218,18 @@ def test_draft_refit_leaves_the_verifier_alone(spec_engine, tiny_llama_dir):
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     eng.update_weights({k: v.clone() for k, v in policy.state_dict().items()}, version=9)
-    eng.update_draft(vllm_state_dict(init_head(policy, seed=3)), version=9)
+    linear_dtypes = eng.llm.collective_rpc("rayspec_draft_linear_dtypes")[0]
+    fc_sum = eng.llm.collective_rpc("rayspec_weight_sums", args=("draft",))[0]["model.fc.weight"]
+    head = vllm_state_dict(init_head(policy, seed=3))
+    eng.update_draft(head, version=9)
+    assert eng.llm.collective_rpc("rayspec_draft_linear_dtypes")[0] == linear_dtypes
+    # the packed bf16 copy is the refit's head
+    packed = eng.llm.collective_rpc("rayspec_weight_sums", args=("draft",))[0]["model.fc.weight"]
+    assert packed == pytest.approx(float(head["fc.weight"].bfloat16().float().sum()), rel=1e-4, abs=1e-3)
+    assert packed != pytest.approx(fc_sum, rel=1e-2)
+    # (this full-vocabulary head shares the verifier's output layer, which stays fp32)
+    assert {"model.fc", "model.layers.0.self_attn.qkv_proj"} <= set(linear_dtypes) and \
+        set(linear_dtypes.values()) == {"torch.bfloat16"}, linear_dtypes
     batch, _ = eng.generate([tok.encode("Count with me: one, two,")], n=4, temperature=1.0, max_tokens=16)
     t = batch.to_padded(tok.pad_token_id)
     with torch.no_grad():

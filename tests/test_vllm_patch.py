@@ -2,7 +2,8 @@
 fixes it, and vLLM loads it as a plugin. That speculative sampling is then
 lossless on real engines (and is not without the patch) is
 tests/test_lossless.py's chi-square test. Also the other CPU fixes: the
-rejection sampler's noise, and one OpenMP runtime in an n-gram worker."""
+rejection sampler's noise, one OpenMP runtime in an n-gram worker, and
+the drafter's linear layers in bf16 beside an fp32 verifier."""
 
 from __future__ import annotations
 
@@ -211,6 +212,74 @@ def test_sampled_eagle3_drafts_draw_over_the_draft_vocabulary():
     assert chisquare(counts, n * q[0, targets].double() / q[0, targets].double().sum()).pvalue > 1e-3
     greedy, q_greedy = vllm_patches._sample_draft_tokens(proposer, h[:3].clone(), SimpleNamespace(all_greedy=True))
     assert q_greedy is None and (greedy == targets[(h[:3] @ proposer.model.lm_head.weight.T).argmax(-1)]).all()
+
+
+def _linear(rows: int, cols: int, generator) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(rows, cols, generator=generator), requires_grad=False)
+    return layer
+
+
+def test_drafter_linear_layers_compute_in_the_configured_dtype(monkeypatch):
+    """Layers vLLM processes while the proposer builds its model, with
+    ``additional_config.rayspec_draft_linear_dtype: bfloat16``, compute in
+    bf16 (the product of the bf16-rounded operands, returned in fp32), keep
+    it when vLLM processes them again outside the load (a refit, with the new
+    weights), and add their bias in fp32; a verifier layer keeps vLLM's
+    fp32 dispatch."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers import utils as layer_utils
+
+    vllm_patches.register()
+    assert layer_utils.dispatch_cpu_unquantized_gemm is vllm_patches._dispatch_cpu_gemm
+    g = torch.Generator().manual_seed(0)
+    draft, verifier = _linear(48, 32, g), _linear(48, 32, g)
+    w_draft, w_verifier = draft.weight.detach().clone(), verifier.weight.detach().clone()
+    vllm_patches._dispatch_cpu_gemm(verifier, remove_weight=True)  # the verifier's load
+
+    def load(self):  # what vLLM's loader does for each of the drafter's layers
+        vllm_patches._dispatch_cpu_gemm(draft, remove_weight=True)
+        return "drafter"
+
+    monkeypatch.setattr(vllm_patches, "_upstream_get_model", load)
+    proposer = SimpleNamespace(vllm_config=SimpleNamespace(
+        additional_config={vllm_patches.DRAFT_LINEAR_DTYPE: "bfloat16"},
+        model_config=SimpleNamespace(dtype=torch.float32)))
+    assert vllm_patches._get_draft_model(proposer) == "drafter"
+    x = torch.randn(3, 32, generator=g)
+
+    def bf16_product(w):
+        return x.bfloat16().float() @ w.bfloat16().float().T
+
+    out = draft.cpu_linear(x, draft.weight, None)
+    assert out.dtype == torch.float32 and draft.weight.numel() == 0 and draft.rayspec_linear_dtype == torch.bfloat16
+    assert torch.allclose(out, bf16_product(w_draft), rtol=1e-2, atol=1e-2)
+    assert not torch.allclose(out, x @ w_draft.T, rtol=1e-4, atol=1e-4)  # not the fp32 product
+    assert torch.allclose(verifier.cpu_linear(x, None, None), x @ w_verifier.T, rtol=1e-5, atol=1e-5)
+    # a refit: vLLM puts the new weight back and processes the layer again
+    w_new = torch.randn(48, 32, generator=g)
+    draft.weight = torch.nn.Parameter(w_new.clone(), requires_grad=False)
+    vllm_patches._dispatch_cpu_gemm(draft, remove_weight=False)
+    bias = torch.randn(48, generator=g)
+    assert torch.allclose(draft.cpu_linear(x, None, bias), bf16_product(w_new) + bias, rtol=1e-2, atol=1e-2)
+    assert draft.weight.shape == (48, 32)  # remove_weight=False keeps it, as upstream
+
+
+def test_drafter_linear_dtype_resolves_auto_by_the_cpu_and_names_a_bad_value(monkeypatch):
+    from rayspec import devices
+
+    resolve, key = vllm_patches.draft_linear_dtype, vllm_patches.DRAFT_LINEAR_DTYPE
+    assert resolve({}, torch.float32) is None and resolve(None, torch.float32) is None
+    assert resolve({key: "float32"}, torch.float32) is None
+    assert resolve({key: "bfloat16"}, torch.float32) == torch.bfloat16
+    monkeypatch.setattr(devices, "cpu_native_bf16", lambda: "AVX512-BF16")
+    assert resolve({key: "auto"}, torch.float32) == torch.bfloat16
+    assert resolve({key: "auto"}, torch.bfloat16) is None  # the drafter already computes in bf16
+    monkeypatch.setattr(devices, "cpu_native_bf16", lambda: None)
+    assert resolve({key: "auto"}, torch.float32) is None  # bf16 would be emulated
+    with pytest.raises(ValueError, match=r"additional_config\.rayspec_draft_linear_dtype: 'fp16'"):
+        resolve({key: "fp16"}, torch.float32)
 
 
 @pytest.mark.slow

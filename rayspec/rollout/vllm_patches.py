@@ -45,14 +45,35 @@ The patch samples over the N draft tokens and scatters their probabilities
 into the [rows, V] q the rejection sampler reads: the softmax over V with
 -inf off the draft vocabulary is that, and the exponential race over N
 tokens draws from it, so drafts and q keep their distribution.
+
+A fourth lets the drafter's linear layers compute in bf16 while the verifier
+serves fp32 (``additional_config["rayspec_draft_linear_dtype"]``, see
+``draft_linear_dtype``). vLLM 0.32.0 builds the draft model in the target's
+dtype (``SpeculativeConfig`` passes ``target_model_config.dtype`` to the
+draft's ``ModelConfig``; there is no draft dtype key), and rayspec serves the
+policy in fp32 on CPUs (README, *Precision*). A draft token then reads the
+head's 39 MB of fp32 weights (SmolLM2-135M, 8192-token draft vocabulary)
+from memory, which a 32 MiB L3 does not hold and the verifier's forward
+evicts: on 2 Zen 4 cores (AVX512-BF16) the head's six products took 2.23 ms
+cold / 1.11 ms warm in fp32 and 1.29 / 0.29 ms in bf16 (vLLM's oneDNN
+path, one token). The drafter's precision cannot change what is sampled:
+the rejection sampler accepts with min(1, p/q) for the q the drafter
+actually computed, so the output keeps the verifier's distribution; only
+acceptance may move. The weights stay fp32 where vLLM keeps them (the
+draft's KV cache, norms and the in-place reload are untouched); the
+prepacked bf16 copy is rebuilt whenever vLLM processes the layer's weights
+again, i.e. on every refit.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 
 import torch
 
+from rayspec.config import DRAFT_LINEAR_DTYPE, DRAFT_LINEAR_DTYPES  # the key in vLLM's additional_config
 from rayspec.rollout.vllm_compat import require
 
 log = logging.getLogger(__name__)
@@ -152,10 +173,93 @@ def needs_patch() -> bool:
     return current_platform.is_cpu() and vllm.__version__ in AFFECTED_VLLM_VERSIONS
 
 
+
+
+def draft_linear_dtype(additional_config, model_dtype: torch.dtype) -> torch.dtype | None:
+    """What the drafter's linear layers compute in on the CPU platform, from
+    ``additional_config[DRAFT_LINEAR_DTYPE]`` of the engine's vLLM config;
+    None: the model's dtype (vLLM's own path).
+
+    Values: absent or ``float32``: None; ``bfloat16``: bf16 (emulated, so
+    slower, on CPUs without AVX512-BF16 / AMX: tests use it to run the path
+    anywhere); ``auto``: bf16 where the verifier serves float32 and this
+    CPU computes bf16 natively (``rayspec.devices.cpu_native_bf16``), else None.
+
+    Raises:
+        ValueError: any other value (named, with the key).
+    """
+    value = additional_config.get(DRAFT_LINEAR_DTYPE) if isinstance(additional_config, dict) else None
+    if value is None:
+        return None
+    if value not in DRAFT_LINEAR_DTYPES:
+        raise ValueError(f"additional_config.{DRAFT_LINEAR_DTYPE}: {value!r} is not one of "
+                         f"{', '.join(DRAFT_LINEAR_DTYPES)}")
+    if value == "auto":
+        from rayspec.devices import cpu_native_bf16
+
+        return torch.bfloat16 if model_dtype == torch.float32 and cpu_native_bf16() else None
+    return torch.bfloat16 if value == "bfloat16" else None
+
+
+_loading_draft = threading.local()  # .dtype: set while the proposer builds its model
+_draft_layers: "weakref.WeakKeyDictionary[torch.nn.Module, torch.dtype]" = weakref.WeakKeyDictionary()
+
+
+def _get_draft_model(self):
+    """``SpecDecodeBaseProposer._get_model``, noting the compute dtype of its
+    linear layers for ``_dispatch_cpu_gemm`` while vLLM loads it."""
+    _loading_draft.dtype = draft_linear_dtype(self.vllm_config.additional_config,
+                                              self.vllm_config.model_config.dtype)
+    try:
+        return _upstream_get_model(self)
+    finally:
+        _loading_draft.dtype = None
+
+
+def _dispatch_cpu_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+    """vLLM's ``dispatch_cpu_unquantized_gemm`` (picks ``layer.cpu_linear``
+    after each load or reload of its weights), except for a drafter's layers
+    given a compute dtype: their [N, K] weight is packed once in that dtype,
+    and ``cpu_linear`` casts the input [..., K] to it and the output [..., N]
+    back to the input's dtype (a bias is added after, in that dtype)."""
+    weight = getattr(layer, "weight", None)
+    dtype = getattr(_loading_draft, "dtype", None)
+    if dtype is not None and weight is not None and weight.ndim == 2 and not weight.is_meta \
+            and weight.dtype != dtype:
+        _draft_layers[layer] = dtype  # a reload (refit) finds the layer here
+    dtype = _draft_layers.get(layer)
+    if dtype is None:
+        return _upstream_dispatch(layer, remove_weight)
+    from vllm import _custom_ops as ops
+
+    packed = weight.detach().to(dtype)
+    if ops._supports_onednn:
+        handler = ops.create_onednn_mm(packed.t(), 32)
+
+        def matmul(x):
+            return ops.onednn_mm(handler, x, None)
+    else:
+        def matmul(x):
+            return torch.nn.functional.linear(x, packed)
+
+    def cpu_linear(x: torch.Tensor, _weight, bias: torch.Tensor | None) -> torch.Tensor:
+        out = matmul(x.to(dtype)).to(x.dtype)
+        return out if bias is None else out + bias
+
+    layer.cpu_linear = cpu_linear
+    layer.rayspec_linear_dtype = dtype
+    layer.rayspec_weight_sum = float(packed.float().sum())  # what a refit landed (worker_ext weight sums)
+    if remove_weight:  # as upstream: the packed copy is the one read
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device),
+                                          requires_grad=False)
+
+
 _applied = False
 _upstream = None
 _upstream_recovered = None
 _upstream_draft = None
+_upstream_dispatch = None
+_upstream_get_model = None
 
 
 def upstream_expand_kernel_impl():
@@ -181,8 +285,9 @@ def upstream_sample_draft_tokens():
 
 def register() -> None:
     """vLLM general-plugin hook: install the fixed expand kernel, the
-    recovered-token sampler that skips requests without drafts and the
-    draft-vocabulary sampler of sampled EAGLE-3 drafts (idempotent).
+    recovered-token sampler that skips requests without drafts, the
+    draft-vocabulary sampler of sampled EAGLE-3 drafts and the drafter's
+    linear-layer dtype (idempotent).
 
     Raises:
         VllmInternalsError: an affected vLLM lacks a function the fix replaces
@@ -191,7 +296,7 @@ def register() -> None:
     Set ``RAYSPEC_DISABLE_VLLM_PATCHES=1`` to skip it (tests use this to show
     the bug the patch fixes).
     """
-    global _applied, _upstream, _upstream_recovered, _upstream_draft
+    global _applied, _upstream, _upstream_recovered, _upstream_draft, _upstream_dispatch, _upstream_get_model
     import os
 
     if _applied or os.environ.get("RAYSPEC_DISABLE_VLLM_PATCHES") == "1" or not needs_patch():
@@ -212,10 +317,22 @@ def register() -> None:
     draft_hook = "sampled EAGLE-3 drafts over the draft vocabulary"
     require(SpecDecodeBaseProposer, "_sample_from_logits", draft_hook)  # what the patch calls
     upstream_draft = require(SpecDecodeBaseProposer, "_sample_draft_tokens", draft_hook)
+    from vllm import _custom_ops
+    from vllm.model_executor.layers import utils as layer_utils
+
+    dtype_hook = "drafter linear dtype (additional_config.rayspec_draft_linear_dtype)"
+    upstream_dispatch = require(layer_utils, "dispatch_cpu_unquantized_gemm", dtype_hook)
+    upstream_get_model = require(SpecDecodeBaseProposer, "_get_model", dtype_hook)
+    for name in ("_supports_onednn", "create_onednn_mm", "onednn_mm"):
+        require(_custom_ops, name, dtype_hook)
     _upstream_recovered, _upstream, _upstream_draft = upstream_recovered, upstream_expand, upstream_draft
+    _upstream_dispatch, _upstream_get_model = upstream_dispatch, upstream_get_model
     rejection_sampler.sample_recovered_tokens = _sample_recovered_tokens
     cpu_triton_utils._expand_kernel_impl = _expand_kernel_impl
     SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
+    # process_weights_after_loading imports it from the module at each call
+    layer_utils.dispatch_cpu_unquantized_gemm = _dispatch_cpu_gemm
+    SpecDecodeBaseProposer._get_model = _get_draft_model
     # If the platform already registered its (buggy) override in this
     # process, replace that registration too.
     if _KERNEL in registry:
@@ -223,6 +340,7 @@ def register() -> None:
     _applied = True
     log.warning("rayspec: patched vLLM %s CPU expand_kernel (speculative sampling "
                 "was lossy at temperature > 0: float output never written) and "
-                "sample_recovered_tokens (noise drawn once, only for requests with drafts), and "
-                "samples EAGLE-3 drafts over the draft vocabulary",
-                __import__("vllm").__version__)
+                "sample_recovered_tokens (noise drawn once, only for requests with drafts), "
+                "samples EAGLE-3 drafts over the draft vocabulary, and computes the drafter's "
+                "linear layers in additional_config.%s where set",
+                __import__("vllm").__version__, DRAFT_LINEAR_DTYPE)

@@ -130,11 +130,33 @@ class RefitExtension:
         """{parameter name: sum of its values} of the verifier (``policy``)
         or the draft model (``draft``), under vLLM's module names: a cheap
         digest to check what a refit landed (the tensors themselves would
-        travel to the caller serialized as lists)."""
+        travel to the caller serialized as lists). A linear layer whose
+        weight rayspec's drafter patch packed in another dtype reports the
+        packed copy's sum (vLLM's CPU path keeps no unpacked weight)."""
         runner = self.model_runner
         model = runner.get_model() if which == "policy" else \
             require(runner, "get_draft_model", "weight sums")()
-        return {name: float(p.detach().float().sum()) for name, p in model.named_parameters()}
+        sums = {name: float(p.detach().float().sum()) for name, p in model.named_parameters()}
+        sums.update({f"{name}.weight": m.rayspec_weight_sum for name, m in model.named_modules()
+                     if hasattr(m, "rayspec_weight_sum")})
+        return sums
+
+    def rayspec_draft_linear_dtypes(self) -> dict[str, str]:
+        """{module name: dtype} of the drafter's own linear layers on the CPU
+        platform (not those it shares with the verifier, e.g. embed_tokens):
+        what each one computes in (``rayspec_linear_dtype`` where rayspec's
+        patch packed it, ``additional_config.rayspec_draft_linear_dtype``;
+        else its weight's dtype). Empty without a model-based drafter.
+
+        Raises:
+            VllmInternalsError: the model runner has no ``get_draft_model``.
+        """
+        model = require(self.model_runner, "get_draft_model", "draft linear dtypes")()
+        if model is None:
+            return {}
+        shared = {id(m) for m in self.model_runner.get_model().modules()}
+        return {name: str(getattr(m, "rayspec_linear_dtype", None) or m.weight.dtype)
+                for name, m in model.named_modules() if hasattr(m, "cpu_linear") and id(m) not in shared}
 
     def rayspec_load_policy(self, path: str) -> None:
         """Load HF-named policy weights from a safetensors file into the verifier."""
