@@ -5,6 +5,7 @@
         [--draft-layers 6] [--k 1,2,3,4,5] [--concurrency 1,8,32,128]
         [--temperature 1.0,0] [--max-tokens 64] [--dtype float32] [--repeats 1]
         [--fixed-group-size 1] [--fresh-prompts] [--no-untrained-head]
+        [--draft-linear-dtype auto[,float32,bfloat16]]
 
 One engine per method (no speculation, eagle3, eagle3-sampled, draft_model,
 ngram, suffix, suffix-group),
@@ -128,6 +129,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "an untrained head is always benched as 'untrained'")
     ap.add_argument("--draft-layers", type=int, default=6,
                     help="draft_model: the policy's first N layers (layer-truncated copy)")
+    ap.add_argument("--draft-linear-dtype", default="auto",
+                    help="vLLM additional_config.rayspec_draft_linear_dtype of the EAGLE-3 engines "
+                         "(rayspec.rollout.vllm_patches.draft_linear_dtype; the presets' CPU default is auto); "
+                         "several, comma-separated: one engine each, its drafts named head@dtype")
     ap.add_argument("--k", type=_ints, help="default 1,2,3,4,5")
     ap.add_argument("--concurrency", type=_ints, help="sequences in flight; default 1,8,32,128")
     ap.add_argument("--temperature", type=_floats, help="default 1.0,0 (0: greedy)")
@@ -157,6 +162,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, key, value)
     if isinstance(args.methods, str):
         args.methods = [m for m in args.methods.split(",") if m]
+    args.draft_linear_dtype = [d for d in args.draft_linear_dtype.split(",") if d]
+    import torch
+
+    from rayspec.rollout.vllm_patches import DRAFT_LINEAR_DTYPE, draft_linear_dtype
+
+    for d in args.draft_linear_dtype:
+        try:
+            draft_linear_dtype({DRAFT_LINEAR_DTYPE: d}, torch.float32)
+        except ValueError as e:
+            ap.error(f"--draft-linear-dtype: {e}")
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         ap.error(f"--methods: unknown {bad}, expected some of {METHODS}")
@@ -392,6 +407,23 @@ def engine_units(methods: list[str], heads: dict[str, Path], draft_model, draft_
     return units
 
 
+def with_draft_linear_dtypes(units: list, dtypes: list[str]) -> list:
+    """[(method, drafts, additional_config), ...]: each EAGLE-3 unit once per
+    drafter linear dtype (its drafts renamed ``name@dtype`` where there are
+    several), other methods once with an empty additional_config."""
+    from rayspec.rollout.vllm_patches import DRAFT_LINEAR_DTYPE
+
+    out = []
+    for method, drafts in units:
+        if not method.startswith("eagle3"):
+            out.append((method, drafts, {}))
+            continue
+        for d in dtypes:
+            named = drafts if len(dtypes) == 1 else [(f"{name}@{d}", path) for name, path in drafts]
+            out.append((method, named, {DRAFT_LINEAR_DTYPE: d}))
+    return out
+
+
 def _speculative_config(method: str, draft_dir, kmax: int, max_seqs: int) -> dict | None:
     """The engine's speculative_config: built with the largest k and a
     batch-size schedule, so k changes at run time; None for no speculation."""
@@ -492,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     units = engine_units(args.methods, heads, lambda: truncated_copy(
         model_dir, work / f"draft_{args.draft_layers}l", args.draft_layers), args.draft_layers)
+    units = with_draft_linear_dtypes(units, args.draft_linear_dtype)
     kmax = max(args.k)
     max_seqs = max(args.concurrency + [args.rollout_prompts * args.group_size])
     engine_kwargs = {"enforce_eager": True, "max_model_len": 1024, "max_num_seqs": max_seqs, "seed": 0,
@@ -504,9 +537,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     for r in range(args.repeats):
         cells: list[dict] = []
-        for method, drafts in units if r % 2 == 0 else units[::-1]:
+        for method, drafts, additional in units if r % 2 == 0 else units[::-1]:
             spec = _speculative_config(method, drafts[0][1], kmax, max_seqs)
-            engine = SpecVLLMEngine(str(model_dir), spec, dtype=args.dtype, engine_kwargs=engine_kwargs, env=env)
+            engine = SpecVLLMEngine(str(model_dir), spec, dtype=args.dtype, env=env,
+                                    engine_kwargs={**engine_kwargs, "additional_config": additional})
             try:
                 _cell(engine, fixed[0, *grid[0]], 2, 1.0, 8, ignore_eos=True)  # first-call warm-up, untimed
                 for draft, d in drafts:

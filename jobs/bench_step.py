@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--methods", type=lambda v: v.split(","), default=["eagle3"],
                     help=f"engines, in this order, of {', '.join(METHODS)}")
     ap.add_argument("--eagle3", help="an EAGLE-3 head directory (default: an untrained head)")
+    ap.add_argument("--draft-linear-dtype", type=lambda v: v.split(","), default=["auto"],
+                    help="vLLM additional_config.rayspec_draft_linear_dtype of the EAGLE-3 engines; several, "
+                         "comma-separated: one engine each, in that order, named method@dtype")
     ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
     ap.add_argument("--k", type=_ints, default=[0, 1, 3])
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -198,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     # the timers patch the model runner in this process, so the engine core
     # must run here; the caller's environment is restored afterwards
     with mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
-        cells = [c for m in args.methods for c in _run(args, model_dir, m, head, prompts)]
+        cells = [c for m in args.methods
+                 for d in (args.draft_linear_dtype if m.startswith("eagle3") else [None])
+                 for c in _run(args, model_dir, m, head, prompts, d)]
     print(format_table(cells))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(cells, indent=1))
@@ -230,7 +235,8 @@ def _prompts(args, model_dir) -> list[list[int]]:
     return [chat_prompt_ids(tok, p) for p in problems for _ in range(args.group_size)][:b]
 
 
-def _run(args, model_dir, method: str, head: Path | None, prompts: list[list[int]]) -> list[dict]:
+def _run(args, model_dir, method: str, head: Path | None, prompts: list[list[int]],
+         draft_linear_dtype: str | None) -> list[dict]:
     """One engine's cells: every concurrency x k (k = 0 only for ``none``)."""
     from tqdm import tqdm
 
@@ -239,6 +245,7 @@ def _run(args, model_dir, method: str, head: Path | None, prompts: list[list[int
     from rayspec.perfmodel.simulate import Engine
     from rayspec.rollout.adaptive import uniform
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+    from rayspec.rollout.vllm_patches import DRAFT_LINEAR_DTYPE
 
     target = ModelShape.from_hf_config(str(model_dir))
     model = Engine(target, hardware.get(args.hardware), "eagle3", target.eagle3_head())
@@ -247,11 +254,14 @@ def _run(args, model_dir, method: str, head: Path | None, prompts: list[list[int
     engine = SpecVLLMEngine(str(model_dir), spec, dtype=args.dtype, env=cpu_engine_env(args.kv_cache_gib, "all"),
                             engine_kwargs={"enforce_eager": True, "max_num_seqs": max_seqs, "seed": 0,
                                            "max_model_len": max(map(len, prompts)) + args.max_tokens + 16,
-                                           "enable_prefix_caching": False})
+                                           "enable_prefix_caching": False,
+                                           "additional_config": {DRAFT_LINEAR_DTYPE: draft_linear_dtype}
+                                           if draft_linear_dtype else {}})
+    label = f"{method}@{draft_linear_dtype}" if draft_linear_dtype and len(args.draft_linear_dtype) > 1 else method
     prompt_len = sum(map(len, prompts)) / len(prompts)
     cells = []
     try:
-        for b in tqdm(args.concurrency, desc=f"{method}: concurrency", disable=None):
+        for b in tqdm(args.concurrency, desc=f"{label}: concurrency", disable=None):
             for k in (args.k if spec else [0]):
                 if spec:
                     engine.set_k_schedule(uniform(k, max_seqs))
@@ -263,7 +273,7 @@ def _run(args, model_dir, method: str, head: Path | None, prompts: list[list[int
                 s = cell.stats
                 e = s.acceptance_length if k else 1.0
                 f = s.num_drafts / max(s.output_tokens - s.num_accepted_tokens, 1) if k else 0.0
-                cells.append({"method": method, "concurrency": b, "k": k, "acceptance_length": e,
+                cells.append({"method": label, "concurrency": b, "k": k, "acceptance_length": e,
                               "draft_fraction": f, "decode_steps": steps,
                               "step_ms": ms["target"] + ms["sample_tokens"], "target_ms": ms["target"],
                               "forward_ms": ms["forward"], "sampler_ms": ms["sampler"], "drafter_ms": ms["drafter"],

@@ -97,6 +97,15 @@ def test_eagle3_heads_share_an_engine_only_with_the_same_draft_vocabulary(tmp_pa
     assert [(m, [n for n, _ in drafts]) for m, drafts in units] == [
         ("none", [""]), ("eagle3", ["untrained", "full"]), ("eagle3", ["reduced", "reduced2"]),
         ("draft_model", ["layers6"])]
+    # one engine per drafter linear dtype, for EAGLE-3 engines only, its heads renamed where there are several
+    from jobs.bench_rollout import with_draft_linear_dtypes
+
+    key = "rayspec_draft_linear_dtype"
+    both = with_draft_linear_dtypes(units[:2], ["float32", "auto"])
+    assert [(m, [n for n, _ in drafts], extra) for m, drafts, extra in both] == [
+        ("none", [""], {}), ("eagle3", ["untrained@float32", "full@float32"], {key: "float32"}),
+        ("eagle3", ["untrained@auto", "full@auto"], {key: "auto"})]
+    assert [drafts for _, drafts, _ in with_draft_linear_dtypes(units[1:2], ["auto"])] == [units[1][1]]
 
 
 def test_refuses_bench_prompts_a_head_was_warm_started_on(tiny_llama_dir, gsm8k_dir, tmp_path, capsys):
