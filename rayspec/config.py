@@ -714,10 +714,10 @@ def validate(cfg: RunConfig) -> None:
 # resident while the replica is awake) and where it has the device to itself
 # (split: vLLM's own default).
 GPU_MEMORY_UTILIZATION = {"colocate": 0.45, "split": 0.9}
-# Keys whose null / absent value means "the platform's default".
 # vLLM additional_config key of rayspec's CPU drafter patch (rayspec.rollout.vllm_patches.draft_linear_dtype)
 DRAFT_LINEAR_DTYPE = "rayspec_draft_linear_dtype"
 DRAFT_LINEAR_DTYPES = ("auto", "bfloat16", "float32")
+# Keys whose null / absent value means "the platform's default".
 PLATFORM_DEFAULT_KEYS = ("rollout.engine_kwargs.enforce_eager", "rollout.engine_kwargs.gpu_memory_utilization",
                          f"rollout.engine_kwargs.additional_config.{DRAFT_LINEAR_DTYPE}",
                          "train.deepspeed.bf16.enabled", "train.deepspeed.optimizer.params.torch_adam",

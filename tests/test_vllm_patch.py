@@ -264,6 +264,9 @@ def test_drafter_linear_layers_compute_in_the_configured_dtype(monkeypatch):
     bias = torch.randn(48, generator=g)
     assert torch.allclose(draft.cpu_linear(x, None, bias), bf16_product(w_new) + bias, rtol=1e-2, atol=1e-2)
     assert draft.weight.shape == (48, 32)  # remove_weight=False keeps it, as upstream
+    draft.weight = torch.nn.Parameter(torch.empty(48, 32, device="meta"), requires_grad=False)
+    vllm_patches._dispatch_cpu_gemm(draft, remove_weight=True)  # nothing to pack: vLLM's own path
+    assert draft.cpu_linear is torch.nn.functional.linear
 
 
 def test_drafter_linear_dtype_resolves_auto_by_the_cpu_and_names_a_bad_value(monkeypatch):

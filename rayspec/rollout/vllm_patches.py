@@ -173,8 +173,6 @@ def needs_patch() -> bool:
     return current_platform.is_cpu() and vllm.__version__ in AFFECTED_VLLM_VERSIONS
 
 
-
-
 def draft_linear_dtype(additional_config, model_dtype: torch.dtype) -> torch.dtype | None:
     """What the drafter's linear layers compute in on the CPU platform, from
     ``additional_config[DRAFT_LINEAR_DTYPE]`` of the engine's vLLM config;
@@ -228,7 +226,7 @@ def _dispatch_cpu_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
             and weight.dtype != dtype:
         _draft_layers[layer] = dtype  # a reload (refit) finds the layer here
     dtype = _draft_layers.get(layer)
-    if dtype is None:
+    if dtype is None or weight is None or weight.is_meta:
         return _upstream_dispatch(layer, remove_weight)
     from vllm import _custom_ops as ops
 
