@@ -100,6 +100,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "which must be >= 1")
     if args.group_size < 1:
         ap.error(f"--group-size: {args.group_size}, expected >= 1")
+    import torch
+
+    from rayspec.rollout.vllm_patches import DRAFT_LINEAR_DTYPE, draft_linear_dtype
+
+    for d in args.draft_linear_dtype:
+        try:
+            draft_linear_dtype({DRAFT_LINEAR_DTYPE: d}, torch.float32)
+        except ValueError as e:
+            ap.error(f"--draft-linear-dtype: {e}")
 
     try:
         hardware.get(args.hardware)

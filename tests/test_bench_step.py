@@ -31,3 +31,13 @@ def test_bench_step_times_each_part_of_a_decode_step(tiny_llama_dir, tmp_path, i
     assert suffix0["drafter_ms"] > 0 and suffix0["acceptance_length"] == 1.0
     assert 0.0 <= suffix2["draft_fraction"] <= 1.0 and suffix2["step_ms"] > suffix2["drafter_ms"] > 0
     assert suffix0["model_step_ms"] is None  # the performance model has no suffix drafter
+
+
+def test_bench_step_names_a_bad_drafter_linear_dtype(capsys):
+    import pytest
+
+    from jobs.bench_step import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--draft-linear-dtype", "float32,fp16"])
+    assert "--draft-linear-dtype: additional_config.rayspec_draft_linear_dtype: 'fp16'" in capsys.readouterr().err
