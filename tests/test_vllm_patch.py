@@ -264,6 +264,17 @@ def test_drafter_linear_layers_compute_in_the_configured_dtype(monkeypatch):
     bias = torch.randn(48, generator=g)
     assert torch.allclose(draft.cpu_linear(x, None, bias), bf16_product(w_new) + bias, rtol=1e-2, atol=1e-2)
     assert draft.weight.shape == (48, 32)  # remove_weight=False keeps it, as upstream
+    # where oneDNN has no bf16 matmul (CPUs below AVX-512), torch computes it
+    from vllm import _custom_ops
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("could not create a primitive descriptor for the matmul primitive")
+
+    monkeypatch.setattr(_custom_ops, "create_onednn_mm", refuse)
+    draft.weight = torch.nn.Parameter(w_new.clone(), requires_grad=False)
+    vllm_patches._dispatch_cpu_gemm(draft, remove_weight=True)
+    assert torch.allclose(draft.cpu_linear(x, None, None), bf16_product(w_new), rtol=1e-2, atol=1e-2)
+    assert draft.rayspec_linear_dtype == torch.bfloat16
     draft.weight = torch.nn.Parameter(torch.empty(48, 32, device="meta"), requires_grad=False)
     vllm_patches._dispatch_cpu_gemm(draft, remove_weight=True)  # nothing to pack: vLLM's own path
     assert draft.cpu_linear is torch.nn.functional.linear

@@ -231,9 +231,14 @@ def _dispatch_cpu_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
     from vllm import _custom_ops as ops
 
     packed = weight.detach().to(dtype)
+    handler = None
     if ops._supports_onednn:
-        handler = ops.create_onednn_mm(packed.t(), 32)
+        try:
+            handler = ops.create_onednn_mm(packed.t(), 32)
+        except RuntimeError:  # oneDNN has no bf16 matmul below AVX-512 (ONEDNN_MAX_CPU_ISA=AVX2): torch's
+            log.debug("oneDNN refused a %s matmul; torch computes the drafter's layer", dtype)
 
+    if handler is not None:
         def matmul(x):
             return ops.onednn_mm(handler, x, None)
     else:
