@@ -110,6 +110,21 @@ def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
 
+def draft_linear_dtypes(ap: argparse.ArgumentParser, text: str) -> list[str]:
+    """``--draft-linear-dtype``'s comma-separated values; an unknown one
+    ends the job through ``ap.error``, naming it (``vllm_patches.draft_linear_dtype``)."""
+    from rayspec.config import DRAFT_LINEAR_DTYPE
+    from rayspec.rollout.vllm_patches import draft_linear_dtype
+
+    values = [d for d in text.split(",") if d]
+    for d in values:
+        try:
+            draft_linear_dtype({DRAFT_LINEAR_DTYPE: d}, None)
+        except ValueError as e:
+            ap.error(f"--draft-linear-dtype: {e}")
+    return values
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m jobs.bench_rollout", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
@@ -162,16 +177,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, key, value)
     if isinstance(args.methods, str):
         args.methods = [m for m in args.methods.split(",") if m]
-    args.draft_linear_dtype = [d for d in args.draft_linear_dtype.split(",") if d]
-    import torch
-
-    from rayspec.rollout.vllm_patches import DRAFT_LINEAR_DTYPE, draft_linear_dtype
-
-    for d in args.draft_linear_dtype:
-        try:
-            draft_linear_dtype({DRAFT_LINEAR_DTYPE: d}, torch.float32)
-        except ValueError as e:
-            ap.error(f"--draft-linear-dtype: {e}")
+    args.draft_linear_dtype = draft_linear_dtypes(ap, args.draft_linear_dtype)
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         ap.error(f"--methods: unknown {bad}, expected some of {METHODS}")

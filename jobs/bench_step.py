@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
-from jobs.bench_rollout import _cell, _ints, _speculative_config, untrained_head, work_dir_for
+from jobs.bench_rollout import _cell, _ints, _speculative_config, draft_linear_dtypes, untrained_head, work_dir_for
 
 METHODS = ("none", "eagle3", "eagle3-sampled", "suffix", "suffix-group")
 MODELLED = ("none", "eagle3")  # what rayspec.perfmodel models a step of
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--methods", type=lambda v: v.split(","), default=["eagle3"],
                     help=f"engines, in this order, of {', '.join(METHODS)}")
     ap.add_argument("--eagle3", help="an EAGLE-3 head directory (default: an untrained head)")
-    ap.add_argument("--draft-linear-dtype", type=lambda v: v.split(","), default=["auto"],
+    ap.add_argument("--draft-linear-dtype", default="auto",
                     help="vLLM additional_config.rayspec_draft_linear_dtype of the EAGLE-3 engines; several, "
                          "comma-separated: one engine each, in that order, named method@dtype")
     ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
@@ -100,15 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "which must be >= 1")
     if args.group_size < 1:
         ap.error(f"--group-size: {args.group_size}, expected >= 1")
-    import torch
-
-    from rayspec.rollout.vllm_patches import DRAFT_LINEAR_DTYPE, draft_linear_dtype
-
-    for d in args.draft_linear_dtype:
-        try:
-            draft_linear_dtype({DRAFT_LINEAR_DTYPE: d}, torch.float32)
-        except ValueError as e:
-            ap.error(f"--draft-linear-dtype: {e}")
+    args.draft_linear_dtype = draft_linear_dtypes(ap, args.draft_linear_dtype)
 
     try:
         hardware.get(args.hardware)

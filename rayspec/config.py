@@ -571,6 +571,9 @@ def validate(cfg: RunConfig) -> None:
         _check(extra.get(DRAFT_LINEAR_DTYPE) in (None, *DRAFT_LINEAR_DTYPES),
                f"rollout.engine_kwargs.additional_config.{DRAFT_LINEAR_DTYPE}", extra.get(DRAFT_LINEAR_DTYPE),
                f"expected one of {DRAFT_LINEAR_DTYPES} or null")
+        _check(extra.get(DRAFT_LINEAR_DTYPE) != "bfloat16" or cfg.rollout.num_gpus_per_replica == 0,
+               f"rollout.engine_kwargs.additional_config.{DRAFT_LINEAR_DTYPE}", "bfloat16",
+               "a CPU replica setting (rayspec's CPU patch): GPU replicas draft in the model's dtype")
     _check(spec.draft_sample_method is None or spec.draft_sample_method in DRAFT_SAMPLE_METHODS,
            "rollout.speculative_config.draft_sample_method", spec.draft_sample_method,
            f"expected one of {DRAFT_SAMPLE_METHODS} or null")

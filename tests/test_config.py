@@ -117,6 +117,8 @@ def test_cpu_roles_keep_the_cpu_defaults_and_gpu_roles_get_the_gpu_ones():
     assert mine.rollout.engine_kwargs["additional_config"] == {DRAFT_LINEAR_DTYPE: "float32"}
     with pytest.raises(ConfigError, match=rf"rollout\.engine_kwargs\.additional_config\.{DRAFT_LINEAR_DTYPE}='fp16'"):
         load_config(DEFAULT, [f"rollout.engine_kwargs.additional_config.{DRAFT_LINEAR_DTYPE}=fp16"])
+    with pytest.raises(ConfigError, match=rf"{DRAFT_LINEAR_DTYPE}='bfloat16': a CPU replica setting"):
+        load_config(DEFAULT, gpus + [f"rollout.engine_kwargs.additional_config.{DRAFT_LINEAR_DTYPE}=bfloat16"])
     assert mine.train.deepspeed["bf16"] == {"enabled": False}
     assert mine.train.deepspeed["optimizer"]["params"]["torch_adam"] is False
     assert mine.train.torch_threads_per_worker == 4 and mine.train.gradient_checkpointing is False

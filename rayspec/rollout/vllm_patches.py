@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 
 import torch
 
@@ -200,7 +199,6 @@ def draft_linear_dtype(additional_config, model_dtype: torch.dtype) -> torch.dty
 
 
 _loading_draft = threading.local()  # .dtype: set while the proposer builds its model
-_draft_layers: "weakref.WeakKeyDictionary[torch.nn.Module, torch.dtype]" = weakref.WeakKeyDictionary()
 
 
 def _get_draft_model(self):
@@ -219,14 +217,11 @@ def _dispatch_cpu_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
     after each load or reload of its weights), except for a drafter's layers
     given a compute dtype: their [N, K] weight is packed once in that dtype,
     and ``cpu_linear`` casts the input [..., K] to it and the output [..., N]
-    back to the input's dtype (a bias is added after, in that dtype)."""
+    back to the input's dtype (a bias is added after, in that dtype). A
+    reload (refit) finds the dtype the load gave the layer on the layer."""
     weight = getattr(layer, "weight", None)
-    dtype = getattr(_loading_draft, "dtype", None)
-    if dtype is not None and weight is not None and weight.ndim == 2 and not weight.is_meta \
-            and weight.dtype != dtype:
-        _draft_layers[layer] = dtype  # a reload (refit) finds the layer here
-    dtype = _draft_layers.get(layer)
-    if dtype is None or weight is None or weight.is_meta:
+    dtype = getattr(layer, "rayspec_linear_dtype", None) or getattr(_loading_draft, "dtype", None)
+    if dtype is None or weight is None or weight.is_meta or weight.ndim != 2 or weight.dtype == dtype:
         return _upstream_dispatch(layer, remove_weight)
     from vllm import _custom_ops as ops
 
@@ -251,7 +246,7 @@ def _dispatch_cpu_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
 
     layer.cpu_linear = cpu_linear
     layer.rayspec_linear_dtype = dtype
-    layer.rayspec_weight_sum = float(packed.float().sum())  # what a refit landed (worker_ext weight sums)
+    layer.rayspec_weight_sum = float(packed.sum(dtype=torch.float32))  # what a refit landed (worker_ext weight sums)
     if remove_weight:  # as upstream: the packed copy is the one read
         layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device),
                                           requires_grad=False)
