@@ -155,17 +155,13 @@ def _actor_pid(class_part: str) -> int:
     contains class_part, read from the worker's process title
     ("ray::Class.method"). Not the state API: on a loaded 2-core CI machine
     one list_actors call outlasted the rest of the run."""
-    def title(p):
-        with contextlib.suppress(psutil.Error):
-            return " ".join(p.cmdline())
-        return ""
-
-    # the embedded cluster's raylet, and so every worker, descends from this process
-    procs = [p for p in psutil.Process().children(recursive=True)
-             if title(p).startswith("ray::") and class_part in title(p)]
-    pids = {p.pid for p in procs}
+    # the embedded cluster's raylet, and so every worker, descends from this process;
+    # as_dict reads a process that exits meanwhile as None instead of raising
+    procs = [p.as_dict(["pid", "ppid", "cmdline"]) for p in psutil.Process().children(recursive=True)]
+    actors = {d["pid"]: d["ppid"] for d in procs
+              if d["cmdline"] and d["cmdline"][0].startswith("ray::") and class_part in d["cmdline"][0]}
     # a process the actor forked inherits its title: take the actor itself
-    pids = [p.pid for p in procs if p.ppid() not in pids]
+    pids = [pid for pid, ppid in actors.items() if ppid not in actors]
     assert pids, f"no live actor of class *{class_part}*"
     return pids[0]
 
