@@ -51,10 +51,11 @@ for name in ('FusedAdamBuilder', 'ShareMemCommBuilder'):
     get_accelerator().create_op_builder(name).load()
 " >/dev/null
 else
-  # vllm==0.32.0 pins its CUDA torch (2.13.0). Nothing is compiled at run time:
-  # GPU Train workers use torch's AdamW through DeepSpeed (optimizer.params.
-  # torch_adam, a GPU default in rayspec/config.py), not the FusedAdam op that
-  # DeepSpeed would JIT-build with nvcc on the first step.
+  # vllm==0.32.0 pins its CUDA torch (2.13.0). GPU Train workers use torch's
+  # AdamW through DeepSpeed (optimizer.params.torch_adam, a GPU default in
+  # rayspec/config.py), not the FusedAdam op that DeepSpeed would JIT-build
+  # with nvcc on the first step. (Triton still builds its launcher at engine
+  # start, with gcc and the Python headers: docs/gpu.md.)
   pip install -q -e "$repo[cuda,test]"
 fi
 # vLLM's `suffix` method imports Arctic Inference's suffix tree (a C++

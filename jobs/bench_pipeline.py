@@ -25,10 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+from jobs.cli import split_args
 from rayspec.config import ConfigError, load_config
 from rayspec.metrics import read_metrics
 
-DEFAULT_PRESET = Path(__file__).parent / "configs" / "default.yaml"
 CONFIGS = (("colocate", "sync"), ("split", "sync"), ("split", "async"))
 ROLES = ("rollout", "train", "draft")
 
@@ -101,15 +101,17 @@ def plot(rows: list[dict], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.bench_pipeline", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jobs.bench_pipeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=5, help="RL steps per configuration (default 5)")
     ap.add_argument("--out", default="bench_pipeline.json", help="JSON results file")
     ap.add_argument("--run-dir", default="runs/bench_pipeline", help="one run directory per configuration below it")
     ap.add_argument("args", nargs="*", help="[preset.yaml] key=value overrides")
-    ns = ap.parse_args(argv)
-    preset, overrides = DEFAULT_PRESET, list(ns.args)
-    if overrides and overrides[0].endswith((".yaml", ".yml")):
-        preset = Path(overrides.pop(0))
+    ns = ap.parse_intermixed_args(argv)
+    try:
+        preset, overrides = split_args(ns.args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     root = Path(ns.run_dir)
     if root.exists() and any(root.iterdir()):
         # each configuration must start from the same fresh draft head and empty logs

@@ -27,6 +27,7 @@ gb_per_s, peak_host_bytes, ...) and ``<run-dir>/refit.png``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
@@ -104,13 +105,17 @@ def bench_cell(deploy, sd: dict, replicas: int, rounds: int, bucket_bytes: int) 
     a replica killed by Ray's memory monitor) is recorded with its error and
     left out of the later rounds; the deployment is started again for the
     other."""
-    from rayspec.sync.transport import CollectiveTransport, ObjectStoreTransport, state_dict_nbytes
+    from rayspec.rollout.client import RolloutClient
+    from rayspec.rollout.engine import SpecVLLMEngine
+    from rayspec.sync import CollectiveSender, ObjectStoreSender, state_dict_nbytes
 
     def start():
         handle = deploy()
-        return (handle, _replica_processes(), [Path(d) for d in handle.broadcast("staging_dir").results()],
-                {"object_store": ObjectStoreTransport(handle),
-                 "collective": CollectiveTransport(handle, "gloo", bucket_bytes, timeout_s=600)})
+        replicas = RolloutClient(handle, 1)
+        staging = [Path(d) for d in handle.broadcast(SpecVLLMEngine.staging_dir.__name__).results()]
+        return (handle, _replica_processes(), staging,
+                {"object_store": ObjectStoreSender(replicas),
+                 "collective": CollectiveSender(replicas, "gloo", bucket_bytes, timeout_s=600)})
 
     handle, pids, staging, transports = start()
     nbytes = state_dict_nbytes(sd)
@@ -203,7 +208,7 @@ def plot(cells: list[dict], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.bench_refit", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jobs.bench_refit", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="0.1 and 1 GB, 1 replica")
     ap.add_argument("--sizes-gb", type=float, nargs="+", default=None, help=f"default {SIZES_GB}")
     ap.add_argument("--replicas", type=int, nargs="+", default=None, help="default 1 2")
@@ -240,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = model_for_size(root / f"model-{gb:g}gb", tokenizer_dir, gb * 1e9)
             sd = to_host(load_policy(model_dir).state_dict(), torch.float32)
             for replicas in replica_counts:
-                cfg.rollout.num_replicas = replicas
-                cells += bench_cell(lambda: deploy_rollout(cfg, str(model_dir), None), sd, replicas, ns.rounds,
+                run = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_replicas=replicas))
+                cells += bench_cell(lambda: deploy_rollout(run, str(model_dir), None), sd, replicas, ns.rounds,
                                     bucket)
                 serve.delete(APP_NAME)
                 print(format_table(cells[-2:]).split("\n", 1)[1], flush=True)

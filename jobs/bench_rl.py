@@ -1,7 +1,7 @@
 """RL benchmark: the same GRPO run without speculation, with a frozen
 warm-started EAGLE-3 head, and with that head trained online.
 
-    python -m jobs.bench_rl --warm-head runs/warm/draft_head [--steps 10]
+    python -m jobs.bench_rl [--warm-head runs/warm/draft_head] [--steps 10] [--runs none,online]
         [--out bench_rl.json] [--run-dir runs/bench_rl] [preset.yaml] [key=value ...]
 
 Every run uses the preset (default ``jobs/configs/default.yaml``, the
@@ -69,10 +69,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from jobs.cli import split_args
 from rayspec.config import ConfigError, load_config
 from rayspec.metrics import read_metrics
-
-DEFAULT_PRESET = Path(__file__).parent / "configs" / "default.yaml"
 SERIES = ("acceptance_length", "rollout_tokens_per_s", "reward_mean", "kl", "time_step_s", "time_rollout_s",
           "time_policy_s", "time_draft_s", "time_sync_s", "draft_trained", "token_mult_prob_error")
 SUFFIX_K = 8  # the most a suffix draft may hold; its length follows the match (see SpeculativeConfig)
@@ -261,14 +260,30 @@ def plot(rows: list[dict], out: Path) -> Path:
     return out
 
 
+def choose_runs(runs_arg: str | None, table: dict, warm_head: bool) -> list[str]:
+    """The runs ``--runs`` names (default: none,frozen,online with a warm
+    head, none,online-adaptive without one).
+
+    Raises:
+        ValueError: a run not in ``table`` (named; frozen and adaptive need a warm head).
+    """
+    names = [n for n in (runs_arg or ("none,frozen,online" if warm_head else "none,online-adaptive")).split(",")
+             if n]
+    bad = [n for n in names if n not in table]
+    if bad:
+        raise ValueError(f"--runs: unknown {bad}, expected some of {list(table)}"
+                         + ("" if warm_head else " (frozen and adaptive need --warm-head)"))
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.bench_rl", description=__doc__.split("\n\n")[0])
     ap.add_argument("--warm-head", help="EAGLE-3 head from jobs.warmstart_draft (needed by frozen, "
                     "adaptive; without it online starts from a fresh head)")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--runs", default="none,frozen,online",
-                    help="which of none,frozen,online,adaptive,online-adaptive,suffix,suffix-group,"
-                         "suffix-group-adaptive")
+    ap.add_argument("--runs", help="which of none,frozen,online,adaptive,online-adaptive,suffix,suffix-group,"
+                                   "suffix-group-adaptive (default: none,frozen,online with --warm-head, "
+                                   "else none,online-adaptive)")
     ap.add_argument("--none-seeds", default="",
                     help="further trainer.seed values for extra `none` runs (none@<seed>): the "
                     "seed-to-seed reward spread the speculative runs are compared with")
@@ -277,17 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-checkpoints", action="store_true",
                     help="keep each finished run's checkpoints (deleted by default: gigabytes per run)")
     ap.add_argument("args", nargs="*", help="[preset.yaml] key=value overrides")
-    ns = ap.parse_args(argv)
-    preset, overrides = DEFAULT_PRESET, list(ns.args)
-    if overrides and overrides[0].endswith((".yaml", ".yml")):
-        preset = Path(overrides.pop(0))
+    ns = ap.parse_intermixed_args(argv)
+    try:
+        preset, overrides = split_args(ns.args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     root = Path(ns.run_dir)
     table = runs(str(Path(ns.warm_head).resolve()) if ns.warm_head else None)
-    names = [n for n in ns.runs.split(",") if n]
-    bad = [n for n in names if n not in table]
-    if bad:
-        print(f"error: --runs: unknown {bad}, expected some of {list(table)}"
-              + ("" if ns.warm_head else " (frozen and adaptive need --warm-head)"), file=sys.stderr)
+    try:
+        names = choose_runs(ns.runs, table, bool(ns.warm_head))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         seeds = [int(x) for x in ns.none_seeds.split(",") if x]

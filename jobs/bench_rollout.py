@@ -112,9 +112,9 @@ def _floats(s: str) -> list[float]:
 
 def draft_linear_dtypes(ap: argparse.ArgumentParser, text: str) -> list[str]:
     """``--draft-linear-dtype``'s comma-separated values; an unknown one
-    ends the job through ``ap.error``, naming it (``vllm_patches.draft_linear_dtype``)."""
+    ends the job through ``ap.error``, naming it (``rollout.vllm.cpu_fixes.draft_linear_dtype``)."""
     from rayspec.config import DRAFT_LINEAR_DTYPE
-    from rayspec.rollout.vllm_patches import draft_linear_dtype
+    from rayspec.rollout.vllm.cpu_fixes import draft_linear_dtype
 
     values = [d for d in text.split(",") if d]
     for d in values:
@@ -146,7 +146,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="draft_model: the policy's first N layers (layer-truncated copy)")
     ap.add_argument("--draft-linear-dtype", default="auto",
                     help="vLLM additional_config.rayspec_draft_linear_dtype of the EAGLE-3 engines "
-                         "(rayspec.rollout.vllm_patches.draft_linear_dtype; the presets' CPU default is auto); "
+                         "(rayspec.rollout.vllm.cpu_fixes.draft_linear_dtype; the presets' CPU default is auto); "
                          "several, comma-separated: one engine each, its drafts named head@dtype")
     ap.add_argument("--k", type=_ints, help="default 1,2,3,4,5")
     ap.add_argument("--concurrency", type=_ints, help="sequences in flight; default 1,8,32,128")
@@ -417,7 +417,7 @@ def with_draft_linear_dtypes(units: list, dtypes: list[str]) -> list:
     """[(method, drafts, additional_config), ...]: each EAGLE-3 unit once per
     drafter linear dtype (its drafts renamed ``name@dtype`` where there are
     several), other methods once with an empty additional_config."""
-    from rayspec.rollout.vllm_patches import DRAFT_LINEAR_DTYPE
+    from rayspec.config import DRAFT_LINEAR_DTYPE
 
     out = []
     for method, drafts in units:
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                 _cell(engine, fixed[0, *grid[0]], 2, 1.0, 8, ignore_eos=True)  # first-call warm-up, untimed
                 for draft, d in drafts:
                     if method.startswith("eagle3") and d != drafts[0][1]:
-                        engine.update_draft(vllm_state_dict(load_head(d)), engine.draft_version + 1)
+                        engine.receive_refit("draft", vllm_state_dict(load_head(d)), engine.draft_version + 1)
                     todo = [(t, c, 0) for t in args.temperature for c in args.concurrency] if method == "none" else grid
                     desc = f"{method} {draft}".strip() + (f", round {r + 1}/{args.repeats}" if args.repeats > 1 else "")
                     for t, c, k in tqdm(todo, desc=desc, disable=None):

@@ -47,13 +47,9 @@ the methods in reverse order to see this machine's drift.
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
-import functools
 import json
 import logging
 import os
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -61,9 +57,6 @@ from jobs.bench_rollout import _cell, _ints, _speculative_config, draft_linear_d
 
 METHODS = ("none", "eagle3", "eagle3-sampled", "suffix", "suffix-group")
 MODELLED = ("none", "eagle3")  # what rayspec.perfmodel models a step of
-
-RUNNER_TIMERS = {"execute_model": "target", "_model_forward": "forward", "_sample": "sampler",
-                 "sample_tokens": "sample_tokens"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -107,61 +100,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as e:
         ap.error(str(e))
     return args
-
-
-@contextlib.contextmanager
-def step_timers(k: int):
-    """Time vLLM's model runner per decode step while the block runs.
-
-    Args:
-        k: the cell's draft tokens; a step is a decode step when no new
-            request is scheduled and no request runs more than 1 + k query
-            tokens (prefill steps are left out).
-
-    Yields:
-        dict {name: [seconds summed over decode steps, calls]} for ``target``,
-        ``forward``, ``sampler``, ``sample_tokens`` and ``drafter``.
-
-    Raises:
-        RuntimeError: vLLM's model runner or proposer lacks a timed method
-            (named): another vLLM version than 0.32.
-    """
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    acc: dict = collections.defaultdict(lambda: [0.0, 0])
-    decode = [False]
-    targets = [(GPUModelRunner, m, name) for m, name in RUNNER_TIMERS.items()]
-    targets += [(SpecDecodeBaseProposer, "propose", "drafter"), (SuffixDecodingProposer, "propose", "drafter")]
-    missing = [f"{cls.__name__}.{m}" for cls, m, _ in targets if not hasattr(cls, m)]
-    if missing:
-        raise RuntimeError(f"vLLM's model runner has no {', '.join(missing)}: jobs.bench_step times vLLM 0.32")
-
-    def timed(fn, name):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if name == "target":
-                so = args[1]
-                decode[0] = bool(so.num_scheduled_tokens) and not so.scheduled_new_reqs and \
-                    max(so.num_scheduled_tokens.values()) <= 1 + k
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if decode[0]:
-                    acc[name][0] += time.perf_counter() - t
-                    acc[name][1] += 1
-        return wrapper
-
-    originals = [(cls, m, getattr(cls, m)) for cls, m, _ in targets]
-    try:
-        for cls, m, name in targets:
-            setattr(cls, m, timed(getattr(cls, m), name))
-        yield acc
-    finally:
-        for cls, m, fn in originals:
-            setattr(cls, m, fn)
 
 
 def _model_row(eng, b: int, k: int, e: float, prompt_len: int, max_tokens: int) -> dict:
@@ -246,7 +184,8 @@ def _run(args, model_dir, method: str, head: Path | None, prompts: list[list[int
     from rayspec.perfmodel.simulate import Engine
     from rayspec.rollout.adaptive import uniform
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
-    from rayspec.rollout.vllm_patches import DRAFT_LINEAR_DTYPE
+    from rayspec.config import DRAFT_LINEAR_DTYPE
+    from rayspec.rollout.vllm.engine_access import step_timers
 
     target = ModelShape.from_hf_config(str(model_dir))
     model = Engine(target, hardware.get(args.hardware), "eagle3", target.eagle3_head())
@@ -270,7 +209,7 @@ def _run(args, model_dir, method: str, head: Path | None, prompts: list[list[int
                 with step_timers(k) as acc:
                     cell = _cell(engine, prompts[:b], b, 1.0, args.max_tokens, ignore_eos=True)
                 steps = acc["target"][1]
-                ms = {name: 1e3 * acc[name][0] / max(steps, 1) for name in (*RUNNER_TIMERS.values(), "drafter")}
+                ms = {name: 1e3 * acc[name][0] / max(steps, 1) for name in ("target", "forward", "sampler", "sample_tokens", "drafter")}
                 s = cell.stats
                 e = s.acceptance_length if k else 1.0
                 f = s.num_drafts / max(s.output_tokens - s.num_accepted_tokens, 1) if k else 0.0

@@ -6,7 +6,7 @@
 
 The policy is a Markov-chain Llama (``rayspec.models.make_markov_llama``, 32
 tokens, 6 reachable per row), so its exact next-token distributions are known
-(``rayspec.rollout.lossless``). Every case samples it through vLLM with one
+(``rayspec.tools.lossless``). Every case samples it through vLLM with one
 kind of draft, at each temperature:
 
 - ``none``: no speculation (checks the engine and the test itself);
@@ -115,7 +115,7 @@ def build_models(work: Path) -> dict[str, Path]:
 
     from rayspec.draft.eagle3 import init_head, save_head
     from rayspec.models import load_policy, make_markov_llama
-    from rayspec.rollout.lossless import OUTSIDE_LOGIT, markov_logits
+    from rayspec.tools.lossless import OUTSIDE_LOGIT, markov_logits
 
     logits = markov_logits(VOCAB, SUPPORT)
     inside = logits > OUTSIDE_LOGIT
@@ -230,13 +230,14 @@ class ServeSampler:
     def __call__(self, case: str) -> dict:
         from rayspec.config import load_config
         from rayspec.rollout import serve as rollout_serve
+        from rayspec.rollout.client import RolloutClient
 
         spec = speculative_config(case, self.paths, self.args.k) or {"method": None}
         overrides = self.base + [f"rollout.speculative_config.{k}={'null' if v is None else v}"
                                  for k, v in spec.items()]
         cfg = load_config(overrides=overrides)
         handle = rollout_serve.deploy_rollout(cfg, str(self.paths["target"]), spec.get("model"))
-        return _sample(lambda prompts, **kw: rollout_serve.generate(handle, prompts, 1, **kw),
+        return _sample(lambda prompts, **kw: RolloutClient(handle, 1).generate(prompts, **kw),
                        self.args, self.args.tokens)
 
     def close(self) -> None:
@@ -264,7 +265,7 @@ def analyse(case: str, samples: dict, exact: dict, reference: dict | None, patch
             alpha: float) -> list[dict]:
     """Test one case's samples at significance ``alpha`` per test; one row per
     temperature and test."""
-    from rayspec.rollout import lossless
+    from rayspec.tools import lossless
 
     rows = []
     for t, rec in samples.items():
@@ -303,7 +304,8 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from rayspec.rollout import lossless, vllm_patches
+    from rayspec.tools import lossless
+    from rayspec.rollout.vllm import cpu_fixes as vllm_patches
 
     t0 = time.time()
     paths = build_models(args.work_dir)

@@ -7,9 +7,9 @@ Run it after ``bash cluster/install_node.sh cuda``, on a node with at least
 one NVIDIA GPU (about 20 GB of GPU memory is plenty). It prints one line per
 check, ``PASS`` or ``FAIL`` with what was measured, and writes them as JSON:
 
-- ``versions``: torch / CUDA / GPU / vLLM / DeepSpeed / Ray, and vLLM is
-  the release rayspec's hooks were checked against
-  (``rayspec.rollout.vllm_compat``).
+- ``versions``: torch / CUDA / GPU / vLLM / DeepSpeed / Ray, and every vLLM
+  touch point of rayspec holds in the installed vLLM
+  (``rayspec.rollout.vllm.require_vllm``).
 - ``model runner``: the runner vLLM picked for a plain EAGLE-3 engine (V2 on
   CUDA) and the one an adaptive engine selects (V1).
 - ``policy refit``: a ~1 GB fp32 policy, perturbed, loaded into a running
@@ -129,16 +129,16 @@ def check_versions(report: Report) -> None:
     import ray
     import torch
 
-    from rayspec.rollout.vllm_compat import CHECKED_VLLM, VllmInternalsError, check_vllm_version, vllm_version
+    from rayspec.rollout.vllm import VllmInternalsError, require_vllm, vllm_version
 
     detail = (f"vLLM {vllm_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
               f"{torch.cuda.get_device_name(0)} {_gb(torch.cuda.get_device_properties(0).total_memory)}, "
               f"DeepSpeed {deepspeed.__version__}, Ray {ray.__version__}")
     try:
-        check_vllm_version()
+        require_vllm()
         ok = True
-    except VllmInternalsError:
-        ok, detail = False, f"{detail}; rayspec's hooks were checked against vLLM {CHECKED_VLLM}"
+    except VllmInternalsError as e:
+        ok, detail = False, f"{detail}; {e}"
     report.add("versions", ok, detail, vllm=vllm_version(), torch=torch.__version__, cuda=torch.version.cuda)
 
 
@@ -162,7 +162,7 @@ def _models(work: Path, cache_dir: str) -> dict[str, Path]:
 
 
 def _engine_kwargs(gpu_memory_utilization: float) -> dict:
-    # CUDA graphs on: the GPU default (config.apply_platform_defaults)
+    # CUDA graphs on: the GPU default (config.apply_defaults)
     return {"max_model_len": 512, "max_num_seqs": 16, "seed": 0, "enforce_eager": False,
             "gpu_memory_utilization": gpu_memory_utilization}
 
@@ -190,7 +190,9 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
     from rayspec.draft.eagle3 import load_head, vllm_state_dict
     from rayspec.models import load_policy, load_tokenizer
     from rayspec.rollout.engine import SpecVLLMEngine
-    from rayspec.sync.transport import CollectiveTransport, LocalReplicas, state_dict_nbytes
+    from rayspec.rollout.client import LocalReplicas, RolloutClient
+    from rayspec.rollout.vllm.worker_ext import RefitExtension
+    from rayspec.sync import CollectiveSender, state_dict_nbytes
 
     tok = load_tokenizer(models["1gb"])
     prompts = [tok(p)["input_ids"] for p in ("What is 12 plus 30?", "Name three prime numbers.")]
@@ -209,7 +211,7 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
         t0 = time.perf_counter()
         ref = ray.put(sd)
         t1 = time.perf_counter()
-        engine.update_weights(ref, 1)
+        engine.receive_refit("policy", ref, 1)
         t2 = time.perf_counter()
         del ref, sd
         err, _ = _prob_error(engine, policy, prompts)
@@ -219,7 +221,7 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
             for p in policy.parameters():
                 p.add_(torch.randn_like(p), alpha=0.01)
         sd = to_host(policy.state_dict())
-        transport = CollectiveTransport(LocalReplicas([engine]), "gloo", 256 << 20, timeout_s=600)
+        transport = CollectiveSender(RolloutClient(LocalReplicas([engine]), 1), "gloo", 256 << 20, timeout_s=600)
         transport.send("policy", sd, 2).results()  # forms the group, then a timed refit
         with torch.no_grad():
             for p in policy.parameters():
@@ -246,10 +248,11 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
         weights = vllm_state_dict(head)
 
         def norm_sum() -> float:  # the head's final norm (vLLM's CPU backend repacks linears away)
-            return engine.llm.collective_rpc("rayspec_weight_sums", args=("draft",))[0]["model.norm.weight"]
+            sums = engine.llm.collective_rpc(RefitExtension.rayspec_weight_sums.__name__, args=("draft",))
+            return sums[0]["model.norm.weight"]
 
         before = norm_sum()
-        engine.update_draft(weights, 1)
+        engine.receive_refit("draft", weights, 1)
         landed, want = norm_sum(), float(weights["norm.weight"].float().sum())
         err, drafts = _prob_error(engine, policy, prompts)
         tol = 1e-5 * max(1.0, abs(want))  # fp32 sums of the same bf16 values

@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--validate", action="store_true", help="print the validation tables and exit")
     ap.add_argument("--bench", default=str(Path(__file__).resolve().parents[1] / "docs/benchmarks/rollout_quick_one_openmp.json"),
                     help="--validate: jobs.bench_rollout --quick JSON measured on the cpu preset's machine")
-    ap.add_argument("--out", default="projection.json", help="JSON output")
+    ap.add_argument("--out", default="runs/project_speedup/projection.json",
+                    help="JSON output (its directory is created)")
     ap.add_argument("--plot", help="plot path (default: --out with .png)")
     return ap.parse_args(argv)
 

@@ -23,12 +23,13 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from rayspec.config import ConfigError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jobs.serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m jobs.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", help="a jobs.grpo run directory (config.yaml, policy/, draft_head/)")
     p.add_argument("--host", default="127.0.0.1",
                    help="HTTP bind address (default loopback; 0.0.0.0 exposes it to the network)")
@@ -42,9 +43,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # before the imports below (vLLM, Ray Serve LLM: tens of seconds), the mistake a user makes most
+    if not (Path(args.run_dir) / "config.yaml").is_file():
+        what = "no such directory" if not Path(args.run_dir).is_dir() else "no config.yaml: not a jobs.grpo run"
+        print(f"error: {args.run_dir}: {what}", file=sys.stderr)
+        return 2
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")
 
-    from rayspec.rollout.endpoint import APP_NAME, RunDirError, build_app, llm_config
+    from rayspec.tools.endpoint import APP_NAME, RunDirError, build_app, llm_config
 
     try:
         llm = llm_config(args.run_dir, args.model_id, args.num_replicas, args.num_speculative_tokens)

@@ -39,7 +39,7 @@ class ConfigError(ValueError):
     """A config key has a bad value; the message names the key and the value."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """The policy (= verifier) model.
 
@@ -59,8 +59,14 @@ class ModelConfig:
     dtype: str = "auto"
     cache_dir: str = "~/.cache/rayspec"
 
+    def validate(self, key: str = "model") -> None:
+        _check(self.path == BUNDLED_MODEL or Path(self.path).expanduser().is_dir(), f"{key}.path", self.path,
+               f"not a directory (use a Hugging Face model directory or {BUNDLED_MODEL})")
+        _check(self.dtype in ("auto", "bfloat16", "float16", "float32"), f"{key}.dtype", self.dtype,
+               "expected auto, bfloat16, float16 or float32")
 
-@dataclass
+
+@dataclass(frozen=True)
 class DataConfig:
     """Prompt source.
 
@@ -91,8 +97,14 @@ class DataConfig:
     prompts_per_step: int = 4
     seed: int = 0
 
+    def validate(self, key: str = "data") -> None:
+        _check(self.name in DATASETS, f"{key}.name", self.name, f"unknown dataset, expected one of {DATASETS}")
+        _check(self.level in (1, 2), f"{key}.level", self.level, "expected 1 or 2")
+        _check(self.prompts_per_step >= 1, f"{key}.prompts_per_step", self.prompts_per_step, "must be >= 1")
+        _check(self.max_operand >= 2, f"{key}.max_operand", self.max_operand, "must be >= 2")
 
-@dataclass
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """Passed to ``vllm.LLM(speculative_config=...)`` with vLLM's own keys.
 
@@ -135,8 +147,32 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: Optional[float] = None
     suffix_decoding_min_token_prob: Optional[float] = None
 
+    def validate(self, key: str = "rollout.speculative_config") -> None:
+        _check(self.method is None or self.method in SPEC_METHODS, f"{key}.method", self.method,
+               f"unknown method, expected one of {SPEC_METHODS} or null")
+        if self.method is not None:
+            _check(self.num_speculative_tokens >= 1, f"{key}.num_speculative_tokens", self.num_speculative_tokens,
+                   "k must be >= 1")
+        _check(self.draft_sample_method is None or self.draft_sample_method in DRAFT_SAMPLE_METHODS,
+               f"{key}.draft_sample_method", self.draft_sample_method,
+               f"expected one of {DRAFT_SAMPLE_METHODS} or null")
+        for name, ok, want in (("suffix_decoding_max_tree_depth", lambda v: v >= 1, ">= 1"),
+                               ("suffix_decoding_max_cached_requests", lambda v: v >= 0, ">= 0"),
+                               ("suffix_decoding_max_spec_factor", lambda v: v >= 0, ">= 0"),
+                               ("suffix_decoding_min_token_prob", lambda v: 0 <= v <= 1, "in [0, 1]")):
+            value = getattr(self, name)
+            if value is not None:
+                _check(self.method == "suffix", f"{key}.{name}", value,
+                       f"a suffix decoding key, but method is {self.method}")
+                _check(ok(value), f"{key}.{name}", value, f"must be {want}")
+        if self.method == "draft_model":
+            _check(self.model is not None, f"{key}.model", self.model, "method draft_model needs a draft model directory")
+        if self.model is not None:
+            _check(Path(self.model).expanduser().is_dir(), f"{key}.model", self.model,
+                   "draft model directory does not exist")
 
-@dataclass
+
+@dataclass(frozen=True)
 class AdaptiveKConfig:
     """Adaptive speculation (``rayspec.rollout.adaptive``): each replica picks
     k per batch size (0 = no speculation) from measured acceptance and
@@ -166,6 +202,11 @@ class AdaptiveKConfig:
             drafter's KV in sync for a whole rollout); not where the
             DraftTrainer estimates each refit's acceptance (online EAGLE-3),
             which decides instead.
+        cache_calibration: keep the calibrated step costs in
+            ``<model.cache_dir>/calibration``, keyed by the machine, the
+            model's and the draft's shapes, the dtype and the engine
+            settings, so a later run with the same key starts without
+            calibrating (false: every replica calibrates).
     """
 
     enabled: bool = False
@@ -173,9 +214,18 @@ class AdaptiveKConfig:
     calibration_tokens: int = 16
     calibration_rounds: int = 3
     probe_every: int = 4
+    cache_calibration: bool = True
+
+    def validate(self, key: str = "rollout.adaptive_k") -> None:
+        if not self.enabled:
+            return
+        _check(self.margin > 0, f"{key}.margin", self.margin, "must be > 0")
+        _check(self.calibration_tokens >= 2, f"{key}.calibration_tokens", self.calibration_tokens, "must be >= 2")
+        _check(self.calibration_rounds >= 1, f"{key}.calibration_rounds", self.calibration_rounds, "must be >= 1")
+        _check(self.probe_every >= 1, f"{key}.probe_every", self.probe_every, "must be >= 1")
 
 
-@dataclass
+@dataclass(frozen=True)
 class WeightSyncConfig:
     """How a refit's weights travel from the trainer to every vLLM worker
     (``rayspec.sync``).
@@ -203,8 +253,18 @@ class WeightSyncConfig:
     packed_buffer_size_bytes: int = 256 << 20
     timeout_s: float = 600.0
 
+    def validate(self, key: str = "rollout.weight_sync") -> None:
+        _check(self.transport in WEIGHT_SYNC_TRANSPORTS, f"{key}.transport", self.transport,
+               f"expected one of {WEIGHT_SYNC_TRANSPORTS}")
+        _check(self.backend in ("auto", "nccl", "gloo"), f"{key}.backend", self.backend,
+               "expected auto, nccl or gloo")
+        _check(_is_int(self.packed_buffer_size_bytes) and self.packed_buffer_size_bytes >= 1 << 20,
+               f"{key}.packed_buffer_size_bytes", self.packed_buffer_size_bytes,
+               "must be an integer >= 1048576 (1 MiB)")
+        _check(self.timeout_s > 0, f"{key}.timeout_s", self.timeout_s, "must be > 0")
 
-@dataclass
+
+@dataclass(frozen=True)
 class RolloutConfig:
     """vLLM replicas behind a Ray Serve deployment.
 
@@ -219,7 +279,7 @@ class RolloutConfig:
         engine_kwargs: extra ``vllm.LLM`` kwargs (e.g. max_model_len,
             max_num_seqs, enforce_eager, gpu_memory_utilization, seed);
             enforce_eager and gpu_memory_utilization default by platform
-            (``apply_platform_defaults``).
+            (``apply_defaults``).
         cpu_kvcache_space_gib: VLLM_CPU_KVCACHE_SPACE, KV cache per replica
             on the CPU platform (GiB).
         cpu_omp_threads_bind: VLLM_CPU_OMP_THREADS_BIND (``all``: every core
@@ -251,9 +311,26 @@ class RolloutConfig:
     adaptive_k: AdaptiveKConfig = field(default_factory=AdaptiveKConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
+    def validate(self, key: str = "rollout") -> None:
+        _check(self.num_replicas >= 1, f"{key}.num_replicas", self.num_replicas, "must be >= 1")
+        for name in ("num_cpus_per_replica", "num_gpus_per_replica"):
+            _check(getattr(self, name) >= 0, f"{key}.{name}", getattr(self, name), "must be >= 0")
+        extra = self.engine_kwargs.get("additional_config")
+        _check(extra is None or isinstance(extra, dict), f"{key}.engine_kwargs.additional_config", extra,
+               "expected a mapping (vLLM's additional_config)")
+        if extra:
+            dtype_key = f"{key}.engine_kwargs.additional_config.{DRAFT_LINEAR_DTYPE}"
+            _check(extra.get(DRAFT_LINEAR_DTYPE) in (None, *DRAFT_LINEAR_DTYPES), dtype_key,
+                   extra.get(DRAFT_LINEAR_DTYPE), f"expected one of {DRAFT_LINEAR_DTYPES} or null")
+            _check(extra.get(DRAFT_LINEAR_DTYPE) != "bfloat16" or self.num_gpus_per_replica == 0, dtype_key,
+                   "bfloat16", "a CPU replica setting (rayspec's CPU patch): GPU replicas draft in the model's dtype")
+        self.speculative_config.validate(f"{key}.speculative_config")
+        self.adaptive_k.validate(f"{key}.adaptive_k")
+        self.weight_sync.validate(f"{key}.weight_sync")
+
 
 def _default_deepspeed() -> dict[str, Any]:
-    # bf16 and the optimizer implementation default by platform (apply_platform_defaults)
+    # bf16 and the optimizer implementation default by platform (apply_defaults)
     return {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
@@ -264,7 +341,7 @@ def _default_deepspeed() -> dict[str, Any]:
     }
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """Policy update: a Ray Train TorchTrainer of DeepSpeed ZeRO engines.
 
@@ -276,7 +353,7 @@ class TrainConfig:
             train_micro_batch_size_per_gpu, bf16, ...). ``train_batch_size`` is
             derived: prompts_per_step * group_size sequences per RL step;
             ``bf16.enabled`` and ``optimizer.params.torch_adam`` default by
-            platform (``apply_platform_defaults``).
+            platform (``apply_defaults``).
         torch_threads_per_worker: intra-op threads per worker (null: by
             platform, 1 on CPU, torch's own choice on GPU).
         gradient_checkpointing: recompute decoder layers in the backward
@@ -292,8 +369,31 @@ class TrainConfig:
     torch_threads_per_worker: Optional[int] = None
     gradient_checkpointing: Optional[bool] = None
 
+    def validate(self, key: str = "train") -> None:
+        _check(self.num_workers >= 1, f"{key}.num_workers", self.num_workers, "must be >= 1")
+        for name in ("cpus_per_worker", "gpus_per_worker"):
+            _check(getattr(self, name) >= 0, f"{key}.{name}", getattr(self, name), "must be >= 0")
+        threads = self.torch_threads_per_worker
+        _check(threads is None or threads >= 1, f"{key}.torch_threads_per_worker", threads,
+               "must be >= 1, or null for the platform's default")
+        zero = self.deepspeed.get("zero_optimization", {})
+        _check(isinstance(zero, dict), f"{key}.deepspeed.zero_optimization", zero,
+               "expected a mapping (DeepSpeed's zero_optimization section)")
+        stage = zero.get("stage", 0)
+        _check(_is_int(stage) and stage in (0, 1, 2, 3), f"{key}.deepspeed.zero_optimization.stage", stage,
+               "expected 0-3")
+        micro = self.deepspeed.get("train_micro_batch_size_per_gpu", 1)
+        _check(_is_int(micro) and micro >= 1, f"{key}.deepspeed.train_micro_batch_size_per_gpu", micro,
+               "must be an integer >= 1")
+        optimizer = self.deepspeed.get("optimizer") or {}
+        _check(isinstance(optimizer, dict), f"{key}.deepspeed.optimizer", optimizer,
+               "expected a mapping (DeepSpeed's optimizer section: type, params)")
+        lr = (optimizer.get("params") or {}).get("lr")
+        _check(lr is None or (_is_number(lr) and lr > 0), f"{key}.deepspeed.optimizer.params.lr", lr,
+               "must be a number > 0")
 
-@dataclass
+
+@dataclass(frozen=True)
 class GRPOConfig:
     """GRPO (Shao et al. 2024, arXiv 2402.03300).
 
@@ -312,8 +412,19 @@ class GRPOConfig:
     clip_eps: float = 0.2
     kl_coef: float = 0.0
 
+    def validate(self, key: str = "grpo") -> None:
+        _check(self.group_size >= 2, f"{key}.group_size", self.group_size,
+               "GRPO needs >= 2 samples per prompt to form a group baseline")
+        _check(self.temperature > 0, f"{key}.temperature", self.temperature,
+               "must be > 0: 0 is greedy, and vLLM samples one response per prompt greedily "
+               "(GRPO needs grpo.group_size >= 2)")
+        _check(0 < self.top_p <= 1, f"{key}.top_p", self.top_p, "must be in (0, 1]")
+        _check(self.max_new_tokens >= 1, f"{key}.max_new_tokens", self.max_new_tokens, "must be >= 1")
+        _check(self.clip_eps > 0, f"{key}.clip_eps", self.clip_eps, "must be > 0")
+        _check(self.kl_coef >= 0, f"{key}.kl_coef", self.kl_coef, "must be >= 0")
 
-@dataclass
+
+@dataclass(frozen=True)
 class DraftConfig:
     """Online EAGLE-3 draft-head training (Li et al. 2025, arXiv 2503.01840).
 
@@ -391,8 +502,32 @@ class DraftConfig:
     min_acceptance_gain: float = 0.02
     min_drafted_share: float = 0.1
 
+    def validate(self, key: str = "draft") -> None:
+        _check(self.steps_per_rl_step >= 0, f"{key}.steps_per_rl_step", self.steps_per_rl_step, "must be >= 0")
+        _check(self.lr is None or (_is_number(self.lr) and self.lr > 0), f"{key}.lr", self.lr,
+               "must be a number > 0, or null (see DraftConfig)")
+        _check(self.ttt_steps >= 1, f"{key}.ttt_steps", self.ttt_steps, "must be >= 1")
+        _check(_is_number(self.tv_loss_weight) and self.tv_loss_weight >= 0, f"{key}.tv_loss_weight",
+               self.tv_loss_weight, "must be a number >= 0")
+        _check(_is_int(self.idle_train_every) and self.idle_train_every >= 0, f"{key}.idle_train_every",
+               self.idle_train_every, "must be an integer >= 0 (0: train every step)")
+        _check(_is_int(self.idle_train_max_every) and self.idle_train_max_every >= self.idle_train_every,
+               f"{key}.idle_train_max_every", self.idle_train_max_every,
+               f"must be an integer >= {key}.idle_train_every ({self.idle_train_every})")
+        _check(_is_number(self.min_acceptance_gain) and self.min_acceptance_gain >= 0, f"{key}.min_acceptance_gain",
+               self.min_acceptance_gain, "must be a number >= 0")
+        _check(_is_number(self.min_drafted_share) and 0 <= self.min_drafted_share <= 1,
+               f"{key}.min_drafted_share", self.min_drafted_share, "must be a number in [0, 1]")
+        _check(self.draft_vocab_size is None or (_is_int(self.draft_vocab_size) and self.draft_vocab_size >= 1),
+               f"{key}.draft_vocab_size", self.draft_vocab_size,
+               "must be an integer >= 1, or null for the policy's vocabulary")
+        _check(self.buffer_steps >= 1, f"{key}.buffer_steps", self.buffer_steps, "must be >= 1")
+        _check(self.torch_threads >= 1, f"{key}.torch_threads", self.torch_threads, "must be >= 1")
+        for name in ("num_cpus", "num_gpus"):
+            _check(getattr(self, name) >= 0, f"{key}.{name}", getattr(self, name), "must be >= 0")
 
-@dataclass
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Where and when the roles run (``rayspec.scheduler``).
 
@@ -415,8 +550,17 @@ class SchedulerConfig:
     mode: str = "sync"
     max_policy_lag: int = 1
 
+    def validate(self, key: str = "scheduler") -> None:
+        _check(self.layout in LAYOUTS, f"{key}.layout", self.layout, f"expected one of {LAYOUTS}")
+        _check(self.mode in MODES, f"{key}.mode", self.mode, f"expected one of {MODES}")
+        _check(self.max_policy_lag >= 1, f"{key}.max_policy_lag", self.max_policy_lag,
+               "must be >= 1 (sync mode is lag 0)")
+        _check(self.mode == "sync" or self.layout == "split", f"{key}.mode", self.mode,
+               "async needs scheduler.layout=split: colocated roles share devices and take turns, "
+               "so there is nothing to overlap")
 
-@dataclass
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The RL run.
 
@@ -449,8 +593,18 @@ class TrainerConfig:
     eval_every: int = 0
     eval_samples: int = 4
 
+    def validate(self, key: str = "trainer") -> None:
+        _check(self.steps >= 1, f"{key}.steps", self.steps, "must be >= 1")
+        _check(self.save_steps >= 0, f"{key}.save_steps", self.save_steps,
+               "must be >= 0 (0: checkpoint after the last step only)")
+        _check(self.num_to_keep >= 1, f"{key}.num_to_keep", self.num_to_keep, "must be >= 1")
+        _check(self.max_failures >= 0, f"{key}.max_failures", self.max_failures, "must be >= 0")
+        _check(self.eval_every >= 0, f"{key}.eval_every", self.eval_every, "must be >= 0 (0: no evaluation)")
+        if self.eval_every:
+            _check(self.eval_samples >= 1, f"{key}.eval_samples", self.eval_samples, "must be >= 1")
 
-@dataclass
+
+@dataclass(frozen=True)
 class RayConfig:
     """How to reach Ray.
 
@@ -466,20 +620,24 @@ class RayConfig:
     object_store_memory: int = 1 << 30
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     """Args:
         level: Python log level of rayspec's loggers.
         warn_token_mult_prob_error: warn when the mean |p_train/p_rollout - 1|
             of the step's tokens exceeds this (the rollout engine is not
-            sampling the policy being trained; see README "Precision").
+            sampling the policy being trained; see docs/correctness.md, "Precision").
     """
 
     level: str = "INFO"
     warn_token_mult_prob_error: float = 0.1
 
+    def validate(self, key: str = "logging") -> None:
+        _check(self.level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), f"{key}.level", self.level,
+               "expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
 
-@dataclass
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -492,6 +650,19 @@ class RunConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
+    def validate(self) -> None:
+        """Check every section, then the rules across sections
+        (``check_across_sections``); changes nothing.
+
+        Raises:
+            ConfigError: naming the key and its value.
+        """
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "validate"):
+                section.validate(f.name)
+        check_across_sections(self)
+
 
 def load_config(path: str | os.PathLike | None = None,
                 overrides: list[str] | None = None) -> RunConfig:
@@ -502,31 +673,38 @@ def load_config(path: str | os.PathLike | None = None,
         overrides: OmegaConf dotlist, e.g. ``["trainer.steps=3"]``.
 
     Returns:
-        RunConfig (a plain dataclass; ``dataclasses.replace`` to modify),
-        with the platform's defaults filled in (``apply_platform_defaults``).
+        RunConfig, read-only (frozen dataclasses; ``dataclasses.replace``
+        makes a changed copy), with every default filled in
+        (``apply_defaults``) and validated (``RunConfig.validate``).
 
     Raises:
         ConfigError: unknown key, wrong type or invalid value; the message
             names the key (and the file for YAML errors).
     """
     where = f" in {path}" if path is not None else ""
+    bad = [o for o in overrides or [] if "=" not in o or o.startswith("=")]
+    if bad:
+        raise ConfigError(f"override '{bad[0]}' is not key=value: write e.g. {bad[0].lstrip('=')}=<value>")
     # Merge one section / one override at a time so an error names its key
-    # (OmegaConf leaves full_key empty for some merge errors).
-    parts: list[tuple[str, Any]] = []
+    # (OmegaConf leaves full_key empty for some merge errors) and its source.
+    parts: list[tuple[str, str, Any]] = []
     try:
         if path is not None:
             loaded = OmegaConf.load(path)
             if not isinstance(loaded, DictConfig):
                 raise ConfigError(f"invalid config{where}: top level must be a mapping of sections")
-            parts += [(str(k), OmegaConf.create({k: loaded[k]})) for k in loaded]
+            parts += [(str(k), f"config{where}", OmegaConf.create({k: loaded[k]})) for k in loaded]
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"cannot read config{where}: {e}") from None
-    parts += [(o.split("=", 1)[0], OmegaConf.from_dotlist([o])) for o in overrides or []]
+    parts += [(o.split("=", 1)[0], f"override '{o}'", OmegaConf.from_dotlist([o])) for o in overrides or []]
     merged = OmegaConf.structured(RunConfig)
+    OmegaConf.set_readonly(merged, False)  # frozen dataclasses: read-only once built, not while merging
+    key = source = None
     try:
-        for key, part in parts:
+        for key, source, part in parts:
             merged = OmegaConf.merge(merged, part)
-        key = None
+        key, source = None, f"config{where}"
+        apply_defaults(merged)
         cfg = OmegaConf.to_object(merged)
     # OmegaConf 2.3 raises a bare TypeError merging a mapping into a list field
     except (OmegaConfBaseException, TypeError) as e:
@@ -534,13 +712,16 @@ def load_config(path: str | os.PathLike | None = None,
         full = getattr(e, "full_key", None) or key
         if key and full and key.startswith(f"{full}."):
             full = key  # an unknown section: name the whole override, not its first part
-        raise ConfigError(f"invalid config{where}: key '{full}': {msg}") from None
+        raise ConfigError(f"invalid {source}: key '{full}': {msg}") from None
     try:
-        validate(cfg)
-        apply_platform_defaults(cfg)
+        cfg.validate()
     except ConfigError as e:
+        key = str(e).split("=", 1)[0]
+        given = [o for o in overrides or [] if o.split("=", 1)[0] == key]
+        if given:
+            raise ConfigError(f"{e} (override '{given[-1]}')") from None
         if path is not None:
-            raise ConfigError(f"{e} (config: {path}{' + overrides' if overrides else ''})") from None
+            raise ConfigError(f"{e} (config: {path})") from None
         raise
     return cfg
 
@@ -554,160 +735,33 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def validate(cfg: RunConfig) -> None:
-    """Check values that types alone cannot; raises ConfigError naming the key."""
-    spec = cfg.rollout.speculative_config
-    _check(spec.method is None or spec.method in SPEC_METHODS,
-           "rollout.speculative_config.method", spec.method,
-           f"unknown method, expected one of {SPEC_METHODS} or null")
-    if spec.method is not None:
-        _check(spec.num_speculative_tokens >= 1,
-               "rollout.speculative_config.num_speculative_tokens",
-               spec.num_speculative_tokens, "k must be >= 1")
-    extra = cfg.rollout.engine_kwargs.get("additional_config")
-    _check(extra is None or isinstance(extra, dict), "rollout.engine_kwargs.additional_config", extra,
-           "expected a mapping (vLLM's additional_config)")
-    if extra:
-        _check(extra.get(DRAFT_LINEAR_DTYPE) in (None, *DRAFT_LINEAR_DTYPES),
-               f"rollout.engine_kwargs.additional_config.{DRAFT_LINEAR_DTYPE}", extra.get(DRAFT_LINEAR_DTYPE),
-               f"expected one of {DRAFT_LINEAR_DTYPES} or null")
-        _check(extra.get(DRAFT_LINEAR_DTYPE) != "bfloat16" or cfg.rollout.num_gpus_per_replica == 0,
-               f"rollout.engine_kwargs.additional_config.{DRAFT_LINEAR_DTYPE}", "bfloat16",
-               "a CPU replica setting (rayspec's CPU patch): GPU replicas draft in the model's dtype")
-    _check(spec.draft_sample_method is None or spec.draft_sample_method in DRAFT_SAMPLE_METHODS,
-           "rollout.speculative_config.draft_sample_method", spec.draft_sample_method,
-           f"expected one of {DRAFT_SAMPLE_METHODS} or null")
-    for key, ok, want in (("suffix_decoding_max_tree_depth", lambda v: v >= 1, ">= 1"),
-                          ("suffix_decoding_max_cached_requests", lambda v: v >= 0, ">= 0"),
-                          ("suffix_decoding_max_spec_factor", lambda v: v >= 0, ">= 0"),
-                          ("suffix_decoding_min_token_prob", lambda v: 0 <= v <= 1, "in [0, 1]")):
-        value = getattr(spec, key)
-        if value is not None:
-            _check(spec.method == "suffix", f"rollout.speculative_config.{key}", value,
-                   f"a suffix decoding key, but method is {spec.method}")
-            _check(ok(value), f"rollout.speculative_config.{key}", value, f"must be {want}")
-    ak = cfg.rollout.adaptive_k
-    if ak.enabled:
-        _check(ak.margin > 0, "rollout.adaptive_k.margin", ak.margin, "must be > 0")
-        _check(ak.calibration_tokens >= 2, "rollout.adaptive_k.calibration_tokens",
-               ak.calibration_tokens, "must be >= 2")
-        _check(ak.calibration_rounds >= 1, "rollout.adaptive_k.calibration_rounds",
-               ak.calibration_rounds, "must be >= 1")
-        _check(ak.probe_every >= 1, "rollout.adaptive_k.probe_every", ak.probe_every, "must be >= 1")
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_across_sections(cfg: RunConfig) -> None:
+    """The rules that tie sections together; raises ConfigError naming the key."""
     ws = cfg.rollout.weight_sync
-    _check(ws.transport in WEIGHT_SYNC_TRANSPORTS, "rollout.weight_sync.transport", ws.transport,
-           f"expected one of {WEIGHT_SYNC_TRANSPORTS}")
-    _check(ws.backend in ("auto", "nccl", "gloo"), "rollout.weight_sync.backend", ws.backend,
-           "expected auto, nccl or gloo")
-    _check(_is_int(ws.packed_buffer_size_bytes) and ws.packed_buffer_size_bytes >= 1 << 20,
-           "rollout.weight_sync.packed_buffer_size_bytes", ws.packed_buffer_size_bytes,
-           "must be an integer >= 1048576 (1 MiB)")
-    _check(ws.timeout_s > 0, "rollout.weight_sync.timeout_s", ws.timeout_s, "must be > 0")
     _check(ws.backend != "nccl" or (cfg.train.gpus_per_worker > 0 and cfg.rollout.num_gpus_per_replica > 0),
            "rollout.weight_sync.backend", ws.backend,
            "nccl needs GPUs on both ends (train.gpus_per_worker and rollout.num_gpus_per_replica > 0)")
     _check(ws.backend != "nccl" or cfg.scheduler.layout == "split", "rollout.weight_sync.backend", ws.backend,
            "colocated, the trainer's rank 0 shares its GPU with a replica and NCCL refuses two ranks on one "
            "device: use gloo (or auto)")
-    if spec.method == "draft_model":
-        _check(spec.model is not None, "rollout.speculative_config.model", spec.model,
-               "method draft_model needs a draft model directory")
-    if spec.model is not None:
-        _check(Path(spec.model).expanduser().is_dir(), "rollout.speculative_config.model",
-               spec.model, "draft model directory does not exist")
-    m = cfg.model.path
-    _check(m == BUNDLED_MODEL or Path(m).expanduser().is_dir(), "model.path", m,
-           f"not a directory (use a Hugging Face model directory or {BUNDLED_MODEL})")
-    _check(cfg.model.dtype in ("auto", "bfloat16", "float16", "float32"), "model.dtype",
-           cfg.model.dtype, "expected auto, bfloat16, float16 or float32")
-    _check(cfg.data.name in DATASETS, "data.name", cfg.data.name,
-           f"unknown dataset, expected one of {DATASETS}")
-    if cfg.data.name == "gsm8k" and cfg.data.path is None:
-        cfg.data.path = "openai/gsm8k"
-    _check(cfg.data.level in (1, 2), "data.level", cfg.data.level, "expected 1 or 2")
-    _check(cfg.data.prompts_per_step >= 1, "data.prompts_per_step",
-           cfg.data.prompts_per_step, "must be >= 1")
-    _check(cfg.data.max_operand >= 2, "data.max_operand", cfg.data.max_operand, "must be >= 2")
-    _check(cfg.trainer.eval_every >= 0, "trainer.eval_every", cfg.trainer.eval_every,
-           "must be >= 0 (0: no evaluation)")
     if cfg.trainer.eval_every:
         _check(cfg.data.eval_num_problems >= 1, "data.eval_num_problems", cfg.data.eval_num_problems,
                "must be >= 1 while trainer.eval_every > 0")
-        _check(cfg.trainer.eval_samples >= 1, "trainer.eval_samples", cfg.trainer.eval_samples, "must be >= 1")
-    _check(cfg.grpo.group_size >= 2, "grpo.group_size", cfg.grpo.group_size,
-           "GRPO needs >= 2 samples per prompt to form a group baseline")
-    _check(cfg.grpo.temperature > 0, "grpo.temperature", cfg.grpo.temperature,
-           "must be > 0: 0 is greedy, and vLLM samples one response per prompt greedily "
-           "(GRPO needs grpo.group_size >= 2)")
-    _check(0 < cfg.grpo.top_p <= 1, "grpo.top_p", cfg.grpo.top_p, "must be in (0, 1]")
-    _check(cfg.grpo.max_new_tokens >= 1, "grpo.max_new_tokens", cfg.grpo.max_new_tokens, "must be >= 1")
-    _check(cfg.grpo.clip_eps > 0, "grpo.clip_eps", cfg.grpo.clip_eps, "must be > 0")
-    _check(cfg.grpo.kl_coef >= 0, "grpo.kl_coef", cfg.grpo.kl_coef, "must be >= 0")
-    _check(cfg.trainer.steps >= 1, "trainer.steps", cfg.trainer.steps, "must be >= 1")
-    _check(cfg.trainer.save_steps >= 0, "trainer.save_steps", cfg.trainer.save_steps,
-           "must be >= 0 (0: checkpoint after the last step only)")
-    _check(cfg.trainer.num_to_keep >= 1, "trainer.num_to_keep", cfg.trainer.num_to_keep, "must be >= 1")
-    _check(cfg.trainer.max_failures >= 0, "trainer.max_failures", cfg.trainer.max_failures,
-           "must be >= 0")
-    _check(cfg.train.num_workers >= 1, "train.num_workers", cfg.train.num_workers, "must be >= 1")
-    threads = cfg.train.torch_threads_per_worker
-    _check(threads is None or threads >= 1, "train.torch_threads_per_worker", threads,
-           "must be >= 1, or null for the platform's default")
-    _check(cfg.rollout.num_replicas >= 1, "rollout.num_replicas", cfg.rollout.num_replicas, "must be >= 1")
-    zero = cfg.train.deepspeed.get("zero_optimization", {})
-    _check(isinstance(zero, dict), "train.deepspeed.zero_optimization", zero,
-           "expected a mapping (DeepSpeed's zero_optimization section)")
-    stage = zero.get("stage", 0)
-    _check(_is_int(stage) and stage in (0, 1, 2, 3), "train.deepspeed.zero_optimization.stage",
-           stage, "expected 0-3")
+    max_model_len = cfg.rollout.engine_kwargs.get("max_model_len")
+    _check(max_model_len is None or cfg.grpo.max_new_tokens < max_model_len, "grpo.max_new_tokens",
+           cfg.grpo.max_new_tokens, f"must leave room for the prompt in rollout.engine_kwargs.max_model_len "
+           f"({max_model_len} tokens, prompt and response)")
     seqs = cfg.data.prompts_per_step * cfg.grpo.group_size
-    micro = cfg.train.deepspeed.get("train_micro_batch_size_per_gpu", 1)
-    _check(seqs % (cfg.train.num_workers) == 0, "train.num_workers", cfg.train.num_workers,
+    _check(seqs % cfg.train.num_workers == 0, "train.num_workers", cfg.train.num_workers,
            f"must divide the {seqs} sequences per step (prompts_per_step * group_size)")
-    _check(_is_int(micro) and micro >= 1, "train.deepspeed.train_micro_batch_size_per_gpu", micro,
-           "must be an integer >= 1")
-    _check(cfg.draft.steps_per_rl_step >= 0, "draft.steps_per_rl_step",
-           cfg.draft.steps_per_rl_step, "must be >= 0")
-    lr = cfg.draft.lr
-    _check(lr is None or (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0),
-           "draft.lr", lr, "must be a number > 0, or null (see DraftConfig)")
-    _check(cfg.draft.ttt_steps >= 1, "draft.ttt_steps", cfg.draft.ttt_steps, "must be >= 1")
-    tv = cfg.draft.tv_loss_weight
-    _check(isinstance(tv, (int, float)) and not isinstance(tv, bool) and tv >= 0,
-           "draft.tv_loss_weight", tv, "must be a number >= 0")
-    _check(_is_int(cfg.draft.idle_train_every) and cfg.draft.idle_train_every >= 0, "draft.idle_train_every",
-           cfg.draft.idle_train_every, "must be an integer >= 0 (0: train every step)")
-    _check(_is_int(cfg.draft.idle_train_max_every) and cfg.draft.idle_train_max_every >= cfg.draft.idle_train_every,
-           "draft.idle_train_max_every", cfg.draft.idle_train_max_every,
-           f"must be an integer >= draft.idle_train_every ({cfg.draft.idle_train_every})")
-    _check(isinstance(cfg.draft.min_acceptance_gain, (int, float)) and not isinstance(cfg.draft.min_acceptance_gain, bool)
-           and cfg.draft.min_acceptance_gain >= 0,
-           "draft.min_acceptance_gain", cfg.draft.min_acceptance_gain, "must be a number >= 0")
-    share = cfg.draft.min_drafted_share
-    _check(isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1,
-           "draft.min_drafted_share", share, "must be a number in [0, 1]")
-    _check(cfg.draft.draft_vocab_size is None or (_is_int(cfg.draft.draft_vocab_size)
-                                                  and cfg.draft.draft_vocab_size >= 1),
-           "draft.draft_vocab_size", cfg.draft.draft_vocab_size, "must be an integer >= 1, or null for the "
-           "policy's vocabulary")
-    _check(cfg.draft.buffer_steps >= 1, "draft.buffer_steps", cfg.draft.buffer_steps, "must be >= 1")
-    _check(cfg.draft.torch_threads >= 1, "draft.torch_threads", cfg.draft.torch_threads, "must be >= 1")
-    sched = cfg.scheduler
-    _check(sched.layout in LAYOUTS, "scheduler.layout", sched.layout, f"expected one of {LAYOUTS}")
-    _check(sched.mode in MODES, "scheduler.mode", sched.mode, f"expected one of {MODES}")
-    _check(sched.max_policy_lag >= 1, "scheduler.max_policy_lag", sched.max_policy_lag,
-           "must be >= 1 (sync mode is lag 0)")
-    _check(sched.mode == "sync" or sched.layout == "split", "scheduler.mode", sched.mode,
-           "async needs scheduler.layout=split: colocated roles share devices and take turns, "
-           "so there is nothing to overlap")
-    for key, value in (("rollout.num_cpus_per_replica", cfg.rollout.num_cpus_per_replica),
-                       ("rollout.num_gpus_per_replica", cfg.rollout.num_gpus_per_replica),
-                       ("train.cpus_per_worker", cfg.train.cpus_per_worker),
-                       ("train.gpus_per_worker", cfg.train.gpus_per_worker),
-                       ("draft.num_cpus", cfg.draft.num_cpus),
-                       ("draft.num_gpus", cfg.draft.num_gpus)):
-        _check(value >= 0, key, value, "must be >= 0")
-        if "gpus" in key and sched.layout == "split":
+    if cfg.scheduler.layout == "split":
+        for key, value in (("rollout.num_gpus_per_replica", cfg.rollout.num_gpus_per_replica),
+                           ("train.gpus_per_worker", cfg.train.gpus_per_worker),
+                           ("draft.num_gpus", cfg.draft.num_gpus)):
             _check(float(value).is_integer(), key, value,
                    "split gives each role whole GPUs (fractions would share a device)")
 
@@ -717,7 +771,7 @@ def validate(cfg: RunConfig) -> None:
 # resident while the replica is awake) and where it has the device to itself
 # (split: vLLM's own default).
 GPU_MEMORY_UTILIZATION = {"colocate": 0.45, "split": 0.9}
-# vLLM additional_config key of rayspec's CPU drafter patch (rayspec.rollout.vllm_patches.draft_linear_dtype)
+# vLLM additional_config key of rayspec's CPU drafter patch (rayspec.rollout.vllm.cpu_fixes.draft_linear_dtype)
 DRAFT_LINEAR_DTYPE = "rayspec_draft_linear_dtype"
 DRAFT_LINEAR_DTYPES = ("auto", "bfloat16", "float32")
 # Keys whose null / absent value means "the platform's default".
@@ -727,15 +781,17 @@ PLATFORM_DEFAULT_KEYS = ("rollout.engine_kwargs.enforce_eager", "rollout.engine_
                          "train.deepspeed.zero_optimization.reduce_bucket_size",
                          "train.deepspeed.zero_optimization.allgather_bucket_size",
                          "train.torch_threads_per_worker", "train.gradient_checkpointing")
-# ZeRO's bucket sizes (elements) on CPU Train workers (``apply_platform_defaults``).
+# ZeRO's bucket sizes (elements) on CPU Train workers (``apply_defaults``).
 CPU_ZERO_BUCKET_SIZE = 50_000_000
 
 
-def apply_platform_defaults(cfg: RunConfig) -> RunConfig:
-    """Fill, in place, the keys whose default depends on where a role runs
-    (``PLATFORM_DEFAULT_KEYS``), where they are null or absent. A role runs
-    on CUDA when it is given GPUs; the CPU values are what the CPU path has
-    always run with. The run's saved config.yaml then states what ran.
+def apply_defaults(cfg: DictConfig) -> None:
+    """Fill, in the merged config before it is built, the defaults that
+    depend on other keys: ``data.path`` of ``gsm8k`` (the hub id
+    ``openai/gsm8k``), and the keys whose default depends on where a role
+    runs (``PLATFORM_DEFAULT_KEYS``), where they are null or absent. A role
+    runs on CUDA when it is given GPUs; the CPU values are what the CPU path
+    has always run with. The run's saved config.yaml then states what ran.
 
     Rollout replicas (``rollout.num_gpus_per_replica > 0``: GPU):
       - ``model.dtype`` ``auto``: ``auto_dtype``.
@@ -747,8 +803,9 @@ def apply_platform_defaults(cfg: RunConfig) -> RunConfig:
       - ``engine_kwargs.additional_config.rayspec_draft_linear_dtype`` (CPU
         only): ``auto``, the drafter's linear layers in bf16 beside an fp32
         verifier where the CPU computes bf16 natively
-        (``rayspec.rollout.vllm_patches.draft_linear_dtype``; a k = 3 draft
-        took 25-33% less time, docs/benchmarks.md, "The drafter in bf16").
+        (``rayspec.rollout.vllm.cpu_fixes.draft_linear_dtype``; a k = 3 draft
+        took 13-32% less time at eight to one sequences, docs/benchmarks.md,
+        "The drafter in bf16").
 
     Train workers (``train.gpus_per_worker > 0``: GPU):
       - ``deepspeed.bf16.enabled``: GPU true (bf16 compute, fp32 master
@@ -770,9 +827,11 @@ def apply_platform_defaults(cfg: RunConfig) -> RunConfig:
       - ``torch_threads_per_worker``: CPU 1 (colocated roles share the
         cores); GPU left to torch.
 
-    Returns:
-        ``cfg``.
+    Raises:
+        ConfigError: ``model.dtype: auto`` where torch lacks the CPU feature checks.
     """
+    if cfg.data.name == "gsm8k" and cfg.data.path is None:
+        cfg.data.path = "openai/gsm8k"
     rollout_gpu = cfg.rollout.num_gpus_per_replica > 0
     if cfg.model.dtype == "auto":
         cfg.model.dtype = auto_dtype(rollout_gpu)[0]
@@ -803,7 +862,6 @@ def apply_platform_defaults(cfg: RunConfig) -> RunConfig:
         train.gradient_checkpointing = train_gpu
     if train.torch_threads_per_worker is None and not train_gpu:
         train.torch_threads_per_worker = 1
-    return cfg
 
 
 def auto_dtype(rollout_gpu: bool) -> tuple[str, str]:
@@ -811,7 +869,7 @@ def auto_dtype(rollout_gpu: bool) -> tuple[str, str]:
 
     bfloat16 on GPUs and on CPUs with native bf16 (``devices.cpu_native_bf16``);
     float32 on other CPUs, where vLLM emulates bf16 and fp32 decoded 2.7x
-    faster (README, *Precision*). The CPU is the host that loads the config
+    faster (docs/correctness.md, "Precision"). The CPU is the host that loads the config
     (the driver): a CPU cluster whose nodes differ sets the dtype explicitly.
 
     Returns:

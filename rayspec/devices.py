@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
 from typing import Optional
 
@@ -41,6 +42,16 @@ def to_host(tensors: dict[str, torch.Tensor], dtype: Optional[torch.dtype] = Non
 def to_device(tensors: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
     """``{name: tensor}`` moved to ``device`` (no copy where already there)."""
     return {k: v.to(device) for k, v in tensors.items()}
+
+
+def assigned_gpu(local_index: int = 0) -> str | None:
+    """The physical id of the GPU this process computes on: entry
+    ``local_index`` of CUDA_VISIBLE_DEVICES, which Ray sets to an actor's GPU
+    ids, and Ray Train to the ids of all its workers on the node (a rank then
+    uses ``cuda:<local rank>``, as DeepSpeed does). None without GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = [i for i in visible.split(",") if i] if visible not in ("", "NoDevFiles") else []
+    return ids[local_index] if local_index < len(ids) else None
 
 
 def cpu_native_bf16() -> Optional[str]:

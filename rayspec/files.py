@@ -15,3 +15,9 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     tmp.write_text(text)
     os.replace(tmp, path)
     return path
+
+
+def json_tuples(x):
+    """JSON's lists back into the tuples a state was made of (e.g. what
+    ``random.setstate`` wants)."""
+    return tuple(json_tuples(v) for v in x) if isinstance(x, list) else x

@@ -41,6 +41,92 @@ class PhaseTimer:
             self.intervals.setdefault(name, []).append([start, time.time()])
 
 
+def _overlap(intervals, t0: float, t1: float) -> float:
+    """Seconds of ``intervals`` [(start, end)] inside [t0, t1]."""
+    return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in intervals)
+
+
+def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_result: dict[str, Any],
+                draft_fields: dict[str, Any], draft_version: int, timer: PhaseTimer, start: float, end: float,
+                replicas_busy: list[list[tuple[float, float]]], sync_stats: dict[str, Any]) -> dict[str, Any]:
+    """One RL step's metrics.jsonl record (docs/configuration.md, "The step record": every key).
+
+    Args:
+        step: the RL step (1-based).
+        cfg: the run's RunConfig.
+        rollout: the step's ``rayspec.train.coordinator.Rollout`` (batch
+            with rewards, SpecStats, problems, policy lag, retried shards).
+        train_metrics: the policy update's (``policy_update``: loss, clip
+            fraction, KL, token_mult_prob_error, ...), merged in last.
+        draft_result: the DraftTrainer's ``train`` result ({} where the head
+            did not train this step).
+        draft_fields: the draft's lifecycle keys (``DraftClient.record``).
+        draft_version: the head's version the replicas hold.
+        timer: the step's phase timer (seconds and intervals per phase).
+        start / end: the step's wall-clock window (epoch seconds).
+        replicas_busy: each replica's engine-work intervals over the step.
+        sync_stats: the refits that landed (``WeightSender.take_stats``).
+    """
+    batch, stats, problems = rollout.batch, rollout.stats, rollout.problems
+    window = end - start
+    seconds = timer.seconds
+    rollout_busy = sum(_overlap(iv, start, end) for iv in replicas_busy) / max(1, len(replicas_busy))
+    resp_lens = [len(r) for r in batch.response_ids]
+    record = {
+        "step": step,
+        "reward_mean": sum(batch.rewards) / len(batch.rewards),
+        "acceptance_length": stats.acceptance_length,
+        "acceptance_rate_per_pos": stats.acceptance_rate_per_pos,
+        "rollout_tokens_per_s": stats.tokens_per_s,
+        "layout": cfg.scheduler.layout,
+        "mode": cfg.scheduler.mode,
+        "policy_lag": rollout.lag,
+        "rollout_retries": rollout.retries,
+        "time_step_s": window,
+        # what the trainer waited for the batch (all of its generation in sync mode)
+        "time_rollout_s": seconds.get("rollout", 0.0),
+        "rollout_generation_s": stats.wall_s,
+        "time_policy_s": seconds.get("policy", 0.0),
+        # the DraftTrainer's own seconds; the part the step waited for after the policy update:
+        "time_draft_s": draft_result.get("time_s", 0.0),
+        "time_draft_exposed_s": seconds.get("draft", 0.0),
+        "time_sync_s": seconds.get("sync", 0.0),
+        "time_sync_gather_s": seconds.get("gather", 0.0),
+        # weight_sync_transport, weight_sync_bytes, time_sync_transfer_s, time_sync_load_s
+        **sync_stats,
+        "phase_intervals": timer.intervals,  # {phase: [[start, end]]}, epoch seconds
+        # seconds of the step each role was not working (replicas: mean over replicas)
+        "idle_rollout_s": max(0.0, window - rollout_busy),
+        "idle_train_s": max(0.0, window - seconds.get("policy", 0.0) - seconds.get("gather", 0.0)),
+        "policy_version": batch.policy_version,
+        "draft_version": draft_version,
+        "draft_loss": draft_result.get("draft_loss", float("nan")),
+        "draft_top1_per_step": draft_result.get("draft_top1_per_step", []),
+        "draft_acceptance_estimate": draft_result.get("draft_acceptance_estimate", []),
+        "draft_acceptance_se": draft_result.get("draft_acceptance_se", 0.0),
+        "draft_acceptance_clusters": draft_result.get("draft_acceptance_clusters", 0),
+        "draft_acceptance_by_share": draft_result.get("draft_acceptance_by_share", []),
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "rollout_tokens": stats.output_tokens,
+        "drafted_share": stats.drafted_share,  # what the draft training cadence reads
+        "response_len_mean": sum(resp_lens) / len(resp_lens),
+        "response_lens": resp_lens,  # per sample: the performance model's concurrency decay
+        "prompt_len_mean": sum(len(p) for p in batch.prompt_ids) / len(batch.prompt_ids),
+        "replicas": {rid: s.summary() for rid, s in sorted(stats.replicas.items())},
+        # the problems trained on (index in the dataset): a resumed run's are checkable
+        "problem_ids": [p.index for p in problems],
+        # one rollout for people reading the log: the step's first sample
+        "sample": {"question": problems[batch.group[0]].question,
+                   "answer": problems[batch.group[0]].answer,
+                   "response": batch.texts[0], "reward": batch.rewards[0]},
+        **train_metrics,
+    }
+    record.update(draft_fields)
+    return record
+
+
 def format_step_line(m: dict[str, Any]) -> str:
     """One human-readable line per RL step."""
     rates = ",".join(f"{r:.2f}" for r in m.get("acceptance_rate_per_pos", []))

@@ -14,12 +14,39 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CACHE_DIR = os.environ.get("RAYSPEC_CACHE_DIR", "~/.cache/rayspec")
-# what every metrics.jsonl record holds (README "Running")
+# what every metrics.jsonl record holds (docs/configuration.md, "The step record")
 STEP_RECORD_KEYS = {"step", "reward_mean", "acceptance_length", "acceptance_rate_per_pos",
                     "rollout_tokens_per_s", "time_rollout_s", "time_policy_s", "time_draft_s",
                     "time_sync_s", "policy_version", "response_lens", "prompt_len_mean", "sample",
                     "weight_sync_transport", "weight_sync_bytes", "time_sync_gather_s", "time_sync_transfer_s",
                     "time_sync_load_s"}
+
+
+def start_ray() -> None:
+    """The suite's one embedded Ray cluster (2 CPUs, 1 GiB object store), as
+    ``jobs.grpo`` starts one; nothing if Ray is up."""
+    import ray
+
+    from rayspec.config import load_config
+    from rayspec.scheduler import init_ray
+
+    if not ray.is_initialized():
+        init_ray(load_config(None, ["ray.num_cpus=2", f"ray.object_store_memory={1 << 30}"]))
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One Ray session for every test that needs an embedded cluster (each
+    start costs seconds). A module that needs a cluster of its own shuts it
+    down and calls ``start_ray`` again when done."""
+    start_ray()
+    yield
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,9 @@ import pytest
 
 from rayspec.draft.eagle3 import init_head, save_head
 from rayspec.models import load_policy
-from rayspec.rollout.adaptive import (AdaptiveK, StepCost, expected_tokens, format_schedule,
-                                      geometric_rate, parse_schedule, physical_limit, read_acceptance,
-                                      uniform, write_acceptance)
+from rayspec.models.acceptance import read_acceptance, write_acceptance
+from rayspec.rollout.adaptive import (AdaptiveK, StepCost, expected_tokens, format_schedule, geometric_rate,
+                                      parse_schedule, physical_limit, uniform)
 from tests.conftest import copy_model_dir, engine_kwargs
 
 # Step seconds shaped like SmolLM2 on 2 CPU cores (DESIGN.md): a k=3 step costs
@@ -330,6 +330,41 @@ def test_calibration_keeps_the_median_of_rounds_in_alternating_order(monkeypatch
     eng.__dict__.pop("llm")
 
 
+def test_calibration_is_kept_by_its_key_and_read_back_instead_of_timed_again(tmp_path, tiny_llama_dir, monkeypatch):
+    """``enable_adaptive(calibration_cache=DIR)`` times the steps once per
+    key (machine, model and draft shapes, dtype, engine settings, the
+    calibration's arguments), keeps them in DIR, and an engine with the same
+    key reads them back; another dtype or another calibration is timed anew."""
+    import threading
+
+    from rayspec.rollout.engine import SpecVLLMEngine
+
+    timed = []
+
+    def engine(dtype="float32"):
+        eng = object.__new__(SpecVLLMEngine)
+        eng.__dict__.update(max_num_seqs=4, _model=str(tiny_llama_dir), _dtype=dtype, _threads="0-1",
+                            _engine_kwargs={"max_num_seqs": 4}, _lock=threading.Lock(),
+                            speculative_config={"method": "eagle3", "num_speculative_tokens": 3})
+        eng.set_k_schedule = lambda schedule, drafter_idle=None: None
+        eng.calibrate = lambda k, **kw: timed.append(kw) or StepCost(kw["concurrencies"], [0.01, 0.02],
+                                                                      [0.02, 0.05], k)
+        return eng
+
+    first = engine().enable_adaptive(rates=[0.5], calibration_cache=str(tmp_path), max_batch=4)
+    assert len(timed) == 1 and first.concurrency == [1, 4] and len(list(tmp_path.glob("*.json"))) == 1
+    assert engine().enable_adaptive(rates=[0.5], calibration_cache=str(tmp_path), max_batch=4) == first
+    assert len(timed) == 1  # read back, not timed
+    engine("bfloat16").enable_adaptive(rates=[0.5], calibration_cache=str(tmp_path), max_batch=4)
+    engine().enable_adaptive(rates=[0.5], calibration_cache=str(tmp_path), max_batch=4, calibration_rounds=1)
+    engine().enable_adaptive(rates=[0.5], max_batch=4)  # no cache: always timed
+    assert len(timed) == 4 and len(list(tmp_path.glob("*.json"))) == 3
+    for f in tmp_path.glob("*.json"):
+        f.write_text("{not json")
+    engine().enable_adaptive(rates=[0.5], calibration_cache=str(tmp_path), max_batch=4)
+    assert len(timed) == 5  # an unreadable file is timed again, and replaced
+
+
 def test_acceptance_record_round_trips_and_bad_ones_name_the_file(tmp_path):
     assert read_acceptance(tmp_path) is None and read_acceptance(None) is None
     path = write_acceptance(tmp_path, [0.21, 0.06, 0.02], k=3, temperature=1.0)
@@ -380,7 +415,7 @@ def test_idle_drafter_returns_no_drafts_without_its_forward():
 
     import torch
 
-    from rayspec.rollout.adaptive import _propose_unless_idle
+    from rayspec.rollout.vllm.spec_schedule import _propose_unless_idle
 
     class Proposer:
         device = torch.device("cpu")
@@ -405,7 +440,7 @@ def test_step_without_drafts_samples_without_the_rejection_sampler():
     dropped (the plain sampler runs), drafts or async scheduling keep it."""
     from types import SimpleNamespace
 
-    from rayspec.rollout.adaptive import _plain_sample_without_drafts
+    from rayspec.rollout.vllm.spec_schedule import _plain_sample_without_drafts
 
     seen = []
     sample = _plain_sample_without_drafts(lambda self, logits, md: seen.append(md))
@@ -495,7 +530,7 @@ def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head, in_
         _, stats = eng.generate(prompts, n=2, max_tokens=12)
         assert stats.k_schedule == [(1, 8, 3)] and stats.summary()["k_schedule"] == [[1, 8, 3]]
         assert eng.k_schedule == [(1, 8, 0)]
-        eng.update_draft(vllm_state_dict(load_head(tiny_head)), 1)
+        eng.receive_refit("draft", vllm_state_dict(load_head(tiny_head)), 1)
         assert eng.k_schedule == [(1, 1, 3), (2, 8, 0)]
         # the DraftTrainer's estimate of draft 1 replaces the probe before the
         # rollout; an estimate of a draft this replica does not hold is ignored

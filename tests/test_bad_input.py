@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jobs import grpo
-from rayspec.rollout.adaptive import write_acceptance
+from rayspec.models.acceptance import write_acceptance
 from tests.conftest import MARKER, copy_model_dir, planted_policy
 
 
@@ -46,7 +46,7 @@ def test_bad_policy_stops_the_run(kind, fragments, tmp_path, tiny_llama_dir, cap
 def test_draft_that_does_not_match_the_policy_stops_the_run(method, draft, fragments, tmp_path,
                                                            tiny_llama_dir, head_dir, capsys):
     from rayspec.models import make_markov_llama
-    from rayspec.rollout.lossless import markov_logits
+    from rayspec.tools.lossless import markov_logits
 
     d = {"head-hidden": lambda: copy_model_dir(head_dir, tmp_path / "h", hidden_size=256, target_hidden_size=256),
          "head-vocab": lambda: copy_model_dir(head_dir, tmp_path / "h", vocab_size=1000),

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from jobs.bench_rl import DEFAULT_PRESET, format_table, main, plot, runs, summarize
+from jobs.bench_rl import format_table, main, plot, runs, summarize
+from jobs.cli import DEFAULT_PRESET
 from rayspec.config import load_config
 
 

@@ -112,7 +112,7 @@ def test_refuses_bench_prompts_a_head_was_warm_started_on(tiny_llama_dir, gsm8k_
     from jobs.bench_rollout import main
     from rayspec.draft.eagle3 import init_head, save_head
     from rayspec.models import load_policy
-    from rayspec.rollout.adaptive import write_acceptance
+    from rayspec.models.acceptance import write_acceptance
 
     head = save_head(init_head(load_policy(tiny_llama_dir)), tmp_path / "head")
     write_acceptance(head, [0.5, 0.2], data="gsm8k", train_prompts=[16, 2016])

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
 
 from rayspec.config import (BUNDLED_MODEL, CPU_ZERO_BUCKET_SIZE, DRAFT_LINEAR_DTYPE, GPU_MEMORY_UTILIZATION, PLATFORM_DEFAULT_KEYS,
-                            ConfigError, RunConfig, apply_platform_defaults, dtype_reason, load_config, to_dict,
+                            ConfigError, RunConfig, apply_defaults, dtype_reason, load_config, to_dict,
                             validate)
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "jobs" / "configs"
@@ -71,13 +72,25 @@ def test_overrides():
     assert cfg.rollout.speculative_config.num_speculative_tokens == 2
     assert cfg.trainer.steps == 3
     assert cfg.data.name == "gsm8k"
-    assert cfg.data.path == "openai/gsm8k"  # filled in by validate
+    assert cfg.data.path == "openai/gsm8k"  # filled in by apply_defaults
     assert cfg.rollout.speculative_config.method == "eagle3"  # untouched sibling
 
 
 def test_overrides_without_preset_start_from_dataclass_defaults():
     cfg = load_config(None, ["trainer.steps=3"])
-    assert dataclasses.replace(cfg, trainer=RunConfig().trainer) == apply_platform_defaults(RunConfig())
+    defaults = OmegaConf.structured(RunConfig)
+    OmegaConf.set_readonly(defaults, False)
+    apply_defaults(defaults)
+    assert dataclasses.replace(cfg, trainer=RunConfig().trainer) == OmegaConf.to_object(defaults)
+
+
+def test_the_config_is_read_only_and_validation_changes_nothing():
+    cfg = load_config(None, ["data.name=gsm8k"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.trainer.steps = 5
+    before = to_dict(cfg)
+    cfg.validate()
+    assert to_dict(cfg) == before
 
 
 def test_cpu_roles_keep_the_cpu_defaults_and_gpu_roles_get_the_gpu_ones():

@@ -16,7 +16,8 @@ from rayspec.draft.loss import draft_top1, replay_drafting
 from rayspec.draft.trainer import DraftTrainer, TrainingCadence, online_lr, recorded_acceptance_length
 from rayspec.models import load_policy, load_tokenizer
 from rayspec.rollout.spec_stats import SpecStats
-from rayspec.sync.transport import CollectiveTransport, LocalReplicas
+from rayspec.rollout.client import LocalReplicas, RolloutClient
+from rayspec.sync import CollectiveSender
 from rayspec.train.capture import capture_eagle3_features
 from tests.conftest import engine_kwargs
 
@@ -276,7 +277,7 @@ def test_draft_trainer_state_roundtrips_through_checkpoint_files(tiny_policy, tm
     import threading
     import time
 
-    from rayspec.train.checkpoint import load_draft_state, save_draft_state
+    from rayspec.draft.state import load_draft_state, save_draft_state
 
     save_head(init_head(tiny_policy), tmp_path / "head")
     g = torch.Generator().manual_seed(2)
@@ -399,7 +400,7 @@ def test_online_lr_continues_a_warm_heads_rate(tmp_path):
     """draft.lr null: a fresh head learns at 1e-3; a given (trained) head
     continues at its warm start's final rate, or at 1e-4 without a record;
     a set draft.lr wins; a bad record names its file."""
-    from rayspec.rollout.adaptive import write_acceptance
+    from rayspec.models.acceptance import write_acceptance
 
     assert online_lr(None, tmp_path, trained=False)[0] == 1e-3
     assert online_lr(None, tmp_path, trained=True)[0] == pytest.approx(1e-4)
@@ -447,7 +448,7 @@ def test_training_cadence_of_a_warm_head_starts_idle(tmp_path):
     """A head with a recorded acceptance length (its warm start's) is not
     learning until an estimate rises min_gain above the record: idle, it
     trains at the idle_every-th step, not at the first two."""
-    from rayspec.rollout.adaptive import write_acceptance
+    from rayspec.models.acceptance import write_acceptance
 
     write_acceptance(tmp_path, [0.5, 0.25], draft_sample_method="probabilistic")
     assert recorded_acceptance_length(tmp_path, "greedy", 3) is None  # another method's rates
@@ -715,11 +716,11 @@ def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp
     trainer.train(_verifier(tiny_policy), 80)
     # the trained head through the collective transport (gloo; this engine's worker
     # is rank 1 in this process), then the same head through the object store
-    transport = CollectiveTransport(LocalReplicas([eng]), "gloo", packed_buffer_size_bytes=1 << 20, timeout_s=120)
+    transport = CollectiveSender(RolloutClient(LocalReplicas([eng]), 1), "gloo", packed_buffer_size_bytes=1 << 20, timeout_s=120)
     assert transport.send("draft", trainer.vllm_weights(), 1).results() == [1]
     after_batch, after = eng.generate(prompts, n=1, temperature=0.0, max_tokens=32)
     transport.close()
-    eng.update_draft(trainer.vllm_weights(), version=2)
+    eng.receive_refit("draft", trainer.vllm_weights(), version=2)
     again_batch, again = eng.generate(prompts, n=1, temperature=0.0, max_tokens=32)
     versions = eng.versions()
     eng.shutdown()
@@ -777,7 +778,7 @@ def test_sampled_drafts_replay_predicts_replica_acceptance(tmp_path, in_process_
     E[max_v p(v)]."""
     from rayspec.models import make_markov_llama
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
-    from rayspec.rollout.lossless import markov_logits
+    from rayspec.tools.lossless import markov_logits
 
     k, temp, n_tokens = 3, 1.0, 96
     policy_dir = make_markov_llama(tmp_path / "policy", markov_logits(32, 6))
@@ -799,7 +800,7 @@ def test_sampled_drafts_replay_predicts_replica_acceptance(tmp_path, in_process_
         trainer.train(_verifier(policy), 40)
         trained = load_head(tmp_path / "head")
         trained.load_state_dict({**trained.state_dict(), **{n: v.float() for n, v in trainer.vllm_weights().items()}})
-        eng.update_draft(trainer.vllm_weights(), version=2)
+        eng.receive_refit("draft", trainer.vllm_weights(), version=2)
         batch, stats = eng.generate(prompts, n=4, temperature=temp, max_tokens=n_tokens, seed=2)
         measured["trained"] = (trained, batch, stats)
     finally:

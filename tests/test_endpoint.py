@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from jobs.serve import main as serve_main
 from rayspec.config import load_config
-from rayspec.rollout.endpoint import RunDirError, llm_config, load_run
+from rayspec.tools.endpoint import RunDirError, llm_config, load_run
 
 
 def _run_dir(tmp_path, model_dir, *overrides, head=True):

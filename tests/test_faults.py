@@ -27,22 +27,12 @@ import ray
 
 from jobs.grpo import main as grpo_main
 from rayspec.config import ConfigError, load_config
-from rayspec.scheduler import checkpoints, init_ray, run
+from rayspec.draft.client import DRAFT_TRAINER_NAME
+from rayspec.scheduler import checkpoints, run
 from rayspec.scheduler.driver import NAMESPACE
-from rayspec.train.loop import DRAFT_TRAINER_NAME
 from tests.conftest import IN_PROCESS
 
 STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    init_ray(load_config(None, ["ray.num_cpus=2", f"ray.object_store_memory={1 << 30}"]))
-    yield
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
 
 
 def _cfg(tiny, run_dir, steps=STEPS, *more):
@@ -249,75 +239,68 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
     assert (ckpts[0] / "draft.json").exists() and not (ckpts[-1] / "draft.json").exists()
 
 
-def test_workers_started_after_the_draft_trainer_died_go_on_without_it(ray_session, tmp_path):
+def test_workers_started_after_the_draft_trainer_died_go_on_without_it(ray_session):
     """A Train worker group (re)started after the DraftTrainer died gets no
-    handle, and rank 0's context records the draft as gone, instead of the
+    handle, and its draft client records the draft as gone, instead of the
     workers failing on the name lookup (what CI once hit when the DraftTrainer
     was killed while the workers restarted)."""
-    import torch.distributed as dist
-    from types import SimpleNamespace
-
-    from rayspec.train.loop import find_draft_trainer
+    from rayspec.draft.client import find_draft_trainer
+    from rayspec.train.ranks import Ranks
 
     @ray.remote(num_cpus=0)
     class Stand:  # any actor registered under the DraftTrainer's name
         pass
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        ctx = SimpleNamespace(draft_alive=True)
-        assert find_draft_trainer(ctx, online=False) is None and ctx.draft_alive
-        stand = Stand.options(name=DRAFT_TRAINER_NAME).remote()
-        assert find_draft_trainer(ctx, online=True)._actor_id == stand._actor_id and ctx.draft_alive
-        ray.kill(stand)
+    assert find_draft_trainer(Ranks(), online=False) == (None, False)
+    stand = Stand.options(name=DRAFT_TRAINER_NAME).remote()
+    handle, lost = find_draft_trainer(Ranks(), online=True)
+    assert handle._actor_id == stand._actor_id and not lost
+    ray.kill(stand)
 
-        def gone():
-            with contextlib.suppress(ValueError):
-                ray.get_actor(DRAFT_TRAINER_NAME)
-                return False
-            return True
+    def gone():
+        with contextlib.suppress(ValueError):
+            ray.get_actor(DRAFT_TRAINER_NAME)
+            return False
+        return True
 
-        _wait(gone, timeout_s=30)
-        assert find_draft_trainer(ctx, online=True) is None and not ctx.draft_alive
-    finally:
-        dist.destroy_process_group()
+    _wait(gone, timeout_s=30)
+    assert find_draft_trainer(Ranks(), online=True) == (None, True)
 
 
-def test_restart_before_the_first_checkpoint_resets_the_draft_head(ray_session, head_dir, tmp_path,
-                                                                  monkeypatch):
+def test_restart_before_the_first_checkpoint_resets_the_draft_head(ray_session, head_dir):
     """Train workers restarted with no checkpoint start over from step 1
-    (``reset_replicas``): where the first attempt trained the head (the
+    (``start_over``): where the first attempt trained the head (the
     DraftTrainer's version) or the replicas hold a later policy or draft,
     the DraftTrainer goes back to its initial head, fresh AdamW state and
     version 0, and the replicas get policy version 0 and that head; a
     fresh start sends nothing."""
     import torch
-    import torch.distributed as dist
     from types import SimpleNamespace
 
+    from rayspec.draft.client import DraftClient
     from rayspec.draft.eagle3 import load_head, vllm_state_dict
-    from rayspec.draft.trainer import DraftTrainer
+    from rayspec.draft.trainer import DraftTrainer, TrainingCadence
     from rayspec.train import loop
+    from rayspec.train.ranks import Ranks
 
     initial = vllm_state_dict(load_head(head_dir))
-    draft = ray.remote(DraftTrainer).options(num_cpus=0).remote(str(head_dir), 1e-3, 1)
+    actor = ray.remote(DraftTrainer).options(num_cpus=0).remote(str(head_dir), 1e-3, 1)
+    draft = DraftClient(actor, Ranks(), [1, 2, 3], 1, TrainingCadence(0, 0.0))
     held = [{"policy": 0, "draft": 0}]
     refits = []
-    ctx = SimpleNamespace(rollout=SimpleNamespace(broadcast=lambda method: SimpleNamespace(results=lambda: held)),
-                          refit=lambda target, weights, version: refits.append((target, weights, version)),
-                          pipeline=SimpleNamespace(wait_refits=lambda: None), draft_alive=True)
-    policy = {"w": torch.ones(2)}
-    monkeypatch.setattr(loop, "full_state_dict", lambda engine, dtype, rank: policy)
-    cfg = load_config(None, [])
+    coord = SimpleNamespace(log=SimpleNamespace(discard_after=lambda step: 0), replica_versions=lambda: held,
+                            refit=lambda target, weights, version: refits.append((target, weights, version)),
+                            wait_refits=lambda: None, evaluate=lambda version: None)
+    weights = {"w": torch.ones(2)}
+    policy = SimpleNamespace(ranks=Ranks(), full_state_dict=lambda: weights)
 
     def trained_elsewhere(version):  # the first attempt's head: other weights, a later version
-        tensors, meta = ray.get(draft.get_state.remote())
-        ray.get(draft.set_state.remote({k: v + 1 if k.startswith("head.") else v for k, v in tensors.items()},
+        tensors, meta = ray.get(actor.get_state.remote())
+        ray.get(actor.set_state.remote({k: v + 1 if k.startswith("head.") else v for k, v in tensors.items()},
                                        {**meta, "version": version}))
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        loop.reset_replicas(None, ctx, draft, cfg, 0)  # a fresh start
+        loop.start_over(policy, coord, draft)  # a fresh start
         assert refits == []
         for replicas, trainer in (({"policy": 2, "draft": 2}, 2), ({"policy": 0, "draft": 0}, 1),
                                   ({"policy": 1, "draft": 0}, 0)):
@@ -325,15 +308,14 @@ def test_restart_before_the_first_checkpoint_resets_the_draft_head(ray_session, 
             if trainer:
                 trained_elsewhere(trainer)
             refits.clear()
-            loop.reset_replicas(None, ctx, draft, cfg, 0)
+            loop.start_over(policy, coord, draft)
             assert [(t, v) for t, _, v in refits] == [("policy", 0), ("draft", 0)], replicas
-            assert refits[0][1] is policy
+            assert refits[0][1] is weights
             sent = refits[1][1]
             assert sent.keys() == initial.keys() and all(torch.equal(sent[k], initial[k]) for k in initial)
-            assert ray.get(draft.get_state.remote())[1]["version"] == 0
+            assert ray.get(actor.get_state.remote())[1]["version"] == 0
     finally:
-        dist.destroy_process_group()
-        ray.kill(draft)
+        ray.kill(actor)
 
 
 def test_draft_state_is_staged_by_the_draft_trainer_on_its_node(ray_session, head_dir, tmp_path, monkeypatch):
@@ -346,7 +328,7 @@ def test_draft_state_is_staged_by_the_draft_trainer_on_its_node(ray_session, hea
     from safetensors.torch import load_file
 
     from rayspec.draft.trainer import DraftTrainer
-    from rayspec.train import checkpoint
+    from rayspec.draft import state as draft_state
 
     trained, fresh = (ray.remote(DraftTrainer).options(num_cpus=0).remote(str(head_dir), 1e-3, 1)
                       for _ in range(2))
@@ -357,18 +339,18 @@ def test_draft_state_is_staged_by_the_draft_trainer_on_its_node(ray_session, hea
         by_file, by_store = tmp_path / "file", tmp_path / "store"
         by_file.mkdir()
         by_store.mkdir()
-        assert checkpoint.stage_draft_state(trained, by_file) == "file"
+        assert draft_state.stage_draft_state(trained, by_file) == "file"
         with monkeypatch.context() as m:
-            m.setattr(checkpoint, "_same_node", lambda actor: False)  # the actor on another node
-            assert checkpoint.stage_draft_state(trained, by_store) == "object_store"
-            assert checkpoint.restore_draft_state(fresh, by_store) == 5
+            m.setattr(draft_state, "_same_node", lambda actor: False)  # the actor on another node
+            assert draft_state.stage_draft_state(trained, by_store) == "object_store"
+            assert draft_state.restore_draft_state(fresh, by_store) == 5
         written = [load_file(str(d / "draft.safetensors")) for d in (by_file, by_store)]
         assert written[0].keys() == written[1].keys() == changed.keys()
         assert all(torch.equal(written[0][k], written[1][k]) for k in changed)
         assert (by_file / "draft.json").read_text() == (by_store / "draft.json").read_text()
         assert ray.get(fresh.get_state.remote())[0]["head.fc.weight"].equal(changed["head.fc.weight"])
         ray.get(fresh.reset.remote())
-        assert checkpoint.restore_draft_state(fresh, by_file) == 5
+        assert draft_state.restore_draft_state(fresh, by_file) == 5
         restored = ray.get(fresh.get_state.remote())[0]
         assert all(torch.equal(restored[k], changed[k]) for k in changed if k.startswith("head."))
     finally:

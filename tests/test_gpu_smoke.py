@@ -1,6 +1,6 @@
 """jobs.gpu_smoke on a machine without a GPU: it imports, parses its
 arguments, and exits with status 2 saying no GPU was found (what it checks
-needs a GPU: README "Checking a GPU node")."""
+needs a GPU: docs/gpu.md, "Check a node first")."""
 
 from __future__ import annotations
 

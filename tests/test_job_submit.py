@@ -182,7 +182,7 @@ def finished_run(tmp_path, tiny_llama_dir) -> Path:
     from rayspec.config import load_config
     from rayspec.draft.eagle3 import init_head, save_head
     from rayspec.models import load_policy
-    from rayspec.rollout.endpoint import load_run
+    from rayspec.tools.endpoint import load_run
 
     run = tmp_path / "trained"
     cfg = load_config(None, [f"model.path={tiny_llama_dir}", "model.dtype=float32",

@@ -12,22 +12,10 @@ import json
 import math
 
 import pytest
-import ray
 
 from rayspec.config import load_config
-from rayspec.scheduler import init_ray, run
+from rayspec.scheduler import run
 from tests.conftest import IN_PROCESS, STEP_RECORD_KEYS
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    cfg = load_config(None, ["ray.num_cpus=2", f"ray.object_store_memory={1 << 30}"])
-    init_ray(cfg)
-    yield
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
 
 
 def _records(run_dir):

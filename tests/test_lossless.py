@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayspec.rollout import lossless
+from rayspec.tools import lossless
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -160,7 +160,7 @@ def test_every_draft_kind_is_lossless_in_vllm(tmp_path):
     a reduced draft vocabulary (q = 0 off it), n-gram and suffix: 100k tokens each at
     T=1.0 and 2000 3-token continuations pass; the unpatched engine fails on
     10k. (q = p sampled is in the full run, docs/lossless.md.)"""
-    from rayspec.rollout.vllm_patches import needs_patch
+    from rayspec.rollout.vllm.cpu_fixes import needs_patch
 
     rows = _run_check(tmp_path, "--via", "engine", "--temperature", "1.0", "--tokens", "100000",
                       "--sequences", "2000", "--cases",

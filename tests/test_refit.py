@@ -9,7 +9,6 @@ import socket
 import time
 
 import pytest
-import ray
 import torch
 import torch.distributed as dist
 
@@ -17,11 +16,12 @@ from rayspec.config import load_config
 from rayspec.draft.eagle3 import init_head, save_head
 from rayspec.models import load_policy, load_tokenizer
 from rayspec.rollout.engine import ReplicaBehind
-from rayspec.rollout.vllm_patches import DRAFT_LINEAR_DTYPE
-from rayspec.sync.transport import CollectiveTransport, LocalReplicas, plan_buckets, state_dict_nbytes
+from rayspec.config import DRAFT_LINEAR_DTYPE
+from rayspec.rollout.client import LocalReplicas, RolloutClient
+from rayspec.sync import CollectiveSender, ObjectStoreReceiver, plan_buckets, state_dict_nbytes
 from rayspec.train.grpo import group_advantages, token_logprobs, token_mult_prob_error
 from rayspec.train.policy import build_engine, deepspeed_config, full_state_dict, policy_update
-from tests.conftest import engine_kwargs
+from tests.conftest import engine_kwargs, start_ray
 
 
 @pytest.fixture
@@ -70,12 +70,13 @@ def test_a_sleeping_replica_wakes_only_its_weights_for_a_refit(tmp_path):
 
     eng = object.__new__(SpecVLLMEngine)
     eng.__dict__.update(llm=LLM(), sleep_mode=True, _asleep=set(), _lock=threading.Lock(), _busy=[],
-                        _busy_since=None, _weights_dir=tmp_path, adaptive=None, policy_version=0)
+                        _busy_since=None, adaptive=None, policy_version=0)
+    eng.object_store = ObjectStoreReceiver(eng)
     assert eng.sleep() and eng.sleep()  # sleeping twice releases once
-    eng.update_weights({"w": torch.zeros(2)}, version=1)
+    eng.receive_refit("policy", {"w": torch.zeros(2)}, version=1)
     eng._wake()  # what generate and calibrate do first
     eng._wake()
-    assert calls == [("sleep", 1), ("wake_up", ["weights"]), ("rayspec_load_policy",),
+    assert calls == [("sleep", 1), ("wake_up", ["weights"]), ("rayspec_load",),
                      ("reset_prefix_cache",), ("wake_up", None)]
     eng.__dict__.pop("llm")
 
@@ -83,7 +84,7 @@ def test_a_sleeping_replica_wakes_only_its_weights_for_a_refit(tmp_path):
 @pytest.fixture(scope="module")
 def spec_engine(tiny_llama_dir, tmp_path_factory):
     """A speculative (EAGLE-3, k=3) fp32 engine of the tiny policy whose
-    drafter's linear layers compute in bf16 (``vllm_patches.draft_linear_dtype``)."""
+    drafter's linear layers compute in bf16 (``rollout.vllm.cpu_fixes.draft_linear_dtype``)."""
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
 
     head = tmp_path_factory.mktemp("head") / "head"
@@ -138,7 +139,7 @@ def test_refit_after_deepspeed_step_matches_trainer_greedy(spec_engine, tiny_lla
     assert trainer_greedy != before, "the update did not change the greedy continuation; raise lr"
 
     # through the collective transport (gloo), in many buckets
-    transport = CollectiveTransport(LocalReplicas([eng]), "gloo", packed_buffer_size_bytes=1 << 20, timeout_s=120)
+    transport = CollectiveSender(RolloutClient(LocalReplicas([eng]), 1), "gloo", packed_buffer_size_bytes=1 << 20, timeout_s=120)
     assert len(plan_buckets(sd, 1 << 20)) > 3
     assert transport.send("policy", sd, 1).results() == [1]
     after = eng.generate([probe], temperature=0.0, max_tokens=16)[0].response_ids[0]
@@ -156,19 +157,15 @@ def test_refit_after_deepspeed_step_matches_trainer_greedy(spec_engine, tiny_lla
     assert stats["weight_sync_transport"] == "collective"
     assert stats["weight_sync_bytes"] == state_dict_nbytes(sd) > 0
     # a replica outside the group (Serve restarted it) is told so instead of sampling stale weights
-    eng._sync_group = None
+    eng.collective.group_id = None
     assert transport.send("policy", sd, 2).results() == [2]  # the group re-forms with it
     eng.policy_version = 1
     with pytest.raises(ReplicaBehind, match="policy at version 1"):
         eng.generate([probe], max_tokens=2, refits=transport.rollout_refits())
-    # the catch-up resends through the object store: a Ray session of this test's own, shut down after
-    # (ray.put would start one that outlives the test and breaks the next module's ray.init)
-    ray.init(num_cpus=1, object_store_memory=100 * 2**20, include_dashboard=False)
-    try:
-        refits = transport.catch_up(transport.rollout_refits())
-        assert eng.generate([probe], temperature=0.0, max_tokens=16, refits=refits)[0].response_ids[0] == after
-    finally:
-        ray.shutdown()
+    # the catch-up resends through the object store (the suite's Ray session)
+    start_ray()
+    refits = transport.catch_up(transport.rollout_refits())
+    assert eng.generate([probe], temperature=0.0, max_tokens=16, refits=refits)[0].response_ids[0] == after
     assert eng.versions()["policy"] == 2
     transport.close()
 
@@ -189,7 +186,7 @@ def test_refit_sent_during_a_rollout_waits_for_it(spec_engine, tiny_llama_dir):
         [tok.encode("Say a number:")], n=8, temperature=1.0, max_tokens=48)))
     gen.start()
     time.sleep(0.2)
-    assert eng.update_weights(sd, version=5) == 5
+    assert eng.receive_refit("policy", sd, version=5) == 5
     gen.join()
     batch, _ = out["r"]
     assert batch.policy_version < 5  # sampled before the refit landed
@@ -217,11 +214,11 @@ def test_draft_refit_leaves_the_verifier_alone(spec_engine, tiny_llama_dir):
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    eng.update_weights({k: v.clone() for k, v in policy.state_dict().items()}, version=9)
+    eng.receive_refit("policy", {k: v.clone() for k, v in policy.state_dict().items()}, version=9)
     linear_dtypes = eng.llm.collective_rpc("rayspec_draft_linear_dtypes")[0]
     fc_sum = eng.llm.collective_rpc("rayspec_weight_sums", args=("draft",))[0]["model.fc.weight"]
     head = vllm_state_dict(init_head(policy, seed=3))
-    eng.update_draft(head, version=9)
+    eng.receive_refit("draft", head, version=9)
     assert eng.llm.collective_rpc("rayspec_draft_linear_dtypes")[0] == linear_dtypes
     # the packed bf16 copy is the refit's head
     packed = eng.llm.collective_rpc("rayspec_weight_sums", args=("draft",))[0]["model.fc.weight"]

@@ -15,6 +15,7 @@ from rayspec.config import ConfigError, load_config
 from rayspec.scheduler import ClusterFitError, plan_placement
 from rayspec.scheduler.pipeline import PolicyLagError, RolloutPipeline
 from rayspec.scheduler.placement import NODE_LABEL, NodeInfo, check_device_sharing
+from tests.conftest import start_ray
 
 ONE_NODE = [NodeInfo("a" * 56, cpus=2, memory=24 * 2**30, cores=(0, 1))]
 TWO_GPU_NODES = [NodeInfo("0" * 56, cpus=16, gpus=8), NodeInfo("1" * 56, cpus=16, gpus=8)]
@@ -151,16 +152,17 @@ def test_config_rejects_async_colocate_and_fractional_split_gpus():
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
-    """Three simulated nodes, one with 8 GPUs and two with 4 (Ray accounting
+    """Three simulated nodes, one with 4 GPUs and two with 2 (Ray accounting
     only, no GPU needed: Ray still assigns GPU ids and sets each process's
     CUDA_VISIBLE_DEVICES from them)."""
     import ray
     from ray.cluster_utils import Cluster
 
+    ray.shutdown()  # the suite's shared session: this module needs a cluster of its own
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 20, "num_gpus": 8, "object_store_memory": 100 * 2**20, "include_dashboard": False})
+        "num_cpus": 10, "num_gpus": 4, "object_store_memory": 100 * 2**20, "include_dashboard": False})
     for _ in range(2):
-        cluster.add_node(num_cpus=10, num_gpus=4, object_store_memory=100 * 2**20)
+        cluster.add_node(num_cpus=5, num_gpus=2, object_store_memory=100 * 2**20)
     ray.init(address=cluster.address)
     from ray import serve
 
@@ -169,6 +171,7 @@ def gpu_cluster():
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
+    start_ray()
 
 
 def _place(plan, storage):
@@ -187,7 +190,7 @@ def _place(plan, storage):
 
     class Probe:  # defined here so Ray pickles it by value (tests/ is not importable by workers)
         def node_and_gpu(self):
-            from rayspec.scheduler.placement import assigned_gpu
+            from rayspec.devices import assigned_gpu
 
             return ray.get_runtime_context().get_node_id(), assigned_gpu()
 
@@ -198,7 +201,7 @@ def _place(plan, storage):
         import ray.train
         import ray.train.torch
 
-        from rayspec.scheduler.placement import assigned_gpu
+        from rayspec.devices import assigned_gpu
 
         ctx = ray.train.get_context()
         used = assigned_gpu(ray.train.torch.get_device().index)  # as rl_worker_loop takes it
@@ -227,22 +230,22 @@ def _place(plan, storage):
 
 @pytest.mark.slow
 def test_simulated_gpu_nodes_hold_what_the_layout_promises(gpu_cluster, tmp_path):
-    """Colocated on 1 node x 8 GPUs and on 2 nodes x 4 GPUs, each device
+    """Colocated on 1 node x 4 GPUs and on 2 nodes x 2 GPUs, each device
     holds exactly one replica and one Train rank (the DraftTrainer joins one
     of them). (Split gives each role whole GPUs, which Ray never shares: the
     plan's unit tests cover it.)"""
     from rayspec.scheduler.placement import cluster_nodes
 
     nodes = cluster_nodes()
-    big, small = [n for n in nodes if n.gpus == 8], [n for n in nodes if n.gpus == 4]
+    big, small = [n for n in nodes if n.gpus == 4], [n for n in nodes if n.gpus == 2]
     assert len(big) == 1 and len(small) == 2
-    for name, shape in (("1x8", big), ("2x4", small)):
-        plan = plan_placement(_gpu_cfg("colocate", 0.6, 0.3, draft_gpus=0.1), shape)
+    for name, shape in (("1x4", big), ("2x2", small)):
+        plan = plan_placement(_gpu_cfg("colocate", 0.6, 0.3, draft_gpus=0.1, n=4), shape)
         got = _place(plan, tmp_path / name)
         table = check_device_sharing("colocate", got)
         print(f"colocate {name}:\n{table}")
         devices = collections.Counter((node, gpu) for role in got for node, gpu in got[role])
-        assert len(devices) == 8 and all(gpu is not None for node, gpu in devices)
+        assert len(devices) == 4 and all(gpu is not None for node, gpu in devices)
         for role in ("rollout", "train"):
             assert sorted(got[role]) == sorted(devices), role  # one of each per device
         assert got["draft"][0] in devices

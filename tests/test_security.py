@@ -38,22 +38,16 @@ def test_head_loads_tensors_only(tmp_path, head_dir):
     assert not (tmp_path / MARKER).exists()
 
 
-def test_embedded_cluster_dashboard_listens_on_loopback_only():
+def test_embedded_cluster_dashboard_listens_on_loopback_only(ray_session):
+    """The suite's session is started by ``init_ray`` as a run starts one."""
     import ray
 
-    from rayspec.config import load_config
-    from rayspec.scheduler import init_ray
-
-    init_ray(load_config(overrides=["ray.num_cpus=1", "ray.object_store_memory=100000000"]))
-    try:
-        url = ray._private.worker.global_worker.node.address_info["webui_url"]
-        host, port = url.rsplit(":", 1)
-        assert host == "127.0.0.1", url
-        listening = {c.laddr.ip for c in psutil.net_connections("tcp")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port == int(port)}
-        assert listening == {"127.0.0.1"}, listening
-    finally:
-        ray.shutdown()
+    url = ray._private.worker.global_worker.node.address_info["webui_url"]
+    host, port = url.rsplit(":", 1)
+    assert host == "127.0.0.1", url
+    listening = {c.laddr.ip for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == int(port)}
+    assert listening == {"127.0.0.1"}, listening
 
 
 def test_served_endpoint_defaults_to_loopback():

@@ -1,7 +1,9 @@
-"""rayspec's hooks into vLLM internals fail loudly, naming the vLLM version,
-when what they reach for is missing (another release, or CUDA's V2 model
-runner), instead of going inert; and the refit finds the draft model on both
-of vLLM 0.32's model runners."""
+"""rayspec's touch points in vLLM (``rayspec.rollout.vllm``): every one
+holds in the installed vLLM, a release is refused only where one fails (and
+then by name), the hooks fail loudly, naming the vLLM version, when what
+they reach for is missing (another release, or CUDA's V2 model runner),
+instead of going inert; and the refit finds the draft model on both of
+vLLM 0.32's model runners."""
 
 from __future__ import annotations
 
@@ -10,18 +12,51 @@ from types import SimpleNamespace
 import pytest
 import torch.nn as nn
 
-from rayspec.rollout import adaptive, vllm_compat, vllm_patches
-from rayspec.rollout.vllm_compat import CHECKED_VLLM, VllmInternalsError
-from rayspec.rollout.worker_ext import RefitExtension, _retie_embeddings
+from rayspec.rollout import adaptive
+from rayspec.rollout.vllm import TOUCH_POINTS, TouchPoint, VllmInternalsError, check_vllm, require_vllm
+from rayspec.rollout.vllm import cpu_fixes as vllm_patches
+from rayspec.rollout.vllm import spec_schedule
+from rayspec.rollout.vllm.worker_ext import RefitExtension, _retie_embeddings
 
 
-def test_another_vllm_release_is_refused_at_start_up(monkeypatch):
+def test_every_touch_point_holds_in_the_installed_vllm():
+    """Each vLLM internal rayspec patches, wraps, calls or reads, checked
+    against the installed release (printed: run with -s to see the list)."""
     import vllm
 
-    vllm_compat.check_vllm_version()  # the installed one is the checked one
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(VllmInternalsError, match=rf"vLLM 0\.33\.0 is installed.*checked against vLLM {CHECKED_VLLM}"):
-        vllm_compat.check_vllm_version()
+    results = check_vllm(cpu=True)
+    assert {tp for tp, _ in results} == set(TOUCH_POINTS) and len(TOUCH_POINTS) >= 30
+    print(f"\nvLLM {vllm.__version__}: {len(results)} touch points")
+    for tp, why in results:
+        print(f"  {'ok  ' if why is None else 'FAIL'} {tp.use:<8} {tp.platform:<3} {tp.symbol}  ({tp.hook})")
+    assert [why for _, why in results if why is not None] == []
+    require_vllm()
+
+
+def test_a_release_is_accepted_by_its_touch_points_not_its_number(monkeypatch):
+    import vllm
+    from vllm.v1.spec_decode import dynamic
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    require_vllm()  # another number, every touch point there: accepted
+    monkeypatch.delattr(dynamic.utils, "build_dynamic_sd_schedule_lookup")
+    with pytest.raises(VllmInternalsError, match=r"vLLM 0\.34\.0 is installed.*\n  - vllm\.v1\.spec_decode\.dynamic"
+                                                 r"\.utils:build_dynamic_sd_schedule_lookup is missing \(needed by "
+                                                 r"adaptive k\).*read against vLLM 0\.32\.0 and 0\.33\.0"):
+        require_vllm()
+
+
+class _Scheduler:
+    def __init__(self):
+        self.lookup: list | None = None
+
+
+def test_an_instance_attribute_is_checked_in_the_class_source():
+    here = "tests.test_vllm_hooks"
+    assert TouchPoint(f"{here}:_Scheduler.lookup", "read", "t", "w", instance=True).check() is None
+    assert TouchPoint(f"{here}:_Scheduler.gone", "read", "t", "w", instance=True).check() == \
+        f"{here}:_Scheduler no longer sets self.gone"
+    assert TouchPoint(f"{here}:_Gone.lookup", "read", "t", "w", instance=True).check() == f"{here}:_Gone is missing"
 
 
 class _Worker(RefitExtension):
@@ -47,7 +82,7 @@ def test_draft_refit_reloads_the_v2_runners_draft_model(monkeypatch):
     reloaded = []
     monkeypatch.setattr(_Worker, "_reload", lambda self, model, path, skip=(): reloaded.append(model))
     runner = _V2Runner()
-    _Worker(runner).rayspec_load_draft("unused.safetensors")
+    _Worker(runner).rayspec_load("draft", "unused.safetensors")
     assert reloaded == [runner.draft]
 
 
@@ -60,8 +95,8 @@ def test_weight_sums_digest_the_verifier_or_the_draft():
 
 def test_draft_refit_without_get_draft_model_names_the_version():
     runner = SimpleNamespace(drafter=SimpleNamespace(model=nn.Linear(2, 2)), get_model=lambda: None)
-    with pytest.raises(VllmInternalsError, match=r"rayspec draft refit: vLLM \S+ has no SimpleNamespace.get_draft_model"):
-        _Worker(runner).rayspec_load_draft("unused.safetensors")
+    with pytest.raises(VllmInternalsError, match=r"rayspec refit: SimpleNamespace.get_draft_model is missing in vLLM \S+"):
+        _Worker(runner).rayspec_load("draft", "unused.safetensors")
 
 
 def test_refit_without_in_place_reload_names_the_version(monkeypatch):
@@ -70,7 +105,8 @@ def test_refit_without_in_place_reload_names_the_version(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload.inplace", None)
     worker = _Worker(_V2Runner())
     worker.vllm_config = None
-    with pytest.raises(VllmInternalsError, match="refit: in-place reload_weights is not importable"):
+    with pytest.raises(VllmInternalsError, match="refit: vllm.model_executor.model_loader.reload.inplace:"
+                                                 "reload_weights is missing"):
         worker._reload(nn.Linear(2, 2), "unused.safetensors")
 
 
@@ -79,7 +115,7 @@ def test_retie_without_vllms_lm_head_api_names_the_version():
     model.config = SimpleNamespace(tie_word_embeddings=True)
     model.model = SimpleNamespace(embed_tokens=nn.Embedding(4, 2))
     model.lm_head = nn.Linear(2, 4)  # a plain Linear: no tie_weights / quant_method
-    with pytest.raises(VllmInternalsError, match=r"re-tying lm_head.*no Linear\.tie_weights"):
+    with pytest.raises(VllmInternalsError, match=r"rayspec refit: Linear\.tie_weights is missing"):
         _retie_embeddings(model)
 
 
@@ -117,15 +153,15 @@ def _drafter(propose_wrapped: bool, base: str = "eagle"):
     (_v1_runner(True, _drafter(False, "suffix")), r"SuffixDecodingProposer\.propose is not wrapped"),
 ])
 def test_adaptive_hooks_missing_in_the_worker_name_the_version(runner, match):
-    with pytest.raises(VllmInternalsError, match=rf"rayspec adaptive k: .*{match} in vLLM \S+ \(rayspec was checked"):
-        adaptive._check_worker_hooks(SimpleNamespace(model_runner=runner))
+    with pytest.raises(VllmInternalsError, match=rf"rayspec adaptive k: .*{match} in vLLM \S+ \(rayspec was read"):
+        spec_schedule._check_worker_hooks(SimpleNamespace(model_runner=runner))
 
 
 def test_adaptive_hooks_in_place_pass_the_check():
-    adaptive._check_worker_hooks(SimpleNamespace(model_runner=_v1_runner(True, _drafter(True))))
-    adaptive._check_worker_hooks(SimpleNamespace(model_runner=_v1_runner(True, _drafter(True, "suffix"))))
+    spec_schedule._check_worker_hooks(SimpleNamespace(model_runner=_v1_runner(True, _drafter(True))))
+    spec_schedule._check_worker_hooks(SimpleNamespace(model_runner=_v1_runner(True, _drafter(True, "suffix"))))
     # the n-gram drafter takes any k and has no forward to idle: only the sampler hook applies
-    adaptive._check_worker_hooks(SimpleNamespace(model_runner=_v1_runner(True, object())))
+    spec_schedule._check_worker_hooks(SimpleNamespace(model_runner=_v1_runner(True, object())))
 
 
 def _suffix_proposer(k: int):
@@ -159,7 +195,7 @@ def test_suffix_proposer_drafts_at_the_scheduled_k():
     the sampled tokens to the suffix tree, and the configured k is kept."""
     from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
 
-    adaptive.register()  # what vLLM's plugin loader does in every engine process (idempotent)
+    spec_schedule.register()  # what vLLM's plugin loader does in every engine process (idempotent)
     propose = SuffixDecodingProposer.propose
     assert propose.rayspec_wrapped
     _, step = _suffix_proposer(k=5)
@@ -177,21 +213,21 @@ def test_plugin_on_a_vllm_without_its_targets_records_why(monkeypatch, caplog):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     monkeypatch.delattr(GPUModelRunner, "_sample")
-    monkeypatch.setattr(adaptive, "_register_error", None)
-    adaptive.register()  # vLLM loads it into every engine: it must not raise there
-    assert "lacks GPUModelRunner._sample" in adaptive._register_error
+    monkeypatch.setattr(spec_schedule, "_register_error", None)
+    spec_schedule.register()  # vLLM loads it into every engine: it must not raise there
+    assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample is missing" in spec_schedule._register_error
     assert "rayspec adaptive k is unavailable" in caplog.text
     runner = _v1_runner(False, object())
     with pytest.raises(VllmInternalsError, match=r"_sample is not wrapped \(the rayspec_spec_schedule plugin: "
-                                                 r"vLLM \S+ lacks GPUModelRunner._sample\)"):
-        adaptive._check_worker_hooks(SimpleNamespace(model_runner=runner))
+                                                 r"rayspec adaptive k: \S+GPUModelRunner._sample is missing"):
+        spec_schedule._check_worker_hooks(SimpleNamespace(model_runner=runner))
 
 
 def test_schedule_change_on_an_engine_core_without_the_utility_names_the_version():
     core = SimpleNamespace(engine_core=object())  # an in-process client whose core lacks the utility
     llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=core))
-    with pytest.raises(VllmInternalsError, match=rf"has no {adaptive.UTILITY}.*VLLM_PLUGINS"):
-        adaptive.set_schedule(llm, adaptive.uniform(0, 4))
+    with pytest.raises(VllmInternalsError, match=rf"has no {spec_schedule.UTILITY}.*VLLM_PLUGINS"):
+        spec_schedule.set_schedule(llm, adaptive.uniform(0, 4))
 
 
 def test_cpu_sampler_fix_refuses_an_affected_vllm_without_its_targets(monkeypatch):
@@ -202,7 +238,7 @@ def test_cpu_sampler_fix_refuses_an_affected_vllm_without_its_targets(monkeypatc
     monkeypatch.setattr(vllm_patches, "needs_patch", lambda: True)
     monkeypatch.delattr(cpu_triton_utils, "_expand_kernel_impl")
     recovered = rejection_sampler.sample_recovered_tokens
-    with pytest.raises(VllmInternalsError, match=r"CPU speculative-sampling fix: vLLM \S+ has no "
-                                                 r"vllm\.utils\.cpu_triton_utils\._expand_kernel_impl"):
+    with pytest.raises(VllmInternalsError, match=r"CPU speculative-sampling fix: vllm\.utils\.cpu_triton_utils:"
+                                                 r"_expand_kernel_impl is missing in vLLM \S+"):
         vllm_patches.register()
     assert rejection_sampler.sample_recovered_tokens is recovered  # nothing half-applied

@@ -13,7 +13,7 @@ from rayspec.draft.trainer import online_lr
 from rayspec.draft.warmstart import (HEAD, corpus_prompt_span, lr_at, missing_prompts, read_corpus, split_prompts,
                                      train_head, trained_prompt_overlap, write_corpus)
 from rayspec.models import load_policy
-from rayspec.rollout.adaptive import read_acceptance, write_acceptance
+from rayspec.models.acceptance import read_acceptance, write_acceptance
 
 
 def _samples(n: int) -> list[tuple[list[int], list[int]]]:

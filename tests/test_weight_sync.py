@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from rayspec.config import ConfigError, load_config
-from rayspec.sync.transport import (CollectiveTransport, Refit, WeightSyncError, bucket_nbytes, make_transport,
-                                    pack_bucket, plan_buckets, state_dict_nbytes, unpack_bucket)
+from rayspec.rollout.client import RolloutClient
+from rayspec.sync import (CollectiveSender, ObjectStoreSender, Refit, WeightSender, WeightSyncError, bucket_nbytes,
+                          make_sender, pack_bucket, plan_buckets, state_dict_nbytes, unpack_bucket)
 
 
 def _state_dict():
@@ -51,22 +52,24 @@ def test_integer_maps_unpack_after_odd_sized_tensors():
         assert t.dtype == sd[name].dtype and torch.equal(t, sd[name]), name
 
 
-class _Replicas:
+class _Replica:
     """A replica that reports itself but never joins the group."""
 
-    def broadcast(self, method, *args):
-        out = {"weight_sync_member": {"replica_id": "replica-a", "group_id": None, "num_workers": 2},
-               "join_weight_sync": 1}[method]
+    def weight_sync_member(self):
+        return {"replica_id": "replica-a", "group_id": None, "num_workers": 2}
 
-        class Response:
-            def results(self, return_exceptions=False):
-                return [out]
+    def join_weight_sync(self, *args):
+        return 1
 
-        return Response()
+
+def _replicas():
+    from rayspec.rollout.client import LocalReplicas
+
+    return RolloutClient(LocalReplicas([_Replica()]), 1)
 
 
 def test_a_group_that_cannot_form_names_the_address_and_the_replica():
-    transport = CollectiveTransport(_Replicas(), "gloo", 1 << 20, timeout_s=2)
+    transport = CollectiveSender(_replicas(), "gloo", 1 << 20, timeout_s=2)
     with pytest.raises(WeightSyncError, match=r"weight-sync group at [\d.]+:\d+ \(gloo, 3 ranks.*replica-a"):
         transport.send("policy", _state_dict(), 1).results()
     transport.close()
@@ -75,17 +78,13 @@ def test_a_group_that_cannot_form_names_the_address_and_the_replica():
 def test_auto_falls_back_to_the_object_store_when_the_group_cannot_form():
     sent = []
 
-    class ObjectStore:
-        name = "object_store"
-
+    class ObjectStore(ObjectStoreSender):
         def send(self, target, weights, version):
             sent.append((target, version))
+            self.latest[target] = (version, "ref")
             return Refit(self, lambda: ([version], 0.5, 0.25), state_dict_nbytes(weights))
 
-        def rollout_refits(self):
-            return {"policy": (sent[-1][1], "ref")}
-
-    transport = CollectiveTransport(_Replicas(), "gloo", 1 << 20, timeout_s=2, fallback=ObjectStore())
+    transport = CollectiveSender(_replicas(), "gloo", 1 << 20, timeout_s=2, fallback=ObjectStore(None))
     assert transport.send("policy", _state_dict(), 1).results() == [1]
     assert transport.send("policy", _state_dict(), 2).results() == [2]  # no second attempt at a group
     assert sent == [("policy", 1), ("policy", 2)]
@@ -100,13 +99,14 @@ def test_auto_falls_back_to_the_object_store_when_the_group_cannot_form():
 def test_transport_choice_and_bad_keys():
     ws = load_config(None, []).rollout.weight_sync
     assert (ws.transport, ws.backend) == ("auto", "auto")
-    auto = make_transport(ws, None, trainer_has_gpu=True, replicas_have_gpu=True, device="cpu")
-    assert isinstance(auto, CollectiveTransport) and auto.backend == "nccl" and auto._fallback is not None
-    assert make_transport(ws, None, trainer_has_gpu=False, replicas_have_gpu=True).backend == "gloo"
+    auto = make_sender(ws, None, trainer_has_gpu=True, replicas_have_gpu=True, device="cpu")
+    assert isinstance(auto, CollectiveSender) and auto.backend == "nccl" and auto._fallback is not None
+    assert make_sender(ws, None, trainer_has_gpu=False, replicas_have_gpu=True).backend == "gloo"
     # colocated, rank 0 and a replica share a GPU: NCCL would refuse the pair
-    assert make_transport(ws, None, True, True, shared_gpus=True).backend == "gloo"
-    ws.transport = "object_store"
-    assert make_transport(ws, None, False, False).name == "object_store"
+    assert make_sender(ws, None, True, True, shared_gpus=True).backend == "gloo"
+    store = make_sender(load_config(None, ["rollout.weight_sync.transport=object_store"]).rollout.weight_sync,
+                        None, False, False)
+    assert isinstance(store, WeightSender) and store.name == "object_store"
     for override, key in [("rollout.weight_sync.transport=nccl", "rollout.weight_sync.transport"),
                           ("rollout.weight_sync.backend=nccl", "rollout.weight_sync.backend"),
                           ("rollout.weight_sync.timeout_s=0", "rollout.weight_sync.timeout_s"),
@@ -128,7 +128,7 @@ def test_tensor_parallel_workers_each_join_and_load_their_shard(tiny_llama_dir):
     the trainer's."""
     from rayspec.models import load_policy, load_tokenizer
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
-    from rayspec.sync.transport import LocalReplicas
+    from rayspec.rollout.client import LocalReplicas
     from tests.conftest import engine_kwargs
 
     eng = SpecVLLMEngine(str(tiny_llama_dir), None, dtype="float32", env=cpu_engine_env(1, "0|1"),
@@ -144,7 +144,7 @@ def test_tensor_parallel_workers_each_join_and_load_their_shard(tiny_llama_dir):
             want = policy.generate(torch.tensor([probe]), max_new_tokens=16, do_sample=False,
                                    attention_mask=torch.ones(1, len(probe), dtype=torch.long))[0, len(probe):]
         assert eng.generate([probe], temperature=0.0, max_tokens=16)[0].response_ids[0] != want.tolist()
-        transport = CollectiveTransport(LocalReplicas([eng]), "gloo", 1 << 20, timeout_s=120)
+        transport = CollectiveSender(RolloutClient(LocalReplicas([eng]), 1), "gloo", 1 << 20, timeout_s=120)
         assert transport.send("policy", dict(policy.state_dict()), 1).results() == [1]
         transport.close()
         assert eng.generate([probe], temperature=0.0, max_tokens=16)[0].response_ids[0] == want.tolist()

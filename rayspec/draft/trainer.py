@@ -31,14 +31,14 @@ from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_di
 from rayspec.draft.loss import (acceptance_by_share, acceptance_length_se, draft_overlap, draft_top1,
                                 drafting_clusters, drafting_counts, eagle3_loss, greedy_hits, replay_chains,
                                 sampled_hits, target_mask, verifier_targets)
-from rayspec.rollout.adaptive import (ACCEPTANCE_FILE, acceptance_record, expected_tokens, extrapolate_rates,
-                                      read_acceptance)
-from rayspec.train.checkpoint import load_draft_state, save_draft_state
+from rayspec.models.acceptance import ACCEPTANCE_FILE, acceptance_record, read_acceptance
+from rayspec.rollout.adaptive import expected_tokens, extrapolate_rates
+from rayspec.draft.state import load_draft_state, save_draft_state
 
 
 def recorded_acceptance_length(head_dir, draft_sample_method: str, k: int) -> float | None:
     """Acceptance length (tokens per verification step) at k drafts of the
-    rates recorded beside a head (``adaptive.read_acceptance``: None where
+    rates recorded beside a head (``models.acceptance.read_acceptance``: None where
     there are none for drafts of ``draft_sample_method``), continued past the
     measured positions geometrically (``adaptive.extrapolate_rates``)."""
     rates = read_acceptance(head_dir, draft_sample_method)
@@ -335,7 +335,7 @@ class DraftTrainer:
 
     def save_state(self, out_dir: str) -> None:
         """``get_state`` written by this actor as ``out_dir/draft.safetensors``
-        + ``draft.json`` (``rayspec.train.checkpoint.save_draft_state``), so
+        + ``draft.json`` (``rayspec.draft.state.save_draft_state``), so
         the state never passes through Ray's object store; ``out_dir`` must
         be on this actor's node.
 
@@ -356,7 +356,7 @@ class DraftTrainer:
 
     def node_and_gpu(self) -> tuple[str, str | None]:
         """(Ray node id, physical id of the GPU the head trains on, or None)."""
-        from rayspec.scheduler.placement import assigned_gpu
+        from rayspec.devices import assigned_gpu
 
         return ray.get_runtime_context().get_node_id(), assigned_gpu() if self.device.type == "cuda" else None
 
@@ -419,8 +419,7 @@ class TrainingCadence:
     0.02 took noise for learning and trained the head again after each
     idle step that trained it. Training a head that drafts little or
     nothing buys little rollout time, and on a colocated node
-    it takes the policy update's cores (2 CPU cores, GSM8K: 5.4 s of a 44 s
-    step, docs/benchmarks.md); the idle steps that do train keep it up with
+    it takes the policy update's cores; the idle steps that do train keep it up with
     the policy and give adaptive k a fresh estimate, which turns drafting
     back on where the head comes to pay. The backoff: an idle training step
     whose estimate shows no learning says the next one most likely will not

@@ -22,6 +22,8 @@ import json
 import math
 import os
 import random
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -30,14 +32,16 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from rayspec.batch import RolloutBatch
-from rayspec.draft.eagle3 import Eagle3Head, aux_layer_ids, load_head, save_head
+from rayspec.config import DEFAULT_DRAFT_LR, DEFAULT_DRAFT_SAMPLE_METHOD
+from rayspec.draft.eagle3 import Eagle3Head, aux_layer_ids, init_head, load_head, save_head, vllm_state_dict
 from rayspec.draft.loss import eagle3_loss
-from rayspec.rollout.adaptive import acceptance_record
+from rayspec.models.acceptance import acceptance_record
 from rayspec.train.capture import capture_eagle3_features
 
 CORPUS = "corpus.jsonl"
 HEAD = "draft_head"
 BEST = "best_head"
+GENERATE_CHUNK = 128  # prompts per engine call while the corpus is generated
 
 
 def write_corpus(samples: Iterable[tuple[list[int], list[int]]], path: Path) -> None:
@@ -264,3 +268,245 @@ def trained_prompt_overlap(head_dir: str | os.PathLike, data: str, indices: Iter
     if record.get("data") != data or not span:
         return []
     return sorted(i for i in set(indices) if span[0] <= i < span[1])
+
+
+def acceptance(engine, prompts: list[list[int]], n: int, cfg,
+               temperature: float | None = None) -> tuple[dict, list[list[int]]]:
+    """(acceptance figures of ``n`` samples of each prompt at ``temperature``
+    (None: the RL temperature), their response ids)."""
+    batch, stats = engine.generate(prompts, n=n, max_tokens=cfg.grpo.max_new_tokens,
+                                   temperature=cfg.grpo.temperature if temperature is None else temperature)
+    return {"acceptance_length": stats.acceptance_length,
+            "acceptance_rate_per_pos": stats.acceptance_rate_per_pos,
+            "tokens_per_s": stats.tokens_per_s, "output_tokens": stats.output_tokens}, batch.response_ids
+
+
+@dataclass(frozen=True)
+class WarmStartOptions:
+    """A warm start's schedule (``jobs.warmstart_draft``'s options).
+
+    Args:
+        train_prompts: prompts of ``data.*`` (after the held-out ones) the
+            policy answers for the training corpus.
+        heldout_prompts: the first prompts, never trained on: acceptance is
+            measured on them.
+        samples / heldout_samples: responses per training / held-out prompt.
+        steps: most optimizer steps in total (the learning-rate schedule's length).
+        eval_every: steps between held-out evaluations (0: once, at ``steps``).
+        patience: evaluations without improvement before training stops.
+        min_delta: held-out acceptance length gain (tokens per verification
+            step) that counts as improvement.
+        micro_batch: samples per optimizer step.
+        save_every: steps between saved training states (resume points).
+        feature_cache_gib: host memory for the verifier features of training
+            micro-batches (GiB); those past it are recomputed each epoch.
+    """
+
+    train_prompts: int = 64
+    heldout_prompts: int = 16
+    samples: int = 4
+    heldout_samples: int = 4
+    steps: int = 2000
+    eval_every: int = 100
+    patience: int = 3
+    min_delta: float = 0.01
+    micro_batch: int = 4
+    save_every: int = 50
+    feature_cache_gib: float = 4.0
+
+
+def warm_start(cfg, out: str | os.PathLike, args: WarmStartOptions, report=print) -> dict:
+    """Warm-start an EAGLE-3 head for ``cfg``'s policy on its own responses
+    to ``cfg.data``'s prompts (see the module docstring and
+    ``jobs.warmstart_draft``): generate the corpus (resumable, chunk by
+    chunk), make or load the head, train it with held-out evaluations and
+    early stopping, and leave the best head in ``out/draft_head`` with its
+    acceptance record. ``report`` gets one line per corpus chunk and
+    evaluation.
+
+    Returns:
+        ``result.json``'s content: "before" / "after" held-out acceptance,
+        "history" of every evaluation, "best", "train", "draft_vocab".
+
+    Raises:
+        ValueError: the prompts, corpus or an earlier result do not fit the
+            options (named).
+    """
+    from rayspec.data import chat_prompt_ids, load_problems
+    from rayspec.draft.vocab import coverage, token_counts
+    from rayspec.models import load_policy, load_tokenizer, resolve_model_path
+    from rayspec.rollout.adaptive import uniform
+    from rayspec.rollout.engine import SpecVLLMEngine, replica_env
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    tok = load_tokenizer(model_dir)
+    prompts = [chat_prompt_ids(tok, p) for p in load_problems(cfg.data)]
+    try:
+        train_p, held = split_prompts(prompts, args.train_prompts, args.heldout_prompts)
+    except ValueError as e:
+        raise ValueError(f"train_prompts / heldout_prompts: {e}") from None
+    result_path = out / "result.json"
+    result = json.loads(result_path.read_text()) if result_path.is_file() else {}
+    if result.get("heldout_prompts", args.heldout_prompts) != args.heldout_prompts:
+        raise ValueError(f"heldout_prompts {args.heldout_prompts}: {result_path} was scored on "
+                         f"{result['heldout_prompts']} held-out prompts")
+    engine_args = dict(dtype=cfg.model.dtype, engine_kwargs=dict(cfg.rollout.engine_kwargs),
+                       env=replica_env(cfg.rollout))
+    samples = _grow_corpus(cfg, model_dir, train_p, held, out, args, engine_args, report)
+    policy = load_policy(model_dir).eval()
+    head_ids, draft_vocab = _prepare_head(cfg, policy, tok, samples, out)
+    # held-out acceptance with the run's drafts (greedy or sampled): what early
+    # stopping watches and acceptance.json records, where adaptive k starts
+    spec, k = cfg.rollout.speculative_config, cfg.rollout.speculative_config.num_speculative_tokens
+    engine = SpecVLLMEngine(
+        str(model_dir), {"method": "eagle3", "model": str(out / HEAD), "num_speculative_tokens": k,
+                         "draft_sample_method": spec.draft_sample_method,
+                         "num_speculative_tokens_per_batch_size": uniform(
+                             k, cfg.rollout.engine_kwargs.get("max_num_seqs", 256))}, **engine_args)
+    try:
+        if "before" not in result:
+            result["before"], _ = acceptance(engine, held, args.heldout_samples, cfg)
+            result["heldout_prompts"] = len(held)
+            result_path.write_text(json.dumps(result, indent=1))
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        history, best = result.get("history", []), result.get("best")
+        done = history[-1]["step"] if history else 0
+        peak_lr = DEFAULT_DRAFT_LR if cfg.draft.lr is None else cfg.draft.lr
+        tokens_per_step = args.micro_batch * sum(len(r) for _, r in samples) / len(samples)
+        t0, seconds_before = time.perf_counter(), result.get("train_seconds", 0.0)
+        record = {"k": k, "temperature": cfg.grpo.temperature,
+                  "draft_sample_method": spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
+                  "data": cfg.data.name, "heldout_prompts": len(held), "heldout_samples": args.heldout_samples,
+                  "policy": str(model_dir), "train_prompts": corpus_prompt_span(prompts, samples)}
+        while not result.get("stopped") and done < args.steps:
+            target = min(args.steps, done + args.eval_every) if args.eval_every else args.steps
+            trained = train_head(policy, samples, out, target, peak_lr, cfg.draft.ttt_steps, pad,
+                                 micro_batch=args.micro_batch, save_every=args.save_every,
+                                 seed=cfg.trainer.seed, schedule_steps=args.steps,
+                                 tv_weight=cfg.draft.tv_loss_weight,
+                                 feature_cache_bytes=int(args.feature_cache_gib * 2 ** 30))
+            done = trained["steps"]
+            engine.receive_refit("draft", vllm_state_dict(load_head(out / HEAD)), done)
+            at_t, held_responses = acceptance(engine, held, args.heldout_samples, cfg)
+            greedy, _ = acceptance(engine, held, 1, cfg, temperature=0.0)
+            history.append({"step": done, "train_tokens": round(done * tokens_per_step), **trained,
+                            "acceptance_length": at_t["acceptance_length"],
+                            "greedy_acceptance_length": greedy["acceptance_length"],
+                            "seconds": seconds_before + time.perf_counter() - t0})
+            report(f"step {done}: held-out acceptance length {at_t['acceptance_length']:.3f} "
+                   f"(T={cfg.grpo.temperature}), {greedy['acceptance_length']:.3f} (greedy), "
+                   f"loss {trained['draft_loss']:.3f}")
+            if best is None or at_t["acceptance_length"] > best["acceptance_length"] + args.min_delta:
+                best = {"step": done, "acceptance_length": at_t["acceptance_length"], "after": at_t}
+                save_head(load_head(out / HEAD), out / BEST)
+                _record_best(out / BEST, best, record, peak_lr, args.steps)
+                if head_ids is not None:
+                    draft_vocab["heldout_coverage"] = coverage(token_counts(held_responses, draft_vocab["vocab_size"]),
+                                                               head_ids)
+            elif args.eval_every and (done - best["step"]) // args.eval_every >= args.patience:
+                result["stopped"] = (f"held-out acceptance length did not improve by {args.min_delta} "
+                                     f"in {args.patience} evaluations after step {best['step']}")
+            result.update(history=history, best=best, after=best["after"], train=history[-1],
+                          train_seconds=history[-1]["seconds"], corpus_samples=len(samples),
+                          draft_vocab=draft_vocab, heldout_prompts=len(held), model=str(model_dir),
+                          dtype=cfg.model.dtype, data=cfg.data.name, k=k, temperature=cfg.grpo.temperature)
+            result_path.write_text(json.dumps(result, indent=1))
+            plot_history(history, out / "acceptance.png", cfg.grpo.temperature)
+        if best is None:
+            raise ValueError(f"steps {args.steps}: nothing to train")
+        # the head the run hands on is the best held-out one (its fp32
+        # training state stays the last step's, where a resumed run continues)
+        save_head(load_head(out / BEST), out / HEAD)
+        _record_best(out / HEAD, best, record, peak_lr, args.steps)
+    finally:
+        engine.shutdown()
+    return result
+
+
+def _grow_corpus(cfg, model_dir, train_prompts: list, held: list, out: Path, args: WarmStartOptions,
+                 engine_args: dict, report) -> list[tuple[list[int], list[int]]]:
+    """The corpus in ``out``, grown by ``args.samples`` responses of the
+    policy (a plain engine: an untrained head only slows generation) to each
+    training prompt it lacks, written chunk by chunk so an interrupted
+    generation resumes from its last chunk.
+
+    Raises:
+        ValueError: the corpus holds held-out prompts or is not a corpus (named).
+    """
+    from rayspec.rollout.engine import SpecVLLMEngine
+
+    samples = read_corpus(out / CORPUS) if (out / CORPUS).is_file() else []
+    try:
+        todo = missing_prompts(train_prompts, samples, held)
+    except ValueError as e:
+        raise ValueError(f"{out / CORPUS}: {e}") from None
+    if not todo:
+        return samples
+    t0, tokens = time.perf_counter(), 0
+    engine = SpecVLLMEngine(str(model_dir), None, **engine_args)
+    try:
+        for i in range(0, len(todo), GENERATE_CHUNK):
+            batch, _ = engine.generate(todo[i:i + GENERATE_CHUNK], n=args.samples,
+                                       temperature=cfg.grpo.temperature, max_tokens=cfg.grpo.max_new_tokens)
+            samples += zip(batch.prompt_ids, batch.response_ids)
+            tokens += sum(map(len, batch.response_ids))
+            write_corpus(samples, out / CORPUS)
+    finally:
+        engine.shutdown()
+    report(f"corpus: {len(todo)} new prompts x {args.samples} samples, {tokens} response tokens "
+           f"in {time.perf_counter() - t0:.0f} s; {len(samples)} samples in all")
+    return samples
+
+
+def _prepare_head(cfg, policy, tok, samples: list, out: Path) -> tuple:
+    """The head in ``out/draft_head``: kept where there is one, else
+    ``rollout.speculative_config.model``, else a new head whose draft
+    vocabulary is the ``draft.draft_vocab_size`` most frequent tokens of the
+    corpus. Returns (its draft ids or None, the draft vocabulary's record:
+    sizes and the corpus's coverage)."""
+    from rayspec.draft.vocab import coverage, select_draft_vocab, token_counts
+
+    spec, V = cfg.rollout.speculative_config, policy.config.vocab_size
+    counts = token_counts((r for _, r in samples), V)
+    if not (out / HEAD / "model.safetensors").is_file():
+        n = cfg.draft.draft_vocab_size
+        vocab = None if spec.model or n is None or n >= V else select_draft_vocab(
+            counts, n, always=[t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None])
+        head = load_head(spec.model) if spec.model else init_head(
+            policy, cfg.draft.aux_hidden_state_layer_ids, seed=cfg.trainer.seed, draft_vocab=vocab)
+        save_head(head, out / HEAD)
+    head_ids = load_head(out / HEAD).draft_ids
+    return head_ids, {"draft_vocab_size": V if head_ids is None else head_ids.numel(), "vocab_size": V,
+                      "train_coverage": 1.0 if head_ids is None else coverage(counts, head_ids)}
+
+
+def _record_best(head_dir: Path, best: dict, record: dict, peak_lr: float, steps: int) -> None:
+    """The best head's held-out rates beside it (``acceptance.json``), where
+    adaptive k starts, with the rate of its last step (online training
+    continues at it)."""
+    from rayspec.models.acceptance import write_acceptance
+
+    write_acceptance(head_dir, best["after"]["acceptance_rate_per_pos"], **{
+        **record, "train_steps": best["step"], "final_lr": lr_at(best["step"] - 1, peak_lr, steps)})
+
+
+def plot_history(history: list[dict], path: Path, temperature: float) -> None:
+    """Held-out acceptance length against training tokens (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = [h["train_tokens"] for h in history]
+    ax.plot(x, [h["acceptance_length"] for h in history], "o-", label=f"T={temperature}")
+    ax.plot(x, [h["greedy_acceptance_length"] for h in history], "s--", label="greedy")
+    ax.set_xlabel("training tokens (response tokens seen)")
+    ax.set_ylabel("held-out acceptance length")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

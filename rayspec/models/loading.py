@@ -266,7 +266,7 @@ def make_markov_llama(out_dir: str | os.PathLike, logits: torch.Tensor, *,
     the residual stream; the embedding of token i is the basis vector e_i,
     which the final RMSNorm scales to ``sqrt(hidden) * e_i``, and ``lm_head``
     is ``logits.T / sqrt(hidden)``. The model's logits after token i are then
-    ``logits[i]`` up to the norm's epsilon. ``rayspec.rollout.lossless.
+    ``logits[i]`` up to the norm's epsilon. ``rayspec.tools.lossless.
     transition_probs`` reads the exact distribution back from the saved model.
     No tokenizer is written: engines need ``skip_tokenizer_init=True``.
 

@@ -97,14 +97,12 @@ def measure_overlap(shape: ModelShape, tokens: tuple[int, ...] = (8, 16, 32, 64,
     ``tokens``, each the best of ``repeats``.
     """
     import torch
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from rayspec.rollout.vllm.engine_access import cpu_linear
 
     h, inter = shape.hidden_size, shape.intermediate_size or 4 * shape.hidden_size
 
     def linear():
-        lin = torch.nn.Linear(h, inter, bias=False).requires_grad_(False)
-        dispatch_cpu_unquantized_gemm(lin, remove_weight=True)
-        return lin.cpu_linear
+        return cpu_linear(torch.nn.Linear(h, inter, bias=False).requires_grad_(False))
 
     stack = [linear() for _ in range(max(1, nbytes // (4 * h * inter)))]
     hot = stack[:1] * len(stack)
@@ -125,7 +123,7 @@ def measure_rejection_noise(vocab_size: int, rows: int = 8, repeats: int = 20) -
     from its own generator, -log1p(-U), cast to float32, reciprocal)."""
     import torch
 
-    from rayspec.rollout.vllm_patches import exp_noise_rows
+    from rayspec.rollout.vllm.cpu_fixes import exp_noise_rows
 
     gens = [torch.Generator().manual_seed(i) for i in range(rows)]
     return _time(lambda: exp_noise_rows(gens, vocab_size, torch.float32).reciprocal_(), repeats) / (rows * vocab_size)

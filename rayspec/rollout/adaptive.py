@@ -61,7 +61,7 @@ once, wherever its measured predecessor was switched off, and one it says
 does not pay costs nothing. The replay also comes by share of the rollout
 in flight (``rayspec.draft.loss.acceptance_by_share``): a rollout's tail,
 where a schedule on CPUs drafts, holds its longest responses, which the
-replicas accepted at a third to a half of the whole rollout's replayed rate
+replicas accepted at a quarter to a half of the whole rollout's replayed rate
 (RL on 2 CPU cores, docs/benchmarks.md); so each batch size drafts by the
 rates of its share of the rollout (``rates_at``). Each estimate is scaled
 by a per-position calibration, measured / estimated where the schedule
@@ -97,220 +97,10 @@ they are not (the plugin did not load, or the runner is V2).
 from __future__ import annotations
 
 import bisect
-import functools
-import json
-import logging
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, DRAFT_SAMPLE_METHODS
-from rayspec.files import write_text_atomic
-from rayspec.rollout.vllm_compat import internals_error
-
-log = logging.getLogger(__name__)
-
-UTILITY = "rayspec_set_num_speculative_tokens_per_batch_size"
-ACCEPTANCE_FILE = "acceptance.json"
-HOOK = "adaptive k"
 MATCH_DRAFTERS = ("ngram", "suffix")  # vLLM methods that draft only where their match does
-_register_error: str | None = None  # why register() could not install the hooks, in this process
-
-
-def _set_schedule(self, schedule: list, drafter_idle: bool | None = None) -> list:
-    """EngineCore utility: replace the scheduler's batch-size -> k lookup.
-
-    ``drafter_idle`` None: idle iff k is 0 everywhere; False keeps the
-    drafter's KV-sync forward running at k = 0 (calibration times it).
-    Returns the normalised schedule. Raises RuntimeError when the engine was
-    built without ``num_speculative_tokens_per_batch_size`` (its scheduler
-    pads every decode to k+1 tokens and cannot switch).
-    """
-    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
-
-    if not getattr(self, "rayspec_hooks_checked", False):
-        self.collective_rpc(_check_worker_hooks)
-        self.rayspec_hooks_checked = True
-    sched = self.scheduler
-    if getattr(sched, "dynamic_sd_lookup", None) is None:
-        raise RuntimeError("engine built without speculative_config.num_speculative_tokens_per_batch_size; "
-                           "build it with a schedule to switch k at run time")
-    sched.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
-        [tuple(r) for r in schedule], sched.scheduler_config.max_num_seqs, sched.num_spec_tokens)
-    idle = drafts_nowhere(schedule) if drafter_idle is None else drafter_idle
-    if idle != getattr(self, "rayspec_drafter_idle", False):
-        self.collective_rpc(_set_drafter_idle, args=(idle,))
-        if not idle:
-            self.reset_prefix_cache()
-        self.rayspec_drafter_idle = idle
-    return [list(r) for r in schedule]
-
-
-def _set_drafter_idle(worker, idle: bool) -> None:
-    """Worker-side half of ``_set_schedule`` (sent by collective_rpc)."""
-    worker.model_runner.drafter.rayspec_idle = idle
-
-
-def _check_worker_hooks(worker) -> None:
-    """In a worker: the model runner is V1 (``drafter``), its ``_sample``
-    and, for model and suffix drafters, ``propose`` are wrapped by
-    ``register``.
-
-    Raises:
-        VllmInternalsError: naming what is missing and the vLLM version.
-    """
-    runner = worker.model_runner
-    name = f"{type(runner).__module__}.{type(runner).__qualname__}"
-    why = f" (the rayspec_spec_schedule plugin: {_register_error})" if _register_error else ""
-    if not hasattr(runner, "drafter"):
-        raise internals_error(HOOK, f"the model runner {name} has no `drafter` (the V2 runner keeps a "
-                                    "`speculator`; adaptive engines need the V1 runner: "
-                                    "VLLM_USE_V2_MODEL_RUNNER=0)")
-    if not getattr(getattr(type(runner), "_sample", None), "rayspec_wrapped", False):
-        raise internals_error(HOOK, f"{name}._sample is not wrapped{why}")
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
-
-    drafter = runner.drafter
-    if isinstance(drafter, (SpecDecodeBaseProposer, SuffixDecodingProposer)) and \
-            not getattr(type(drafter).propose, "rayspec_wrapped", False):
-        raise internals_error(HOOK, f"{type(drafter).__qualname__}.propose is not wrapped{why}")
-
-
-def _propose_unless_idle(propose):
-    """Wrap ``SpecDecodeBaseProposer.propose``: an idle drafter asked for 0
-    tokens returns [batch, 0] int64 draft ids without its forward pass."""
-    @functools.wraps(propose)
-    def wrapped(self, num_speculative_tokens, *args, **kwargs):
-        if num_speculative_tokens == 0 and getattr(self, "rayspec_idle", False):
-            import torch
-
-            return torch.empty(kwargs["common_attn_metadata"].batch_size(), 0,
-                               dtype=torch.int64, device=self.device)
-        return propose(self, num_speculative_tokens, *args, **kwargs)
-
-    wrapped.rayspec_wrapped = True
-    return wrapped
-
-
-def _suffix_at_scheduled_k(propose):
-    """Wrap ``SuffixDecodingProposer.propose``: draft at most the k the
-    scheduler chose for this step.
-
-    vLLM 0.32's suffix proposer asserts that the scheduled k equals
-    ``num_speculative_tokens`` and caps every draft at the latter, so a
-    batch-size schedule (dynamic speculative decoding) stops the engine at
-    its first step with another k. Suffix Decoding itself takes any budget
-    per call (arXiv 2411.04975: the draft is the tree's most likely path,
-    at most ``max_spec_tokens`` and ``max_spec_factor`` x the match length
-    long), so the wrapper passes the scheduled k as that budget. At k = 0
-    the call still runs: it is what adds each step's sampled tokens to the
-    request's suffix tree (and the response to the shared cache), so a
-    sequence drafts from its whole text when its batch size drafts again;
-    the tree update is C++ and costs microseconds, so the drafter never idles.
-    """
-    @functools.wraps(propose)
-    def wrapped(self, num_speculative_tokens, *args, **kwargs):
-        configured = self.num_speculative_tokens
-        self.num_speculative_tokens = min(num_speculative_tokens, configured)
-        try:
-            return propose(self, self.num_speculative_tokens, *args, **kwargs)
-        finally:
-            self.num_speculative_tokens = configured
-
-    wrapped.rayspec_wrapped = True
-    return wrapped
-
-
-def _plain_sample_without_drafts(sample):
-    """Wrap ``GPUModelRunner._sample``: a step in which no request carries a
-    draft samples with the plain sampler.
-
-    vLLM 0.32 builds spec-decode metadata for every step of a speculative
-    engine, drafts or not, so a step at k = 0 still runs the rejection
-    sampler: the bonus tokens through the same sampler, then a [batch, vocab]
-    logits copy, two index_puts and a second log-softmax for the logprobs,
-    none of which a plain engine does (about 2 ms of a 107 ms step at 16
-    sequences on 2 CPU cores). With no drafts the rejection sampler returns
-    exactly the sampler's tokens and logprobs ([batch, 1] int32 ids, the same
-    generators drawn), so the plain call is the same computation. Left alone
-    under async scheduling, whose spec path also updates draft bookkeeping.
-    """
-    @functools.wraps(sample)
-    def wrapped(self, logits, spec_decode_metadata):
-        if (spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0
-                and not self.use_async_scheduling):
-            spec_decode_metadata = None
-        return sample(self, logits, spec_decode_metadata)
-
-    wrapped.rayspec_wrapped = True
-    return wrapped
-
-
-def register() -> None:
-    """vLLM general-plugin hook: add the schedule utility to EngineCore, the
-    idle check to the model drafters' ``propose``, the scheduled k to the
-    suffix drafter's and the plain sampler to steps without drafts
-    (idempotent).
-
-    vLLM loads every installed plugin into every engine, adaptive or not, so
-    a vLLM without these internals is not an error here: the reason is kept
-    and logged, and an adaptive engine raises it at its first schedule
-    change (``_set_schedule``, ``set_schedule``)."""
-    global _register_error
-    try:
-        from vllm.v1.engine.core import EngineCore
-        from vllm.v1.spec_decode.dynamic import utils  # noqa: F401  (feature check)
-        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-        from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-        for cls, attr in ((SpecDecodeBaseProposer, "propose"), (GPUModelRunner, "_sample"),
-                          (SuffixDecodingProposer, "propose")):
-            if not callable(getattr(cls, attr, None)):
-                raise AttributeError(f"{cls.__qualname__}.{attr}")
-    except (ImportError, AttributeError) as e:
-        import vllm
-
-        _register_error = f"vLLM {vllm.__version__} lacks {e}"
-        log.warning("rayspec adaptive k is unavailable: %s", _register_error)
-        return
-    if not hasattr(EngineCore, UTILITY):
-        setattr(EngineCore, UTILITY, _set_schedule)
-    if not getattr(SpecDecodeBaseProposer.propose, "rayspec_wrapped", False):
-        SpecDecodeBaseProposer.propose = _propose_unless_idle(SpecDecodeBaseProposer.propose)
-    if not getattr(SuffixDecodingProposer.propose, "rayspec_wrapped", False):
-        SuffixDecodingProposer.propose = _suffix_at_scheduled_k(SuffixDecodingProposer.propose)
-    if not getattr(GPUModelRunner._sample, "rayspec_wrapped", False):
-        GPUModelRunner._sample = _plain_sample_without_drafts(GPUModelRunner._sample)
-
-
-def set_schedule(llm, schedule: list[tuple[int, int, int]], drafter_idle: bool | None = None) -> None:
-    """Apply ``schedule`` ([(lo, hi, k)], inclusive batch-size ranges) to a
-    running ``vllm.LLM`` (engine core in its own process or in-process).
-    ``drafter_idle``: see ``_set_schedule`` (None: idle iff k = 0 everywhere).
-
-    Raises:
-        RuntimeError: the engine has no dynamic schedule.
-        VllmInternalsError: the engine core lacks the utility (the plugin did
-            not load), or a worker lacks the hooks (``_check_worker_hooks``).
-    """
-    core = llm.llm_engine.engine_core
-    args = [list(r) for r in schedule]
-    missing = internals_error(HOOK, f"the engine core has no {UTILITY} (the rayspec_spec_schedule "
-                                    "vllm.general_plugins entry point did not load: is it excluded by "
-                                    "VLLM_PLUGINS?)")
-    if not hasattr(core, "call_utility"):  # InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-        if not hasattr(core.engine_core, UTILITY):
-            raise missing
-        getattr(core.engine_core, UTILITY)(args, drafter_idle)
-        return
-    try:
-        core.call_utility(UTILITY, args, drafter_idle)
-    except Exception as e:  # vLLM returns the engine core's error as a plain Exception
-        if f"has no attribute '{UTILITY}'" in str(e):
-            raise missing from None
-        raise
 
 
 def uniform(k: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
@@ -349,70 +139,6 @@ def extrapolate_rates(rates: list[float], k_max: int) -> list[float]:
     a = geometric_rate(rates)
     return list(rates) + [rates[-1] * a ** (j + 1) for j in range(k_max - len(rates))]
 
-
-def write_acceptance(draft_dir, rates: list[float], **meta) -> Path:
-    """Record a draft's measured acceptance rates per position beside it
-    (``draft_dir/acceptance.json``: ``acceptance_rate_per_pos`` and ``meta``,
-    e.g. the k, temperature and prompts they were measured with), written
-    atomically. ``save_head`` replaces the whole directory, so a head
-    rewritten later (trained further) loses the record. Returns the file."""
-    return write_text_atomic(Path(draft_dir) / ACCEPTANCE_FILE,
-                             json.dumps({"acceptance_rate_per_pos": list(rates), **meta}, indent=1))
-
-
-def acceptance_record(draft_dir) -> dict | None:
-    """The whole record ``write_acceptance`` left beside a draft (its rates
-    and what the warm start noted: ``train_prompts``, ``final_lr``, ...),
-    or None where there is none (or no ``draft_dir``).
-
-    Raises:
-        ValueError: the file is not a JSON object (the file is named).
-    """
-    path = Path(draft_dir) / ACCEPTANCE_FILE if draft_dir else None
-    if path is None or not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not an acceptance record (not JSON: {e})") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{path}: not an acceptance record (a {type(record).__name__}, not a JSON object)")
-    return record
-
-
-def read_acceptance(draft_dir, draft_sample_method: str = DEFAULT_DRAFT_SAMPLE_METHOD) -> list[float] | None:
-    """The acceptance rates per position recorded beside a draft
-    (``write_acceptance``), or None where there is no record (or no
-    ``draft_dir``), or where it was measured with drafts of another
-    ``draft_sample_method`` than the engine's (a record without the key was
-    measured with vLLM's default, greedy): sampled drafts are accepted with
-    sum_v min(p, q) where greedy ones are with p(argmax q), so one method's
-    rates misjudge the other's (the warm GSM8K head at T = 1: 0.30 greedy
-    against 0.43 sampled at position 1), and the first rollout then drafts
-    at every batch size to measure them instead.
-
-    Raises:
-        ValueError: the record is not JSON, its ``acceptance_rate_per_pos``
-            is not a list of rates in [0, 1] or its ``draft_sample_method``
-            not one of vLLM's (the file is named).
-    """
-    record = acceptance_record(draft_dir)
-    if record is None:
-        return None
-    path = Path(draft_dir) / ACCEPTANCE_FILE
-    if "acceptance_rate_per_pos" not in record:
-        raise ValueError(f"{path}: not an acceptance record (no acceptance_rate_per_pos)")
-    rates = record["acceptance_rate_per_pos"]
-    method = record.get("draft_sample_method", DEFAULT_DRAFT_SAMPLE_METHOD)
-    if not (isinstance(rates, list) and all(isinstance(r, (int, float)) and 0 <= r <= 1 for r in rates)):
-        raise ValueError(f"{path}: acceptance_rate_per_pos must be a list of rates in [0, 1], got {rates!r}")
-    if method not in DRAFT_SAMPLE_METHODS:
-        raise ValueError(f"{path}: draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, got {method!r}")
-    if method != draft_sample_method:
-        log.warning("adaptive k: %s was measured with %s drafts, the engine drafts %s: not used",
-                    path, method, draft_sample_method)
-        return None
-    return [float(r) for r in rates]
 
 
 def physical_limit(a: float, k: int, c: float, draft_fraction: float = 1.0) -> float:
@@ -482,8 +208,8 @@ class StepCost:
         plain at 16 sequences, and the shape rule kept a schedule drafting
         at 1-3 sequences, in rollouts whose 16 sequences mostly ran to the
         token limit together, for a predicted 8% it did not get; its
-        rollouts ran 0.85x of plain decoding's (docs/benchmarks.md, "A sync
-        step timed below a plain one")."""
+        rollouts ran 0.85x of plain decoding's (docs/benchmarks.md, "Adaptive
+        k's calibration")."""
         plain = self.seconds(b, 0)
         return max(self._interp(self.sync_s, b), plain) if self.sync_s else plain
 

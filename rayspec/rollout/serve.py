@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import math
-import random
-from typing import Any, Callable, Optional
+from pathlib import Path
 
-import ray
 from ray import serve
 
-from rayspec.batch import RolloutBatch
-from rayspec.rollout.engine import ReplicaBehind, SpecVLLMEngine, replica_env
-from rayspec.rollout.spec_stats import SpecStats
-
-log = logging.getLogger(__name__)
+from rayspec.rollout.engine import SpecVLLMEngine, replica_env
 
 APP_NAME = "rayspec-rollout"
 DEPLOYMENT_NAME = "SpecVLLMReplica"
@@ -62,7 +55,9 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
     ak = cfg.rollout.adaptive_k
     adaptive = ({"margin": ak.margin, "calibration_tokens": ak.calibration_tokens,
                  "calibration_rounds": ak.calibration_rounds, "probe_every": ak.probe_every,
-                 "temperature": cfg.grpo.temperature, "max_batch": largest_shard(cfg)} if ak.enabled else None)
+                 "temperature": cfg.grpo.temperature, "max_batch": largest_shard(cfg),
+                 "calibration_cache": str(Path(cfg.model.cache_dir).expanduser() / "calibration")
+                 if ak.cache_calibration else None} if ak.enabled else None)
     # the rollout app is reached through handles only: no HTTP proxy (no-op
     # where Serve already runs)
     serve.start(proxy_location="Disabled")
@@ -74,7 +69,7 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
 
 def largest_shard(cfg) -> int:
     """The most sequences one ``generate`` call gives a replica in a run of
-    ``cfg`` (RunConfig): a step's rollout shard (``submit``: the prompts
+    ``cfg`` (RunConfig): a step's rollout shard (``RolloutClient.submit``: the prompts
     split over ``rollout.num_replicas``, ``grpo.group_size`` samples each)
     or, with ``trainer.eval_every``, an evaluation's (``trainer.eval_samples``
     samples of ``data.eval_num_problems``). A replica runs one call at a
@@ -87,110 +82,9 @@ def largest_shard(cfg) -> int:
     return max(shard(cfg.data.prompts_per_step, cfg.grpo.group_size), evaluation)
 
 
-def get_rollout_handle() -> serve.handle.DeploymentHandle:
-    """The running rollout deployment's handle (from any process in the cluster)."""
-    return serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME)
+def rollout_client(num_replicas: int):
+    """A ``RolloutClient`` of the running rollout deployment (from any
+    process in the cluster), sharding rollouts over ``num_replicas``."""
+    from rayspec.rollout.client import RolloutClient
 
-
-class PendingRollout:
-    """Rollout shards in flight on the replicas (``submit``); ``result()`` joins them.
-
-    A shard whose replica dies mid-generation is sent again through the
-    handle (Serve routes it to a live replica, or queues it until the
-    controller has replaced the dead one); the lost attempt returns nothing,
-    so no sample is duplicated, and with a per-shard seed the retry draws
-    the same samples.
-
-    A shard that reaches a replica outside the weight-sync group, holding
-    older weights (``ReplicaBehind``), is sent again with ``catch_up``'s
-    refits (the weights as ObjectRefs); that is not a retry.
-    """
-
-    def __init__(self, handle, shards: list[dict[str, Any]], max_retries: int = 2,
-                 catch_up: Optional[Callable[[dict], dict]] = None):
-        self._handle, self._shards, self.max_retries = handle, shards, max_retries
-        self._catch_up = catch_up
-        self._responses = [handle.generate.remote(**kw) for kw in shards]
-        self.retries = 0
-
-    def _shard_result(self, i: int):
-        attempt = 0
-        while True:
-            try:
-                return self._responses[i].result()
-            except ReplicaBehind as e:
-                if self._catch_up is None:
-                    raise
-                log.warning("%s; sending the shard again with the weights through the object store",
-                            str(e).strip().splitlines()[-1])  # the message, not Ray's remote traceback
-                kw = self._shards[i] = dict(self._shards[i], refits=self._catch_up(self._shards[i]["refits"]))
-                self._responses[i] = self._handle.generate.remote(**kw)
-            except ray.exceptions.RayActorError as e:
-                if attempt == self.max_retries:
-                    raise
-                attempt += 1
-                kw = self._shards[i]
-                log.warning("rollout replica died generating prompts %d..%d (%s); retrying the shard "
-                            "(%d/%d)", kw["group_offset"], kw["group_offset"] + len(kw["prompt_ids"]) - 1,
-                            type(e).__name__, attempt, self.max_retries)
-                self.retries += 1
-                self._responses[i] = self._handle.generate.remote(**kw)
-
-    def result(self) -> tuple[RolloutBatch, SpecStats]:
-        """Wait for every shard, retrying those whose replica died.
-
-        Returns:
-            (RolloutBatch grouped by prompt in input order, SpecStats summed
-            over replicas, with each replica's own in ``.replicas``).
-
-        Raises:
-            ray.exceptions.RayActorError: a shard's replica died on every
-                one of its ``max_retries + 1`` attempts.
-        """
-        parts = [self._shard_result(i) for i in range(len(self._responses))]
-        stats = SpecStats()
-        for _, s in parts:
-            stats = stats + s
-        return RolloutBatch.concat([b for b, _ in parts]), stats
-
-    def cancel(self) -> None:
-        """Give up on the shards (a replica finishes a generate it started)."""
-        for r in self._responses:
-            r.cancel()
-
-
-def shard_seed(seed: int, *keys: int) -> int:
-    """A 62-bit seed for (seed, keys...), e.g. (trainer.seed, RL step, first prompt)."""
-    # a str seed is hashed with SHA-512: stable across processes, unlike hash()
-    return random.Random(":".join(map(str, (seed, *keys)))).getrandbits(62)
-
-
-def submit(handle, prompt_ids: list[list[int]], num_shards: int, seed: int | None = None,
-           catch_up: Optional[Callable[[dict], dict]] = None, **kwargs: Any) -> PendingRollout:
-    """Shard prompts over the replicas through the Serve handle (contiguous
-    shards, one per replica); returns without waiting.
-
-    Args:
-        seed: each shard samples with ``shard_seed(seed, first prompt)``
-            (None: the replicas' own random streams).
-        catch_up: see PendingRollout.
-        kwargs: further ``SpecVLLMEngine.generate`` arguments (sampling,
-            ``refits``).
-    """
-    num_shards = max(1, min(num_shards, len(prompt_ids)))
-    bounds = [round(i * len(prompt_ids) / num_shards) for i in range(num_shards + 1)]
-    return PendingRollout(handle, [
-        {"prompt_ids": prompt_ids[a:b], "group_offset": a,
-         "seed": None if seed is None else shard_seed(seed, a), **kwargs}
-        for a, b in zip(bounds, bounds[1:]) if b > a], catch_up=catch_up)
-
-
-def generate(handle, prompt_ids: list[list[int]], num_shards: int,
-             **sampling: Any) -> tuple[RolloutBatch, SpecStats]:
-    """``submit`` and wait: (RolloutBatch in input order, summed SpecStats)."""
-    return submit(handle, prompt_ids, num_shards, **sampling).result()
-
-
-def broadcast(handle, method: str, *args, **kwargs) -> list:
-    """Call ``method`` on every replica (Serve ``handle.broadcast``) and wait."""
-    return handle.broadcast(method, *args, **kwargs).results()
+    return RolloutClient(serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME), num_replicas)

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,8 +25,8 @@ from omegaconf import OmegaConf
 from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, ConfigError, RunConfig, draft_online, dtype_reason
 from rayspec.data import heldout_split, load_problems
 from rayspec.models import check_draft_matches_policy, load_policy, resolve_model_path
-from rayspec.rollout.adaptive import ACCEPTANCE_FILE, read_acceptance
-from rayspec.rollout.vllm_compat import check_vllm_version
+from rayspec.models.acceptance import ACCEPTANCE_FILE, read_acceptance
+from rayspec.rollout.vllm import require_vllm
 from rayspec.scheduler.placement import cluster_nodes, plan_placement
 
 log = logging.getLogger(__name__)
@@ -57,12 +58,11 @@ def _absolute(cfg: RunConfig) -> RunConfig:
     def absp(p):
         return p if p is None or "://" in p or p.startswith("bundled:") or not os.path.exists(p) \
             else str(Path(p).expanduser().resolve())
-    cfg = dataclasses.replace(cfg)
-    cfg.trainer = dataclasses.replace(cfg.trainer, run_dir=str(Path(cfg.trainer.run_dir).expanduser().resolve()))
-    cfg.data = dataclasses.replace(cfg.data, path=absp(cfg.data.path))
-    cfg.model = dataclasses.replace(cfg.model, path=absp(cfg.model.path),
-                                    cache_dir=str(Path(cfg.model.cache_dir).expanduser()))
-    return cfg
+    return dataclasses.replace(
+        cfg, trainer=dataclasses.replace(cfg.trainer, run_dir=str(Path(cfg.trainer.run_dir).expanduser().resolve())),
+        data=dataclasses.replace(cfg.data, path=absp(cfg.data.path)),
+        model=dataclasses.replace(cfg.model, path=absp(cfg.model.path),
+                                  cache_dir=str(Path(cfg.model.cache_dir).expanduser())))
 
 
 def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | None, list[int] | None]:
@@ -151,13 +151,19 @@ def check_inputs(cfg: RunConfig) -> str:
         ConfigError: naming the key and file at fault (see
             ``resolve_model_path``, ``check_draft_matches_policy``; a
             missing, empty or malformed dataset file with its line number).
-        VllmInternalsError: the installed vLLM is not the release rayspec's
-            vLLM hooks were checked against.
+        VllmInternalsError: a vLLM internal rayspec relies on is missing from
+            the installed release (``rayspec.rollout.vllm.require_vllm``).
     """
-    check_vllm_version()
+    require_vllm()
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)  # checks a local policy
     policy_cfg = json.loads((model_dir / "config.json").read_text())
     spec = cfg.rollout.speculative_config
+    if spec.method == "mtp" and not _has_mtp_layers(policy_cfg):
+        raise ConfigError(
+            f"rollout.speculative_config.method='mtp': the policy (model.path={cfg.model.path}, model_type "
+            f"{policy_cfg.get('model_type')!r}) has no multi-token-prediction layers (its config.json sets no "
+            "num_nextn_predict_layers); mtp drafts with a model's own MTP layers (DeepSeek-V3, GLM-4.5, "
+            "Qwen3-Next, MiMo, ERNIE-4.5, ...): for this policy use eagle3, draft_model, ngram or suffix")
     if spec.model is not None:
         check_draft_matches_policy(policy_cfg, spec.model, spec.method)
         try:
@@ -178,6 +184,32 @@ def check_inputs(cfg: RunConfig) -> str:
         except ValueError as e:
             raise ConfigError(f"data.eval_num_problems={cfg.data.eval_num_problems}: {e}") from None
     return str(model_dir)
+
+
+def check_run_dir(cfg: RunConfig) -> None:
+    """Create ``trainer.run_dir`` (and its parents) and check it is writable,
+    before anything starts.
+
+    Raises:
+        ConfigError: naming ``trainer.run_dir`` and what the OS said.
+    """
+    run_dir = Path(cfg.trainer.run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".rayspec-write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"trainer.run_dir={cfg.trainer.run_dir}: not a writable directory "
+                          f"({type(e).__name__}: {e.strerror or e})") from None
+
+
+def _has_mtp_layers(policy_cfg: dict) -> bool:
+    """Whether a policy's HF config declares MTP layers as vLLM reads them
+    (``num_nextn_predict_layers``, also under ``text_config``; MiMo-V2 has
+    a fixed count vLLM knows by its model type)."""
+    configs = [policy_cfg, policy_cfg.get("text_config") or {}]
+    return any((c.get("num_nextn_predict_layers") or 0) > 0 for c in configs) or \
+        "mimo" in str(policy_cfg.get("model_type", ""))
 
 
 def checkpoints(run_dir: str | Path) -> list[Path]:
@@ -226,11 +258,13 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
 
     from rayspec.draft.trainer import DraftTrainer
     from rayspec.rollout.serve import APP_NAME as ROLLOUT_APP, deploy_rollout
-    from rayspec.train.loop import DRAFT_TRAINER_NAME, rl_worker_loop
+    from rayspec.draft.client import DRAFT_TRAINER_NAME
+    from rayspec.train.loop import rl_worker_loop
 
     cfg = _absolute(cfg)
     check_resume(cfg, resume)
     model_dir = check_inputs(cfg)
+    check_run_dir(cfg)
     init_ray(cfg)
     plan = plan_placement(cfg, cluster_nodes())
     log.info("scheduler mode %s%s; %s", cfg.scheduler.mode,
@@ -238,7 +272,6 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
              plan.describe())
     log.info("model.dtype %s: %s", cfg.model.dtype, dtype_reason(cfg))
     run_dir = Path(cfg.trainer.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
     draft_dir, aux_ids = prepare_draft(cfg, model_dir, run_dir)
 

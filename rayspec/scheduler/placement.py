@@ -358,16 +358,6 @@ def _check_gpu_pairing(roles: dict[str, list[dict[str, float]]], use: list[NodeI
                               + f". For example: {PAIRING_EXAMPLE}")
 
 
-def assigned_gpu(local_index: int = 0) -> str | None:
-    """The physical id of the GPU this process computes on: entry
-    ``local_index`` of CUDA_VISIBLE_DEVICES, which Ray sets to an actor's GPU
-    ids, and Ray Train to the ids of all its workers on the node (a rank then
-    uses ``cuda:<local rank>``, as DeepSpeed does). None without GPUs."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    ids = [i for i in visible.split(",") if i] if visible not in ("", "NoDevFiles") else []
-    return ids[local_index] if local_index < len(ids) else None
-
-
 def check_device_sharing(layout: str, occupants: dict[str, list[tuple[str, str | None]]]) -> str:
     """Check which role landed on which GPU against what ``layout`` promises:
     no device holds two replicas or two Train ranks, and colocated, every

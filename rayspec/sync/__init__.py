@@ -1,14 +1,39 @@
-"""Weight sync: how a refit's weights travel from the trainer to every vLLM
-worker (``rollout.weight_sync.transport``)."""
+"""Weight sync: how a refit's weights travel from the trainer's rank 0 to
+every vLLM worker (``rollout.weight_sync.transport``). Two interfaces
+(``interfaces.py``): ``WeightSender`` on the trainer, ``WeightReceiver`` in
+each replica; one module per transport holds its two classes."""
 
-from rayspec.sync.transport import (
-    CollectiveTransport,
-    ObjectStoreTransport,
-    WeightSyncError,
-    make_transport,
-    pack_bucket,
-    plan_buckets,
-)
+from __future__ import annotations
 
-__all__ = ["CollectiveTransport", "ObjectStoreTransport", "WeightSyncError", "make_transport",
-           "pack_bucket", "plan_buckets"]
+import torch
+
+from rayspec.sync.buckets import bucket_nbytes, pack_bucket, plan_buckets, state_dict_nbytes, unpack_bucket
+from rayspec.sync.collective import CollectiveReceiver, CollectiveSender
+from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError
+from rayspec.sync.object_store import ObjectStoreReceiver, ObjectStoreSender
+
+__all__ = ["CollectiveReceiver", "CollectiveSender", "ObjectStoreReceiver", "ObjectStoreSender", "Refit",
+           "RefitHost", "WeightReceiver", "WeightSender", "WeightSyncError", "bucket_nbytes", "make_sender",
+           "pack_bucket", "plan_buckets", "state_dict_nbytes", "unpack_bucket"]
+
+
+def make_sender(ws, replicas, trainer_has_gpu: bool, replicas_have_gpu: bool, shared_gpus: bool = False,
+                device: torch.device | str = "cpu") -> WeightSender:
+    """The sender ``ws`` (``WeightSyncConfig``) asks for.
+
+    Args:
+        replicas: the rollout replicas (``rayspec.rollout.RolloutClient``).
+        trainer_has_gpu / replicas_have_gpu: where the two ends compute
+            (``backend: auto`` picks nccl only if both do).
+        shared_gpus: replicas share the trainer's GPUs (colocated): NCCL
+            refuses two ranks on one device, so ``auto`` picks gloo.
+        device: rank 0's device (the nccl buckets' device).
+    """
+    object_store = ObjectStoreSender(replicas)
+    if ws.transport == "object_store":
+        return object_store
+    backend = ws.backend if ws.backend != "auto" else \
+        "nccl" if trainer_has_gpu and replicas_have_gpu and not shared_gpus else "gloo"
+    return CollectiveSender(replicas, backend, ws.packed_buffer_size_bytes, ws.timeout_s,
+                            device if backend == "nccl" else "cpu",
+                            fallback=object_store if ws.transport == "auto" else None)

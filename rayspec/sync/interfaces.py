@@ -1,0 +1,131 @@
+"""Weight sync as two small interfaces: ``WeightSender`` on the trainer's
+rank 0 and ``WeightReceiver`` in each rollout replica, one class of each per
+transport (``object_store.py``, ``collective.py``). The RL step only calls
+``WeightSender``: it never branches on the transport (as NeMo-RL's
+``weight_sync`` interfaces).
+
+A refit's ``target`` is ``policy`` (the verifier's HF-named weights) or
+``draft`` (the EAGLE-3 head's vLLM-named weights); its ``version`` counts
+optimizer steps (policy) or draft-trainer versions (draft).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Protocol
+
+import torch
+
+TARGETS = ("policy", "draft")
+
+
+class WeightSyncError(RuntimeError):
+    """The weight-sync group could not form, or a refit through it failed."""
+
+
+class Refit:
+    """A refit on its way to every replica. ``results()`` waits until it has
+    landed (the rollout pipeline's refit tracking calls it) and returns the
+    replicas' results; what it moved and how long it took go to the sender's
+    ``take_stats``.
+
+    Args:
+        sender: the WeightSender that sent it.
+        wait: returns (replica results, transfer seconds, load seconds), or
+            raises what a replica raised.
+        nbytes: bytes the refit moves.
+    """
+
+    def __init__(self, sender: "WeightSender", wait: Callable[[], tuple[list, float, float]], nbytes: int):
+        self._sender, self._wait, self.nbytes = sender, wait, nbytes
+        self._results: list | None = None
+
+    def results(self) -> list:
+        if self._results is None:
+            self._results, transfer_s, load_s = self._wait()
+            self._sender.landed(self.nbytes, transfer_s, load_s)
+        return self._results
+
+
+class WeightSender(abc.ABC):
+    """The trainer's side of a transport: sends each refit to every replica,
+    keeps the newest weights of each target for replicas that fall behind,
+    and accounts for what landed.
+
+    Args:
+        replicas: the rollout replicas (``rayspec.rollout.RolloutClient``).
+
+    Attributes:
+        name: the transport's name (``rollout.weight_sync.transport``).
+        latest: {target: (version, ObjectRef or None)}: the newest refit of
+            each target, as the next rollout carries it (``rollout_refits``).
+    """
+
+    name = ""
+
+    def __init__(self, replicas):
+        self.replicas = replicas
+        self.latest: dict[str, tuple[int, Any]] = {}
+        self._landed: list[tuple[int, float, float]] = []
+
+    @abc.abstractmethod
+    def send(self, target: str, weights: dict[str, torch.Tensor], version: int) -> Refit:
+        """Start sending ``weights`` (host tensors) of ``target`` at
+        ``version`` to every replica; returns at once."""
+
+    @abc.abstractmethod
+    def catch_up(self, refits: dict[str, tuple[int, Any]]) -> dict[str, tuple[int, Any]]:
+        """``refits`` with every payload a replica outside this transport
+        cannot receive (None) replaced by the newest weights as ObjectRefs."""
+
+    def rollout_refits(self) -> dict[str, tuple[int, Any]]:
+        """``refits`` for the next rollout: {target: (version, ObjectRef or
+        None)}; a replica behind a None entry raises ``ReplicaBehind``."""
+        return dict(self.latest)
+
+    def landed(self, nbytes: int, transfer_s: float, load_s: float) -> None:
+        """Account for a refit that landed (``Refit.results`` calls it)."""
+        self._landed.append((nbytes, transfer_s, load_s))
+
+    def take_stats(self) -> dict[str, Any]:
+        """Step-record keys of the refits landed since the last call:
+        ``weight_sync_transport``, ``weight_sync_bytes``,
+        ``time_sync_transfer_s``: rank 0 sending (object store: the
+        ``ray.put``; collective: the broadcast of every bucket, which the
+        replicas load as they land), and ``time_sync_load_s``: after that
+        until every replica reports the weights loaded (object store: their
+        ``ray.get``, staging file and load; collective: the last bucket's
+        load). In async mode that includes waiting behind a rollout."""
+        landed, self._landed = self._landed, []
+        return {"weight_sync_transport": self.name,
+                "weight_sync_bytes": sum(b for b, _, _ in landed),
+                "time_sync_transfer_s": sum(t for _, t, _ in landed),
+                "time_sync_load_s": sum(t for _, _, t in landed)}
+
+    def close(self) -> None:
+        """Stop sending (after the refits queued) and release what the transport holds."""
+
+
+class RefitHost(Protocol):
+    """What a rollout replica (``rayspec.rollout.SpecVLLMEngine``) gives its
+    receivers."""
+
+    replica_id: str
+    llm: Any
+
+    def load_refit(self, target: str, version: int, load: Callable[[], None]) -> int:
+        """Run ``load`` (which puts ``target``'s weights into the vLLM
+        workers) under the engine's lock with its weights awake, then note
+        ``version``; returns it."""
+
+
+class WeightReceiver(abc.ABC):
+    """A replica's side of a transport: puts the weights it receives into
+    the vLLM workers through the host's ``load_refit``.
+
+    Args:
+        host: the replica's engine.
+    """
+
+    def __init__(self, host: RefitHost):
+        self.host = host

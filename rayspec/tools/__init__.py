@@ -1,0 +1,3 @@
+"""Tools around the RL step that are not stages of it: the statistical test
+that speculative sampling is lossless (``lossless``) and the
+OpenAI-compatible server of a finished run (``endpoint``)."""

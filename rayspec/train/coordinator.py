@@ -1,0 +1,261 @@
+"""Rank 0's side of the RL step: the prompts, the rollout replicas (through
+a ``RolloutClient``), rewards, weight refits (through a ``WeightSender``),
+held-out evaluations and the step record. The other ranks hold a
+``Follower`` with the same methods, which does nothing, so the step reads
+the same on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rayspec.batch import RolloutBatch
+from rayspec.config import RunConfig
+from rayspec.data import PromptSource, batch_rewards, chat_prompt_ids, heldout_split, load_problems
+from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, step_record
+from rayspec.rollout.client import RolloutClient, shard_seed
+from rayspec.rollout.spec_stats import SpecStats
+from rayspec.scheduler.pipeline import RolloutPipeline
+from rayspec.sync import WeightSender
+from rayspec.train.evaluate import eval_due, read_baseline, score_eval, write_baseline
+from rayspec.train.grpo import group_advantages
+
+log = logging.getLogger(__name__)
+
+EVAL_SEED_KEY = -1  # shard_seed key of the evaluations' sampling (rollout batches count from 1)
+
+
+@dataclass
+class Rollout:
+    """A step's rollout on rank 0: the batch (rewards and advantages filled
+    in by ``Coordinator.reward`` / ``advantages``), vLLM's spec-decode stats,
+    the problems it answers (by group), and its policy lag in versions."""
+
+    batch: RolloutBatch
+    stats: SpecStats
+    problems: list
+    lag: int
+    retries: int = 0
+
+
+class Coordinator:
+    """Rank 0's side of the step (see the module docstring).
+
+    Args:
+        cfg: the run's config.
+        tokenizer: the policy's tokenizer (chat prompts).
+        rollouts: the rollout replicas.
+        sender: the weight transport's sending side (``rayspec.sync.make_sender``).
+        draft_acceptance: the draft's latest estimate for the replicas
+            (a callable returning ``DraftClient.acceptance``).
+        metrics_log / dashboard: where records go (None: ``MetricsLog`` in
+            ``trainer.run_dir``; no dashboard).
+    """
+
+    def __init__(self, cfg: RunConfig, tokenizer, rollouts: RolloutClient, sender: WeightSender,
+                 draft_acceptance=lambda: None, metrics_log: MetricsLog | None = None,
+                 dashboard: DashboardMetrics | None = None):
+        self.cfg, self.tokenizer, self.rollouts, self.sender = cfg, tokenizer, rollouts, sender
+        self._draft_acceptance = draft_acceptance
+        problems, self.eval_problems = heldout_split(
+            load_problems(cfg.data), cfg.data.eval_num_problems if cfg.trainer.eval_every else 0)
+        self.prompts = PromptSource(problems, cfg.data.prompts_per_step, cfg.data.seed)
+        lag = cfg.scheduler.max_policy_lag if cfg.scheduler.mode == "async" else 0
+        self.pipeline = RolloutPipeline(self._submit, lag)
+        self.log = metrics_log or MetricsLog(cfg.trainer.run_dir)
+        self.dashboard = dashboard
+        # a resumed run's baseline (the initial policy's greedy answers) is on disk
+        self.eval_prompts = [chat_prompt_ids(tokenizer, p) for p in self.eval_problems]
+        self.eval_baseline = read_baseline(cfg.trainer.run_dir, self.eval_problems)
+        self.evals: list[dict[str, Any]] = []  # evaluations since the last step record
+        self.sleep_reported = False
+        self.batches = 0  # batches drawn: the RL step the last submitted batch trains at
+
+    @classmethod
+    def start(cls, cfg: RunConfig, tokenizer, device: torch.device, draft_acceptance) -> "Coordinator":
+        """The production coordinator: the running Serve deployment's
+        replicas, the configured weight transport, metrics.jsonl,
+        TensorBoard and the Ray dashboard."""
+        from rayspec.rollout.serve import rollout_client
+        from rayspec.sync import make_sender
+
+        rollouts = rollout_client(cfg.rollout.num_replicas)
+        # the newest weights sent are kept by the sender: every rollout carries
+        # their versions so a replica Serve restarted catches up first
+        sender = make_sender(cfg.rollout.weight_sync, rollouts, trainer_has_gpu=device.type == "cuda",
+                             replicas_have_gpu=cfg.rollout.num_gpus_per_replica > 0,
+                             shared_gpus=cfg.scheduler.layout == "colocate", device=device)
+        dashboard = DashboardMetrics(Path(cfg.trainer.run_dir).name, cfg.rollout.speculative_config.method,
+                                     cfg.grpo.max_new_tokens)
+        return cls(cfg, tokenizer, rollouts, sender, draft_acceptance, dashboard=dashboard)
+
+    # -- the step's phases --
+
+    def next_rollout(self, version: int) -> Rollout:
+        """The batch policy ``version`` trains on: generated now (sync), or
+        taken from those generating ahead (async), which are topped up."""
+        batch, stats, problems, lag = self.pipeline.next(version)
+        return Rollout(batch, stats, problems, lag, self.pipeline.last_retries)
+
+    def reward(self, rollout: Rollout) -> None:
+        """Each sample's verifiable reward, in place."""
+        rollout.batch.rewards = batch_rewards(rollout.batch, rollout.problems)
+
+    def advantages(self, rollout: Rollout) -> None:
+        """GRPO advantages over each prompt's group, in place."""
+        rollout.batch.advantages = group_advantages(rollout.batch.rewards, rollout.batch.group)
+
+    def release_replicas(self) -> None:
+        """Colocated: replicas free their memory while the policy trains."""
+        if self.cfg.scheduler.layout != "colocate":
+            return
+        slept = self.rollouts.sleep()
+        if not self.sleep_reported:
+            self.sleep_reported = True
+            log.info("colocate: %s", "replicas sleep (vLLM sleep mode) while the policy trains"
+                     if all(slept) else "vLLM has no sleep mode on this platform; rollout, "
+                     "training and draft time-slice the same cores")
+
+    def refit(self, target: str, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Send ``target``'s (``policy`` | ``draft``) weights (host tensors)
+        to every replica through the weight transport; sync mode waits for
+        them to land, async leaves them queued behind the rollouts in flight."""
+        self.pipeline.refit(self.sender.send(target, weights, version))
+        if self.cfg.scheduler.mode == "sync":
+            self.pipeline.wait_refits()
+
+    def record(self, step: int, rollout: Rollout, train_metrics: dict[str, Any], draft_result: dict[str, Any],
+               draft_fields: dict[str, Any], draft_version: int, timer: PhaseTimer, start: float,
+               end: float) -> dict[str, Any]:
+        """The step's record (``metrics.step_record``), with each replica's
+        engine work over the step and the refits that landed."""
+        return step_record(step, self.cfg, rollout, train_metrics, draft_result, draft_fields, draft_version,
+                           timer, start, end, self.rollouts.busy_intervals(start), self.sender.take_stats())
+
+    def finish_step(self, version: int, record: dict[str, Any]) -> None:
+        """After the step that made ``version``: evaluate it if due, then
+        write, export and print the record."""
+        self.evaluate(version)
+        if self.evals:
+            record["evals"], self.evals = self.evals, []
+        self.log.write(record)
+        if self.dashboard is not None:
+            self.dashboard.record(record)
+        log.info(format_step_line(record))
+        _warn_on_policy_mismatch(record, self.cfg)
+
+    # -- around the steps --
+
+    def _submit(self):
+        """Start the next prompts' rollouts on the replicas; returns
+        (pending, (problems, the prompt cursor before them))."""
+        cfg = self.cfg
+        cursor = self.prompts.state_dict()
+        problems = self.prompts.next_batch()
+        self.batches += 1
+        pending = self.rollouts.submit(
+            [chat_prompt_ids(self.tokenizer, p) for p in problems],
+            seed=shard_seed(cfg.trainer.seed, self.batches), refits=self.sender.rollout_refits(),
+            catch_up=self.sender.catch_up, draft_acceptance=self._draft_acceptance(),
+            n=cfg.grpo.group_size, temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
+            max_tokens=cfg.grpo.max_new_tokens)
+        return pending, (problems, cursor)
+
+    def evaluate(self, version: int) -> None:
+        """Score policy ``version`` on the held-out problems if it is due
+        (``eval_due``), once every refit sent has landed; the result waits in
+        ``self.evals`` for the next step record. Version 0's greedy responses
+        become the baseline of ``greedy_changed``."""
+        cfg = self.cfg
+        if not eval_due(version, cfg.trainer.eval_every, cfg.trainer.steps):
+            return
+        self.pipeline.wait_refits()
+        t0 = time.perf_counter()
+        prompts = self.eval_prompts
+        common = {"refits": self.sender.rollout_refits(), "catch_up": self.sender.catch_up,
+                  "max_tokens": cfg.grpo.max_new_tokens}
+        greedy, _ = self.rollouts.generate(prompts, n=1, temperature=0.0, **common)
+        # the same seed at every evaluation: common random numbers across versions
+        sampled, stats = self.rollouts.generate(prompts, seed=shard_seed(cfg.trainer.seed, EVAL_SEED_KEY),
+                                                n=cfg.trainer.eval_samples, temperature=cfg.grpo.temperature,
+                                                top_p=cfg.grpo.top_p, **common)
+        if version == 0:  # the initial policy's answers are the baseline, whatever a file says
+            write_baseline(cfg.trainer.run_dir, self.eval_problems, greedy)
+            self.eval_baseline = greedy.response_ids
+        rec = {**score_eval(self.eval_problems, greedy, sampled, stats, self.eval_baseline),
+               "time_s": time.perf_counter() - t0}
+        self.evals.append(rec)
+        log.info("eval v%d (%d held-out problems): reward greedy %.3f, T=%g %.3f | greedy changed %s | "
+                 "accept_len %.2f | %.1fs", rec["policy_version"], len(prompts), rec["reward_greedy"],
+                 cfg.grpo.temperature, rec["reward_sampled"],
+                 f"{rec['greedy_changed']:.2f}" if "greedy_changed" in rec else "n/a",
+                 rec["acceptance_length"], rec["time_s"])
+
+    def trainer_state(self, step: int, version: int, draft_state: dict[str, Any]) -> dict[str, Any]:
+        """What a checkpoint after ``step`` resumes from. Batches generated
+        ahead (async) are not kept: the cursor is the one before them."""
+        ahead = self.pipeline.ahead()
+        return {"step": step, "policy_version": version, **draft_state,
+                "prompts": ahead[0][1] if ahead else self.prompts.state_dict()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue after ``state``'s step: its prompt cursor and batch count;
+        metrics.jsonl records of later steps (a failed attempt) move to
+        metrics.discarded.jsonl."""
+        self.prompts.load_state_dict(state["prompts"])
+        self.batches = state["step"]
+        self.log.discard_after(state["step"])
+
+    def replica_versions(self) -> list[dict[str, int]]:
+        return self.rollouts.versions()
+
+    def wait_refits(self) -> None:
+        self.pipeline.wait_refits()
+
+    def close(self) -> None:
+        """End of run: drop the batches generated ahead, stop the sender."""
+        self.pipeline.close()
+        self.sender.close()
+
+
+class Follower:
+    """A Train rank other than 0: the step's rank-0 calls do nothing here."""
+
+    def next_rollout(self, version: int) -> None:
+        return None
+
+    def reward(self, rollout) -> None:
+        pass
+
+    def advantages(self, rollout) -> None:
+        pass
+
+    def release_replicas(self) -> None:
+        pass
+
+    def refit(self, target: str, weights, version: int) -> None:
+        pass
+
+    def record(self, *args, **kwargs) -> None:
+        return None
+
+    def finish_step(self, version: int, record) -> None:
+        pass
+
+
+def _warn_on_policy_mismatch(record: dict[str, Any], cfg: RunConfig) -> None:
+    err = record.get("token_mult_prob_error", 0.0)
+    if err > cfg.logging.warn_token_mult_prob_error:
+        log.warning(
+            "step %d: token_mult_prob_error %.3f > %.3f: the rollout engine's probabilities of the "
+            "sampled tokens differ from the trainer's. With model.dtype=%s, weight updates smaller "
+            "than its rounding step never reach the replicas; model.dtype=float32 serves the "
+            "trained weights exactly (slower on CPU). The importance ratio uses the rollout "
+            "logprobs, so the gradient stays unbiased, but the rollouts are off-policy.",
+            record["step"], err, cfg.logging.warn_token_mult_prob_error, cfg.model.dtype)

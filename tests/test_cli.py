@@ -1,0 +1,118 @@
+"""The command line a newcomer meets: ``--help``, and every mistake probed
+by trying the jobs as a new user would, refused with a clear error before
+Ray (or anything heavy) starts (docs/bad-input.md lists them)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from jobs import grpo
+from jobs.cli import config_keys
+from rayspec.config import RunConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_grpo_help_prints_usage_presets_every_key_and_examples(capsys):
+    assert grpo.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m jobs.grpo")
+    assert "default.yaml" in out and "gsm8k.yaml" in out and "gpu.yaml" in out
+    assert "examples:" in out and "resume=" in out
+    keys = config_keys()
+    assert len(keys) > 80 and all(f"    {key} = " in out for key, _, _ in keys)
+    # each key with its default and the first sentence of its dataclass doc
+    assert "grpo.group_size = 4  # samples per prompt" in out
+    assert "rollout.speculative_config.num_speculative_tokens = 3  # k, draft tokens proposed" in out
+    documented = [key for key, _, doc in keys if doc]
+    assert len(documented) == len(keys), [key for key, _, doc in keys if not doc]
+    assert {key.split(".")[0] for key, _, _ in keys} == {f.name for f in RunConfig.__dataclass_fields__.values()}
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["trainer.steps"], ["'trainer.steps' is not a key=value override", "trainer.steps=<value>"]),
+    (["rollout.speculative_config.method"], ["'rollout.speculative_config.method' is not a key=value override"]),
+    (["trainer.steps=3", "jobs/configs/gsm8k.yaml"], ["the preset jobs/configs/gsm8k.yaml must come first",
+                                                       "trainer.steps=3"]),
+    (["nosuch.yaml"], ["preset nosuch.yaml: no such file", "jobs/configs/default.yaml"]),
+    (["--steps", "3"], ["unknown option --steps", "--help"]),
+    (["trainer.stpes=3"], ["invalid override 'trainer.stpes=3': key 'trainer.stpes'"]),
+    (["train.deepspeed.optimizer.params.lr=-1e-5"], ["train.deepspeed.optimizer.params.lr=-1e-05: must be a number > 0",
+                                                     "(override 'train.deepspeed.optimizer.params.lr=-1e-5')"]),
+    (["grpo.max_new_tokens=4096"], ["grpo.max_new_tokens=4096: must leave room for the prompt in "
+                                    "rollout.engine_kwargs.max_model_len (1024 tokens"]),
+    (["rollout.speculative_config.num_speculative_tokens=64"],
+     ["rollout.speculative_config.num_speculative_tokens=64", "at most"]),
+])
+def test_command_line_mistakes_are_named_before_anything_starts(args, fragments, capsys, tmp_path):
+    assert grpo.main([*args, f"trainer.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and all(f in err for f in fragments), err
+    assert "default.yaml" not in err or "preset" in err  # a command-line typo is not blamed on the preset
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()
+
+
+def test_an_unwritable_run_dir_and_mtp_without_mtp_layers_stop_before_ray(capsys, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as a user who can write anywhere (root ignores the mode)")
+        assert grpo.main([f"trainer.run_dir={locked / 'run'}", "trainer.steps=1"]) == 2
+        assert f"trainer.run_dir={locked / 'run'}: not a writable directory" in capsys.readouterr().err
+    finally:
+        locked.chmod(stat.S_IRWXU)
+    assert grpo.main(["rollout.speculative_config.method=mtp", "rollout.speculative_config.num_speculative_tokens=1",
+                      f"trainer.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.speculative_config.method='mtp'" in err and "no multi-token-prediction layers" in err, err
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()
+
+
+def test_a_file_where_the_run_dir_goes_is_refused_naming_the_key(capsys, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    assert grpo.main([f"trainer.run_dir={tmp_path / 'file'}", "trainer.steps=1"]) == 2
+    assert f"trainer.run_dir={tmp_path / 'file'}: not a writable directory" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("job", ["bench_pipeline", "bench_refit", "bench_rl", "warmstart_draft", "serve",
+                                 "project_speedup", "bench_rollout", "bench_step", "check_lossless"])
+def test_every_jobs_help_describes_it_in_whole_sentences(job):
+    out = subprocess.run([sys.executable, "-m", f"jobs.{job}", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    description = out.stdout.split("\n\n")[1]
+    assert description.rstrip().endswith((".", ":", "``.", "``:")), description
+
+
+def test_serve_names_a_missing_run_dir_at_once(tmp_path):
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "jobs.serve", str(tmp_path / "nope")], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"error: {tmp_path / 'nope'}: no such directory" in out.stderr
+    assert time.perf_counter() - t0 < 10
+
+
+def test_bench_rl_runs_with_its_own_defaults():
+    from jobs.bench_rl import choose_runs, runs
+
+    assert choose_runs(None, runs(None), warm_head=False) == ["none", "online-adaptive"]
+    assert choose_runs(None, runs("/head"), warm_head=True) == ["none", "frozen", "online"]
+    with pytest.raises(ValueError, match=r"--runs: unknown \['frozen'\].*need --warm-head"):
+        choose_runs("none,frozen", runs(None), warm_head=False)
+
+
+def test_project_speedup_writes_under_runs_by_default():
+    from jobs.project_speedup import parse_args
+
+    assert Path(parse_args([]).out).parts[0] == "runs"

@@ -1,0 +1,205 @@
+"""The RL loop's own code (``rl_step``, ``run_steps``, the ``Coordinator``,
+``DraftClient``, the object-store weight sender) over in-process fakes of
+the roles it talks to: replicas that return scripted rollouts, a policy
+that does not train, and a DraftTrainer actor that answers at once. Runs in
+seconds; what the real roles do is tested in test_loop.py, test_faults.py
+and the notebooks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import ray
+import torch
+
+from rayspec.batch import RolloutBatch
+from rayspec.config import load_config
+from rayspec.draft.client import DraftClient, NullDraft
+from rayspec.draft.trainer import TrainingCadence
+from rayspec.metrics import MetricsLog, read_metrics
+from rayspec.rollout.client import LocalReplicas, RolloutClient
+from rayspec.rollout.spec_stats import SpecStats
+from rayspec.sync import ObjectStoreSender
+from rayspec.train.coordinator import Coordinator
+from rayspec.train.loop import run_steps, start_over
+from rayspec.train.ranks import Ranks
+from tests.conftest import STEP_RECORD_KEYS
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, msgs, **kw):
+        return {"input_ids": [ord(c) % 97 for c in msgs[-1]["content"][:12]]}
+
+
+class FakeEngine:
+    """A replica whose rollouts are scripted token lists, logging every call."""
+
+    def __init__(self, calls: list):
+        self.calls, self.policy_version, self.draft_version = calls, 0, 0
+        self.replica_id = "fake-0"
+
+    def generate(self, prompt_ids, n=1, temperature=1.0, top_p=1.0, max_tokens=8, group_offset=0, seed=None,
+                 refits=None, draft_acceptance=None):
+        self.calls.append(("generate", self.policy_version, self.draft_version, draft_acceptance is not None))
+        batch = RolloutBatch([], [], [], [], policy_version=self.policy_version)
+        for i, p in enumerate(prompt_ids):
+            for j in range(n):
+                batch.prompt_ids.append(list(p))
+                batch.response_ids.append([1, 2, 3][: 1 + (i + j) % 3])
+                batch.rollout_logprobs.append([-0.5] * len(batch.response_ids[-1]))
+                batch.group.append(group_offset + i)
+                batch.texts.append("the answer is 0" if (group_offset + i + j) % 2 else "no idea")
+        stats = SpecStats(num_drafts=4, num_draft_tokens=12, num_accepted_tokens=2, accepted_per_pos=[2, 0, 0],
+                          output_tokens=sum(map(len, batch.response_ids)), wall_s=0.01)
+        stats.replicas = {self.replica_id: SpecStats(**{**stats.__dict__, "replicas": {}})}
+        return batch, stats
+
+    def sleep(self):
+        self.calls.append(("sleep",))
+        return False
+
+    def receive_refit(self, target, weights, version):
+        weights = ray.get(weights)
+        self.calls.append(("refit", target, version, sorted(weights)))
+        setattr(self, f"{target}_version", version)
+        return version
+
+    def versions(self):
+        return {"policy": self.policy_version, "draft": self.draft_version}
+
+    def busy_intervals(self, since):
+        return [(since, since + 0.001)]
+
+    def node_and_gpu(self):
+        return ("node", None)
+
+
+class FakePolicy:
+    """One rank's policy that does not train: it hands the draft client two
+    micro-batches of features and reports what a DeepSpeed step would."""
+
+    def __init__(self, calls: list):
+        self.calls, self.ranks, self.version = calls, Ranks(), 0
+
+    def share(self, rollout):
+        return rollout.batch.shard(0, 1)
+
+    def feature_chunks(self, shard):
+        return 2
+
+    def update(self, shard, features):
+        self.calls.append(("update", len(shard), features is not None))
+        refs = [ray.put({"chunk": torch.tensor([m])}) for m in range(2)]
+        if features is not None:
+            for m, ref in enumerate(refs):
+                features.submit(ref, m)
+        self.version += 1
+        return {"loss": 0.25, "clip_frac": 0.0}, refs
+
+    def full_state_dict(self):
+        return {"w": torch.full((2,), float(self.version))}
+
+    def output_weights(self):
+        return {"embed": torch.zeros(1)}
+
+    def barrier(self, refs):
+        pass
+
+    def checkpoint(self, metrics, state, stage_draft):
+        self.calls.append(("checkpoint", metrics["step"], state["policy_version"], stage_draft is not None))
+
+    def report(self, metrics):
+        self.calls.append(("report", metrics["step"]))
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class FakeDraftTrainer:
+    """Trains once the step's features are in, one version per call."""
+
+    def __init__(self):
+        self.version, self.chunks, self.lock = 0, [], threading.Condition()
+
+    def submit_features(self, refs, indices):
+        with self.lock:
+            self.chunks += indices
+            self.lock.notify_all()
+
+    def train(self, verifier, steps, expect):
+        t0 = time.time()
+        with self.lock:
+            assert self.lock.wait_for(lambda: len(self.chunks) >= expect, timeout=30)
+            got, self.chunks = sorted(self.chunks), []
+        self.version += 1
+        return {"draft_version": self.version, "draft_loss": 1.0 / self.version, "time_s": 0.01,
+                "start_time": t0, "end_time": time.time(), "chunks": got, "draft_top1_per_step": [0.5],
+                "draft_acceptance_estimate": [0.3, 0.1, 0.0], "draft_acceptance_se": 0.05,
+                "draft_acceptance_clusters": 4, "draft_acceptance_by_share": [[1.0, 16, [0.3, 0.1, 0.0]]]}
+
+    def vllm_weights(self):
+        return {"fc.weight": torch.full((1,), float(self.version))}
+
+    def reset(self):
+        return 0
+
+    def node_and_gpu(self):
+        return ("node", None)
+
+
+def _run(tmp_path, draft_online: bool, steps: int = 3):
+    cfg = load_config(None, [f"trainer.steps={steps}", f"trainer.run_dir={tmp_path}", "trainer.save_steps=2",
+                             "trainer.eval_every=2", "data.eval_num_problems=4", "trainer.eval_samples=1",
+                             "data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1"])
+    calls: list = []
+    replicas = RolloutClient(LocalReplicas([FakeEngine(calls)]), 1)
+    policy = FakePolicy(calls)
+    actor = FakeDraftTrainer.remote() if draft_online else None
+    draft = DraftClient(actor, Ranks(), [1, 2], 1, TrainingCadence(0, 0.0)) if draft_online else NullDraft()
+    coord = Coordinator(cfg, FakeTokenizer(), replicas, ObjectStoreSender(replicas), lambda: draft.acceptance,
+                        MetricsLog(tmp_path))
+    try:
+        start_over(policy, coord, draft)
+        run_steps(cfg, coord, policy, draft, 0)
+    finally:
+        coord.close()
+        if actor is not None:
+            ray.kill(actor)
+    return cfg, calls, read_metrics(tmp_path)
+
+
+def test_steps_run_their_phases_in_order_with_the_draft_beside_the_policy(ray_session, tmp_path):
+    cfg, calls, records = _run(tmp_path, draft_online=True)
+    # evaluation of version 0, then per step: rollout, sleep (colocated), update with features,
+    # the policy refit, the draft refit; evaluations of versions 2 and 3 after their refits
+    kinds = [c[0] if c[0] != "refit" else f"refit {c[1]} v{c[2]}" for c in calls]
+    step = ["generate", "sleep", "update", "refit policy v{}", "refit draft v{}"]
+    want = ["generate"] * 2 + [p.format(1) for p in step] + [p.format(2) for p in step] + ["generate"] * 2 + \
+        ["checkpoint"] + [p.format(3) for p in step] + ["generate"] * 2 + ["checkpoint"]
+    assert [k for k in kinds if k != "report"] == want
+    assert ("report", 1) in calls and ("report", 3) not in calls  # step 3 (the last) checkpoints instead
+    # each rollout samples the newest policy and draft, and carries the draft's estimate from step 2 on
+    rollouts = [c for c in calls if c[0] == "generate"]
+    assert [c[1:] for c in rollouts if c[3]] == [(1, 1, True), (2, 2, True)]
+    assert [r["policy_version"] for r in records] == [0, 1, 2] and [r["policy_lag"] for r in records] == [0] * 3
+    assert [r["draft_version"] for r in records] == [1, 2, 3]
+    assert [r["draft_trained"] for r in records] == [1, 1, 1] and all(r["draft_alive"] == 1 for r in records)
+    assert [[e["policy_version"] for e in r.get("evals", [])] for r in records] == [[0], [2], [3]]
+    for r in records:
+        assert STEP_RECORD_KEYS <= r.keys()
+        assert 0 <= r["reward_mean"] <= 1 and r["loss"] == 0.25 and r["draft_loss"] == 1.0 / r["draft_version"]
+        assert r["acceptance_length"] == 1.5 and r["num_drafts"] == 4 and r["drafted_share"] > 0
+        assert r["weight_sync_transport"] == "object_store" and r["weight_sync_bytes"] > 0
+        assert 0 <= r["idle_draft_s"] <= r["time_step_s"] and 0 <= r["idle_rollout_s"] <= r["time_step_s"]
+        assert r["draft_acceptance_estimate"] == [0.3, 0.1, 0.0]
+    checkpoints = [c for c in calls if c[0] == "checkpoint"]
+    assert checkpoints == [("checkpoint", 2, 2, True), ("checkpoint", 3, 3, True)]
+
+
+def test_without_online_training_the_step_is_the_same_minus_the_draft(ray_session, tmp_path):
+    _, calls, records = _run(tmp_path, draft_online=False, steps=2)
+    assert [c for c in calls if c[0] in ("update", "refit")] == [
+        ("update", 4, False), ("refit", "policy", 1, ["w"]), ("update", 4, False), ("refit", "policy", 2, ["w"])]
+    for r in records:
+        assert STEP_RECORD_KEYS <= r.keys()
+        assert "draft_alive" not in r and "draft_trained" not in r and r["draft_version"] == 0
+        assert r["time_draft_s"] == 0.0 and r["draft_acceptance_estimate"] == []
