@@ -44,9 +44,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # before the imports below (vLLM, Ray Serve LLM: tens of seconds), the mistake a user makes most
-    if not (Path(args.run_dir) / "config.yaml").is_file():
-        what = "no such directory" if not Path(args.run_dir).is_dir() else "no config.yaml: not a jobs.grpo run"
-        print(f"error: {args.run_dir}: {what}", file=sys.stderr)
+    config = Path(args.run_dir) / "config.yaml"
+    if not config.is_file():
+        print(f"error: {args.run_dir}: no such run directory" if not Path(args.run_dir).is_dir() else
+              f"error: {config}: missing (not a jobs.grpo run directory?)", file=sys.stderr)
         return 2
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")
 

@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 BUNDLED_MODEL = "bundled:smollm2-135m-instruct"
 SPEC_METHODS = ("eagle3", "draft_model", "mtp", "ngram", "suffix")
+MAX_NUM_SPECULATIVE_TOKENS = 16  # the largest k rayspec accepts for model and n-gram drafts (SpeculativeConfig)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM 0.32's speculative_config.draft_sample_method
 DEFAULT_DRAFT_SAMPLE_METHOD = "greedy"  # vLLM's, where the key is unset
 DEFAULT_DRAFT_LR = 1.0e-3  # AdamW rate of a fresh head (online) and the warm start's peak
@@ -151,8 +152,15 @@ class SpeculativeConfig:
         _check(self.method is None or self.method in SPEC_METHODS, f"{key}.method", self.method,
                f"unknown method, expected one of {SPEC_METHODS} or null")
         if self.method is not None:
-            _check(self.num_speculative_tokens >= 1, f"{key}.num_speculative_tokens", self.num_speculative_tokens,
-                   "k must be >= 1")
+            k_max = (self.suffix_decoding_max_tree_depth or 24) if self.method == "suffix" else MAX_NUM_SPECULATIVE_TOKENS
+            _check(1 <= self.num_speculative_tokens <= k_max, f"{key}.num_speculative_tokens",
+                   self.num_speculative_tokens,
+                   f"k must be at least 1 and at most {k_max}" + (
+                       " (a suffix draft is at most the tree's depth, suffix_decoding_max_tree_depth)"
+                       if self.method == "suffix" else
+                       ": draft position i is accepted with roughly a^i (a: the per-token rate, 0.3-0.8 for "
+                       "EAGLE-3 heads), every verification step pays for all k positions, and the DraftTrainer "
+                       "replays every position on each step's responses; published sweeps peak at k = 3"))
         _check(self.draft_sample_method is None or self.draft_sample_method in DRAFT_SAMPLE_METHODS,
                f"{key}.draft_sample_method", self.draft_sample_method,
                f"expected one of {DRAFT_SAMPLE_METHODS} or null")
@@ -622,7 +630,9 @@ class RayConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Args:
+    """Logging.
+
+    Args:
         level: Python log level of rayspec's loggers.
         warn_token_mult_prob_error: warn when the mean |p_train/p_rollout - 1|
             of the step's tokens exceeds this (the rollout engine is not
@@ -698,14 +708,14 @@ def load_config(path: str | os.PathLike | None = None,
         raise ConfigError(f"cannot read config{where}: {e}") from None
     parts += [(o.split("=", 1)[0], f"override '{o}'", OmegaConf.from_dotlist([o])) for o in overrides or []]
     merged = OmegaConf.structured(RunConfig)
-    OmegaConf.set_readonly(merged, False)  # frozen dataclasses: read-only once built, not while merging
     key = source = None
     try:
         for key, source, part in parts:
             merged = OmegaConf.merge(merged, part)
         key, source = None, f"config{where}"
-        apply_defaults(merged)
-        cfg = OmegaConf.to_object(merged)
+        plain = OmegaConf.to_container(merged)
+        apply_defaults(plain)
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), plain))
     # OmegaConf 2.3 raises a bare TypeError merging a mapping into a list field
     except (OmegaConfBaseException, TypeError) as e:
         msg = (getattr(e, "msg", None) or str(e)).splitlines()[0]
@@ -785,8 +795,9 @@ PLATFORM_DEFAULT_KEYS = ("rollout.engine_kwargs.enforce_eager", "rollout.engine_
 CPU_ZERO_BUCKET_SIZE = 50_000_000
 
 
-def apply_defaults(cfg: DictConfig) -> None:
-    """Fill, in the merged config before it is built, the defaults that
+def apply_defaults(cfg: dict[str, Any]) -> None:
+    """Fill, in the merged config (as plain containers, before it is built
+    into the read-only RunConfig), the defaults that
     depend on other keys: ``data.path`` of ``gsm8k`` (the hub id
     ``openai/gsm8k``), and the keys whose default depends on where a role
     runs (``PLATFORM_DEFAULT_KEYS``), where they are null or absent. A role
@@ -830,22 +841,22 @@ def apply_defaults(cfg: DictConfig) -> None:
     Raises:
         ConfigError: ``model.dtype: auto`` where torch lacks the CPU feature checks.
     """
-    if cfg.data.name == "gsm8k" and cfg.data.path is None:
-        cfg.data.path = "openai/gsm8k"
-    rollout_gpu = cfg.rollout.num_gpus_per_replica > 0
-    if cfg.model.dtype == "auto":
-        cfg.model.dtype = auto_dtype(rollout_gpu)[0]
-    kw = cfg.rollout.engine_kwargs
+    data, model, rollout, train = cfg["data"], cfg["model"], cfg["rollout"], cfg["train"]
+    if data["name"] == "gsm8k":
+        _default(data, "path", "openai/gsm8k")
+    rollout_gpu = rollout["num_gpus_per_replica"] > 0
+    if model["dtype"] == "auto":
+        model["dtype"] = auto_dtype(rollout_gpu)[0]
+    kw = rollout["engine_kwargs"]
     _default(kw, "enforce_eager", not rollout_gpu)
     if rollout_gpu:
-        _default(kw, "gpu_memory_utilization", GPU_MEMORY_UTILIZATION[cfg.scheduler.layout])
+        _default(kw, "gpu_memory_utilization", GPU_MEMORY_UTILIZATION[cfg["scheduler"]["layout"]])
     else:
         _default(kw, "additional_config", {})
         if isinstance(kw["additional_config"], dict):
             _default(kw["additional_config"], DRAFT_LINEAR_DTYPE, "auto")
-    train = cfg.train
-    train_gpu = train.gpus_per_worker > 0
-    ds = train.deepspeed
+    train_gpu = train["gpus_per_worker"] > 0
+    ds = train["deepspeed"]
     _default(ds, "bf16", {})
     if isinstance(ds["bf16"], dict):
         _default(ds["bf16"], "enabled", train_gpu)
@@ -858,10 +869,9 @@ def apply_defaults(cfg: DictConfig) -> None:
     if not train_gpu and isinstance(zero, dict):
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             _default(zero, key, CPU_ZERO_BUCKET_SIZE)
-    if train.gradient_checkpointing is None:
-        train.gradient_checkpointing = train_gpu
-    if train.torch_threads_per_worker is None and not train_gpu:
-        train.torch_threads_per_worker = 1
+    _default(train, "gradient_checkpointing", train_gpu)
+    if not train_gpu:
+        _default(train, "torch_threads_per_worker", 1)
 
 
 def auto_dtype(rollout_gpu: bool) -> tuple[str, str]:

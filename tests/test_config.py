@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from rayspec.config import (BUNDLED_MODEL, CPU_ZERO_BUCKET_SIZE, DRAFT_LINEAR_DTYPE, GPU_MEMORY_UTILIZATION, PLATFORM_DEFAULT_KEYS,
-                            ConfigError, RunConfig, apply_defaults, dtype_reason, load_config, to_dict,
-                            validate)
+                            ConfigError, RunConfig, apply_defaults, dtype_reason, load_config, to_dict)
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -78,10 +77,10 @@ def test_overrides():
 
 def test_overrides_without_preset_start_from_dataclass_defaults():
     cfg = load_config(None, ["trainer.steps=3"])
-    defaults = OmegaConf.structured(RunConfig)
-    OmegaConf.set_readonly(defaults, False)
+    defaults = OmegaConf.to_container(OmegaConf.structured(RunConfig))
     apply_defaults(defaults)
-    assert dataclasses.replace(cfg, trainer=RunConfig().trainer) == OmegaConf.to_object(defaults)
+    built = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), defaults))
+    assert dataclasses.replace(cfg, trainer=RunConfig().trainer) == built
 
 
 def test_the_config_is_read_only_and_validation_changes_nothing():
@@ -330,7 +329,7 @@ def test_any_overrides_give_a_valid_config_or_a_config_error_naming_a_key(pairs)
         msg = str(e)
         assert any(k in msg for k, _ in pairs) or any(leaf in msg for leaf in LEAVES), msg
         return
-    validate(cfg)
+    cfg.validate()
     flat = _flat(to_dict(cfg))
     for k, v in dict(pairs).items():  # the last override of a key wins
         if v is None and k in PLATFORM_DEFAULT_KEYS:

@@ -40,7 +40,7 @@ def test_a_release_is_accepted_by_its_touch_points_not_its_number(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
     require_vllm()  # another number, every touch point there: accepted
     monkeypatch.delattr(dynamic.utils, "build_dynamic_sd_schedule_lookup")
-    with pytest.raises(VllmInternalsError, match=r"vLLM 0\.34\.0 is installed.*\n  - vllm\.v1\.spec_decode\.dynamic"
+    with pytest.raises(VllmInternalsError, match=r"(?s)vLLM 0\.34\.0 is installed.*\n  - vllm\.v1\.spec_decode\.dynamic"
                                                  r"\.utils:build_dynamic_sd_schedule_lookup is missing \(needed by "
                                                  r"adaptive k\).*read against vLLM 0\.32\.0 and 0\.33\.0"):
         require_vllm()

@@ -100,7 +100,7 @@ class Coordinator:
     def next_rollout(self, version: int) -> Rollout:
         """The batch policy ``version`` trains on: generated now (sync), or
         taken from those generating ahead (async), which are topped up."""
-        batch, stats, problems, lag = self.pipeline.next(version)
+        batch, stats, (problems, _), lag = self.pipeline.next(version)
         return Rollout(batch, stats, problems, lag, self.pipeline.last_retries)
 
     def reward(self, rollout: Rollout) -> None:
