@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import STEP_RECORD_KEYS
+from tests.conftest import STEP_RECORD_KEYS, start_ray
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -62,8 +62,11 @@ def head_node():
     yields (JobSubmissionClient, metrics port, the Serve HTTP port, the
     session's ``logs/`` directory); stops its jobs (``ray stop``
     leaves a job's driver process running) and the cluster afterwards."""
+    import ray
     from ray.job_submission import JobSubmissionClient
 
+    # the suite's shared session goes first: `ray stop` below stops every Ray process on the host
+    ray.shutdown()
     # short temp dir: Ray's unix sockets live under it (108-byte path limit)
     temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")
     dash, metrics, http = _free_port(), _free_port(), _free_port()
@@ -89,6 +92,7 @@ def head_node():
                         f"--address=http://127.0.0.1:{dash}"], env=env, capture_output=True, timeout=120)
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(temp_dir, ignore_errors=True)
+        start_ray()
 
 
 def _wait(client, job: str, timeout_s: float, on_poll=lambda: None):

@@ -64,7 +64,7 @@ class NullDraft:
     def stage(self, step: int):
         return None
 
-    def restore(self, step: int):
+    def restore(self):
         return None
 
     def send_weights(self, coordinator, version: int) -> bool:
@@ -81,9 +81,6 @@ class NullDraft:
 
     def node_and_gpu(self) -> list:
         return []
-
-    def save(self, out_dir: str) -> None:
-        pass
 
 
 class DraftClient(NullDraft):
@@ -188,7 +185,7 @@ class DraftClient(NullDraft):
 
         return stage_draft
 
-    def restore(self, step: int):
+    def restore(self):
         """What a resume calls with a checkpoint directory holding draft state
         (rank 0): loads it into the DraftTrainer, returns its version."""
         if not self.ranks.is_driver:

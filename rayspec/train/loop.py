@@ -185,7 +185,7 @@ def resume(checkpoint, policy: PolicyWorker, coord, draft) -> int:
     """Restore a checkpoint (a resumed run, or Train workers restarted after a
     failure) and send its weights to the replicas; returns the policy version
     (= the last step the checkpoint finished). Collective."""
-    state, draft_version = policy.restore(checkpoint, draft.restore(0))
+    state, draft_version = policy.restore(checkpoint, draft.restore())
     version = state["policy_version"]
     weights = policy.full_state_dict()
     if not policy.ranks.is_driver:
