@@ -396,7 +396,9 @@ class TrainConfig:
         optimizer = self.deepspeed.get("optimizer") or {}
         _check(isinstance(optimizer, dict), f"{key}.deepspeed.optimizer", optimizer,
                "expected a mapping (DeepSpeed's optimizer section: type, params)")
-        lr = (optimizer.get("params") or {}).get("lr")
+        params = optimizer.get("params") or {}
+        _check(isinstance(params, dict), f"{key}.deepspeed.optimizer.params", params, "expected a mapping")
+        lr = params.get("lr")
         _check(lr is None or (_is_number(lr) and lr > 0), f"{key}.deepspeed.optimizer.params.lr", lr,
                "must be a number > 0")
 
@@ -762,6 +764,8 @@ def check_across_sections(cfg: RunConfig) -> None:
         _check(cfg.data.eval_num_problems >= 1, "data.eval_num_problems", cfg.data.eval_num_problems,
                "must be >= 1 while trainer.eval_every > 0")
     max_model_len = cfg.rollout.engine_kwargs.get("max_model_len")
+    _check(max_model_len is None or (_is_int(max_model_len) and max_model_len >= 2),
+           "rollout.engine_kwargs.max_model_len", max_model_len, "must be an integer >= 2 (tokens), or absent")
     _check(max_model_len is None or cfg.grpo.max_new_tokens < max_model_len, "grpo.max_new_tokens",
            cfg.grpo.max_new_tokens, f"must leave room for the prompt in rollout.engine_kwargs.max_model_len "
            f"({max_model_len} tokens, prompt and response)")

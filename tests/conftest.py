@@ -34,11 +34,20 @@ def start_ray() -> None:
         init_ray(load_config(None, ["ray.num_cpus=2", f"ray.object_store_memory={1 << 30}"]))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests on the shared Ray session run last, one after the other (in
+    their modules' order): the session starts once, and its daemons (GCS,
+    raylet, dashboard: about 13% of a core while idle) never run beside the
+    tests that do not need it."""
+    items.sort(key=lambda item: "ray_session" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One Ray session for every test that needs an embedded cluster (each
-    start costs seconds). A module that needs a cluster of its own shuts it
-    down and calls ``start_ray`` again when done."""
+    start costs seconds); they run last (``pytest_collection_modifyitems``).
+    A module that needs a cluster of its own runs before them and stops
+    Ray when done."""
     start_ray()
     yield
     import ray

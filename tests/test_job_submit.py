@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import STEP_RECORD_KEYS, start_ray
+from tests.conftest import STEP_RECORD_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -65,7 +65,7 @@ def head_node():
     import ray
     from ray.job_submission import JobSubmissionClient
 
-    # the suite's shared session goes first: `ray stop` below stops every Ray process on the host
+    # no Ray in this process (the shared session's tests run last): `ray stop` below stops every Ray process
     ray.shutdown()
     # short temp dir: Ray's unix sockets live under it (108-byte path limit)
     temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")
@@ -92,7 +92,6 @@ def head_node():
                         f"--address=http://127.0.0.1:{dash}"], env=env, capture_output=True, timeout=120)
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(temp_dir, ignore_errors=True)
-        start_ray()
 
 
 def _wait(client, job: str, timeout_s: float, on_poll=lambda: None):

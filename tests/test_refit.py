@@ -9,19 +9,19 @@ import socket
 import time
 
 import pytest
+import ray
 import torch
 import torch.distributed as dist
 
-from rayspec.config import load_config
+from rayspec.config import DRAFT_LINEAR_DTYPE, load_config
 from rayspec.draft.eagle3 import init_head, save_head
 from rayspec.models import load_policy, load_tokenizer
-from rayspec.rollout.engine import ReplicaBehind
-from rayspec.config import DRAFT_LINEAR_DTYPE
 from rayspec.rollout.client import LocalReplicas, RolloutClient
+from rayspec.rollout.engine import ReplicaBehind
 from rayspec.sync import CollectiveSender, ObjectStoreReceiver, plan_buckets, state_dict_nbytes
 from rayspec.train.grpo import group_advantages, token_logprobs, token_mult_prob_error
 from rayspec.train.policy import build_engine, deepspeed_config, full_state_dict, policy_update
-from tests.conftest import engine_kwargs, start_ray
+from tests.conftest import engine_kwargs
 
 
 @pytest.fixture
@@ -162,10 +162,14 @@ def test_refit_after_deepspeed_step_matches_trainer_greedy(spec_engine, tiny_lla
     eng.policy_version = 1
     with pytest.raises(ReplicaBehind, match="policy at version 1"):
         eng.generate([probe], max_tokens=2, refits=transport.rollout_refits())
-    # the catch-up resends through the object store (the suite's Ray session)
-    start_ray()
-    refits = transport.catch_up(transport.rollout_refits())
-    assert eng.generate([probe], temperature=0.0, max_tokens=16, refits=refits)[0].response_ids[0] == after
+    # the catch-up resends through the object store: a Ray session of this test's own, shut down after
+    # (the suite's shared session runs its tests last, and none may outlive this one)
+    ray.init(num_cpus=1, object_store_memory=100 * 2**20, include_dashboard=False)
+    try:
+        refits = transport.catch_up(transport.rollout_refits())
+        assert eng.generate([probe], temperature=0.0, max_tokens=16, refits=refits)[0].response_ids[0] == after
+    finally:
+        ray.shutdown()
     assert eng.versions()["policy"] == 2
     transport.close()
 

@@ -15,7 +15,6 @@ from rayspec.config import ConfigError, load_config
 from rayspec.scheduler import ClusterFitError, plan_placement
 from rayspec.scheduler.pipeline import PolicyLagError, RolloutPipeline
 from rayspec.scheduler.placement import NODE_LABEL, NodeInfo, check_device_sharing
-from tests.conftest import start_ray
 
 ONE_NODE = [NodeInfo("a" * 56, cpus=2, memory=24 * 2**30, cores=(0, 1))]
 TWO_GPU_NODES = [NodeInfo("0" * 56, cpus=16, gpus=8), NodeInfo("1" * 56, cpus=16, gpus=8)]
@@ -158,7 +157,7 @@ def gpu_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    ray.shutdown()  # the suite's shared session: this module needs a cluster of its own
+    ray.shutdown()  # a cluster of its own (the shared session's tests run last)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 10, "num_gpus": 4, "object_store_memory": 100 * 2**20, "include_dashboard": False})
     for _ in range(2):
@@ -171,7 +170,6 @@ def gpu_cluster():
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
-    start_ray()
 
 
 def _place(plan, storage):

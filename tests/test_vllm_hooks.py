@@ -7,6 +7,7 @@ vLLM 0.32's model runners."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -33,17 +34,45 @@ def test_every_touch_point_holds_in_the_installed_vllm():
     require_vllm()
 
 
-def test_a_release_is_accepted_by_its_touch_points_not_its_number(monkeypatch):
+def test_a_release_is_accepted_by_its_touch_points_not_its_number(monkeypatch, tmp_path):
+    """Another version number with every touch point in its source is
+    accepted; a source tree (another release, here the installed one's
+    files with one function renamed) that lacks one is refused, naming it."""
+    import importlib.util
+    import shutil
+
     import vllm
-    from vllm.v1.spec_decode import dynamic
 
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
     require_vllm()  # another number, every touch point there: accepted
-    monkeypatch.delattr(dynamic.utils, "build_dynamic_sd_schedule_lookup")
+    installed = Path(importlib.util.find_spec("vllm").origin).parents[1]
+    for module in {tp.symbol.partition(":")[0] for tp in TOUCH_POINTS}:
+        base = Path(*module.split("."))
+        src = next(p for p in (installed / base.with_suffix(".py"), installed / base / "__init__.py") if p.is_file())
+        (tmp_path / src.relative_to(installed)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, tmp_path / src.relative_to(installed))
+    require_vllm(root=tmp_path)  # the touch points' own files are enough
+    utils = tmp_path / "vllm/v1/spec_decode/dynamic/utils.py"
+    utils.write_text(utils.read_text().replace("def build_dynamic_sd_schedule_lookup(", "def renamed("))
     with pytest.raises(VllmInternalsError, match=r"(?s)vLLM 0\.34\.0 is installed.*\n  - vllm\.v1\.spec_decode\.dynamic"
                                                  r"\.utils:build_dynamic_sd_schedule_lookup is missing \(needed by "
                                                  r"adaptive k\).*read against vLLM 0\.32\.0 and 0\.33\.0"):
-        require_vllm()
+        require_vllm(root=tmp_path)
+
+
+def test_checking_the_touch_points_loads_nothing_of_vllm():
+    """The check reads sources: vLLM's C++ extension (and its second OpenMP
+    runtime, which made an engine started later in the process 2x slower)
+    stays out of the checking process."""
+    import subprocess
+    import sys
+
+    code = ("from rayspec.rollout.vllm.touchpoints import check_vllm; import sys; r = check_vllm(cpu=True); "
+            "assert not [w for _, w in r if w]; maps = open('/proc/self/maps').read(); "
+            "assert '_C.abi3' not in maps and 'libgomp' not in maps, maps; "
+            "assert not [m for m in sys.modules if m.startswith('vllm.')], [m for m in sys.modules if 'vllm.' in m]")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 class _Scheduler:
@@ -51,12 +80,19 @@ class _Scheduler:
         self.lookup: list | None = None
 
 
+class _Later(_Scheduler):
+    pass
+
+
 def test_an_instance_attribute_is_checked_in_the_class_source():
-    here = "tests.test_vllm_hooks"
-    assert TouchPoint(f"{here}:_Scheduler.lookup", "read", "t", "w", instance=True).check() is None
-    assert TouchPoint(f"{here}:_Scheduler.gone", "read", "t", "w", instance=True).check() == \
+    here, repo = "tests.test_vllm_hooks", Path(__file__).resolve().parents[1]
+    assert TouchPoint(f"{here}:_Scheduler.lookup", "read", "t", "w", instance=True).check(repo) is None
+    assert TouchPoint(f"{here}:_Later.lookup", "read", "t", "w", instance=True).check(repo) is None  # a base's
+    assert TouchPoint(f"{here}:_Scheduler.gone", "read", "t", "w", instance=True).check(repo) == \
         f"{here}:_Scheduler no longer sets self.gone"
-    assert TouchPoint(f"{here}:_Gone.lookup", "read", "t", "w", instance=True).check() == f"{here}:_Gone is missing"
+    assert TouchPoint(f"{here}:_Gone.lookup", "read", "t", "w", instance=True).check(repo) == f"{here}:_Gone is missing"
+    assert TouchPoint(f"{here}:_Later.__init__", "read", "t", "w").check(repo) is None
+    assert TouchPoint("tests.nosuch:x", "read", "t", "w").check(repo) == "tests.nosuch is missing"
 
 
 class _Worker(RefitExtension):

@@ -10,6 +10,7 @@ Each role declares its own resources in the config (rollout:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -187,13 +188,15 @@ def check_inputs(cfg: RunConfig) -> str:
 
 
 def check_run_dir(cfg: RunConfig) -> None:
-    """Create ``trainer.run_dir`` (and its parents) and check it is writable,
-    before anything starts.
+    """Check, before anything starts, that ``trainer.run_dir`` can be created
+    and written, leaving nothing behind: directories it had to create for
+    the check are removed again (the run creates them once it starts).
 
     Raises:
         ConfigError: naming ``trainer.run_dir`` and what the OS said.
     """
     run_dir = Path(cfg.trainer.run_dir)
+    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".rayspec-write-check-"):
@@ -201,6 +204,10 @@ def check_run_dir(cfg: RunConfig) -> None:
     except OSError as e:
         raise ConfigError(f"trainer.run_dir={cfg.trainer.run_dir}: not a writable directory "
                           f"({type(e).__name__}: {e.strerror or e})") from None
+    finally:
+        for p in created:  # deepest first
+            with contextlib.suppress(OSError):
+                p.rmdir()
 
 
 def _has_mtp_layers(policy_cfg: dict) -> bool:
@@ -272,6 +279,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
              plan.describe())
     log.info("model.dtype %s: %s", cfg.model.dtype, dtype_reason(cfg))
     run_dir = Path(cfg.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
     draft_dir, aux_ids = prepare_draft(cfg, model_dir, run_dir)
 

@@ -18,12 +18,13 @@ docs/vllm.md for what each touch point found there).
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
-import inspect
-import re
+import importlib.util
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 READ_AGAINST = ("0.32.0", "0.33.0")  # vLLM releases whose sources these touch points were read in
@@ -88,18 +89,27 @@ class TouchPoint:
         touch point; the caller keeps vLLM's own from ``load`` first)."""
         setattr(self.owner(), self.symbol.partition(":")[2].rpartition(".")[2], value)
 
-    def check(self) -> str | None:
-        """None where the symbol is there, else why not."""
+    def check(self, root: Path | None = None) -> str | None:
+        """None where the symbol is in vLLM's source, else why not. Reads
+        the source (``root``: a tree holding ``vllm/``; None: the installed
+        vLLM) and imports nothing: importing vLLM's internals loads its C++
+        extension and a second OpenMP runtime into the process, which slows
+        down an engine started in it afterwards (2x measured here)."""
         module, _, path = self.symbol.partition(":")
-        if not self.instance:
-            return None if _resolve(self.symbol) is not _MISSING else f"{self.symbol} is missing"
-        owner_path, _, attr = path.rpartition(".")
-        owner = _resolve(f"{module}:{owner_path}")
-        if owner is _MISSING:
-            return f"{module}:{owner_path} is missing"
-        if _sets_attribute(owner, attr):
-            return None
-        return f"{module}:{owner_path} no longer sets self.{attr}"
+        tree = _module_ast(module, root)
+        if tree is None:
+            return f"{module} is missing"
+        *owners, name = path.split(".")
+        body, where = tree.body, module
+        for owner in owners:
+            cls = _find_class(body, owner)
+            if cls is None:
+                return f"{where}:{owner} is missing"
+            body, where = cls, f"{where}:{owner}"
+        if self.instance:
+            return None if _sets_attribute(body, name, tree) else f"{where} no longer sets self.{name}"
+        defined = _class_names(body, tree) if owners else _defined_names(body)
+        return None if name in defined else f"{self.symbol} is missing"
 
 
 def _resolve(symbol: str) -> Any:
@@ -115,19 +125,81 @@ def _resolve(symbol: str) -> Any:
     return obj
 
 
+def _module_ast(module: str, root: Path | None) -> ast.Module | None:
+    """The parsed source of ``module`` (``vllm.x.y``) under ``root`` (None:
+    where the installed ``vllm`` package lives, found without importing it)."""
+    if root is None:
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        root = Path(list(spec.submodule_search_locations)[0]).parent
+    base = Path(root, *module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return _parse(str(path), path.stat().st_mtime_ns)
+    return None
+
+
 @functools.lru_cache(maxsize=None)
-def _sets_attribute(cls: type, attr: str) -> bool:
-    """Whether ``cls`` or a base class assigns ``self.<attr>`` in its source."""
-    pattern = re.compile(rf"self\.{re.escape(attr)}\s*(:[^=\n]+)?=(?!=)")
-    for klass in inspect.getmro(cls):
-        if klass is object:
-            continue
-        try:
-            if pattern.search(inspect.getsource(klass)):
-                return True
-        except (OSError, TypeError):  # a C extension class: no source
-            continue
-    return False
+def _parse(path: str, mtime_ns: int) -> ast.Module:
+    """A source file's syntax tree (cached by path and modification time)."""
+    return ast.parse(Path(path).read_text(), path)
+
+
+def _top_level(body: list) -> list:
+    """The statements of a module or class body, through if / try / with blocks."""
+    out = []
+    for node in body:
+        out.append(node)
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            for block in ("body", "orelse", "finalbody"):
+                out += _top_level(getattr(node, block, []) or [])
+            for handler in getattr(node, "handlers", []):
+                out += _top_level(handler.body)
+    return out
+
+
+def _defined_names(body: list) -> set[str]:
+    """Names a module (or class) body binds: defs, classes, assignments, imports."""
+    names = set()
+    for node in _top_level(body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def _find_class(body, name: str) -> ast.ClassDef | None:
+    if isinstance(body, ast.ClassDef):
+        body = body.body
+    return next((n for n in _top_level(body) if isinstance(n, ast.ClassDef) and n.name == name), None)
+
+
+def _bases(cls: ast.ClassDef, tree: ast.Module) -> list[ast.ClassDef]:
+    """``cls``'s base classes defined in the same module."""
+    names = [b.id for b in cls.bases if isinstance(b, ast.Name)]
+    return [c for c in (_find_class(tree.body, n) for n in names) if c is not None]
+
+
+def _class_names(cls: ast.ClassDef, tree: ast.Module) -> set[str]:
+    """Methods and class attributes of ``cls`` and its bases in the module."""
+    return _defined_names(cls.body).union(*(_class_names(b, tree) for b in _bases(cls, tree)))
+
+
+def _sets_attribute(cls: ast.ClassDef, attr: str, tree: ast.Module) -> bool:
+    """Whether a method of ``cls`` (or of a base in the module) assigns ``self.<attr>``."""
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        if any(isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
+               and t.value.id == "self" for t in targets):
+            return True
+    return any(_sets_attribute(b, attr, tree) for b in _bases(cls, tree))
 
 
 _PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
@@ -270,27 +342,31 @@ def platform_is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def check_vllm(cpu: bool | None = None) -> list[tuple[TouchPoint, str | None]]:
-    """Resolve every touch point that applies on this platform against the
-    installed vLLM; returns [(touch point, None or why it failed)].
+def check_vllm(cpu: bool | None = None, root: Path | None = None) -> list[tuple[TouchPoint, str | None]]:
+    """Check every touch point that applies on this platform against vLLM's
+    source (``TouchPoint.check``); returns [(touch point, None or why it
+    failed)].
 
     Args:
         cpu: check the CPU platform's touch points too (None: where vLLM's
             current platform is the CPU).
+        root: a source tree holding ``vllm/`` (e.g. an unpacked wheel of
+            another release); None: the installed vLLM.
     """
     cpu = platform_is_cpu() if cpu is None else cpu
-    return [(tp, tp.check()) for tp in TOUCH_POINTS if tp.platform == "any" or cpu]
+    return [(tp, tp.check(root)) for tp in TOUCH_POINTS if tp.platform == "any" or cpu]
 
 
-def require_vllm() -> None:
+def require_vllm(root: Path | None = None) -> None:
     """Refuse a vLLM release where a touch point of this platform fails:
-    any release whose touch points all hold is accepted.
+    any release whose touch points all hold is accepted (``root``: another
+    release's source tree, as ``check_vllm``).
 
     Raises:
         VllmInternalsError: naming the installed version and every failing
             symbol with the rayspec feature that needs it.
     """
-    failed = [(tp, why) for tp, why in check_vllm() if why is not None]
+    failed = [(tp, why) for tp, why in check_vllm(root=root) if why is not None]
     if failed:
         lines = "\n".join(f"  - {why} (needed by {tp.hook})" for tp, why in failed)
         raise VllmInternalsError(
