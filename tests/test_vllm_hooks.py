@@ -52,8 +52,12 @@ def test_a_release_is_accepted_by_its_touch_points_not_its_number(monkeypatch, t
         (tmp_path / src.relative_to(installed)).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src, tmp_path / src.relative_to(installed))
     require_vllm(root=tmp_path)  # the touch points' own files are enough
+    from jobs.check_vllm import main as check_vllm_job
+
+    assert check_vllm_job(["--source", str(tmp_path)]) == 0
     utils = tmp_path / "vllm/v1/spec_decode/dynamic/utils.py"
     utils.write_text(utils.read_text().replace("def build_dynamic_sd_schedule_lookup(", "def renamed("))
+    assert check_vllm_job(["--source", str(tmp_path)]) == 1
     with pytest.raises(VllmInternalsError, match=r"(?s)vLLM 0\.34\.0 is installed.*\n  - vllm\.v1\.spec_decode\.dynamic"
                                                  r"\.utils:build_dynamic_sd_schedule_lookup is missing \(needed by "
                                                  r"adaptive k\).*read against vLLM 0\.32\.0 and 0\.33\.0"):

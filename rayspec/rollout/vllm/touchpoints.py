@@ -337,9 +337,14 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
 
 
 def platform_is_cpu() -> bool:
-    from vllm.platforms import current_platform
+    """Whether this install serves on the CPU platform: its torch is a CPU
+    build. Not vLLM's ``current_platform``: resolving it in a process before
+    an engine starts there sets the CPU platform up without the engine's
+    thread binding (``VLLM_CPU_OMP_THREADS_BIND``), and the engine then ran
+    the lossless test's cases at half speed."""
+    import torch
 
-    return current_platform.is_cpu()
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
 
 
 def check_vllm(cpu: bool | None = None, root: Path | None = None) -> list[tuple[TouchPoint, str | None]]:
