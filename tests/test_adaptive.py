@@ -109,6 +109,7 @@ def test_a_policy_refit_probes_a_match_drafter_but_not_a_model_one(method, probe
     eng._loaded("policy", 1)
     assert eng.policy_version == 1
     assert eng.k_schedule == ([(1, 1, 3), (2, 16, 0)] if probes else [(1, 16, 0)])
+    del eng.llm  # the fake has no engine core for __del__'s shutdown to stop
 
 
 def test_rollout_shape_decides_whether_a_tail_schedule_pays():
