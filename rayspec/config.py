@@ -651,6 +651,15 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
+    """One run's whole configuration, one frozen section per stage of the
+    RL step (keys as docs/configuration.md lists them; names follow vLLM,
+    DeepSpeed, verl and TRL where they have one).
+
+    Build it with ``load_config`` (preset YAML + ``section.key=value``
+    overrides, platform defaults applied by ``apply_defaults``, then
+    ``validate``); it is never changed afterwards.
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
