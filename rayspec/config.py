@@ -403,16 +403,31 @@ class TrainConfig:
                "must be a number > 0")
 
 
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # verl's names
+KL_TYPES = ("k1", "k2", "k3")  # Schulman 2020's estimators
+
+
 @dataclass(frozen=True)
 class GRPOConfig:
-    """GRPO (Shao et al. 2024, arXiv 2402.03300).
+    """GRPO (Shao et al. 2024, arXiv 2402.03300), with the variants verl
+    names (``rayspec/train/grpo.py`` cites each).
 
     Args:
         group_size: samples per prompt; advantages are normalised per group.
         temperature / top_p: rollout sampling (RL samples at 1.0).
         max_new_tokens: response length cap (tokens).
-        clip_eps: PPO ratio clip epsilon.
-        kl_coef: weight of the k3 KL estimate to the reference policy (0: off).
+        clip_eps: PPO ratio clip epsilon (symmetric shorthand).
+        clip_ratio_low / clip_ratio_high: the clip range [1 - low, 1 + high]
+            (null: ``clip_eps``); a higher ``clip_ratio_high`` is DAPO's
+            clip-higher.
+        kl_coef: weight of the KL estimate to the reference policy (0: off).
+        kl_type: the KL estimator: ``k1``, ``k2`` or ``k3`` (Schulman 2020).
+        norm_adv_by_std: divide advantages by the group's reward std (false:
+            Dr. GRPO).
+        loss_agg_mode: ``seq-mean-token-mean`` (GRPO's, rayspec's default),
+            ``token-mean`` (DAPO's, verl's default) or
+            ``seq-mean-token-sum-norm`` (Dr. GRPO: token sums over
+            ``max_new_tokens``).
     """
 
     group_size: int = 4
@@ -420,7 +435,18 @@ class GRPOConfig:
     top_p: float = 1.0
     max_new_tokens: int = 128
     clip_eps: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
     kl_coef: float = 0.0
+    kl_type: str = "k3"
+    norm_adv_by_std: bool = True
+    loss_agg_mode: str = "seq-mean-token-mean"
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(low, high): the ratio is clipped to [1 - low, 1 + high]."""
+        low = self.clip_eps if self.clip_ratio_low is None else self.clip_ratio_low
+        return low, self.clip_eps if self.clip_ratio_high is None else self.clip_ratio_high
 
     def validate(self, key: str = "grpo") -> None:
         _check(self.group_size >= 2, f"{key}.group_size", self.group_size,
@@ -431,7 +457,15 @@ class GRPOConfig:
         _check(0 < self.top_p <= 1, f"{key}.top_p", self.top_p, "must be in (0, 1]")
         _check(self.max_new_tokens >= 1, f"{key}.max_new_tokens", self.max_new_tokens, "must be >= 1")
         _check(self.clip_eps > 0, f"{key}.clip_eps", self.clip_eps, "must be > 0")
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, f"{key}.{name}", value, "must be > 0, or null for clip_eps")
+        _check(self.clip_range[0] < 1, f"{key}.clip_ratio_low", self.clip_range[0],
+               "must be < 1: the ratio's lower clip bound 1 - low would not be positive")
         _check(self.kl_coef >= 0, f"{key}.kl_coef", self.kl_coef, "must be >= 0")
+        _check(self.kl_type in KL_TYPES, f"{key}.kl_type", self.kl_type, f"expected one of {list(KL_TYPES)}")
+        _check(self.loss_agg_mode in LOSS_AGG_MODES, f"{key}.loss_agg_mode", self.loss_agg_mode,
+               f"expected one of {list(LOSS_AGG_MODES)}")
 
 
 @dataclass(frozen=True)

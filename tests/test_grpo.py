@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 
 from rayspec.batch import RolloutBatch
-from rayspec.train.grpo import (group_advantages, grpo_loss, token_logprobs,
+from rayspec.train.grpo import (group_advantages, grpo_loss, kl_estimate, token_logprobs,
                                 token_mult_prob_error)
 
 
@@ -78,3 +81,76 @@ def test_batch_shard_and_concat_roundtrip():
     assert RolloutBatch.concat(parts) == b
     with pytest.raises(ValueError, match="policy versions"):
         RolloutBatch.concat([parts[0], RolloutBatch([], [], [], [], policy_version=4)])
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("token-mean", -7 / 5),                        # all 5 response tokens weigh the same
+    ("seq-mean-token-mean", -(2 + 1) / 2),         # each response's mean, then their mean
+    ("seq-mean-token-sum-norm", -(4 / 4 + 3 / 4) / 2),  # token sums over max_response_tokens=4
+])
+def test_loss_aggregation_modes_by_hand(mode, expected):
+    lp = torch.log(torch.tensor([[0.5, 0.25, 0.1], [0.5, 0.5, 0.5]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    # on policy (ratio 1): the per-token loss is -advantage
+    loss, _ = grpo_loss(lp, lp, torch.tensor([2.0, 1.0]), mask, 0.2, loss_agg_mode=mode, max_response_tokens=4)
+    assert loss.item() == pytest.approx(expected)
+    with pytest.raises(ValueError, match="loss_agg_mode 'seq-sum'"):
+        grpo_loss(lp, lp, torch.tensor([2.0, 1.0]), mask, 0.2, loss_agg_mode="seq-sum")
+
+
+def test_clip_higher_widens_only_the_upper_bound():
+    """DAPO's clip-higher: a ratio of e^0.25 = 1.284 on a positive advantage
+    is clipped at 1.2 symmetrically and at 1.28 with clip_ratio_high=0.28; a
+    ratio of e^-0.5 = 0.607 on a negative advantage at 1 - low."""
+    mask = torch.ones(1, 1)
+    up = torch.tensor([[0.25]])
+    zero = torch.zeros(1, 1)
+    assert grpo_loss(up, zero, torch.tensor([1.0]), mask, 0.2)[0].item() == pytest.approx(-1.2)
+    loss, m = grpo_loss(up, zero, torch.tensor([1.0]), mask, (0.2, 0.28))
+    assert loss.item() == pytest.approx(-1.28) and m["clip_frac"] == 1.0
+    loss, m = grpo_loss(up, zero, torch.tensor([1.0]), mask, (0.2, 0.3))
+    assert loss.item() == pytest.approx(-math.exp(0.25)) and m["clip_frac"] == 0.0
+    down = torch.tensor([[-0.5]])
+    assert grpo_loss(down, zero, torch.tensor([-1.0]), mask, (0.2, 0.28))[0].item() == pytest.approx(0.8)
+    assert grpo_loss(down, zero, torch.tensor([-1.0]), mask, (0.1, 0.28))[0].item() == pytest.approx(0.9)
+
+
+def test_advantages_without_std_are_dr_grpo_s():
+    rewards, group = [1.0, 0.0, 0.0, 0.0, 3.0, 1.0], [0, 0, 0, 0, 1, 1]
+    assert group_advantages(rewards, group, norm_by_std=False) == pytest.approx([0.75, -0.25, -0.25, -0.25, 1.0, -1.0])
+    # with the std (0.433 and 1.0): 0.75 / 0.433 = sqrt(3)
+    assert group_advantages(rewards, group)[0] == pytest.approx(math.sqrt(3), rel=1e-5)
+    assert group_advantages(rewards, group)[4:] == pytest.approx([1.0, -1.0], rel=1e-5)
+
+
+@pytest.mark.parametrize("kl_type, expected", [
+    ("k1", math.log(2)),                    # log p - log p_ref, p = 0.5, p_ref = 0.25
+    ("k2", 0.5 * math.log(2) ** 2),
+    ("k3", 0.5 - 1 + math.log(2)),          # r - 1 - log r, r = p_ref / p = 0.5
+])
+def test_kl_estimators_by_hand(kl_type, expected):
+    lp, ref = torch.log(torch.tensor([[0.5, 0.5]])), torch.log(torch.tensor([[0.25, 0.25]]))
+    mask = torch.tensor([[1.0, 0.0]])  # the second token is padding: no KL there
+    assert kl_estimate(lp, ref, kl_type)[0, 0].item() == pytest.approx(expected)
+    loss, m = grpo_loss(lp, lp, torch.zeros(1), mask, 0.2, ref_logprobs=ref, kl_coef=0.1, kl_type=kl_type)
+    assert m["kl"] == pytest.approx(expected) and loss.item() == pytest.approx(0.1 * expected)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("grpo.loss_agg_mode=seq-sum", "grpo.loss_agg_mode='seq-sum': expected one of"),
+    ("grpo.kl_type=k4", "grpo.kl_type='k4': expected one of"),
+    ("grpo.clip_ratio_low=1.5", "grpo.clip_ratio_low=1.5: must be < 1"),
+    ("grpo.clip_ratio_high=-0.1", "grpo.clip_ratio_high=-0.1: must be > 0"),
+])
+def test_grpo_variant_keys_are_checked(override, message):
+    from rayspec.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+def test_clip_range_defaults_to_clip_eps():
+    from rayspec.config import load_config
+
+    assert load_config(None, ["grpo.clip_eps=0.1"]).grpo.clip_range == (0.1, 0.1)
+    assert load_config(None, ["grpo.clip_ratio_high=0.28"]).grpo.clip_range == (0.2, 0.28)

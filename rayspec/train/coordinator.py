@@ -109,7 +109,8 @@ class Coordinator:
 
     def advantages(self, rollout: Rollout) -> None:
         """GRPO advantages over each prompt's group, in place."""
-        rollout.batch.advantages = group_advantages(rollout.batch.rewards, rollout.batch.group)
+        rollout.batch.advantages = group_advantages(rollout.batch.rewards, rollout.batch.group,
+                                                    norm_by_std=self.cfg.grpo.norm_adv_by_std)
 
     def release_replicas(self) -> None:
         """Colocated: replicas free their memory while the policy trains."""

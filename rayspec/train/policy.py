@@ -99,7 +99,8 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
                 ref_logits = ref_model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits
                 ref_lp = token_logprobs(ref_logits, t["input_ids"], cfg.grpo.temperature)
         loss, m = grpo_loss(logprobs, t["rollout_logprobs"], t["advantages"], t["response_mask"],
-                            cfg.grpo.clip_eps, ref_lp, cfg.grpo.kl_coef)
+                            cfg.grpo.clip_range, ref_lp, cfg.grpo.kl_coef, cfg.grpo.kl_type,
+                            cfg.grpo.loss_agg_mode, cfg.grpo.max_new_tokens)
         engine.backward(loss)
         engine.step()
         m["loss"] = loss.item()
