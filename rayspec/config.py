@@ -408,6 +408,31 @@ KL_TYPES = ("k1", "k2", "k3")  # Schulman 2020's estimators
 
 
 @dataclass(frozen=True)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476,
+    Eq. 13), as verl's ``overlong_buffer``: a response longer than
+    ``grpo.max_new_tokens - len`` tokens gets a penalty growing linearly to
+    ``penalty_factor`` at ``grpo.max_new_tokens``, added to its reward.
+
+    Args:
+        enable: add the penalty to the rewards.
+        len: the buffer (tokens), less than ``grpo.max_new_tokens``.
+        penalty_factor: the penalty at the length cap (reward units).
+    """
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+
+    def validate(self, key: str, max_new_tokens: int) -> None:
+        if not self.enable:
+            return
+        _check(_is_int(self.len) and 0 < self.len < max_new_tokens, f"{key}.len", self.len,
+               f"must be an integer in (0, grpo.max_new_tokens={max_new_tokens}) (tokens)")
+        _check(self.penalty_factor >= 0, f"{key}.penalty_factor", self.penalty_factor, "must be >= 0")
+
+
+@dataclass(frozen=True)
 class GRPOConfig:
     """GRPO (Shao et al. 2024, arXiv 2402.03300), with the variants verl
     names (``rayspec/train/grpo.py`` cites each).
@@ -428,6 +453,8 @@ class GRPOConfig:
             ``token-mean`` (DAPO's, verl's default) or
             ``seq-mean-token-sum-norm`` (Dr. GRPO: token sums over
             ``max_new_tokens``).
+        overlong_buffer: DAPO's soft overlong punishment
+            (``OverlongBufferConfig``).
     """
 
     group_size: int = 4
@@ -441,6 +468,7 @@ class GRPOConfig:
     kl_type: str = "k3"
     norm_adv_by_std: bool = True
     loss_agg_mode: str = "seq-mean-token-mean"
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
     @property
     def clip_range(self) -> tuple[float, float]:
@@ -466,6 +494,7 @@ class GRPOConfig:
         _check(self.kl_type in KL_TYPES, f"{key}.kl_type", self.kl_type, f"expected one of {list(KL_TYPES)}")
         _check(self.loss_agg_mode in LOSS_AGG_MODES, f"{key}.loss_agg_mode", self.loss_agg_mode,
                f"expected one of {list(LOSS_AGG_MODES)}")
+        self.overlong_buffer.validate(f"{key}.overlong_buffer", self.max_new_tokens)
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,8 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
                    "response": batch.texts[0], "reward": batch.rewards[0]},
         **train_metrics,
     }
+    if rollout.overlong_penalty is not None:  # reward_mean includes it; the task's reward is the difference
+        record["overlong_penalty_mean"] = sum(rollout.overlong_penalty) / len(rollout.overlong_penalty)
     record.update(draft_fields)
     return record
 

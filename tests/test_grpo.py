@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rayspec.batch import RolloutBatch
-from rayspec.train.grpo import (group_advantages, grpo_loss, kl_estimate, token_logprobs,
+from rayspec.train.grpo import (group_advantages, grpo_loss, kl_estimate, overlong_penalty, token_logprobs,
                                 token_mult_prob_error)
 
 
@@ -154,3 +154,24 @@ def test_clip_range_defaults_to_clip_eps():
 
     assert load_config(None, ["grpo.clip_eps=0.1"]).grpo.clip_range == (0.1, 0.1)
     assert load_config(None, ["grpo.clip_ratio_high=0.28"]).grpo.clip_range == (0.2, 0.28)
+
+
+def test_overlong_penalty_by_hand():
+    """DAPO Eq. 13 with L_max = 10, L_cache = 4: free up to 6 tokens, then
+    -1/4 per token down to -1 at the cap (scaled by the factor)."""
+    assert overlong_penalty([5, 6, 7, 8, 10], 10, 4, 1.0) == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong_penalty([8, 10], 10, 4, 0.5) == [-0.25, -0.5]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["grpo.overlong_buffer.enable=true"], "grpo.overlong_buffer.len=0: must be an integer in (0, grpo.max_new_tokens=128)"),
+    (["grpo.overlong_buffer.enable=true", "grpo.overlong_buffer.len=128"], "grpo.overlong_buffer.len=128"),
+    (["grpo.overlong_buffer.enable=true", "grpo.overlong_buffer.len=16", "grpo.overlong_buffer.penalty_factor=-1"],
+     "grpo.overlong_buffer.penalty_factor=-1"),
+])
+def test_overlong_buffer_keys_are_checked(overrides, message):
+    from rayspec.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
+    assert load_config(None, overrides[1:]).grpo.overlong_buffer.enable is False  # off: not checked

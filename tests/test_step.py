@@ -146,10 +146,10 @@ class FakeDraftTrainer:
         return ("node", None)
 
 
-def _run(tmp_path, draft_online: bool, steps: int = 3):
+def _run(tmp_path, draft_online: bool, steps: int = 3, overrides: tuple = ()):
     cfg = load_config(None, [f"trainer.steps={steps}", f"trainer.run_dir={tmp_path}", "trainer.save_steps=2",
                              "trainer.eval_every=2", "data.eval_num_problems=4", "trainer.eval_samples=1",
-                             "data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1"])
+                             "data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1", *overrides])
     calls: list = []
     replicas = RolloutClient(LocalReplicas([FakeEngine(calls)]), 1)
     policy = FakePolicy(calls)
@@ -191,15 +191,21 @@ def test_steps_run_their_phases_in_order_with_the_draft_beside_the_policy(ray_se
         assert r["weight_sync_transport"] == "object_store" and r["weight_sync_bytes"] > 0
         assert 0 <= r["idle_draft_s"] <= r["time_step_s"] and 0 <= r["idle_rollout_s"] <= r["time_step_s"]
         assert r["draft_acceptance_estimate"] == [0.3, 0.1, 0.0]
+        assert "overlong_penalty_mean" not in r
     checkpoints = [c for c in calls if c[0] == "checkpoint"]
     assert checkpoints == [("checkpoint", 2, 2, True), ("checkpoint", 3, 3, True)]
 
 
 def test_without_online_training_the_step_is_the_same_minus_the_draft(ray_session, tmp_path):
-    _, calls, records = _run(tmp_path, draft_online=False, steps=2)
+    """Also with DAPO's overlong penalty on: responses of 1, 2, 2 and 3 tokens
+    against a cap of 4 with a buffer of 2: only the 3-token one, half-way
+    into the buffer, is penalised (-0.5)."""
+    _, calls, records = _run(tmp_path, draft_online=False, steps=2, overrides=(
+        "grpo.max_new_tokens=4", "grpo.overlong_buffer.enable=true", "grpo.overlong_buffer.len=2"))
     assert [c for c in calls if c[0] in ("update", "refit")] == [
         ("update", 4, False), ("refit", "policy", 1, ["w"]), ("update", 4, False), ("refit", "policy", 2, ["w"])]
     for r in records:
         assert STEP_RECORD_KEYS <= r.keys()
         assert "draft_alive" not in r and "draft_trained" not in r and r["draft_version"] == 0
         assert r["time_draft_s"] == 0.0 and r["draft_acceptance_estimate"] == []
+        assert r["overlong_penalty_mean"] == -0.125 and r["response_lens"] == [1, 2, 2, 3]

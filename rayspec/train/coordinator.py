@@ -24,7 +24,7 @@ from rayspec.rollout.spec_stats import SpecStats
 from rayspec.scheduler.pipeline import RolloutPipeline
 from rayspec.sync import WeightSender
 from rayspec.train.evaluate import eval_due, read_baseline, score_eval, write_baseline
-from rayspec.train.grpo import group_advantages
+from rayspec.train.grpo import group_advantages, overlong_penalty
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class Rollout:
     problems: list
     lag: int
     retries: int = 0
+    overlong_penalty: list[float] | None = None  # per sample, where grpo.overlong_buffer is on
 
 
 class Coordinator:
@@ -104,8 +105,16 @@ class Coordinator:
         return Rollout(batch, stats, problems, lag, self.pipeline.last_retries)
 
     def reward(self, rollout: Rollout) -> None:
-        """Each sample's verifiable reward, in place."""
-        rollout.batch.rewards = batch_rewards(rollout.batch, rollout.problems)
+        """Each sample's verifiable reward, plus DAPO's overlong penalty where
+        ``grpo.overlong_buffer`` is on (as verl adds it), in place."""
+        rewards = batch_rewards(rollout.batch, rollout.problems)
+        buffer = self.cfg.grpo.overlong_buffer
+        if buffer.enable:
+            rollout.overlong_penalty = overlong_penalty([len(r) for r in rollout.batch.response_ids],
+                                                        self.cfg.grpo.max_new_tokens, buffer.len,
+                                                        buffer.penalty_factor)
+            rewards = [r + p for r, p in zip(rewards, rollout.overlong_penalty)]
+        rollout.batch.rewards = rewards
 
     def advantages(self, rollout: Rollout) -> None:
         """GRPO advantages over each prompt's group, in place."""

@@ -37,6 +37,27 @@ def group_advantages(rewards: list[float], group: list[int], eps: float = 1e-6,
     return adv.tolist()
 
 
+def overlong_penalty(lengths: list[int], max_response_tokens: int, buffer_len: int,
+                     penalty_factor: float) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476,
+    Eq. 13), per response: 0 up to ``max_response_tokens - buffer_len``
+    tokens, then falling linearly to ``-penalty_factor`` at
+    ``max_response_tokens`` (and below it beyond, which a capped rollout
+    does not reach).
+
+    Args:
+        lengths: response lengths (tokens).
+        max_response_tokens: the length cap L_max (tokens).
+        buffer_len: the buffer L_cache (tokens), 0 < buffer_len < L_max.
+        penalty_factor: the penalty at L_max (reward units).
+
+    Returns:
+        Per-response penalties (<= 0), to add to the rewards.
+    """
+    expected = max_response_tokens - buffer_len
+    return [min(0.0, (expected - n) / buffer_len * penalty_factor) for n in lengths]
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     if dim is None:
         return (x * mask).sum() / mask.sum().clamp(min=1)
