@@ -488,7 +488,8 @@ class GRPOConfig:
         for name in ("clip_ratio_low", "clip_ratio_high"):
             value = getattr(self, name)
             _check(value is None or value > 0, f"{key}.{name}", value, "must be > 0, or null for clip_eps")
-        _check(self.clip_range[0] < 1, f"{key}.clip_ratio_low", self.clip_range[0],
+        low_key = "clip_eps" if self.clip_ratio_low is None else "clip_ratio_low"
+        _check(self.clip_range[0] < 1, f"{key}.{low_key}", self.clip_range[0],
                "must be < 1: the ratio's lower clip bound 1 - low would not be positive")
         _check(self.kl_coef >= 0, f"{key}.kl_coef", self.kl_coef, "must be >= 0")
         _check(self.kl_type in KL_TYPES, f"{key}.kl_type", self.kl_type, f"expected one of {list(KL_TYPES)}")

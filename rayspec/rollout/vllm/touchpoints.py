@@ -128,16 +128,24 @@ def _resolve(symbol: str) -> Any:
 def _module_ast(module: str, root: Path | None) -> ast.Module | None:
     """The parsed source of ``module`` (``vllm.x.y``) under ``root`` (None:
     where the installed ``vllm`` package lives, found without importing it)."""
+    root = _installed_root() if root is None else root
     if root is None:
-        spec = importlib.util.find_spec("vllm")
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        root = Path(list(spec.submodule_search_locations)[0]).parent
+        return None
     base = Path(root, *module.split("."))
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if path.is_file():
             return _parse(str(path), path.stat().st_mtime_ns)
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_root() -> Path | None:
+    """The directory holding the installed ``vllm/`` package (found once,
+    without importing it), or None where vLLM is not installed."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]).parent
 
 
 @functools.lru_cache(maxsize=None)
@@ -353,8 +361,8 @@ def check_vllm(cpu: bool | None = None, root: Path | None = None) -> list[tuple[
     failed)].
 
     Args:
-        cpu: check the CPU platform's touch points too (None: where vLLM's
-            current platform is the CPU).
+        cpu: check the CPU platform's touch points too (None: where this
+            install serves on the CPU, ``platform_is_cpu``).
         root: a source tree holding ``vllm/`` (e.g. an unpacked wheel of
             another release); None: the installed vLLM.
     """
