@@ -477,7 +477,7 @@ def fixed_cell_prompts(pool_size: int, grid: list[tuple], repeats: int, group_si
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from rayspec.data import chat_prompt_ids, load_gsm8k
+    from rayspec.data import prompt_ids, load_gsm8k
     from rayspec.draft.eagle3 import load_head, vllm_state_dict
     from rayspec.draft.warmstart import trained_prompt_overlap
     from rayspec.models import load_tokenizer, resolve_model_path, truncated_copy
@@ -504,10 +504,10 @@ def main(argv: list[str] | None = None) -> int:
               f"problems; after the {args.rollout_prompts} rollout prompts, {e}", file=sys.stderr)
         return 2
     used = sorted({i for v in fixed.values() for i in v})
-    ids = {i: chat_prompt_ids(tok, pool[i]) for i in used}
+    ids = {i: prompt_ids(tok, pool[i]) for i in used}
     bench_indices = [*range(args.first_prompt, start), *(start + i for i in used)]  # into the train split
     fixed = {key: [ids[i] for i in v] for key, v in fixed.items()}
-    prompts = [chat_prompt_ids(tok, p) for p in problems[args.first_prompt:args.first_prompt + args.rollout_prompts]]
+    prompts = [prompt_ids(tok, p) for p in problems[args.first_prompt:args.first_prompt + args.rollout_prompts]]
     heads = {"untrained": untrained_head(model_dir, work)} if args.untrained_head else {}
     for spec in args.eagle3:
         name, _, d = spec.partition("=")

@@ -162,7 +162,7 @@ def _prompts(args, model_dir) -> list[list[int]]:
     b = max(args.concurrency)
     if not args.data_path:
         return [[100 + (7 * i + j) % 3000 for j in range(args.prompt_len)] for i in range(b)]
-    from rayspec.data import chat_prompt_ids, load_gsm8k
+    from rayspec.data import prompt_ids, load_gsm8k
     from rayspec.models import load_tokenizer
 
     groups = -(-b // args.group_size)
@@ -171,7 +171,7 @@ def _prompts(args, model_dir) -> list[list[int]]:
         raise ValueError(f"{groups} problems needed from --first-prompt {args.first_prompt}, "
                          f"{len(problems)} there")
     tok = load_tokenizer(model_dir)
-    return [chat_prompt_ids(tok, p) for p in problems for _ in range(args.group_size)][:b]
+    return [prompt_ids(tok, p) for p in problems for _ in range(args.group_size)][:b]
 
 
 def _run(args, model_dir, method: str, head: Path | None, prompts: list[list[int]],

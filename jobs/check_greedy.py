@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from rayspec.config import ConfigError
-    from rayspec.data import chat_prompt_ids, load_gsm8k
+    from rayspec.data import prompt_ids, load_gsm8k
     from rayspec.models import load_tokenizer, resolve_model_path
 
     try:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tok = load_tokenizer(model_dir)
-    prompts = [chat_prompt_ids(tok, p) for p in problems]
+    prompts = [prompt_ids(tok, p) for p in problems]
     engine_kwargs = {"enforce_eager": True, "max_model_len": 1024, "max_num_seqs": len(prompts), "seed": 0}
     greedy = {"n": 1, "temperature": 0.0, "max_tokens": args.max_tokens}
 

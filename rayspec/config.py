@@ -30,7 +30,14 @@ MAX_NUM_SPECULATIVE_TOKENS = 16  # the largest k rayspec accepts for model and n
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM 0.32's speculative_config.draft_sample_method
 DEFAULT_DRAFT_SAMPLE_METHOD = "greedy"  # vLLM's, where the key is unset
 DEFAULT_DRAFT_LR = 1.0e-3  # AdamW rate of a fresh head (online) and the warm start's peak
-DATASETS = ("arithmetic", "gsm8k")
+DATASETS = ("arithmetic", "gsm8k", "files")
+# the data keys each dataset reads beyond name, num_problems, eval_num_problems, prompts_per_step, seed and
+# system_prompt; another dataset's key set is an error (DataConfig.validate), not silently ignored
+DATASET_KEYS = {"arithmetic": ("level", "max_operand"), "gsm8k": ("path", "split"),
+                "files": ("path", "split", "prompt_key", "eval_path")}
+DEFAULT_SYSTEM_PROMPT = "You are a careful math tutor."  # the built-in tasks' system message
+BUILTIN_REWARDS = ("last_number", "math_verify", "format")  # rayspec.reward.builtins
+ON_ERROR = ("raise", "zero")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "collective", "object_store")
 LAYOUTS = ("colocate", "split")
 MODES = ("sync", "async")
@@ -69,20 +76,37 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Prompt source.
+    """Prompt source: a built-in task or a dataset of one's own.
+
+    Each dataset reads only its own keys (``DATASET_KEYS``); a key set for
+    another dataset is an error. Null keys get the dataset's default
+    (``apply_defaults``).
 
     Args:
-        name: ``arithmetic`` (built-in, offline, seeded) or ``gsm8k``.
-        path: for gsm8k, a directory with ``<split>.jsonl`` or a hub id.
-        split: dataset split.
+        name: ``arithmetic`` (built-in, offline, seeded), ``gsm8k``, or
+            ``files`` (``rayspec.data.files``).
+        path: gsm8k: a directory with ``<split>.jsonl`` or a hub id
+            (default ``openai/gsm8k``); files: a file, glob or directory of
+            jsonl / json / parquet / csv, or a ``save_to_disk`` directory.
+        split: gsm8k: the split (default ``train``); files: the split of a
+            saved ``DatasetDict`` (default ``train``).
+        prompt_key: files: the prompt's column (default ``prompt``), a
+            string or a list of ``{"role", "content"}`` messages (TRL's
+            standard and conversational formats).
+        system_prompt: a system message put before each conversational
+            prompt (built-in tasks: ``DEFAULT_SYSTEM_PROMPT``).
+        eval_path: files: the held-out problems' own file(s), read like
+            ``path``; its first ``eval_num_problems`` rows are scored.
         num_problems: use only the first N problems (None: all; arithmetic: 1000).
-        level: arithmetic difficulty: 1 = one addition/subtraction answered
-            directly (a 135M policy gets some right at temperature 1.0, so
-            GRPO has a signal), 2 = word problems with 2-3 operations.
-        max_operand: arithmetic: largest drawn quantity (>= 2).
+        level: arithmetic difficulty (default 1): 1 = one addition or
+            subtraction answered directly (a 135M policy gets some right at
+            temperature 1.0, so GRPO has a signal), 2 = word problems with
+            2-3 operations.
+        max_operand: arithmetic: largest drawn quantity (>= 2; default 10).
         eval_num_problems: problems held out of training and scored every
-            ``trainer.eval_every`` steps: the last N distinct questions of
-            the dataset (``heldout_split``; training never sees them).
+            ``trainer.eval_every`` steps: without ``eval_path``, the last N
+            distinct prompts of the dataset (``heldout_split``; training
+            never sees them).
         prompts_per_step: distinct prompts per RL step (each sampled
             ``grpo.group_size`` times).
         seed: shuffling / generation seed.
@@ -90,19 +114,99 @@ class DataConfig:
 
     name: str = "arithmetic"
     path: Optional[str] = None
-    split: str = "train"
+    split: Optional[str] = None
+    prompt_key: Optional[str] = None
+    system_prompt: Optional[str] = None
+    eval_path: Optional[str] = None
     num_problems: Optional[int] = None
-    level: int = 1
-    max_operand: int = 50
+    level: Optional[int] = None
+    max_operand: Optional[int] = None
     eval_num_problems: int = 64
     prompts_per_step: int = 4
     seed: int = 0
 
     def validate(self, key: str = "data") -> None:
         _check(self.name in DATASETS, f"{key}.name", self.name, f"unknown dataset, expected one of {DATASETS}")
-        _check(self.level in (1, 2), f"{key}.level", self.level, "expected 1 or 2")
+        for other in sorted({k for keys in DATASET_KEYS.values() for k in keys} - set(DATASET_KEYS[self.name])):
+            _check(getattr(self, other) is None, f"{key}.{other}", getattr(self, other),
+                   f"not read by data.name={self.name} (it reads {', '.join(DATASET_KEYS[self.name])}): "
+                   "remove it, or choose the dataset that reads it")
+        if self.name == "files":
+            _check(self.path is not None, f"{key}.path", self.path,
+                   "data.name=files needs a file, glob or directory of jsonl, json, parquet or csv files, "
+                   "or a datasets.save_to_disk directory")
+        if self.name == "arithmetic":
+            _check(self.level in (1, 2), f"{key}.level", self.level, "expected 1 or 2")
+            _check(self.max_operand >= 2, f"{key}.max_operand", self.max_operand, "must be >= 2")
+        _check(self.num_problems is None or self.num_problems >= 1, f"{key}.num_problems", self.num_problems,
+               "must be >= 1, or null for all")
         _check(self.prompts_per_step >= 1, f"{key}.prompts_per_step", self.prompts_per_step, "must be >= 1")
-        _check(self.max_operand >= 2, f"{key}.max_operand", self.max_operand, "must be >= 2")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """The reward: a weighted sum of reward functions, in TRL's form
+    (``rayspec.reward``).
+
+    Args:
+        functions: each ``path/to/file.py:name``, ``package.module:name``, or
+            a built-in (``BUILTIN_REWARDS``): ``last_number`` (the final
+            number against the ``answer`` column; the built-in tasks'
+            reward), ``math_verify`` (Hugging Face's math-verify against
+            ``answer``), ``format`` (``format_pattern`` matched at the
+            completion's start). A function is called as
+            ``fn(prompts, completions, completion_ids, **columns)`` and
+            returns one float (or None: "does not apply") per sample.
+        weights: one per function (null: 1.0 each); the sample's reward is
+            the weighted sum (None counts 0).
+        format_pattern: the regular expression of ``format``.
+        num_workers: Ray actors that score a batch's chunks in parallel.
+        timeout_s: seconds each function may take per sample.
+        on_error: ``raise`` (a function that raises or times out stops the
+            run, naming it and the sample) or ``zero`` (that score is 0,
+            counted in the record's ``reward_errors``).
+    """
+
+    functions: list[str] = field(default_factory=lambda: ["last_number"])
+    weights: Optional[list[float]] = None
+    format_pattern: Optional[str] = None
+    num_workers: int = 1
+    timeout_s: float = 10.0
+    on_error: str = "raise"
+
+    @property
+    def names(self) -> list[str]:
+        """Each function's name in the record: a built-in's, or the part after ``:``."""
+        return [f.rsplit(":", 1)[-1] for f in self.functions]
+
+    def validate(self, key: str = "reward") -> None:
+        import re
+
+        _check(len(self.functions) >= 1, f"{key}.functions", self.functions, "needs at least one function")
+        for i, f in enumerate(self.functions):
+            _check(isinstance(f, str) and (f in BUILTIN_REWARDS or (":" in f and all(f.rsplit(":", 1)))),
+                   f"{key}.functions[{i}]", f, f"expected path/to/file.py:name, package.module:name or a "
+                   f"built-in ({', '.join(BUILTIN_REWARDS)})")
+        dup = [n for n in self.names if self.names.count(n) > 1]
+        _check(not dup, f"{key}.functions", self.functions, f"two functions named {dup[:1]}: the record "
+               "keeps each function's mean by name")
+        _check(self.weights is None or len(self.weights) == len(self.functions), f"{key}.weights", self.weights,
+               f"needs one weight per function ({len(self.functions)})")
+        if "format" in self.functions:
+            _check(self.format_pattern is not None, f"{key}.format_pattern", None,
+                   "the built-in 'format' reward needs a regular expression")
+            try:
+                re.compile(self.format_pattern)
+            except re.error as e:
+                raise ConfigError(f"{key}.format_pattern={self.format_pattern!r}: not a regular expression: {e}") \
+                    from None
+        else:
+            _check(self.format_pattern is None, f"{key}.format_pattern", self.format_pattern,
+                   "read only by the built-in 'format' reward, which reward.functions does not list")
+        _check(_is_int(self.num_workers) and self.num_workers >= 1, f"{key}.num_workers", self.num_workers,
+               "must be an integer >= 1")
+        _check(self.timeout_s > 0, f"{key}.timeout_s", self.timeout_s, "must be > 0 (seconds)")
+        _check(self.on_error in ON_ERROR, f"{key}.on_error", self.on_error, f"expected one of {list(ON_ERROR)}")
 
 
 @dataclass(frozen=True)
@@ -726,6 +830,7 @@ class RunConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -872,11 +977,20 @@ PLATFORM_DEFAULT_KEYS = ("rollout.engine_kwargs.enforce_eager", "rollout.engine_
 CPU_ZERO_BUCKET_SIZE = 50_000_000
 
 
+# the defaults of the keys each dataset reads (DATASET_KEYS): filled for that dataset only
+DATA_DEFAULTS = {"arithmetic": {"level": 1, "max_operand": 10, "system_prompt": DEFAULT_SYSTEM_PROMPT},
+                 "gsm8k": {"path": "openai/gsm8k", "split": "train", "system_prompt": DEFAULT_SYSTEM_PROMPT},
+                 "files": {"prompt_key": "prompt"}}
+
+
 def apply_defaults(cfg: dict[str, Any]) -> None:
     """Fill, in the merged config (as plain containers, before it is built
     into the read-only RunConfig), the defaults that
-    depend on other keys: ``data.path`` of ``gsm8k`` (the hub id
-    ``openai/gsm8k``), and the keys whose default depends on where a role
+    depend on other keys: the data keys of the chosen dataset
+    (``DATA_DEFAULTS``: e.g. gsm8k's ``path`` is the hub id ``openai/gsm8k``,
+    the built-in tasks' ``system_prompt`` is ``DEFAULT_SYSTEM_PROMPT``),
+    a reward function's relative ``file.py`` made absolute against the
+    working directory, and the keys whose default depends on where a role
     runs (``PLATFORM_DEFAULT_KEYS``), where they are null or absent. A role
     runs on CUDA when it is given GPUs; the CPU values are what the CPU path
     has always run with. The run's saved config.yaml then states what ran.
@@ -919,8 +1033,11 @@ def apply_defaults(cfg: dict[str, Any]) -> None:
         ConfigError: ``model.dtype: auto`` where torch lacks the CPU feature checks.
     """
     data, model, rollout, train = cfg["data"], cfg["model"], cfg["rollout"], cfg["train"]
-    if data["name"] == "gsm8k":
-        _default(data, "path", "openai/gsm8k")
+    for key, value in DATA_DEFAULTS.get(data["name"], {}).items():
+        _default(data, key, value)
+    # a reward function's file, against the driver's working directory: Train
+    # workers and reward workers may start elsewhere (Ray does not share the cwd)
+    cfg["reward"]["functions"] = [_absolute_file(f) for f in cfg["reward"]["functions"]]
     rollout_gpu = rollout["num_gpus_per_replica"] > 0
     if model["dtype"] == "auto":
         model["dtype"] = auto_dtype(rollout_gpu)[0]
@@ -986,6 +1103,13 @@ def dtype_reason(cfg: RunConfig) -> str:
     except ConfigError as e:
         return f"as configured ({e})"
     return why if cfg.model.dtype == auto else f"as configured; auto would pick {auto}: {why}"
+
+
+def _absolute_file(spec: Any) -> Any:
+    if not isinstance(spec, str) or ":" not in spec:
+        return spec
+    where, name = spec.rsplit(":", 1)
+    return f"{os.path.abspath(os.path.expanduser(where))}:{name}" if where.endswith(".py") else spec
 
 
 def _default(d: dict, key: str, value: Any) -> None:

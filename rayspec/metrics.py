@@ -16,6 +16,7 @@ from rayspec.rollout.adaptive import format_schedule
 
 # record keys holding one rate per draft position -> their TensorBoard tag
 PER_POSITION_TAGS = {"acceptance_rate_per_pos": "acceptance_rate", "draft_acceptance_estimate": "acceptance_estimate"}
+GROUPED_TAGS = ("rewards",)  # record keys holding {name: number}: TensorBoard tags <key>/<name>
 
 
 class PhaseTimer:
@@ -55,7 +56,8 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
         step: the RL step (1-based).
         cfg: the run's RunConfig.
         rollout: the step's ``rayspec.train.coordinator.Rollout`` (batch
-            with rewards, SpecStats, problems, policy lag, retried shards).
+            with rewards, the reward functions' scores, SpecStats, problems,
+            policy lag, retried shards).
         train_metrics: the policy update's (``policy_update``: loss, clip
             fraction, KL, token_mult_prob_error, ...), merged in last.
         draft_result: the DraftTrainer's ``train`` result ({} where the head
@@ -118,9 +120,11 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
         # the problems trained on (index in the dataset): a resumed run's are checkable
         "problem_ids": [p.index for p in problems],
         # one rollout for people reading the log: the step's first sample
-        "sample": {"question": problems[batch.group[0]].question,
-                   "answer": problems[batch.group[0]].answer,
-                   "response": batch.texts[0], "reward": batch.rewards[0]},
+        "sample": {"prompt": problems[batch.group[0]].text, "response": batch.texts[0],
+                   "reward": batch.rewards[0]},
+        # reward.functions' means over the samples each applied to, by name; scores zeroed by on_error=zero
+        "rewards": rollout.scores.per_function,
+        "reward_errors": rollout.scores.errors,
         **train_metrics,
     }
     if rollout.overlong_penalty is not None:  # reward_mean includes it; the task's reward is the difference
@@ -181,6 +185,10 @@ class MetricsLog:
             elif k in PER_POSITION_TAGS:
                 for i, r in enumerate(v):
                     self.tb.add_scalar(f"{PER_POSITION_TAGS[k]}/pos{i + 1}", r, step)
+            elif k in GROUPED_TAGS:  # {name: number}, e.g. each reward function's mean
+                for name, r in v.items():
+                    if isinstance(r, (int, float)):
+                        self.tb.add_scalar(f"{k}/{name}", r, step)
         for ev in clean.get("evals", []):  # held-out scores, at the policy version they score
             for k, v in ev.items():
                 if isinstance(v, (int, float)) and k != "policy_version":

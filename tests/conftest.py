@@ -19,7 +19,7 @@ STEP_RECORD_KEYS = {"step", "reward_mean", "acceptance_length", "acceptance_rate
                     "rollout_tokens_per_s", "time_rollout_s", "time_policy_s", "time_draft_s",
                     "time_sync_s", "policy_version", "response_lens", "prompt_len_mean", "sample",
                     "weight_sync_transport", "weight_sync_bytes", "time_sync_gather_s", "time_sync_transfer_s",
-                    "time_sync_load_s"}
+                    "time_sync_load_s", "rewards", "reward_errors"}
 
 
 def start_ray() -> None:

@@ -87,6 +87,30 @@ def test_bad_dataset_stops_the_run(content, fragments, tmp_path, tiny_llama_dir,
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("rows, overrides, fragments", [
+    ('{"prompt": "q", "answer": "1"}\n{"prompt": 5, "answer": "2"}\n', [], ["data.path=", "mine.jsonl"]),
+    ('{"question": "q", "answer": "1"}\n', [], ["no column 'prompt' (data.prompt_key)", "['answer', 'question']"]),
+    ('{"prompt": "q", "answer": "1"}\n', ["reward.functions=[{dir}/rewards.py:score]"],
+     ["reward.functions[0]=", "rewards.py:score: no file"]),
+    ('{"prompt": "q", "answer": "1"}\n', ["reward.functions=[{dir}/ok.py:by_solution]"],
+     ["reward.functions[0]=", "parameter 'solution' is neither", "the columns are ['answer']"]),
+    ('{"prompt": "q", "solution": "1"}\n', [], ["reward.functions[0]=last_number", "parameter 'answer'",
+                                               "the columns are ['solution']"]),
+], ids=["prompt-not-text", "no-prompt-column", "missing-reward-file", "reward-needs-unknown-column",
+        "builtin-needs-answer"])
+def test_bad_data_files_and_reward_functions_stop_the_run(rows, overrides, fragments, tmp_path, tiny_llama_dir,
+                                                          capsys):
+    (tmp_path / "mine.jsonl").write_text(rows)
+    (tmp_path / "ok.py").write_text("def by_solution(completions, solution):\n    return [0.0] * len(completions)\n")
+    run_dir = tmp_path / "run"
+    assert grpo.main([f"model.path={tiny_llama_dir}", "data.name=files", f"data.path={tmp_path / 'mine.jsonl'}",
+                      "trainer.eval_every=0", f"trainer.run_dir={run_dir}",
+                      *[o.format(dir=tmp_path) for o in overrides]]) == 2
+    err = capsys.readouterr().err
+    assert all(f in err for f in fragments), err
+    assert not run_dir.exists()
+
+
 def test_held_out_set_that_leaves_nothing_to_train_stops_the_run(tmp_path, tiny_llama_dir, capsys):
     """The default task has 126 distinct questions: holding them all out is refused before Ray starts."""
     run_dir = tmp_path / "run"
@@ -94,7 +118,7 @@ def test_held_out_set_that_leaves_nothing_to_train_stops_the_run(tmp_path, tiny_
                       f"trainer.run_dir={run_dir}"]) == 2
     err = capsys.readouterr().err
     assert "data.eval_num_problems=126: 126 held-out problems leave nothing to train on" in err, err
-    assert "126 distinct questions" in err and not run_dir.exists()
+    assert "126 distinct prompts" in err and not run_dir.exists()
 
 
 def _planted_checkpoint(run_dir):

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from rayspec.config import (BUNDLED_MODEL, CPU_ZERO_BUCKET_SIZE, DRAFT_LINEAR_DTYPE, GPU_MEMORY_UTILIZATION, PLATFORM_DEFAULT_KEYS,
+from rayspec.config import (BUNDLED_MODEL, CPU_ZERO_BUCKET_SIZE, DATA_DEFAULTS, DRAFT_LINEAR_DTYPE, GPU_MEMORY_UTILIZATION, PLATFORM_DEFAULT_KEYS,
                             ConfigError, RunConfig, apply_defaults, dtype_reason, load_config, to_dict)
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "jobs" / "configs"
@@ -60,8 +60,8 @@ def test_gsm8k_preset_differs_from_default_only_in_data_group_length_steps_and_r
     default = _flat(to_dict(load_config(DEFAULT)))
     gsm8k = _flat(to_dict(load_config(CONFIG_DIR / "gsm8k.yaml")))
     changed = {k: gsm8k[k] for k in default if gsm8k[k] != default[k]}
-    assert changed == {"data.name": "gsm8k", "data.path": "../shared/data/gsm8k",
-                       "data.max_operand": 50, "data.eval_num_problems": 64, "grpo.group_size": 4,
+    assert changed == {"data.name": "gsm8k", "data.path": "../shared/data/gsm8k", "data.split": "train",
+                       "data.level": None, "data.max_operand": None, "data.eval_num_problems": 64, "grpo.group_size": 4,
                        "grpo.max_new_tokens": 256, "trainer.steps": 10, "trainer.eval_samples": 1,
                        "trainer.run_dir": "runs/gsm8k"}
 
@@ -304,6 +304,7 @@ def test_missing_preset_and_invalid_value_in_preset_name_the_file(tmp_path):
 
 
 LEAVES = sorted(_flat(to_dict(RunConfig())))
+DATASET_DEFAULT_KEYS = {f"data.{k}" for defaults in DATA_DEFAULTS.values() for k in defaults}
 VALUES = st.one_of(
     st.integers(-3, 100), st.floats(-2, 2, allow_nan=False), st.booleans(), st.none(),
     st.sampled_from(["eagle3", "draft_model", "ngram", "mtp", "split", "async", "gsm8k", "float32",
@@ -332,8 +333,8 @@ def test_any_overrides_give_a_valid_config_or_a_config_error_naming_a_key(pairs)
     cfg.validate()
     flat = _flat(to_dict(cfg))
     for k, v in dict(pairs).items():  # the last override of a key wins
-        if v is None and k in PLATFORM_DEFAULT_KEYS:
-            continue  # null there means: the platform's default
+        if v is None and (k in PLATFORM_DEFAULT_KEYS or k in DATASET_DEFAULT_KEYS):
+            continue  # null there means: the platform's (the dataset's) default
         if k in flat and not isinstance(v, str) and k != "data.path":
             # OmegaConf coerces to the field's type: str fields take the text,
             # bool fields take integers as C does (0 false, others true)

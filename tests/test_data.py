@@ -8,11 +8,21 @@ import sys
 
 import pytest
 
-from rayspec.data import (SYSTEM_PROMPT, Problem, PromptSource, arithmetic_problems,
-                          extract_final_number, format_question, heldout_split, load_gsm8k,
-                          load_problems, math_reward)
+from rayspec.data import (SYSTEM_PROMPT, Problem, PromptSource, arithmetic_problems, heldout_split, load_gsm8k,
+                          load_problems)
+from rayspec.reward.builtins import extract_final_number, last_number
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def math_reward(response: str, answer: str) -> float | None:
+    """The built-in last_number reward of one sample."""
+    return last_number(None, [response], None, [answer])[0]
+
+
+def question(p: Problem) -> str:
+    """The task's question: the user message before its answer-format instruction."""
+    return p.text.split("\n")[0]
 
 
 @pytest.fixture(scope="module")
@@ -28,26 +38,26 @@ def gsm8k_rows(gsm8k_dir) -> list[dict]:
 
 def test_gsm8k_loads_numeric_answers(gsm8k_train, gsm8k_dir):
     assert len(gsm8k_train) > 7000
-    assert all(NUMBER.fullmatch(p.answer) for p in gsm8k_train)
+    assert all(NUMBER.fullmatch(p.columns["answer"]) for p in gsm8k_train)
     assert [p.index for p in gsm8k_train[:3]] == [0, 1, 2]
     first = gsm8k_train[0]
-    assert first.source == "gsm8k" and first.question.startswith("Natalia sold clips")
-    assert first.answer == "72"
+    assert first.source == "gsm8k" and question(first).startswith("Natalia sold clips")
+    assert first.columns["answer"] == "72"
     # A jsonl file works as well as its directory.
     assert load_gsm8k(str(gsm8k_dir / "train.jsonl"))[:50] == gsm8k_train[:50]
 
 
 def test_reference_solutions_earn_full_reward(gsm8k_train, gsm8k_rows):
     for row, problem in zip(gsm8k_rows, gsm8k_train):
-        assert math_reward(row["answer"], problem.answer) == 1.0, row["answer"]
+        assert math_reward(row["answer"], problem.columns["answer"]) == 1.0, row["answer"]
         # The same text, with "####" dropped, still ends in the right number.
-        assert math_reward(row["answer"].replace("####", "So the answer is"), problem.answer) == 1.0
+        assert math_reward(row["answer"].replace("####", "So the answer is"), problem.columns["answer"]) == 1.0
 
 
 def test_wrong_number_earns_zero(gsm8k_train, gsm8k_rows):
     for row, problem in zip(gsm8k_rows[:10], gsm8k_train):
-        wrong = str(int(problem.answer) + 1)
-        assert math_reward(row["answer"].rsplit("####", 1)[0] + f"#### {wrong}", problem.answer) == 0.0
+        wrong = str(int(problem.columns["answer"]) + 1)
+        assert math_reward(row["answer"].rsplit("####", 1)[0] + f"#### {wrong}", problem.columns["answer"]) == 0.0
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -73,13 +83,14 @@ def test_extract_final_number(text, expected):
     assert extract_final_number(text) == expected
 
 
-def test_math_reward_normalises_both_sides():
+def test_last_number_normalises_both_sides():
     assert math_reward("#### 72.0", "72") == 1.0
     assert math_reward("#### 72", "72.00") == 1.0
     assert math_reward("The answer is $1,000.", "1000") == 1.0
     assert math_reward("#### -3", "-3") == 1.0
     assert math_reward("#### 3", "-3") == 0.0
     assert math_reward("I do not know.", "0") == 0.0
+    assert math_reward("#### 3", "no reference number") is None  # does not apply
 
 
 @pytest.mark.parametrize("lines, lineno, why", [
@@ -133,34 +144,34 @@ def test_arithmetic_answers_are_correct():
     used = set()
     for p in problems:
         assert p.source == "arithmetic"
-        assert int(p.answer) == solve(p.question) >= 0, p
-        assert math_reward(f"#### {p.answer}", p.answer) == 1.0
-        used.add(next(i for i, (pat, _) in enumerate(SOLVERS) if re.match(pat, p.question)))
+        assert int(p.columns["answer"]) == solve(question(p)) >= 0, p
+        assert math_reward(f"#### {p.columns['answer']}", p.columns["answer"]) == 1.0
+        used.add(next(i for i, (pat, _) in enumerate(SOLVERS) if re.match(pat, question(p))))
     assert used == set(range(len(SOLVERS)))
-    small = [p for p in arithmetic_problems(100, 0, max_operand=10) if " starts with " not in p.question]
-    assert small and all(int(n) <= 10 for p in small for n in re.findall(r"\d+", p.question))
+    small = [p for p in arithmetic_problems(100, 0, max_operand=10) if " starts with " not in question(p)]
+    assert small and all(int(n) <= 10 for p in small for n in re.findall(r"\d+", question(p)))
 
 
 def test_arithmetic_hand_checked_seed_0():
     p = arithmetic_problems(8, seed=0)
     assert [x.index for x in p] == list(range(8))
     # 18 + 34 + 9 * 18 = 214
-    assert p[0].question.startswith("Nora collects 18 apples on Monday and 34 apples on Tuesday. "
+    assert question(p[0]).startswith("Nora collects 18 apples on Monday and 34 apples on Tuesday. "
                                     "On Wednesday Nora collects 9 times as many")
-    assert p[0].answer == "214"
+    assert p[0].columns["answer"] == "214"
     # 66 - 50 - 8 = 8
-    assert p[2].question.startswith("Lee starts with 66 stickers, loses 50 of them, then loses 8 more.")
-    assert p[2].answer == "8"
+    assert question(p[2]).startswith("Lee starts with 66 stickers, loses 50 of them, then loses 8 more.")
+    assert p[2].columns["answer"] == "8"
     # 3 * 45 - 31 + 23 = 127
-    assert p[4].question.startswith("Ana has 3 shelves with 45 pencils on each shelf. "
+    assert question(p[4]).startswith("Ana has 3 shelves with 45 pencils on each shelf. "
                                     "Ana gives away 31 pencils and then buys 23 more.")
-    assert p[4].answer == "127"
+    assert p[4].columns["answer"] == "127"
     # 6 * 5 + 37 = 67
-    assert p[6].question.startswith("Omar buys 6 bags with 5 books in each bag and already had 37")
-    assert p[6].answer == "67"
+    assert question(p[6]).startswith("Omar buys 6 bags with 5 books in each bag and already had 37")
+    assert p[6].columns["answer"] == "67"
     # 27 + 47 - 43 = 31
-    assert p[7].question.startswith("Ana has 27 pencils and buys 47 more, then gives away 43.")
-    assert p[7].answer == "31"
+    assert question(p[7]).startswith("Ana has 27 pencils and buys 47 more, then gives away 43.")
+    assert p[7].columns["answer"] == "31"
 
 
 def test_arithmetic_deterministic_per_seed():
@@ -171,11 +182,11 @@ def test_arithmetic_deterministic_per_seed():
         arithmetic_problems(5, seed=0, max_operand=1)
 
 
-def test_format_question_asks_for_the_gsm8k_final_line():
+def test_the_prompt_asks_for_the_gsm8k_final_line():
     p = arithmetic_problems(1, seed=0)[0]
-    text = format_question(p)
-    assert text.startswith(p.question) and "step by step" in text and "#### <number>" in text
-    assert SYSTEM_PROMPT
+    assert p.prompt[0] == {"role": "system", "content": SYSTEM_PROMPT} and p.prompt[1]["role"] == "user"
+    assert p.text.startswith(question(p)) and "step by step" in p.text and "#### <number>" in p.text
+    assert arithmetic_problems(1, seed=0, system_prompt=None)[0].prompt == p.prompt[1:]
 
 
 def test_prompt_source_covers_each_problem_once_per_epoch():
@@ -211,32 +222,32 @@ def test_prompt_source_rejects_bad_arguments():
 
 
 def _data(**kw):
-    from rayspec.config import DataConfig
+    from rayspec.config import load_config
 
-    return DataConfig(**kw)
+    return load_config(None, [f"data.{k}={v}" for k, v in kw.items()]).data
 
 
 def test_load_problems_dispatch(gsm8k_dir, gsm8k_train):
     assert len(load_problems(_data(seed=0))) == 1000
-    assert load_problems(_data(num_problems=7, level=2)) == arithmetic_problems(7, 0)
-    assert load_problems(_data(num_problems=7, level=1, max_operand=10)) == arithmetic_problems(7, 0, 10, 1)
+    assert load_problems(_data(num_problems=7, level=2)) == arithmetic_problems(7, 0, 10, 2)
+    assert load_problems(_data(num_problems=7, level=1, max_operand=50)) == arithmetic_problems(7, 0, 50, 1)
     assert load_problems(_data(name="gsm8k", path=str(gsm8k_dir), num_problems=10)) == gsm8k_train[:10]
-    with pytest.raises(ValueError, match=r"data\.name='math'.*arithmetic.*gsm8k"):
-        load_problems(_data(name="math"))
+    with pytest.raises(ValueError, match=r"data\.name='math'.*arithmetic.*gsm8k.*files"):
+        _data(name="math")
 
 
 def test_heldout_split_keeps_every_held_out_question_out_of_training():
     problems = arithmetic_problems(1000, seed=0, max_operand=10, level=1)
     train, held = heldout_split(problems, 40)
-    assert len(held) == len({p.question for p in held}) == 40
-    assert not {p.question for p in held} & {p.question for p in train}
-    assert len(train) + sum(p.question in {h.question for h in held} for p in problems) == len(problems)
+    assert len(held) == len({question(p) for p in held}) == 40
+    assert not {question(p) for p in held} & {question(p) for p in train}
+    assert len(train) + sum(question(p) in {question(h) for h in held} for p in problems) == len(problems)
     # the held-out set is the source's last distinct questions, in source order
-    tail = list(dict.fromkeys(p.question for p in reversed(problems)))[:40]
-    assert [p.question for p in held] == tail[::-1]
+    tail = list(dict.fromkeys(question(p) for p in reversed(problems)))[:40]
+    assert [question(p) for p in held] == tail[::-1]
     assert heldout_split(problems, 0) == (problems, [])
     # 9 * 9 sums and 45 differences: 126 distinct questions
-    with pytest.raises(ValueError, match="126 distinct questions"):
+    with pytest.raises(ValueError, match="126 distinct prompts"):
         heldout_split(problems, 126)
 
 
@@ -246,10 +257,10 @@ def test_level1_arithmetic_is_direct_and_correct():
     probs = load_problems(_data(num_problems=200, seed=3, level=1))
     assert probs == load_problems(_data(num_problems=200, seed=3, level=1))
     for p in probs:
-        expr = p.question.removeprefix("What is ").removesuffix("?")
+        expr = question(p).removeprefix("What is ").removesuffix("?")
         a, op, b = expr.split()
-        assert int(p.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
-        assert format_question(p).endswith(DIRECT_INSTRUCTION)
-    assert {p.question.split()[3] for p in probs} == {"+", "-"}
+        assert int(p.columns["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+        assert p.text.endswith(DIRECT_INSTRUCTION)
+    assert {question(p).split()[3] for p in probs} == {"+", "-"}
     with pytest.raises(ValueError, match="level"):
         arithmetic_problems(1, 0, level=3)

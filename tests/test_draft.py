@@ -669,7 +669,7 @@ def test_new_run_head_drafts_from_the_prompts_most_frequent_tokens(tiny_llama_di
     """A run without a head starts one whose draft vocabulary is the
     draft.draft_vocab_size most frequent tokens of its training prompts."""
     from rayspec.config import load_config
-    from rayspec.data import arithmetic_problems, chat_prompt_ids
+    from rayspec.data import arithmetic_problems, prompt_ids
     from rayspec.draft.vocab import coverage, token_counts
     from rayspec.scheduler.driver import prepare_draft
 
@@ -678,7 +678,7 @@ def test_new_run_head_drafts_from_the_prompts_most_frequent_tokens(tiny_llama_di
     head = load_head(head_dir)
     tok = load_tokenizer(tiny_llama_dir)
     assert aux == [1, 3, 4] and head.draft_ids.numel() == 300 and head.t2d[tok.eos_token_id]
-    prompts = [chat_prompt_ids(tok, p) for p in arithmetic_problems(1000, 0)]
+    prompts = [prompt_ids(tok, p) for p in arithmetic_problems(1000, 0)]
     counts = token_counts(prompts, tok.vocab_size)
     assert coverage(counts, head.draft_ids) == 1.0 or coverage(counts, head.draft_ids) > coverage(
         counts, torch.arange(300))  # the frequent tokens, not the first ids

@@ -140,7 +140,7 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
         assert r["rollout_tokens_per_s"] > 0
         assert r["time_policy_s"] > 0 and r["time_sync_s"] > 0
         assert (r["time_draft_s"] > 0) == bool(r["draft_trained"])
-        assert r["sample"]["question"] and isinstance(r["sample"]["response"], str)
+        assert r["sample"]["prompt"] and isinstance(r["sample"]["response"], str)
         assert r["sample"]["reward"] in (0.0, 1.0)
     assert [r["policy_version"] for r in recs] == [0, 1, 2]
     # the training cadence: the first two steps train the head (no estimate to

@@ -43,7 +43,7 @@ def test_tiny_loop_async_split_two_replicas(ray_session, tiny_llama_dir, tmp_pat
         assert 0.0 <= e["reward_greedy"] <= 1.0 and 0.0 <= e["reward_sampled"] <= 1.0
         assert e["response_len_greedy"] > 0 and e["acceptance_length"] >= 1.0
     assert recs[0]["evals"][0]["greedy_changed"] == 0.0  # the baseline is version 0's own greedy answers
-    assert json.loads((run_dir / "eval_baseline.json").read_text())["questions"][0]
+    assert json.loads((run_dir / "eval_baseline.json").read_text())["prompts"][0]
     assert [r["policy_lag"] for r in recs] == [0, 1, 1]
     assert [r["policy_version"] for r in recs] == [0, 0, 1]
     for r in recs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import ray
 import torch
 
@@ -18,6 +19,7 @@ from rayspec.config import load_config
 from rayspec.draft.client import DraftClient, NullDraft
 from rayspec.draft.trainer import TrainingCadence
 from rayspec.metrics import MetricsLog, read_metrics
+from rayspec.reward.pool import RewardError
 from rayspec.rollout.client import LocalReplicas, RolloutClient
 from rayspec.rollout.spec_stats import SpecStats
 from rayspec.sync import ObjectStoreSender
@@ -50,6 +52,8 @@ class FakeEngine:
                 batch.rollout_logprobs.append([-0.5] * len(batch.response_ids[-1]))
                 batch.group.append(group_offset + i)
                 batch.texts.append("the answer is 0" if (group_offset + i + j) % 2 else "no idea")
+                if self.policy_version >= 2 and j == 1:  # what a reward function in test_reward_errors fails on
+                    batch.texts[-1] += " (late)"
         stats = SpecStats(num_drafts=4, num_draft_tokens=12, num_accepted_tokens=2, accepted_per_pos=[2, 0, 0],
                           output_tokens=sum(map(len, batch.response_ids)), wall_s=0.01)
         stats.replicas = {self.replica_id: SpecStats(**{**stats.__dict__, "replicas": {}})}
@@ -146,7 +150,7 @@ class FakeDraftTrainer:
         return ("node", None)
 
 
-def _run(tmp_path, draft_online: bool, steps: int = 3, overrides: tuple = ()):
+def _run(tmp_path, draft_online: bool, steps: int = 3, overrides: tuple = (), records: list | None = None):
     cfg = load_config(None, [f"trainer.steps={steps}", f"trainer.run_dir={tmp_path}", "trainer.save_steps=2",
                              "trainer.eval_every=2", "data.eval_num_problems=4", "trainer.eval_samples=1",
                              "data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1", *overrides])
@@ -164,6 +168,8 @@ def _run(tmp_path, draft_online: bool, steps: int = 3, overrides: tuple = ()):
         coord.close()
         if actor is not None:
             ray.kill(actor)
+        if records is not None:
+            records += read_metrics(tmp_path)
     return cfg, calls, read_metrics(tmp_path)
 
 
@@ -209,3 +215,33 @@ def test_without_online_training_the_step_is_the_same_minus_the_draft(ray_sessio
         assert "draft_alive" not in r and "draft_trained" not in r and r["draft_version"] == 0
         assert r["time_draft_s"] == 0.0 and r["draft_acceptance_estimate"] == []
         assert r["overlong_penalty_mean"] == -0.125 and r["response_lens"] == [1, 2, 2, 3]
+
+
+REWARDS = """
+def fails_late(completions, **kwargs):
+    if any("late" in c[-1]["content"] for c in completions):
+        raise RuntimeError("late completion")
+    return [0.5 for _ in completions]
+"""
+
+
+def test_a_reward_function_that_fails_stops_the_run_naming_it_and_keeps_what_was_written(ray_session, tmp_path):
+    """Steps 1 and 2 score with a function of one's own (weighted with the
+    built-in); step 3's rollout holds a completion it raises on: the run
+    stops naming the function and the sample; steps 1-2's records and the
+    step-2 checkpoint stay. With reward.on_error=zero the run goes on,
+    counting the zeroed scores."""
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    functions = f"reward.functions=[{tmp_path}/my_rewards.py:fails_late,last_number]"
+    records: list = []
+    with pytest.raises(RewardError, match=r"my_rewards.py:fails_late raised RuntimeError: late completion on "
+                                          r"sample 1 of the batch \(row \d+ of arithmetic"):
+        _run(tmp_path / "raise", draft_online=False, overrides=(functions, "reward.weights=[2.0,1.0]",
+                                                               "trainer.eval_every=0"), records=records)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["rewards"]["fails_late"] == 0.5 and r["reward_errors"] == 0 for r in records)
+    assert all(r["reward_mean"] == pytest.approx(1.0 + r["rewards"]["last_number"]) for r in records)
+    _, calls, records = _run(tmp_path / "zero", draft_online=False, overrides=(
+        functions, "reward.on_error=zero", "trainer.eval_every=0"))
+    assert [r["reward_errors"] for r in records] == [0, 0, 2]  # the second sample of each of step 3's 2 groups
+    assert ("checkpoint", 2, 2, False) in calls and records[2]["rewards"]["fails_late"] == 0.25

@@ -1,5 +1,7 @@
-"""Prompt sources: GSM8K (local jsonl or the Hugging Face hub) and a built-in,
-seeded arithmetic task for offline runs."""
+"""Prompt sources: the built-in tasks (a seeded arithmetic task for offline
+runs, and GSM8K from a local jsonl or the Hugging Face hub), the prompt's
+token ids, and the epoch-shuffled batches of prompts each RL step draws.
+Datasets of one's own are read by ``rayspec.data.files``."""
 
 from __future__ import annotations
 
@@ -7,12 +9,10 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Union
 
-from rayspec.data.reward import normalise_number
-
-SYSTEM_PROMPT = "You are a careful math tutor."
-
+from rayspec.config import DEFAULT_SYSTEM_PROMPT as SYSTEM_PROMPT
+from rayspec.reward.builtins import normalise_number
 
 COT_INSTRUCTION = ("Think step by step, then give the final answer on its own last line "
                    "as '#### <number>'.")
@@ -22,23 +22,44 @@ COT_INSTRUCTION = ("Think step by step, then give the final answer on its own la
 DIRECT_INSTRUCTION = "Reply with only the number."
 
 
+Messages = list  # [{"role": str, "content": str}, ...]: a conversational prompt (TRL's format)
+
+
 @dataclass(frozen=True)
 class Problem:
-    """One prompt with a verifiable answer.
+    """One prompt and the dataset columns its reward functions read.
 
     Attributes:
-        question: problem text.
-        answer: canonical final number as a string ("72", "-3", "0.5").
-        source: dataset name ("gsm8k", "arithmetic").
+        prompt: a string, used as is ("standard" format, as TRL names it), or
+            a list of ``{"role", "content"}`` messages put through the
+            tokenizer's chat template ("conversational"); a system prompt,
+            where there is one, is already its first message.
+        columns: every other column of the row (e.g. ``{"answer": "72"}``),
+            passed to the reward functions as keyword lists.
+        source: dataset name ("arithmetic", "gsm8k") or the file the row came from.
         index: 0-based position in the source.
-        instruction: answer-format instruction appended to the question.
     """
 
-    question: str
-    answer: str
+    prompt: Union[str, Messages]
+    columns: dict[str, Any]
     source: str
     index: int
-    instruction: str = COT_INSTRUCTION
+
+    @property
+    def text(self) -> str:
+        """The prompt for people to read: the string, or the last message's content."""
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[-1]["content"]
+
+    @property
+    def key(self) -> str:
+        """The prompt's identity (held-out problems are kept out of training by it)."""
+        return self.prompt if isinstance(self.prompt, str) else json.dumps(self.prompt, sort_keys=True)
+
+
+def conversation(question: str, system_prompt: str | None) -> Messages:
+    """``[system, user]`` messages (no system message where ``system_prompt`` is None)."""
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    return msgs + [{"role": "user", "content": question}]
 
 
 def gsm8k_final_answer(answer_text: str) -> str:
@@ -57,7 +78,12 @@ def gsm8k_final_answer(answer_text: str) -> str:
     return number
 
 
-def _read_gsm8k_jsonl(file: Path) -> list[Problem]:
+def _gsm8k_problem(question: str, answer_text: str, index: int, system_prompt: str | None) -> Problem:
+    return Problem(conversation(f"{question}\n{COT_INSTRUCTION}", system_prompt),
+                   {"answer": gsm8k_final_answer(answer_text)}, "gsm8k", index)
+
+
+def _read_gsm8k_jsonl(file: Path, system_prompt: str | None) -> list[Problem]:
     problems = []
     with open(file, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -65,8 +91,7 @@ def _read_gsm8k_jsonl(file: Path) -> list[Problem]:
                 continue
             try:
                 row = json.loads(line)
-                problems.append(Problem(row["question"], gsm8k_final_answer(row["answer"]),
-                                        "gsm8k", len(problems)))
+                problems.append(_gsm8k_problem(row["question"], row["answer"], len(problems), system_prompt))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{file}:{lineno}: invalid JSON: {e}") from None
             except KeyError as e:
@@ -76,10 +101,12 @@ def _read_gsm8k_jsonl(file: Path) -> list[Problem]:
     return problems
 
 
-def load_gsm8k(path: str, split: str = "train") -> list[Problem]:
+def load_gsm8k(path: str, split: str = "train", system_prompt: str | None = SYSTEM_PROMPT) -> list[Problem]:
     """GSM8K problems from ``<path>/<split>.jsonl``, from the jsonl file ``path``,
     or, when ``path`` is not a local path, from the hub dataset ``path``
-    (config "main", e.g. "openai/gsm8k").
+    (config "main", e.g. "openai/gsm8k"). Each prompt is ``system_prompt``
+    and the question with the instruction to reason step by step and end
+    with ``#### <number>``; the ``answer`` column is the final number.
 
     Raises:
         ValueError: a bad row (invalid JSON, missing key, answer without a
@@ -92,7 +119,7 @@ def load_gsm8k(path: str, split: str = "train") -> list[Problem]:
     p = Path(path).expanduser()
     file = p / f"{split}.jsonl" if p.is_dir() else p
     if file.is_file():
-        problems = _read_gsm8k_jsonl(file)
+        problems = _read_gsm8k_jsonl(file, system_prompt)
         if not problems:
             raise ValueError(f"{file}: no GSM8K rows (empty file)")
         return problems
@@ -105,8 +132,7 @@ def load_gsm8k(path: str, split: str = "train") -> list[Problem]:
         raise ImportError(f"GSM8K path {path!r} is not a local path, and loading it from the "
                           "Hugging Face hub needs the `datasets` package") from e
     rows = datasets.load_dataset(path, "main", split=split)
-    return [Problem(r["question"], gsm8k_final_answer(r["answer"]), "gsm8k", i)
-            for i, r in enumerate(rows)]
+    return [_gsm8k_problem(r["question"], r["answer"], i, system_prompt) for i, r in enumerate(rows)]
 
 
 _NAMES = ("Tom", "Ana", "Lee", "Maya", "Sam", "Ravi", "Nora", "Omar")
@@ -160,8 +186,11 @@ def _one_op(rng: random.Random, m: int) -> tuple[str, int]:
     return f"What is {a} - {b}?", a - b
 
 
-def arithmetic_problems(n: int, seed: int, max_operand: int = 50, level: int = 2) -> list[Problem]:
-    """``n`` problems with exact integer answers, deterministic in ``seed``.
+def arithmetic_problems(n: int, seed: int, max_operand: int = 50, level: int = 2,
+                        system_prompt: str | None = SYSTEM_PROMPT) -> list[Problem]:
+    """``n`` problems with exact integer answers (the ``answer`` column),
+    deterministic in ``seed``; each prompt is ``system_prompt`` and the
+    question with its answer-format instruction.
 
     Args:
         n: number of problems.
@@ -186,28 +215,25 @@ def arithmetic_problems(n: int, seed: int, max_operand: int = 50, level: int = 2
     for i in range(n):
         if level == 1:
             question, answer = _one_op(rng, max_operand)
-            problems.append(Problem(question, str(answer), "arithmetic", i, DIRECT_INSTRUCTION))
-            continue
-        template = rng.choice(_TEMPLATES)
-        question, answer = template(rng, max_operand, rng.choice(_NAMES), rng.choice(_ITEMS))
-        problems.append(Problem(question, str(answer), "arithmetic", i))
+            instruction = DIRECT_INSTRUCTION
+        else:
+            template = rng.choice(_TEMPLATES)
+            question, answer = template(rng, max_operand, rng.choice(_NAMES), rng.choice(_ITEMS))
+            instruction = COT_INSTRUCTION
+        problems.append(Problem(conversation(f"{question}\n{instruction}", system_prompt),
+                                {"answer": str(answer)}, "arithmetic", i))
     return problems
 
 
-def format_question(problem: Problem) -> str:
-    """The user message: the question, then its answer-format instruction
-    (by default: reason step by step and end with a final line ``#### <number>``,
-    the GSM8K convention)."""
-    return f"{problem.question}\n{problem.instruction}"
-
-
-def chat_prompt_ids(tokenizer, problem: Problem) -> list[int]:
-    """Token ids of the chat prompt for ``problem``: SYSTEM_PROMPT, the
-    question (``format_question``) and the assistant turn's opening."""
-    msgs = [{"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": format_question(problem)}]
+def prompt_ids(tokenizer, problem: Problem) -> list[int]:
+    """Token ids of ``problem``'s prompt, as TRL's GRPOTrainer makes them: a
+    conversational prompt through the tokenizer's chat template with the
+    assistant turn opened (``add_generation_prompt``); a standard prompt
+    tokenized as is, without special tokens added."""
+    if isinstance(problem.prompt, str):
+        return list(tokenizer(problem.prompt, add_special_tokens=False)["input_ids"])
     return list(tokenizer.apply_chat_template(
-        msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        problem.prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
 
 
 class PromptSource:

@@ -332,7 +332,7 @@ def warm_start(cfg, out: str | os.PathLike, args: WarmStartOptions, report=print
         ValueError: the prompts, corpus or an earlier result do not fit the
             options (named).
     """
-    from rayspec.data import chat_prompt_ids, load_problems
+    from rayspec.data import prompt_ids, load_problems
     from rayspec.draft.vocab import coverage, token_counts
     from rayspec.models import load_policy, load_tokenizer, resolve_model_path
     from rayspec.rollout.adaptive import uniform
@@ -342,7 +342,7 @@ def warm_start(cfg, out: str | os.PathLike, args: WarmStartOptions, report=print
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     tok = load_tokenizer(model_dir)
-    prompts = [chat_prompt_ids(tok, p) for p in load_problems(cfg.data)]
+    prompts = [prompt_ids(tok, p) for p in load_problems(cfg.data)]
     try:
         train_p, held = split_prompts(prompts, args.train_prompts, args.heldout_prompts)
     except ValueError as e:

@@ -24,7 +24,7 @@ import ray
 from omegaconf import OmegaConf
 
 from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, ConfigError, RunConfig, draft_online, dtype_reason
-from rayspec.data import heldout_split, load_problems
+from rayspec.data import load_problems, train_and_heldout
 from rayspec.models import check_draft_matches_policy, load_policy, resolve_model_path
 from rayspec.models.acceptance import ACCEPTANCE_FILE, read_acceptance
 from rayspec.rollout.vllm import require_vllm
@@ -129,14 +129,14 @@ def _prompt_draft_vocab(cfg: RunConfig, model_dir: str, vocab_size: int):
     n = cfg.draft.draft_vocab_size
     if n is None or n >= vocab_size:
         return None
-    from rayspec.data import chat_prompt_ids
+    from rayspec.data import prompt_ids
     from rayspec.draft.vocab import select_draft_vocab, token_counts
     from rayspec.models import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     # 1000 prompts: 0.7 s to tokenize here, where all of GSM8K's 7473 took 13 s
     problems = load_problems(cfg.data)[:1000]
-    counts = token_counts((chat_prompt_ids(tok, p) for p in problems), vocab_size)
+    counts = token_counts((prompt_ids(tok, p) for p in problems), vocab_size)
     ids = select_draft_vocab(counts, n, always=[t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None])
     log.info("draft vocabulary: %d of %d tokens, by frequency in %d training prompts", n, vocab_size,
                 len(problems))
@@ -181,10 +181,31 @@ def check_inputs(cfg: RunConfig) -> str:
         raise ConfigError(f"data.path={cfg.data.path}: {e}") from None
     if cfg.trainer.eval_every:
         try:
-            heldout_split(problems, cfg.data.eval_num_problems)
+            train_and_heldout(cfg.data, cfg.data.eval_num_problems)
         except ValueError as e:
-            raise ConfigError(f"data.eval_num_problems={cfg.data.eval_num_problems}: {e}") from None
+            key = "data.eval_path" if cfg.data.eval_path else "data.eval_num_problems"
+            raise ConfigError(f"{key}={getattr(cfg.data, key.split('.')[1])}: {e}") from None
+    check_reward_functions(cfg.reward, set(problems[0].columns))
     return str(model_dir)
+
+
+def check_reward_functions(reward, columns: set[str]) -> None:
+    """Import each of ``reward.functions`` here, on the driver, and check its
+    signature against the dataset's ``columns`` (TRL's form), before
+    anything starts.
+
+    Raises:
+        ConfigError: naming ``reward.functions[i]``: cannot be imported, or
+            cannot be called with the dataset's columns.
+    """
+    from rayspec.reward.functions import RewardFunctionError, check_signature, resolve
+
+    for i, spec in enumerate(reward.functions):
+        key = f"reward.functions[{i}]={spec}"
+        try:
+            check_signature(resolve(spec, key, reward.format_pattern), key, columns)
+        except RewardFunctionError as e:
+            raise ConfigError(str(e)) from None
 
 
 def check_run_dir(cfg: RunConfig) -> None:

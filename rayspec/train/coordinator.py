@@ -1,5 +1,5 @@
 """Rank 0's side of the RL step: the prompts, the rollout replicas (through
-a ``RolloutClient``), rewards, weight refits (through a ``WeightSender``),
+a ``RolloutClient``), rewards (through a ``RewardPool``), weight refits (through a ``WeightSender``),
 held-out evaluations and the step record. The other ranks hold a
 ``Follower`` with the same methods, which does nothing, so the step reads
 the same on every rank.
@@ -17,7 +17,8 @@ import torch
 
 from rayspec.batch import RolloutBatch
 from rayspec.config import RunConfig
-from rayspec.data import PromptSource, batch_rewards, chat_prompt_ids, heldout_split, load_problems
+from rayspec.data import PromptSource, prompt_ids, train_and_heldout
+from rayspec.reward.pool import RewardPool, RewardResult
 from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, step_record
 from rayspec.rollout.client import RolloutClient, shard_seed
 from rayspec.rollout.spec_stats import SpecStats
@@ -42,6 +43,7 @@ class Rollout:
     problems: list
     lag: int
     retries: int = 0
+    scores: RewardResult | None = None  # the reward functions' (before the overlong penalty)
     overlong_penalty: list[float] | None = None  # per sample, where grpo.overlong_buffer is on
 
 
@@ -57,22 +59,25 @@ class Coordinator:
             (a callable returning ``DraftClient.acceptance``).
         metrics_log / dashboard: where records go (None: ``MetricsLog`` in
             ``trainer.run_dir``; no dashboard).
+        rewards: the reward functions' pool (None: a ``RewardPool`` of
+            ``cfg.reward`` over the dataset's columns).
     """
 
     def __init__(self, cfg: RunConfig, tokenizer, rollouts: RolloutClient, sender: WeightSender,
                  draft_acceptance=lambda: None, metrics_log: MetricsLog | None = None,
-                 dashboard: DashboardMetrics | None = None):
+                 dashboard: DashboardMetrics | None = None, rewards: RewardPool | None = None):
         self.cfg, self.tokenizer, self.rollouts, self.sender = cfg, tokenizer, rollouts, sender
         self._draft_acceptance = draft_acceptance
-        problems, self.eval_problems = heldout_split(
-            load_problems(cfg.data), cfg.data.eval_num_problems if cfg.trainer.eval_every else 0)
+        problems, self.eval_problems = train_and_heldout(
+            cfg.data, cfg.data.eval_num_problems if cfg.trainer.eval_every else 0)
+        self.rewards = rewards or RewardPool(cfg.reward, set(problems[0].columns))
         self.prompts = PromptSource(problems, cfg.data.prompts_per_step, cfg.data.seed)
         lag = cfg.scheduler.max_policy_lag if cfg.scheduler.mode == "async" else 0
         self.pipeline = RolloutPipeline(self._submit, lag)
         self.log = metrics_log or MetricsLog(cfg.trainer.run_dir)
         self.dashboard = dashboard
         # a resumed run's baseline (the initial policy's greedy answers) is on disk
-        self.eval_prompts = [chat_prompt_ids(tokenizer, p) for p in self.eval_problems]
+        self.eval_prompts = [prompt_ids(tokenizer, p) for p in self.eval_problems]
         self.eval_baseline = read_baseline(cfg.trainer.run_dir, self.eval_problems)
         self.evals: list[dict[str, Any]] = []  # evaluations since the last step record
         self.sleep_reported = False
@@ -105,9 +110,11 @@ class Coordinator:
         return Rollout(batch, stats, problems, lag, self.pipeline.last_retries)
 
     def reward(self, rollout: Rollout) -> None:
-        """Each sample's verifiable reward, plus DAPO's overlong penalty where
-        ``grpo.overlong_buffer`` is on (as verl adds it), in place."""
-        rewards = batch_rewards(rollout.batch, rollout.problems)
+        """Each sample's reward (the weighted sum of ``reward.functions``),
+        plus DAPO's overlong penalty where ``grpo.overlong_buffer`` is on (as
+        verl adds it), in place."""
+        rollout.scores = self.score(rollout.batch, rollout.problems)
+        rewards = rollout.scores.rewards
         buffer = self.cfg.grpo.overlong_buffer
         if buffer.enable:
             rollout.overlong_penalty = overlong_penalty([len(r) for r in rollout.batch.response_ids],
@@ -115,6 +122,11 @@ class Coordinator:
                                                         buffer.penalty_factor)
             rewards = [r + p for r, p in zip(rewards, rollout.overlong_penalty)]
         rollout.batch.rewards = rewards
+
+    def score(self, batch: RolloutBatch, problems: list) -> RewardResult:
+        """The reward functions' scores of ``batch``, whose group ``g``
+        answers ``problems[g]``."""
+        return self.rewards.score([problems[g] for g in batch.group], batch.texts, batch.response_ids)
 
     def advantages(self, rollout: Rollout) -> None:
         """GRPO advantages over each prompt's group, in place."""
@@ -170,7 +182,7 @@ class Coordinator:
         problems = self.prompts.next_batch()
         self.batches += 1
         pending = self.rollouts.submit(
-            [chat_prompt_ids(self.tokenizer, p) for p in problems],
+            [prompt_ids(self.tokenizer, p) for p in problems],
             seed=shard_seed(cfg.trainer.seed, self.batches), refits=self.sender.rollout_refits(),
             catch_up=self.sender.catch_up, draft_acceptance=self._draft_acceptance(),
             n=cfg.grpo.group_size, temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
@@ -198,7 +210,8 @@ class Coordinator:
         if version == 0:  # the initial policy's answers are the baseline, whatever a file says
             write_baseline(cfg.trainer.run_dir, self.eval_problems, greedy)
             self.eval_baseline = greedy.response_ids
-        rec = {**score_eval(self.eval_problems, greedy, sampled, stats, self.eval_baseline),
+        rewards = [self.score(b, self.eval_problems).rewards for b in (greedy, sampled)]
+        rec = {**score_eval(self.eval_problems, greedy, sampled, stats, self.eval_baseline, *rewards),
                "time_s": time.perf_counter() - t0}
         self.evals.append(rec)
         log.info("eval v%d (%d held-out problems): reward greedy %.3f, T=%g %.3f | greedy changed %s | "
@@ -229,9 +242,10 @@ class Coordinator:
         self.pipeline.wait_refits()
 
     def close(self) -> None:
-        """End of run: drop the batches generated ahead, stop the sender."""
+        """End of run: drop the batches generated ahead, stop the sender and the reward workers."""
         self.pipeline.close()
         self.sender.close()
+        self.rewards.close()
 
 
 class Follower:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayspec.batch import RolloutBatch
-from rayspec.data import Problem, batch_rewards
+from rayspec.data import Problem
 from rayspec.files import write_text_atomic
 from rayspec.rollout.spec_stats import SpecStats
 
@@ -32,8 +32,9 @@ def eval_due(version: int, every: int, last: int) -> bool:
     return every > 0 and (version % every == 0 or version == last)
 
 
-def score_eval(problems: list[Problem], greedy: RolloutBatch, sampled: RolloutBatch,
-               stats: SpecStats, baseline: Optional[list[list[int]]]) -> dict[str, Any]:
+def score_eval(problems: list[Problem], greedy: RolloutBatch, sampled: RolloutBatch, stats: SpecStats,
+               baseline: Optional[list[list[int]]], reward_greedy: list[float],
+               reward_sampled: list[float]) -> dict[str, Any]:
     """One evaluation's record.
 
     Args:
@@ -44,10 +45,10 @@ def score_eval(problems: list[Problem], greedy: RolloutBatch, sampled: RolloutBa
             prompts and seed: the draft's acceptance on a fixed workload).
         baseline: the initial policy's greedy response token ids per
             problem, or None where the run has none.
+        reward_greedy / reward_sampled: each response's reward (``reward.functions``' weighted sum).
 
     Returns:
-        {"policy_version", "reward_greedy", "reward_sampled" (mean reward,
-        0..1), "response_len_greedy", "response_len_sampled" (mean tokens),
+        {"policy_version", "reward_greedy", "reward_sampled" (mean reward), "response_len_greedy", "response_len_sampled" (mean tokens),
         "acceptance_length" (tokens per verification step of the sampled
         pass), and "greedy_changed" (fraction of problems whose greedy
         response differs from the baseline's; absent without a baseline)}.
@@ -56,8 +57,8 @@ def score_eval(problems: list[Problem], greedy: RolloutBatch, sampled: RolloutBa
         ValueError: a baseline for a different number of problems.
     """
     out = {"policy_version": greedy.policy_version,
-           "reward_greedy": mean(batch_rewards(greedy, problems)),
-           "reward_sampled": mean(batch_rewards(sampled, problems)),
+           "reward_greedy": mean(reward_greedy),
+           "reward_sampled": mean(reward_sampled),
            "response_len_greedy": mean([len(r) for r in greedy.response_ids]),
            "response_len_sampled": mean([len(r) for r in sampled.response_ids]),
            "acceptance_length": stats.acceptance_length}
@@ -77,7 +78,7 @@ def read_baseline(run_dir: str | os.PathLike, problems: list[Problem]) -> Option
     if not path.is_file():
         return None
     saved = json.loads(path.read_text())
-    if saved.get("questions") != [p.question for p in problems]:
+    if saved.get("prompts") != [p.key for p in problems]:
         return None
     return saved["response_ids"]
 
@@ -86,4 +87,4 @@ def write_baseline(run_dir: str | os.PathLike, problems: list[Problem], greedy: 
     """Keep the initial policy's greedy responses (``<run_dir>/eval_baseline.json``,
     written whole through a rename) for ``greedy_changed`` after a resume."""
     write_text_atomic(Path(run_dir) / BASELINE_FILE, json.dumps(
-        {"questions": [p.question for p in problems], "response_ids": greedy.response_ids}))
+        {"prompts": [p.key for p in problems], "response_ids": greedy.response_ids}))

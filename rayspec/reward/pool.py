@@ -1,0 +1,212 @@
+"""Scoring a batch with the reward functions, in Ray actors.
+
+``reward.num_workers`` actors each import the functions once and score a
+contiguous chunk of the batch, all functions over it, in parallel. Actors,
+not plain tasks: a task would import the user's module (and math-verify's
+sympy) again on every call, and its start-up would count against
+``reward.timeout_s``; an actor is ready before the first batch, so the
+timeout measures the function alone.
+
+A function that raises, or does not return within ``reward.timeout_s`` per
+sample, is run again sample by sample (a hung actor is killed and replaced
+first) to find the samples at fault; the others keep their scores. Then
+``reward.on_error=raise`` stops the run naming the function and the sample,
+and ``zero`` scores those samples 0 for that function, counted in the
+record's ``reward_errors``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from rayspec.config import RewardConfig
+from rayspec.data.prompts import Problem
+from rayspec.reward.functions import RewardFunctionError, accepted_kwargs, resolve
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 300  # a worker's start (a fresh Python, the functions' imports) on a busy node
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on a sample (raised, timed out) or returned
+    something other than one number or None per sample; the message names
+    the function and, where it is one sample's, the sample."""
+
+
+@dataclass
+class RewardResult:
+    """One batch's scores.
+
+    Attributes:
+        rewards: [samples] the weighted sum of the functions' scores (None counts 0).
+        per_function: {function name: mean over the samples it applied to
+            (not None)}; None where it applied to none.
+        errors: scores set to 0 by ``reward.on_error=zero``.
+    """
+
+    rewards: list[float]
+    per_function: dict[str, float | None]
+    errors: int
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class RewardWorker:
+    """Holds the imported reward functions; scores chunks of a batch.
+
+    num_cpus=0: reward functions are light host work that runs between a
+    step's rollout and its update, and the Train and rollout roles hold
+    every CPU of the placement plan: a reserved core would never be free.
+    """
+
+    def __init__(self, functions: list[str], format_pattern: str | None, columns: list[str]):
+        self.fns = [resolve(spec, f"reward.functions[{i}]", format_pattern) for i, spec in enumerate(functions)]
+        self.accepted = [accepted_kwargs(fn, set(columns)) for fn in self.fns]
+
+    def ready(self) -> bool:
+        return True
+
+    def score(self, which: list[int], kwargs: dict[str, list]) -> list[tuple[bool, Any]]:
+        """[(ok, values or "ExceptionType: message")] of the functions ``which`` over the samples in ``kwargs``."""
+        out = []
+        for f in which:
+            given = kwargs if self.accepted[f] is None else {k: v for k, v in kwargs.items() if k in self.accepted[f]}
+            try:
+                out.append((True, self.fns[f](**given)))
+            except Exception as e:  # the user's function: any error is reported against it
+                out.append((False, f"{type(e).__name__}: {e}"))
+        return out
+
+
+class RewardPool:
+    """The reward functions of ``reward`` over the dataset's ``columns``, in
+    ``reward.num_workers`` Ray actors (module docstring).
+
+    Raises:
+        RewardFunctionError: a worker cannot import a function (on its node).
+    """
+
+    def __init__(self, reward: RewardConfig, columns: set[str]):
+        self.cfg, self.columns = reward, sorted(columns)
+        self.names = reward.names
+        self.weights = list(reward.weights) if reward.weights is not None else [1.0] * len(self.names)
+        self.workers = [self._start() for _ in range(reward.num_workers)]
+
+    def _start(self):
+        worker = RewardWorker.options(scheduling_strategy="DEFAULT").remote(  # not in the Train group's bundles
+            list(self.cfg.functions), self.cfg.format_pattern, self.columns)
+        try:
+            ray.get(worker.ready.remote(), timeout=READY_TIMEOUT_S)
+        except ray.exceptions.RayActorError as e:
+            raise RewardFunctionError(f"a reward worker could not load reward.functions: {e}") from None
+        return worker
+
+    def _replace(self, w: int) -> None:
+        ray.kill(self.workers[w], no_restart=True)
+        self.workers[w] = self._start()
+
+    def close(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.workers = []
+
+    def score(self, problems: list[Problem], texts: list[str], completion_ids: list[list[int]]) -> RewardResult:
+        """Score each sample: ``problems[i]`` answered by ``texts[i]`` (token
+        ids ``completion_ids[i]``).
+
+        Raises:
+            RewardError: see the module docstring and :class:`RewardError`.
+        """
+        n, nf = len(texts), len(self.names)
+        kwargs = {"prompts": [p.prompt for p in problems],
+                  "completions": [t if isinstance(p.prompt, str) else [{"role": "assistant", "content": t}]
+                                  for p, t in zip(problems, texts)],
+                  "completion_ids": [list(c) for c in completion_ids],
+                  **{c: [p.columns.get(c) for p in problems] for c in self.columns}}
+        per = -(-n // len(self.workers))
+        chunks = [list(range(s, min(n, s + per))) for s in range(0, n, per)]
+        refs = [w.score.remote(list(range(nf)), _take(kwargs, c)) for w, c in zip(self.workers, chunks)]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeout_s * per * nf)
+        values: list[list[Any]] = [[None] * n for _ in range(nf)]
+        failed: dict[tuple[int, int], str] = {}  # (function, sample) -> why
+        for w, (ref, chunk) in enumerate(zip(refs, chunks)):
+            if ref not in ready:
+                log.warning("reward functions timed out on samples %d-%d: scoring them one by one", chunk[0],
+                            chunk[-1])
+                self._replace(w)
+                self._isolate(w, range(nf), chunk, kwargs, values, failed)
+                continue
+            for f, (ok, got) in enumerate(ray.get(ref)):
+                if ok:
+                    for s, v in zip(chunk, self._checked(f, got, len(chunk))):
+                        values[f][s] = v
+                else:
+                    self._isolate(w, [f], chunk, kwargs, values, failed)
+        errors = self._handle(failed, problems, texts)
+        for f, s in failed:  # reward.on_error=zero: a failed score is a 0, in the function's mean too
+            values[f][s] = 0.0
+        rewards = [sum(wt * (values[f][s] or 0.0) for f, wt in enumerate(self.weights)) for s in range(n)]
+        means = {}
+        for f, name in enumerate(self.names):
+            got = [v for v in values[f] if v is not None]
+            means[name] = sum(got) / len(got) if got else None
+        return RewardResult(rewards, means, errors)
+
+    def _isolate(self, w: int, fns, chunk: list[int], kwargs, values, failed) -> None:
+        """Run functions ``fns`` on each sample of ``chunk`` alone, on worker
+        ``w``: what fails is recorded in ``failed`` by (function, sample)."""
+        for s in chunk:
+            for f in fns:
+                t0 = time.monotonic()
+                ref = self.workers[w].score.remote([f], _take(kwargs, [s]))
+                done, _ = ray.wait([ref], timeout=self.cfg.timeout_s)
+                if not done:
+                    failed[f, s] = f"timed out after {time.monotonic() - t0:.1f} s (reward.timeout_s)"
+                    self._replace(w)
+                    continue
+                (ok, got), = ray.get(ref)
+                if ok:
+                    values[f][s] = self._checked(f, got, 1)[0]
+                else:
+                    failed[f, s] = f"raised {got}"
+                if failed and self.cfg.on_error == "raise":
+                    return
+
+    def _checked(self, f: int, got: Any, n: int) -> list[float | None]:
+        name = self.cfg.functions[f]
+        try:
+            got = list(got)
+        except TypeError:
+            raise RewardError(f"reward function {name} returned a {type(got).__name__}, not a list of "
+                              f"{n} floats or None") from None
+        if len(got) != n:
+            raise RewardError(f"reward function {name} returned {len(got)} values for {n} samples")
+        for i, v in enumerate(got):
+            if v is not None and not (isinstance(v, numbers.Real) and math.isfinite(v)):
+                raise RewardError(f"reward function {name} returned {v!r} ({type(v).__name__}) at position {i}: "
+                                  "expected a finite float or None")
+        return [None if v is None else float(v) for v in got]
+
+    def _handle(self, failed: dict[tuple[int, int], str], problems: list[Problem], texts: list[str]) -> int:
+        if not failed:
+            return 0
+        (f, s), why = next(iter(sorted(failed.items())))
+        p = problems[s]
+        where = (f"reward function {self.cfg.functions[f]} {why} on sample {s} of the batch (row {p.index} of "
+                 f"{p.source}; prompt {p.text[:80]!r}; completion {texts[s][:80]!r})")
+        if self.cfg.on_error == "raise":
+            raise RewardError(f"{where}; reward.on_error=zero would score it 0 and go on")
+        log.warning("%s: scored 0 (reward.on_error=zero)%s", where,
+                    f", and {len(failed) - 1} more such scores this batch" if len(failed) > 1 else "")
+        return len(failed)
+
+
+def _take(kwargs: dict[str, list], idx: list[int]) -> dict[str, list]:
+    return {k: [v[i] for i in idx] for k, v in kwargs.items()}
