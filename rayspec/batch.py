@@ -48,6 +48,24 @@ class RolloutBatch:
                        texts=pick(self.texts))
 
     @staticmethod
+    def gather(parts: list[tuple["RolloutBatch", list[int]]]) -> "RolloutBatch":
+        """The samples ``idx`` of each (batch, idx) in ``parts``, in order,
+        each distinct (part, group) renumbered 0, 1, ... in order of first
+        appearance; versions must agree."""
+        versions = {b.policy_version for b, _ in parts}
+        if len(versions) != 1:
+            raise ValueError(f"cannot join rollouts of policy versions {sorted(versions)}")
+        out = RolloutBatch([], [], [], [], policy_version=versions.pop())
+        ids: dict[tuple[int, int], int] = {}
+        for n, (b, idx) in enumerate(parts):
+            for i in idx:
+                for name in ("prompt_ids", "response_ids", "rollout_logprobs", "rewards", "advantages", "texts"):
+                    if getattr(b, name):
+                        getattr(out, name).append(getattr(b, name)[i])
+                out.group.append(ids.setdefault((n, b.group[i]), len(ids)))
+        return out
+
+    @staticmethod
     def concat(parts: list["RolloutBatch"]) -> "RolloutBatch":
         """Join shards (e.g. from several replicas) in order; versions must agree."""
         versions = {p.policy_version for p in parts}

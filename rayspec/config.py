@@ -559,6 +559,12 @@ class GRPOConfig:
             ``max_new_tokens``).
         overlong_buffer: DAPO's soft overlong punishment
             (``OverlongBufferConfig``).
+        dynamic_sampling: DAPO's dynamic sampling: groups whose rewards
+            are all equal (no GRPO signal) are dropped and refilled from new
+            prompts (``Coordinator.reward``; sync mode).
+        max_sampling_rounds: rollout rounds a step may draw to fill
+            ``data.prompts_per_step`` informative groups (>= 1); short after
+            them, the step trains on equal-reward groups too.
     """
 
     group_size: int = 4
@@ -573,6 +579,8 @@ class GRPOConfig:
     norm_adv_by_std: bool = True
     loss_agg_mode: str = "seq-mean-token-mean"
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
 
     @property
     def clip_range(self) -> tuple[float, float]:
@@ -600,6 +608,8 @@ class GRPOConfig:
         _check(self.loss_agg_mode in LOSS_AGG_MODES, f"{key}.loss_agg_mode", self.loss_agg_mode,
                f"expected one of {list(LOSS_AGG_MODES)}")
         self.overlong_buffer.validate(f"{key}.overlong_buffer", self.max_new_tokens)
+        _check(_is_int(self.max_sampling_rounds) and self.max_sampling_rounds >= 1, f"{key}.max_sampling_rounds",
+               self.max_sampling_rounds, "must be an integer >= 1 (rollout rounds per step)")
 
 
 @dataclass(frozen=True)
@@ -938,6 +948,9 @@ def check_across_sections(cfg: RunConfig) -> None:
     _check(ws.backend != "nccl" or cfg.scheduler.layout == "split", "rollout.weight_sync.backend", ws.backend,
            "colocated, the trainer's rank 0 shares its GPU with a replica and NCCL refuses two ranks on one "
            "device: use gloo (or auto)")
+    _check(not cfg.grpo.dynamic_sampling or cfg.scheduler.mode == "sync", "grpo.dynamic_sampling",
+           cfg.grpo.dynamic_sampling, "needs scheduler.mode=sync: a refilled batch would join rollouts of "
+           "different policy versions in async mode")
     if cfg.trainer.eval_every:
         _check(cfg.data.eval_num_problems >= 1, "data.eval_num_problems", cfg.data.eval_num_problems,
                "must be >= 1 while trainer.eval_every > 0")
@@ -989,8 +1002,9 @@ def apply_defaults(cfg: dict[str, Any]) -> None:
     depend on other keys: the data keys of the chosen dataset
     (``DATA_DEFAULTS``: e.g. gsm8k's ``path`` is the hub id ``openai/gsm8k``,
     the built-in tasks' ``system_prompt`` is ``DEFAULT_SYSTEM_PROMPT``),
-    a reward function's relative ``file.py`` made absolute against the
-    working directory, and the keys whose default depends on where a role
+    relative local paths (``data.path``, ``data.eval_path``, a reward
+    function's ``file.py``) made absolute against the working directory,
+    and the keys whose default depends on where a role
     runs (``PLATFORM_DEFAULT_KEYS``), where they are null or absent. A role
     runs on CUDA when it is given GPUs; the CPU values are what the CPU path
     has always run with. The run's saved config.yaml then states what ran.
@@ -1035,8 +1049,11 @@ def apply_defaults(cfg: dict[str, Any]) -> None:
     data, model, rollout, train = cfg["data"], cfg["model"], cfg["rollout"], cfg["train"]
     for key, value in DATA_DEFAULTS.get(data["name"], {}).items():
         _default(data, key, value)
-    # a reward function's file, against the driver's working directory: Train
-    # workers and reward workers may start elsewhere (Ray does not share the cwd)
+    # local files against the driver's working directory: Train workers and
+    # reward workers may run in another (Ray does not share the driver's cwd)
+    for key in ("path", "eval_path"):
+        if data.get(key) and (data["name"] == "files" or _looks_local(data[key])):
+            data[key] = _absolute(data[key])
     cfg["reward"]["functions"] = [_absolute_file(f) for f in cfg["reward"]["functions"]]
     rollout_gpu = rollout["num_gpus_per_replica"] > 0
     if model["dtype"] == "auto":
@@ -1105,11 +1122,20 @@ def dtype_reason(cfg: RunConfig) -> str:
     return why if cfg.model.dtype == auto else f"as configured; auto would pick {auto}: {why}"
 
 
+def _absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _looks_local(path: Any) -> bool:
+    """A local path rather than a hub id ("openai/gsm8k")."""
+    return isinstance(path, str) and (path.startswith((".", "/", "~")) or os.path.exists(path))
+
+
 def _absolute_file(spec: Any) -> Any:
     if not isinstance(spec, str) or ":" not in spec:
         return spec
     where, name = spec.rsplit(":", 1)
-    return f"{os.path.abspath(os.path.expanduser(where))}:{name}" if where.endswith(".py") else spec
+    return f"{_absolute(where)}:{name}" if where.endswith(".py") else spec
 
 
 def _default(d: dict, key: str, value: Any) -> None:

@@ -127,6 +127,8 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
         "reward_errors": rollout.scores.errors,
         **train_metrics,
     }
+    if rollout.sampling_rounds is not None:  # grpo.dynamic_sampling
+        record["groups_dropped"], record["sampling_rounds"] = rollout.groups_dropped, rollout.sampling_rounds
     if rollout.overlong_penalty is not None:  # reward_mean includes it; the task's reward is the difference
         record["overlong_penalty_mean"] = sum(rollout.overlong_penalty) / len(rollout.overlong_penalty)
     record.update(draft_fields)

@@ -4,6 +4,7 @@ with a ConfigError that names the key and the value (no Ray, no vLLM)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def test_gsm8k_preset_differs_from_default_only_in_data_group_length_steps_and_r
     default = _flat(to_dict(load_config(DEFAULT)))
     gsm8k = _flat(to_dict(load_config(CONFIG_DIR / "gsm8k.yaml")))
     changed = {k: gsm8k[k] for k in default if gsm8k[k] != default[k]}
-    assert changed == {"data.name": "gsm8k", "data.path": "../shared/data/gsm8k", "data.split": "train",
+    assert changed == {"data.name": "gsm8k", "data.path": os.path.abspath("../shared/data/gsm8k"), "data.split": "train",
                        "data.level": None, "data.max_operand": None, "data.eval_num_problems": 64, "grpo.group_size": 4,
                        "grpo.max_new_tokens": 256, "trainer.steps": 10, "trainer.eval_samples": 1,
                        "trainer.run_dir": "runs/gsm8k"}

@@ -175,3 +175,36 @@ def test_overlong_buffer_keys_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
     assert load_config(None, overrides[1:]).grpo.overlong_buffer.enable is False  # off: not checked
+
+
+def test_gather_keeps_chosen_groups_renumbered_and_sequential_rounds_add_their_seconds():
+    """What dynamic sampling builds a refilled batch from."""
+    from rayspec.batch import RolloutBatch
+    from rayspec.rollout.spec_stats import SpecStats
+
+    a = RolloutBatch([[1]] * 4, [[10], [11], [12], [13]], [[-1.0]] * 4, [0, 0, 1, 1], policy_version=2,
+                     texts=["a0", "a1", "a2", "a3"])
+    b = RolloutBatch([[2]] * 2, [[20], [21]], [[-2.0]] * 2, [0, 0], policy_version=2, texts=["b0", "b1"])
+    out = RolloutBatch.gather([(a, [2, 3]), (b, [0, 1])])
+    assert out.response_ids == [[12], [13], [20], [21]] and out.group == [0, 0, 1, 1]
+    assert out.texts == ["a2", "a3", "b0", "b1"] and out.policy_version == 2 and out.rewards == []
+    with pytest.raises(ValueError, match="policy versions"):
+        RolloutBatch.gather([(a, [0]), (RolloutBatch([[1]], [[1]], [[0.0]], [0], policy_version=3), [0])])
+    x = SpecStats(2, 6, 3, [2, 1, 0], 10, 1.5, {"r": SpecStats(2, 6, 3, [2, 1, 0], 10, 1.5)})
+    y = SpecStats(1, 3, 1, [1, 0, 0], 4, 0.5, {"r": SpecStats(1, 3, 1, [1, 0, 0], 4, 0.5)})
+    seq = x.then(y)
+    assert (seq.num_drafts, seq.accepted_per_pos, seq.output_tokens, seq.wall_s) == (3, [3, 1, 0], 14, 2.0)
+    assert seq.replicas["r"].wall_s == 2.0 and (x + y).wall_s == 1.5  # beside each other: the slower bounds it
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["grpo.dynamic_sampling=true", "scheduler.layout=split", "scheduler.mode=async"],
+     "grpo.dynamic_sampling=True: needs scheduler.mode=sync"),
+    (["grpo.max_sampling_rounds=0"], "grpo.max_sampling_rounds=0: must be an integer >= 1"),
+])
+def test_dynamic_sampling_keys_are_checked(overrides, message):
+    from rayspec.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
+    assert load_config(None, ["grpo.dynamic_sampling=true"]).grpo.max_sampling_rounds == 3

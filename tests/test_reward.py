@@ -5,6 +5,8 @@ function and sample."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from rayspec.config import load_config
@@ -174,11 +176,14 @@ def test_reward_config_refuses_bad_lists():
             load_config(None, overrides)
 
 
-def test_a_relative_reward_file_is_made_absolute_against_the_working_directory(tmp_path, monkeypatch):
+def test_relative_files_are_made_absolute_against_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(None, ["reward.functions=[rewards/mine.py:fn,pkg.mod:other,last_number]"])
+    cfg = load_config(None, ["reward.functions=[rewards/mine.py:fn,pkg.mod:other,last_number]", "data.name=files",
+                             "data.path=data/*.jsonl", "data.eval_path=~/test.jsonl"])
     assert cfg.reward.functions == [f"{tmp_path}/rewards/mine.py:fn", "pkg.mod:other", "last_number"]
     assert cfg.reward.names == ["fn", "other", "last_number"]
+    assert (cfg.data.path, cfg.data.eval_path) == (f"{tmp_path}/data/*.jsonl", os.path.expanduser("~/test.jsonl"))
+    assert load_config(None, ["data.name=gsm8k"]).data.path == "openai/gsm8k"  # a hub id stays one
 
 
 def test_the_readme_example_task_loads_and_scores(tmp_path):

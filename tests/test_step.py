@@ -245,3 +245,37 @@ def test_a_reward_function_that_fails_stops_the_run_naming_it_and_keeps_what_was
         functions, "reward.on_error=zero", "trainer.eval_every=0"))
     assert [r["reward_errors"] for r in records] == [0, 0, 2]  # the second sample of each of step 3's 2 groups
     assert ("checkpoint", 2, 2, False) in calls and records[2]["rewards"]["fails_late"] == 0.25
+
+
+BY_ANSWER = """
+def by_answer(completions, answer, **kwargs):
+    # even answers: 1 for the scripted "the answer is 0", 0 for "no idea"; odd answers: 1 for both
+    return [float("answer" in c[-1]["content"]) if int(a) % 2 == 0 else 1.0 for c, a in zip(completions, answer)]
+"""
+
+
+def test_dynamic_sampling_drops_equal_reward_groups_and_refills_them_from_new_prompts(ray_session, tmp_path):
+    """DAPO's dynamic sampling over the scripted replica: a group scores
+    [1, 0] where its answer is even and [1, 1] (dropped) where it is odd.
+    The expected draws are replayed from the same prompt source: each step
+    takes rounds of 2 prompts until 2 even-answer groups are in hand (at
+    most 3 rounds, then odd ones fill the batch)."""
+    from rayspec.data import PromptSource, train_and_heldout
+
+    (tmp_path / "r.py").write_text(BY_ANSWER)
+    cfg, calls, records = _run(tmp_path / "run", draft_online=False, steps=4, overrides=(
+        f"reward.functions=[{tmp_path}/r.py:by_answer]", "grpo.dynamic_sampling=true", "trainer.eval_every=0"))
+    source = PromptSource(train_and_heldout(cfg.data, 0)[0], 2, cfg.data.seed)
+    for r in records:
+        kept, dropped, rounds = [], [], 0
+        while len(kept) < 2 and rounds < 3:
+            rounds += 1
+            for p in source.next_batch():
+                (kept if int(p.columns["answer"]) % 2 == 0 else dropped).append(p)
+        trained = (kept + dropped)[:2]
+        assert r["problem_ids"] == [p.index for p in trained], r["step"]
+        assert r["sampling_rounds"] == rounds and r["groups_dropped"] == len(dropped) - max(0, 2 - len(kept))
+        assert r["reward_mean"] == sum(0.5 if int(p.columns["answer"]) % 2 == 0 else 1.0 for p in trained) / 2
+        assert len(r["response_lens"]) == 4  # prompts_per_step * group_size, whatever the rounds
+    assert sum(c[0] == "generate" for c in calls) == sum(r["sampling_rounds"] for r in records)
+    assert any(r["sampling_rounds"] > 1 for r in records), "the seeded prompts never needed a refill"

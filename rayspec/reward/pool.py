@@ -47,14 +47,29 @@ class RewardResult:
 
     Attributes:
         rewards: [samples] the weighted sum of the functions' scores (None counts 0).
-        per_function: {function name: mean over the samples it applied to
-            (not None)}; None where it applied to none.
+        values: {function name: [samples] its score, None where it does not apply}.
         errors: scores set to 0 by ``reward.on_error=zero``.
     """
 
     rewards: list[float]
-    per_function: dict[str, float | None]
+    values: dict[str, list[float | None]]
     errors: int
+
+    @property
+    def per_function(self) -> dict[str, float | None]:
+        """{function name: mean over the samples it applied to (not None)}; None where it applied to none."""
+        means = {}
+        for name, vals in self.values.items():
+            got = [v for v in vals if v is not None]
+            means[name] = sum(got) / len(got) if got else None
+        return means
+
+    @staticmethod
+    def gather(parts: list[tuple["RewardResult", list[int]]], errors: int) -> "RewardResult":
+        """The scores of samples ``idx`` of each (result, idx) in ``parts`` (non-empty), in order, with ``errors``."""
+        return RewardResult([r.rewards[i] for r, idx in parts for i in idx],
+                            {name: [r.values[name][i] for r, idx in parts for i in idx] for name in parts[0][0].values},
+                            errors)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -153,11 +168,7 @@ class RewardPool:
         for f, s in failed:  # reward.on_error=zero: a failed score is a 0, in the function's mean too
             values[f][s] = 0.0
         rewards = [sum(wt * (values[f][s] or 0.0) for f, wt in enumerate(self.weights)) for s in range(n)]
-        means = {}
-        for f, name in enumerate(self.names):
-            got = [v for v in values[f] if v is not None]
-            means[name] = sum(got) / len(got) if got else None
-        return RewardResult(rewards, means, errors)
+        return RewardResult(rewards, dict(zip(self.names, values)), errors)
 
     def _isolate(self, w: int, fns, chunk: list[int], kwargs, values, failed) -> None:
         """Run functions ``fns`` on each sample of ``chunk`` alone, on worker

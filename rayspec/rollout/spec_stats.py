@@ -61,6 +61,14 @@ class SpecStats:
             out["k_schedule"] = [list(r) for r in self.k_schedule]
         return out
 
+    def then(self, other: "SpecStats") -> "SpecStats":
+        """The counters of ``other`` run after these (not beside them): wall seconds add up."""
+        out = self + other
+        out.wall_s = self.wall_s + other.wall_s
+        for k in set(self.replicas) & set(other.replicas):
+            out.replicas[k] = self.replicas[k].then(other.replicas[k])
+        return out
+
     def __add__(self, other: "SpecStats") -> "SpecStats":
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731

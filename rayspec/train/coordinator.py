@@ -44,6 +44,8 @@ class Rollout:
     lag: int
     retries: int = 0
     scores: RewardResult | None = None  # the reward functions' (before the overlong penalty)
+    groups_dropped: int | None = None  # grpo.dynamic_sampling: equal-reward groups left out
+    sampling_rounds: int | None = None  # grpo.dynamic_sampling: rollout rounds drawn
     overlong_penalty: list[float] | None = None  # per sample, where grpo.overlong_buffer is on
 
 
@@ -114,6 +116,8 @@ class Coordinator:
         plus DAPO's overlong penalty where ``grpo.overlong_buffer`` is on (as
         verl adds it), in place."""
         rollout.scores = self.score(rollout.batch, rollout.problems)
+        if self.cfg.grpo.dynamic_sampling:
+            self.drop_and_refill(rollout)
         rewards = rollout.scores.rewards
         buffer = self.cfg.grpo.overlong_buffer
         if buffer.enable:
@@ -122,6 +126,47 @@ class Coordinator:
                                                         buffer.penalty_factor)
             rewards = [r + p for r, p in zip(rewards, rollout.overlong_penalty)]
         rollout.batch.rewards = rewards
+
+    def drop_and_refill(self, rollout: Rollout) -> None:
+        """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, Sec. 3.2
+        and the constraint of Eq. 11): a group whose rewards are all equal
+        has zero GRPO advantage and adds no policy gradient, so it is
+        dropped, and new prompts are rolled out and scored until
+        ``data.prompts_per_step`` groups with unequal rewards are in hand,
+        at most ``grpo.max_sampling_rounds`` rounds (verl's
+        ``filter_groups``; equality is on the reward functions' sum, before
+        the overlong penalty). Groups beyond the batch are not trained on.
+        Short after the last round, dropped groups fill the batch (they add
+        no policy gradient, as without dynamic sampling), with a warning.
+        The rollout is replaced in place: batch, problems, scores, summed
+        spec-decode counters (rounds run one after another) and the counts."""
+        target = self.cfg.data.prompts_per_step
+        version = rollout.batch.policy_version + rollout.lag
+        kept: list = []  # (batch, scores, problem, sample indices) per group
+        dropped: list = []
+        batch, scores, problems, rounds, errors = rollout.batch, rollout.scores, rollout.problems, 1, 0
+        while True:
+            errors += scores.errors
+            for g, problem in enumerate(problems):
+                idx = [i for i, x in enumerate(batch.group) if x == g]
+                values = [scores.rewards[i] for i in idx]
+                (kept if max(values) > min(values) else dropped).append((batch, scores, problem, idx))
+            if len(kept) >= target or rounds == self.cfg.grpo.max_sampling_rounds:
+                break
+            batch, stats, (problems, _), _ = self.pipeline.next(version)
+            scores = self.score(batch, problems)
+            rollout.stats, rounds = rollout.stats.then(stats), rounds + 1
+            rollout.retries += self.pipeline.last_retries
+        if len(kept) < target:
+            log.warning("grpo.dynamic_sampling: %d of %d groups with unequal rewards after %d rounds "
+                        "(grpo.max_sampling_rounds): %d equal-reward groups fill the batch", len(kept), target,
+                        rounds, target - len(kept))
+        chosen = (kept + dropped)[:target]
+        rollout.batch = RolloutBatch.gather([(b, idx) for b, _, _, idx in chosen])
+        rollout.scores = RewardResult.gather([(s, idx) for _, s, _, idx in chosen], errors)
+        rollout.problems = [p for _, _, p, _ in chosen]
+        rollout.groups_dropped = len(dropped) - max(0, target - len(kept))
+        rollout.sampling_rounds = rounds
 
     def score(self, batch: RolloutBatch, problems: list) -> RewardResult:
         """The reward functions' scores of ``batch``, whose group ``g``
