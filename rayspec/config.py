@@ -85,11 +85,11 @@ class DataConfig:
     Args:
         name: ``arithmetic`` (built-in, offline, seeded), ``gsm8k``, or
             ``files`` (``rayspec.data.files``).
-        path: gsm8k: a directory with ``<split>.jsonl`` or a hub id
-            (default ``openai/gsm8k``); files: a file, glob or directory of
-            jsonl / json / parquet / csv, or a ``save_to_disk`` directory.
-        split: gsm8k: the split (default ``train``); files: the split of a
-            saved ``DatasetDict`` (default ``train``).
+        path: where the dataset is (gsm8k, files). gsm8k: a directory
+            with ``<split>.jsonl`` or a hub id (default ``openai/gsm8k``);
+            files: a file, glob or directory of jsonl / json / parquet /
+            csv, or a ``save_to_disk`` directory.
+        split: the split (gsm8k, or a saved ``DatasetDict`` of files; default ``train``).
         prompt_key: files: the prompt's column (default ``prompt``), a
             string or a list of ``{"role", "content"}`` messages (TRL's
             standard and conversational formats).

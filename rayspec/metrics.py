@@ -138,7 +138,15 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
 def format_step_line(m: dict[str, Any]) -> str:
     """One human-readable line per RL step."""
     rates = ",".join(f"{r:.2f}" for r in m.get("acceptance_rate_per_pos", []))
-    line = (f"step {m['step']:>4} | reward {m['reward_mean']:.3f} | "
+    terms = m.get("rewards") or {}
+    reward = f"reward {m['reward_mean']:.3f}"
+    if len(terms) > 1:  # each function's mean beside the weighted sum
+        reward += " (" + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in terms.items()) + ")"
+    if m.get("reward_errors"):
+        reward += f" {m['reward_errors']} zeroed"
+    if "sampling_rounds" in m:
+        reward += f" | dropped {m['groups_dropped']} groups, {m['sampling_rounds']} rounds"
+    line = (f"step {m['step']:>4} | {reward} | "
             f"accept_len {m['acceptance_length']:.2f} | accept/pos [{rates}] | "
             f"rollout {m['rollout_tokens_per_s']:.0f} tok/s | "
             f"t rollout {m['time_rollout_s']:.1f}s policy {m['time_policy_s']:.1f}s "

@@ -30,6 +30,10 @@ def test_log_writes_jsonl_tensorboard_and_plot(tmp_path):
     line = format_step_line(recs[1])
     assert "step    2" in line and "accept_len 1.20" in line and "v1" in line and "draft 5.0s" in line
     assert "draft idle sync" in format_step_line({**recs[1], "draft_trained": 0})
+    assert "reward 0.500 (math_verify 0.25, boxed_once n/a) 2 zeroed | dropped 3 groups, 2 rounds |" in \
+        format_step_line({**recs[1], "rewards": {"math_verify": 0.25, "boxed_once": None}, "reward_errors": 2,
+                          "groups_dropped": 3, "sampling_rounds": 2})
+    assert "reward 0.500 | accept_len" in format_step_line({**recs[1], "rewards": {"last_number": 0.5}})
 
 
 def _scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
@@ -63,6 +67,17 @@ def test_evaluations_go_to_tensorboard_at_their_policy_version_and_into_the_plot
     assert tb["kl"] == [(1, 0.0), (2, pytest.approx(0.02))]
     assert "eval/policy_version" not in tb
     assert plot_run(tmp_path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_reward_function_and_the_dynamic_sampling_counts_go_to_tensorboard(tmp_path):
+    log = MetricsLog(tmp_path)
+    log.write({**_record(1), "rewards": {"math_verify": 0.5, "boxed_once": None}, "reward_errors": 1,
+               "groups_dropped": 3, "sampling_rounds": 2})
+    log.tb.close()
+    tb = _scalars(tmp_path / "tensorboard")
+    assert tb["rewards/math_verify"] == [(1, 0.5)] and "rewards/boxed_once" not in tb  # applied to no sample
+    assert tb["reward_errors"] == [(1, 1.0)] and tb["groups_dropped"] == [(1, 3.0)]
+    assert tb["sampling_rounds"] == [(1, 2.0)]
 
 
 def test_dashboard_exports_drift_and_the_last_evaluation():

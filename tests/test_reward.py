@@ -59,10 +59,13 @@ def rewards_file(tmp_path):
 
 
 def test_last_number_math_verify_and_format_builtins():
-    completions = ["So 3 + 4 = 7.\n#### 7", "The answer is $\\frac{1}{2}$", "I think 8", "no idea"]
-    answers = ["7", "0.5", "7", "7"]
-    assert last_number(None, completions, None, answers) == [1.0, 0.0, 0.0, 0.0]
-    assert math_verify(None, completions, None, answers) == [1.0, 1.0, 0.0, 0.0]  # 1/2 = 0.5 symbolically
+    completions = ["So 3 + 4 = 7.\n#### 7", "The answer is $\\frac{1}{2}$", "I think 8", "no idea",
+                   "answer: 7", "\\boxed{7}", "3 + 4 = ?"]
+    answers = ["7", "0.5", "7", "7", "7", "7", "7"]
+    assert last_number(None, completions, None, answers) == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    # 1/2 = 0.5 symbolically; math_verify reads a stated answer (boxed, or after an anchor), not "#### 7",
+    # and never credits an expression that merely equals the answer ("3 + 4 = ?", the question restated)
+    assert math_verify(None, completions, None, answers) == [0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
     # a whole GSM8K solution counts by its "#### N" line; an unparsable reference does not apply
     assert math_verify(None, ["\\boxed{72}"], None, ["48/2 = 24 clips... 48+24 = 72\n#### 72"]) == [1.0]
     assert math_verify(None, ["72"], None, ["no answer here"]) == [None]

@@ -4,7 +4,8 @@
 - ``last_number``: the completion's final number against the ``answer``
   column's (1.0 / 0.0): the built-in tasks' reward.
 - ``math_verify``: Hugging Face's math-verify (LaTeX and plain answers,
-  symbolic equality) against the ``answer`` column.
+  symbolic equality) against the ``answer`` column, the completion's
+  answer read where it is stated (boxed, or after an anchor).
 - ``format``: 1.0 where ``reward.format_pattern`` matches at the start of
   the completion (``re.match``, ``re.DOTALL``), as TRL's format rewards do.
 
@@ -93,16 +94,26 @@ def last_number(prompts, completions, completion_ids, answer, **columns) -> list
 
 def math_verify(prompts, completions, completion_ids, answer, **columns) -> list[float | None]:
     """1.0 where Hugging Face math-verify (``math_verify.parse`` /
-    ``verify``: LaTeX, boxed and plain answers, compared symbolically) finds
-    the completion's answer equal to the ``answer`` column's, else 0.0;
-    None where the answer cannot be parsed (as TRL's ``accuracy_reward``
-    skips it). math-verify's own timeouts (SIGALRM) stay on where the
-    function runs on a main thread; rayspec's ``reward.timeout_s`` bounds it
+    ``verify``, symbolic equality) finds the completion's answer equal to
+    the ``answer`` column's, else 0.0; None where the answer cannot be
+    parsed (as TRL's ``accuracy_reward`` skips it).
+
+    The completion's answer is read where it is stated: ``\\boxed{...}``
+    first, then LaTeX after "final answer is", then a plain answer after an
+    anchor ("The answer is 21", "answer: 21"). math-verify's default would
+    also take any expression in the text, and so credit a response that
+    restates "9 + 12" for the answer 21 (seen in README's example task: the
+    response "9 + 12 = ?" scored 1.0). The answer column is read with
+    the default (LaTeX or plain; a GSM8K solution by its ``#### N`` line).
+    math-verify's own timeouts (SIGALRM) stay on where the function runs on
+    a main thread (Ray actors do); ``reward.timeout_s`` bounds it
     everywhere."""
     import threading
 
-    from math_verify import parse, verify
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+    stated = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False),
+              ExprExtractionConfig(try_extract_without_anchor=False)]
     limit = 5 if threading.current_thread() is threading.main_thread() else None
     out: list[float | None] = []
     for c, a in zip(completions, answer):
@@ -110,7 +121,8 @@ def math_verify(prompts, completions, completion_ids, answer, **columns) -> list
         if not gold:
             out.append(None)
             continue
-        out.append(float(verify(gold, parse(completion_text(c), parsing_timeout=limit), timeout_seconds=limit)))
+        pred = parse(completion_text(c), extraction_config=stated, parsing_timeout=limit)
+        out.append(float(verify(gold, pred, timeout_seconds=limit)))
     return out
 
 
