@@ -21,11 +21,10 @@ def _records(acc: list[float]) -> list[dict]:
     return recs
 
 
-def test_runs_differ_only_in_speculation_and_draft_training(tmp_path, gsm8k_dir):
+def test_runs_differ_only_in_speculation_and_draft_training(tmp_path):
     head = tmp_path / "head"
     head.mkdir()
-    base = [f"data.path={gsm8k_dir}"]
-    cfgs = {n: load_config(DEFAULT_PRESET, base + o) for n, o in runs(str(head)).items()}
+    cfgs = {n: load_config(DEFAULT_PRESET, o) for n, o in runs(str(head)).items()}
     assert cfgs["none"].rollout.speculative_config.method is None
     for n in ("frozen", "online", "adaptive", "online-adaptive"):
         assert cfgs[n].rollout.speculative_config.model == str(head)
@@ -95,10 +94,9 @@ def _write_run(run_dir, acc):
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(acc)))
 
 
-def test_refuses_unknown_run_and_unfinished_run(tmp_path, gsm8k_dir, capsys):
-    base = ["--warm-head", str(tmp_path), "--steps", "3", "--run-dir", str(tmp_path / "r"),
-            f"data.path={gsm8k_dir}"]
-    assert main(base[:-1] + ["--runs", "none,fast"]) == 2
+def test_refuses_unknown_run_and_unfinished_run(tmp_path, capsys):
+    base = ["--warm-head", str(tmp_path), "--steps", "3", "--run-dir", str(tmp_path / "r")]
+    assert main(base + ["--runs", "none,fast"]) == 2
     assert "unknown ['fast']" in capsys.readouterr().err
     _write_run(tmp_path / "r" / "frozen", [1.5, 1.4])
     before = (tmp_path / "r" / "frozen" / "metrics.jsonl").read_text()
@@ -107,19 +105,19 @@ def test_refuses_unknown_run_and_unfinished_run(tmp_path, gsm8k_dir, capsys):
     assert (tmp_path / "r" / "frozen" / "metrics.jsonl").read_text() == before
 
 
-def test_finished_runs_are_read_back_not_rerun(tmp_path, gsm8k_dir):
+def test_finished_runs_are_read_back_not_rerun(tmp_path):
     for name, acc in (("frozen", [1.5, 1.4, 1.3]), ("online", [1.5, 1.6, 1.7, 1.8])):
         _write_run(tmp_path / "r" / name, acc)
     out = tmp_path / "rl.json"
     assert main(["--warm-head", str(tmp_path), "--steps", "3", "--runs", "frozen,online",
-                 "--run-dir", str(tmp_path / "r"), "--out", str(out), f"data.path={gsm8k_dir}"]) == 0
+                 "--run-dir", str(tmp_path / "r"), "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["run"] for r in rows] == ["frozen", "online"]
     assert rows[1]["acceptance_length"] == [1.5, 1.6, 1.7]
     assert (tmp_path / "r" / "rl.png").exists()
 
 
-def test_none_seeds_add_spread_runs_and_equivalence_verdict(tmp_path, gsm8k_dir, capsys):
+def test_none_seeds_add_spread_runs_and_equivalence_verdict(tmp_path, capsys):
     """--none-seeds adds none@<seed> runs differing only in trainer.seed;
     compare_to_none sets each speculative run's mean reward distance to all
     none seeds against the most atypical none seed's distance to the others."""
@@ -145,16 +143,16 @@ def test_none_seeds_add_spread_runs_and_equivalence_verdict(tmp_path, gsm8k_dir,
     assert "within_seed_spread" not in rows[3] and "within_seed_spread" not in rows[4]
     table = format_table(rows)
     assert "OUTSIDE the spread" in table and "logprob agreement" in table
-    assert main(["--none-seeds", "1,x", "--runs", "none", f"data.path={gsm8k_dir}"]) == 2
+    assert main(["--none-seeds", "1,x", "--runs", "none"]) == 2
     assert "--none-seeds=1,x" in capsys.readouterr().err
-    assert main(["--runs", "frozen", f"data.path={gsm8k_dir}"]) == 2
+    assert main(["--runs", "frozen"]) == 2
     assert "need --warm-head" in capsys.readouterr().err
     fresh = runs(None)
     assert "rollout.speculative_config.model=null" in fresh["online"] and "frozen" not in fresh
 
 
 @pytest.mark.parametrize("keep", [False, True])
-def test_finished_run_checkpoints_are_deleted_unless_kept(tmp_path, gsm8k_dir, monkeypatch, keep):
+def test_finished_run_checkpoints_are_deleted_unless_kept(tmp_path, monkeypatch, keep):
     """A run the bench finished leaves its metrics and drops its checkpoints
     (gigabytes each) unless ``--keep-checkpoints``."""
     import rayspec.scheduler as scheduler
@@ -168,7 +166,7 @@ def test_finished_run_checkpoints_are_deleted_unless_kept(tmp_path, gsm8k_dir, m
     monkeypatch.setattr(scheduler, "run", fake_run)
     monkeypatch.setattr(scheduler, "init_ray", lambda cfg: None)
     assert main(["--steps", "2", "--runs", "none", "--run-dir", str(tmp_path / "r"),
-                 "--out", str(tmp_path / "rl.json"), f"data.path={gsm8k_dir}"]
+                 "--out", str(tmp_path / "rl.json")]
                 + (["--keep-checkpoints"] if keep else [])) == 0
     assert json.loads((tmp_path / "rl.json").read_text())[0]["steps"] == 2
     assert (tmp_path / "r" / "none" / "ray_train").exists() == keep
