@@ -128,8 +128,8 @@ class Coordinator:
         rollout.batch.rewards = rewards
 
     def drop_and_refill(self, rollout: Rollout) -> None:
-        """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, Sec. 3.2
-        and the constraint of Eq. 11): a group whose rewards are all equal
+        """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, Sec. 3.2,
+        the constraint 0 < |{o_i correct}| < G of its objective): a group whose rewards are all equal
         has zero GRPO advantage and adds no policy gradient, so it is
         dropped, and new prompts are rolled out and scored until
         ``data.prompts_per_step`` groups with unequal rewards are in hand,
