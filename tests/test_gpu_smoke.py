@@ -1,12 +1,26 @@
 """jobs.gpu_smoke on a machine without a GPU: it imports, parses its
 arguments, and exits with status 2 saying no GPU was found (what it checks
-needs a GPU: docs/gpu.md, "Check a node first")."""
+needs a GPU: docs/gpu.md, "Check a node first"). With a driver that
+``nvidia-smi`` reports (a fake one on PATH) it reads the driver first: one
+too old for CUDA 13 is that line's FAIL, not "no GPU"."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import pytest
 
 from jobs import gpu_smoke
+
+
+def fake_driver(tmp_path, monkeypatch, version: str) -> None:
+    exe = tmp_path / "bin" / "nvidia-smi"
+    exe.parent.mkdir()
+    exe.write_text(f"#!/bin/sh\necho {version}\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{exe.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("LD_LIBRARY_PATH", "")
 
 
 def test_arguments_parse_and_unknown_checks_are_refused(tmp_path):
@@ -31,3 +45,24 @@ def test_memory_peak_reads_the_samples_of_a_phase():
     assert trace.peak([[1.5, 3.5]]) == 9 and trace.peak([[3.9, 4.1]]) == 7  # 7 in use as it began
     assert trace.peak([[2.5, 2.6]]) == 9  # shorter than the sampling period
     assert trace.peak([[0.0, 0.5]]) == 0
+
+
+def test_a_driver_older_than_r580_is_named_not_reported_as_no_gpu(tmp_path, monkeypatch, capsys):
+    fake_driver(tmp_path, monkeypatch, "550.54.15")
+    out = tmp_path / "r.json"
+    assert gpu_smoke.main(["--out", str(out), "--work-dir", str(tmp_path / "work")]) == 1
+    printed = capsys.readouterr().out
+    assert "FAIL  driver" in printed and "550.54.15 is too old" in printed and "580" in printed
+    driver, compilers = json.loads(out.read_text())["checks"]  # nothing else runs on a driver CUDA 13 cannot use
+    assert driver["name"] == "driver" and not driver["ok"] and compilers["name"] == "compilers"
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_new_driver_without_cuda_torch_fails_on_the_cuda_line(tmp_path, monkeypatch, capsys):
+    fake_driver(tmp_path, monkeypatch, "580.82.07")
+    out = tmp_path / "r.json"
+    assert gpu_smoke.main(["--out", str(out), "--work-dir", str(tmp_path / "work")]) == 1
+    checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+    assert checks["driver"]["ok"] and checks["compilers"]["ok"]  # this machine has gcc, g++ and Python.h
+    assert not checks["cuda"]["ok"] and "+cpu" in checks["cuda"]["detail"]
+    assert "PASS  driver" in capsys.readouterr().out

@@ -125,6 +125,33 @@ def speculative_config_for_vllm(spec: dict[str, Any]) -> Optional[dict[str, Any]
     return out
 
 
+def adaptive_engine_settings(spec: dict[str, Any], engine_kwargs: dict[str, Any], env: dict[str, str]) -> None:
+    """What an adaptive-k engine needs from vLLM 0.32, set in place where
+    the user left it unset (each logged):
+
+    - ``num_speculative_tokens_per_batch_size``: a schedule from the start,
+      so k can be switched at run time;
+    - ``VLLM_USE_V2_MODEL_RUNNER=0``: the idle-drafter and plain-sampler
+      hooks wrap V1's drafters and sampler; CUDA vLLM picks V2 for EAGLE,
+      which has neither;
+    - ``async_scheduling=False``: on CUDA vLLM turns async scheduling on for
+      EAGLE-type methods (``VllmConfig._set_async_scheduling`` default, in
+      ``vllm/config/vllm.py``), and the idle-drafter hook has run only
+      without it (the CPU platform forces it off). It stays off until
+      ``jobs.gpu_smoke``'s ``adaptive k async`` line passes with it on.
+    """
+    spec.setdefault("num_speculative_tokens_per_batch_size",
+                    adaptive_k_mod.uniform(spec["num_speculative_tokens"], 1 << 16))
+    if env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0") == "0":
+        log.info("adaptive k: vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): the idle-drafter "
+                 "and plain-sampler hooks wrap V1's drafters and sampler; CUDA vLLM would pick "
+                 "V2 for this method, which has neither")
+    if engine_kwargs.setdefault("async_scheduling", False) is False:
+        log.info("adaptive k: async_scheduling=False (the idle-drafter hook is untested under vLLM's "
+                 "async scheduling, which CUDA turns on for EAGLE; set rollout.engine_kwargs."
+                 "async_scheduling=true to try it)")
+
+
 def calibration_batch_sizes(largest: int) -> list[int]:
     """The batch sizes ``SpecVLLMEngine.calibrate`` times up to ``largest``
     sequences: 1, 4, 16, ... below it, and ``largest`` itself."""
@@ -248,13 +275,7 @@ class SpecVLLMEngine:
         kwargs = dict(engine_kwargs or {})
         spec = self.speculative_config
         if adaptive_k is not None and spec is not None:
-            # a dynamic schedule from the start, so k can be switched at run time
-            spec.setdefault("num_speculative_tokens_per_batch_size",
-                            adaptive_k_mod.uniform(spec["num_speculative_tokens"], 1 << 16))
-            if env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0") == "0":
-                log.info("adaptive k: vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): the idle-drafter "
-                         "and plain-sampler hooks wrap V1's drafters and sampler; CUDA vLLM would pick "
-                         "V2 for this method, which has neither")
+            adaptive_engine_settings(spec, kwargs, env)
         # Rollout logprobs are the behaviour policy of the importance ratio:
         # they must be of the sampling distribution (after temperature), as
         # the trainer's log_softmax(logits / T) is; vLLM defaults to raw logits.
