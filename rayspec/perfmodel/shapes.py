@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-# Public config.json fields of models used in the validation (Hugging Face
-# Hub, Qwen/Qwen3-8B and Qwen/Qwen3-235B-A22B; HuggingFaceTB/SmolLM2-135M-Instruct).
+# Public config.json fields of models used in the validation and the memory
+# plan (Hugging Face Hub: Qwen/Qwen3-8B, Qwen/Qwen3-32B, Qwen/Qwen3-235B-A22B,
+# meta-llama/Llama-3.1-8B, HuggingFaceTB/SmolLM2-135M-Instruct).
 PRESETS: dict[str, dict] = {
     "smollm2-135m": dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
@@ -22,6 +23,12 @@ PRESETS: dict[str, dict] = {
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
                      tie_word_embeddings=False),
+    "qwen3-32b": dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=25600, vocab_size=151936,
+                      tie_word_embeddings=False),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+                         tie_word_embeddings=False),
     "qwen3-235b-a22b": dict(model_type="qwen3_moe", hidden_size=4096, num_hidden_layers=94,
                             num_attention_heads=64, num_key_value_heads=4, head_dim=128,
                             intermediate_size=12288, moe_intermediate_size=1536, num_experts=128,
@@ -47,6 +54,8 @@ class ModelShape:
             (an EAGLE-3 head's fc projecting 3h -> h).
         qkv_in: input width of the q/k/v projections (h, or 2h for an
             EAGLE-3 layer that reads [embedding, hidden]).
+        tied_embeddings: the LM head is the embedding table.
+        qk_norm: RMSNorm over each head's q and k (Qwen3).
     """
 
     name: str
@@ -62,6 +71,8 @@ class ModelShape:
     moe_intermediate_size: int = 0
     extra_params: int = 0
     qkv_in: int = 0
+    tied_embeddings: bool = False
+    qk_norm: bool = False
 
     @property
     def q_dim(self) -> int:
@@ -90,6 +101,25 @@ class ModelShape:
     @property
     def lm_head_params(self) -> int:
         return self.hidden_size * self.vocab_size
+
+    @property
+    def total_params(self) -> int:
+        """Every parameter the checkpoint holds, counted once (what
+        DeepSpeed's ``model_to_params`` counts): :attr:`params`, the
+        embedding table unless tied, and the RMSNorm weights."""
+        h = self.hidden_size
+        norms = self.layers * (2 * h + (2 * self.head_dim if self.qk_norm else 0)) + h
+        return self.params + (0 if self.tied_embeddings else self.vocab_size * h) + norms
+
+    @property
+    def largest_module_params(self) -> int:
+        """Parameters of the largest single module (an nn.Module's own,
+        not its children's): what ZeRO-3 gathers at once at most, as
+        DeepSpeed's estimators count it."""
+        h = self.hidden_size
+        kv = self.num_key_value_heads * self.head_dim
+        return max(self.vocab_size * h, (self.qkv_in or h) * max(self.q_dim, kv), self.q_dim * h,
+                   h * max(self.intermediate_size, self.moe_intermediate_size), self.extra_params)
 
     @property
     def active_params(self) -> int:
@@ -187,6 +217,8 @@ class ModelShape:
                 vocab_size=cfg.vocab_size,
                 num_experts=getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or 0,
                 num_experts_per_tok=getattr(cfg, "num_experts_per_tok", None) or 0,
-                moe_intermediate_size=getattr(cfg, "moe_intermediate_size", None) or 0)
+                moe_intermediate_size=getattr(cfg, "moe_intermediate_size", None) or 0,
+                tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+                qk_norm=cfg.model_type in ("qwen3", "qwen3_moe"))
         except AttributeError as e:
             raise ValueError(f"{name}: config lacks a field the performance model needs ({e})") from None

@@ -1,0 +1,70 @@
+"""Project a run's memory per device and per phase, before anything starts.
+
+    python -m jobs.project_memory [preset.yaml] [key=value ...] --model <hf dir | preset>
+        --hardware <h100 | h200 | gb200> --gpus N [--nodes M] [--prompt-tokens T] [--out plan.json]
+
+Prints, per kind of device (colocate: the GPU that also holds the
+DraftTrainer and the others; split: rollout and train GPUs) and per phase
+of the RL step (rollout, policy update, draft training, refit), the bytes
+of every term: the replica's weights, activations and KV cache, the Train
+rank's model states by ZeRO stage and offload (DeepSpeed's estimators'
+accounting), its activations with or without checkpointing, its logits,
+torch's cache, DeepSpeed's buckets, the DraftTrainer, the weight-sync
+bucket; then one node's host memory. ``rayspec/perfmodel/memory.py`` gives
+each term's source.
+
+Exit status: 0 when the plan fits; 1 when it does not, naming each device
+and phase that overflows and the knobs (config overrides) that would make
+it fit; 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from jobs.cli import split_args
+from rayspec.config import ConfigError, load_config
+from rayspec.perfmodel import memory
+from rayspec.perfmodel.shapes import PRESETS, ModelShape
+
+GPU_PRESET = Path(__file__).resolve().parent / "configs" / "gpu.yaml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jobs.project_memory", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", nargs="*", help="a preset (default jobs/configs/gpu.yaml), then key=value overrides")
+    ap.add_argument("--model", required=True, help=f"a Hugging Face model directory or one of {', '.join(PRESETS)}")
+    ap.add_argument("--hardware", required=True, choices=sorted(memory.DEVICE_BYTES))
+    ap.add_argument("--gpus", type=int, required=True, help="GPUs per node")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--prompt-tokens", type=int, default=memory.PROMPT_TOKENS, help="a prompt's length in tokens")
+    ap.add_argument("--out", help="write the plan as JSON here")
+    args = ap.parse_args(argv)
+    try:
+        preset, overrides = split_args(args.config, default_preset=GPU_PRESET)
+        cfg = load_config(str(preset), overrides)
+        shape = ModelShape.from_hf_config(args.model)
+        result = memory.plan(cfg, shape, args.hardware, args.gpus, args.nodes, prompt_tokens=args.prompt_tokens)
+    except (ConfigError, ValueError) as e:
+        print(f"project_memory: {e}", file=sys.stderr)
+        return 2
+    print(result.table())
+    problems = result.problems()
+    if args.out:
+        Path(args.out).write_text(json.dumps(result.to_dict(), indent=1))
+    if not problems:
+        print("fits")
+        return 0
+    print("does not fit:\n" + "\n".join(f"  {p}" for p in problems), file=sys.stderr)
+    found = memory.fixes(str(preset), overrides, shape, args.hardware, args.gpus, args.nodes,
+                         prompt_tokens=args.prompt_tokens)
+    print("would fit with: " + ("; ".join(found) if found else "none of the knobs tried alone "
+                                "(more GPUs or nodes, a smaller model)"), file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""The memory plan of a run: bytes on each kind of device, per phase of the
+RL step, and whether they fit, before anything starts.
+
+Every term is a byte count from the model's shape and the run's config;
+the accounting and its sources:
+
+- **Model states of a Train rank** (bf16 with fp32 master weights and
+  Adam, which is what rayspec's GPU default runs): DeepSpeed 0.19.8's own
+  estimators (``estimate_zero2_model_states_mem_needs`` in
+  ``runtime/zero/stage_1_and_2.py``, ``estimate_zero3_model_states_mem_needs``
+  in ``runtime/zero/stage3.py``; ZeRO paper, Rajbhandari et al. 2020,
+  Sec. 3.1): per parameter 2 bytes of bf16 weights, and 18 bytes of bf16
+  and fp32 gradients, fp32 master and the two Adam moments, partitioned
+  over the N ranks from stage 1 (optimizer) / 2 (gradients too; DeepSpeed
+  counts the two together) / 3 (the weights too, plus 4 bytes a parameter
+  of the largest module, gathered at once). Stage 1 keeps a whole bf16
+  gradient (2 bytes), stage 0 everything. ``offload_optimizer`` moves the
+  18 (stage 3: and ``offload_param`` the 2) to host memory.
+- **DeepSpeed's buffers**: ``reduce_bucket_size`` and
+  ``allgather_bucket_size`` elements (default 5e8 each) of bf16, stages 1-2.
+- **Activations** of a micro-batch (b sequences of s tokens), per layer
+  34 * s * b * h bytes (Korthikanti et al. 2022, Eq. 1, without the
+  5 * a * s / h attention-score term, which flash attention does not
+  store); with activation checkpointing a layer keeps its 2 * s * b * h
+  input, and one layer's 34 are live during its recompute. The LM head's
+  logits, s * b * V, at 10 bytes each: the bf16 logits, their fp32 copy and
+  its log-softmax for the token log-probabilities (``train.grpo.token_logprobs``).
+- **Torch's cache**: nothing calls ``torch.cuda.empty_cache()``, so memory
+  a Train rank freed after its update (activations, logits) stays reserved
+  by its caching allocator while the replicas roll out.
+- **vLLM**: a replica owns ``gpu_memory_utilization`` x the device's
+  memory while awake (weights, activations, KV cache: ``vllm/worker/
+  gpu_worker.py``'s profile); asleep (level 1) it keeps nothing on the
+  device and its weights in pinned host memory; a refit wakes the weights
+  only. The KV cache gets what remains after the weights and
+  ``ACTIVATION_SHARE`` of the region.
+- **DraftTrainer**: the head's trainable weights at 16 bytes a parameter
+  (fp32 weight, gradient, two Adam moments), its LM head over the draft
+  vocabulary, and the verifier's embedding and LM head as fp32 copies
+  (``rayspec/draft/trainer.py``), plus the target logits of a batch
+  (tokens x V, fp32, twice: logits and softmax).
+- **Per process**: ``CUDA_CONTEXT`` (CUDA context, cuBLAS workspace, NCCL's
+  buffers).
+
+These are what the code does today; the colocated 8B case does not fit on
+80 GB devices, which is what issue 52's item 4 (offload, empty_cache,
+sleep level 2, a leaner DraftTrainer) fixes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rayspec.perfmodel.shapes import ModelShape
+
+GIB = 2**30
+MIB = 2**20
+# Memory a device reports (nvidia-smi's total; torch.cuda.get_device_properties
+# reports the same bytes). GB200: the datasheet's 186 GB of HBM3e per GPU.
+DEVICE_BYTES = {"h100": 81559 * MIB, "h200": 143771 * MIB, "gb200": 186 * 10**9}
+# Host memory of one node (DGX H100 / H200: 2 TB; GB200 NVL72 compute tray:
+# 2 Grace CPUs x 480 GB LPDDR5X for 4 GPUs).
+HOST_BYTES = {"h100": 2 * 10**12, "h200": 2 * 10**12, "gb200": 960 * 10**9}
+CUDA_CONTEXT = 1 * GIB  # an assumption: ~0.5 GiB context + cuBLAS workspace + NCCL buffers
+ACTIVATION_SHARE = 0.05  # of a replica's region, vLLM's profiled activation peak (an assumption)
+LOGIT_BYTES = 10  # bf16 logits + fp32 copy + fp32 log-softmax
+PROMPT_TOKENS = 256  # a prompt's tokens, where the config does not bound them
+
+
+@dataclass
+class Term:
+    """One term of a device's or a host's memory: ``bytes`` held by
+    ``role`` for ``what``."""
+
+    role: str
+    what: str
+    bytes: float
+
+
+@dataclass
+class Device:
+    """One kind of device in the plan and its terms per phase."""
+
+    name: str
+    capacity: float
+    count: int
+    phases: dict[str, list[Term]] = field(default_factory=dict)
+
+    def used(self, phase: str) -> float:
+        return sum(t.bytes for t in self.phases.get(phase, []))
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per device kind and phase, and the host's per node.
+
+    Attributes:
+        devices: the device kinds (``colocate``: the device that holds the
+            DraftTrainer and the others; ``split``: rollout and train devices).
+        host: terms of one node's host memory.
+        host_capacity: bytes of one node's host memory.
+        notes: the assumptions a reader needs (sequence length, ...).
+    """
+
+    devices: list[Device]
+    host: list[Term]
+    host_capacity: float
+    notes: list[str]
+    layout_problems: list[str] = field(default_factory=list)
+    min_util: float = 0.0  # the gpu_memory_utilization below which a replica's weights leave no KV cache
+
+    PHASES = ("rollout", "policy update", "draft training", "refit")
+
+    def problems(self) -> list[str]:
+        """What does not fit: one line each (device, phase, bytes, capacity)."""
+        out = list(self.layout_problems)
+        for d in self.devices:
+            for phase in self.PHASES:
+                used = d.used(phase)
+                if used > d.capacity:
+                    top = max(d.phases[phase], key=lambda t: t.bytes)
+                    out.append(f"{d.name}, {phase}: {used / GIB:.1f} GiB > {d.capacity / GIB:.1f} GiB "
+                               f"(largest: {top.role} {top.what} {top.bytes / GIB:.1f} GiB)")
+        kv = {t.bytes for d in self.devices for t in d.phases.get("rollout", []) if t.what == "KV cache"}
+        if kv and min(kv) <= 0:
+            out.append(f"replica: its weights leave no memory for the KV cache ({min(kv) / GIB:.1f} GiB): "
+                       f"rollout.engine_kwargs.gpu_memory_utilization must exceed {self.min_util:.2f}, or the "
+                       "replica be sharded over more devices (rollout.engine_kwargs.tensor_parallel_size with "
+                       "rollout.num_gpus_per_replica)")
+        host = sum(t.bytes for t in self.host)
+        if host > self.host_capacity:
+            top = max(self.host, key=lambda t: t.bytes)
+            out.append(f"host memory of a node: {host / GIB:.1f} GiB > {self.host_capacity / GIB:.1f} GiB "
+                       f"(largest: {top.role} {top.what} {top.bytes / GIB:.1f} GiB)")
+        return out
+
+    def table(self) -> str:
+        """The plan as text: per device kind, a row per term with a column per phase."""
+        lines = []
+        for d in self.devices:
+            lines.append(f"{d.name} (x{d.count}, {d.capacity / GIB:.1f} GiB)")
+            lines.append(f"  {'role':<14} {'term':<34}" + "".join(f"{p:>15}" for p in self.PHASES))
+            keys = []
+            for phase in self.PHASES:
+                for t in d.phases.get(phase, []):
+                    if (t.role, t.what) not in keys:
+                        keys.append((t.role, t.what))
+            for role, what in keys:
+                cells = []
+                for phase in self.PHASES:
+                    b = sum(t.bytes for t in d.phases.get(phase, []) if (t.role, t.what) == (role, what))
+                    cells.append(f"{b / GIB:>15.2f}" if b else f"{'-':>15}")
+                lines.append(f"  {role:<14} {what:<34}" + "".join(cells))
+            lines.append(f"  {'total':<49}" + "".join(
+                f"{d.used(p) / GIB:>14.1f}" + ("!" if d.used(p) > d.capacity else " ") for p in self.PHASES))
+        host = sum(t.bytes for t in self.host)
+        lines.append(f"host memory per node ({self.host_capacity / GIB:.0f} GiB): {host / GIB:.1f} GiB"
+                     + "".join(f"\n  {t.role:<14} {t.what:<34} {t.bytes / GIB:>10.2f}" for t in self.host))
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"devices": [{"name": d.name, "capacity": d.capacity, "count": d.count,
+                             "phases": {p: [vars(t) for t in ts] for p, ts in d.phases.items()}}
+                            for d in self.devices],
+                "host": [vars(t) for t in self.host], "host_capacity": self.host_capacity,
+                "notes": self.notes, "problems": self.problems()}
+
+
+def model_states(total_params: int, largest_module_params: int, stage: int, ranks: int,
+                 offload_optimizer: bool = False, offload_param: bool = False) -> tuple[float, float]:
+    """(device bytes, host bytes) of one Train rank's model states, bf16
+    with fp32 master weights and Adam; DeepSpeed's estimators' accounting
+    (module docstring) without their ``additional_buffer_factor``.
+
+    Raises:
+        ValueError: a ZeRO stage outside 0-3.
+    """
+    p, n = total_params, ranks
+    if stage == 0:
+        return 2 * p + 18 * p, 0.0
+    if stage in (1, 2):
+        grads = 2 * p if stage == 1 else 0  # stage 1 keeps the whole bf16 gradient
+        if offload_optimizer:
+            return 2 * p + grads, 18 * p / n
+        return 2 * p + grads + 18 * p / n, 0.0
+    if stage == 3:
+        gathered = 4 * largest_module_params
+        if offload_optimizer:
+            return (gathered, 20 * p / n) if offload_param else (gathered + 2 * p / n, 18 * p / n)
+        return gathered + 18 * p / n, 0.0
+    raise ValueError(f"train.deepspeed.zero_optimization.stage={stage}: must be 0, 1, 2 or 3")
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 4 if str(dtype) in ("float32", "fp32") else 2
+
+
+def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1,
+         prompt_tokens: int = PROMPT_TOKENS, device_bytes: Optional[float] = None,
+         host_bytes: Optional[float] = None) -> MemoryPlan:
+    """The memory plan of ``cfg`` (a RunConfig whose roles have GPUs) for
+    ``shape`` on ``nodes`` x ``gpus_per_node`` devices of kind ``device``.
+
+    Args:
+        cfg: the run's RunConfig (``rayspec.config.load_config``: the GPU
+            defaults applied).
+        shape: the policy's shape (``ModelShape.from_hf_config``).
+        device: a key of ``DEVICE_BYTES`` (ignored where ``device_bytes``
+            is given, e.g. a real device's total memory).
+        prompt_tokens: a prompt's length in tokens (the config bounds only
+            the response, ``grpo.max_new_tokens``).
+
+    Raises:
+        ValueError: an unknown device, a config without GPU roles, or a
+            ZeRO stage outside 0-3 (named).
+    """
+    if device_bytes is None:
+        if device not in DEVICE_BYTES:
+            raise ValueError(f"--hardware {device}: unknown (one of {', '.join(DEVICE_BYTES)})")
+        device_bytes = DEVICE_BYTES[device]
+    host_bytes = host_bytes if host_bytes is not None else HOST_BYTES.get(device, 0)
+    ro, tr, dr = cfg.rollout, cfg.train, cfg.draft
+    if ro.num_gpus_per_replica <= 0 or tr.gpus_per_worker <= 0:
+        raise ValueError("the memory plan is of GPU roles: rollout.num_gpus_per_replica and "
+                         "train.gpus_per_worker must be > 0")
+    ds = tr.deepspeed
+    zero = ds.get("zero_optimization", {}) or {}
+    stage = int(zero.get("stage", 0))
+    offload_opt = str((zero.get("offload_optimizer") or {}).get("device", "none")) == "cpu"
+    offload_param = str((zero.get("offload_param") or {}).get("device", "none")) == "cpu"
+    ranks = tr.num_workers
+    p, h, v = shape.total_params, shape.hidden_size, shape.vocab_size
+    rdt = _dtype_bytes(cfg.model.dtype)
+    ekw = ro.engine_kwargs
+    util = float(ekw.get("gpu_memory_utilization", 0.9))
+    max_len = int(ekw.get("max_model_len", prompt_tokens + cfg.grpo.max_new_tokens))
+    seq = min(max_len, prompt_tokens + cfg.grpo.max_new_tokens)
+    micro = int(ds.get("train_micro_batch_size_per_gpu", 1))
+    tokens = micro * seq
+    ckpt = bool(tr.gradient_checkpointing)
+    layer_act = 34 * tokens * h
+    acts = shape.layers * 2 * tokens * h + layer_act if ckpt else shape.layers * layer_act
+    logits = LOGIT_BYTES * tokens * v
+    buckets = 0 if stage in (0, 3) else 2 * (float(zero.get("reduce_bucket_size", 5e8))
+                                            + float(zero.get("allgather_bucket_size", 5e8)))
+    dev_states, host_states = model_states(p, shape.largest_module_params, stage, ranks, offload_opt,
+                                           offload_param)
+    region = util * device_bytes
+    weights = p * rdt
+    kv = region * (1 - ACTIVATION_SHARE) - weights
+    colocated = cfg.scheduler.layout == "colocate"
+
+    head = shape.eagle3_head(dr.draft_vocab_size)
+    trainable = head.total_params - head.lm_head_params - head.vocab_size * h  # fc, decoder layer, norms
+    draft = [Term("DraftTrainer", "head, gradient, Adam (fp32)", 16 * trainable),
+             Term("DraftTrainer", "draft LM head (fp32)", 4 * head.lm_head_params),
+             Term("DraftTrainer", "verifier embedding + LM head (fp32)", 2 * 4 * v * h),
+             Term("DraftTrainer", "CUDA context", CUDA_CONTEXT)]
+    draft_batch = [Term("DraftTrainer", "target logits (fp32 x2)", 8 * tokens * v)]
+
+    train_resident = [Term("Train rank", f"model states (ZeRO-{stage})", dev_states),
+                      Term("Train rank", "CUDA context", CUDA_CONTEXT)]
+    if buckets:
+        train_resident.append(Term("Train rank", "DeepSpeed buckets", buckets))
+    train_peak = [Term("Train rank", "activations" + (" (checkpointed)" if ckpt else ""), acts),
+                  Term("Train rank", "logits", logits)]
+    cached = [Term("Train rank", "torch cache (no empty_cache)", acts + logits)]
+    replica_awake = [Term("replica", "weights", weights), Term("replica", "activations", region * ACTIVATION_SHARE),
+                     Term("replica", "KV cache", kv), Term("replica", "CUDA context", CUDA_CONTEXT)]
+    replica_asleep = [Term("replica", "CUDA context", CUDA_CONTEXT)]
+    replica_refit = [Term("replica", "weights (woken)", weights), Term("replica", "CUDA context", CUDA_CONTEXT)]
+    transport = [Term("weight sync", "bucket", float(ro.weight_sync.packed_buffer_size_bytes))]
+
+    devices, layout_problems = [], []
+    total = gpus_per_node * nodes
+    if colocated:
+        with_draft = dr.enabled and dr.num_gpus > 0
+        phases = {"rollout": replica_awake + train_resident + cached,
+                  "policy update": replica_asleep + train_resident + train_peak,
+                  "draft training": replica_asleep + train_resident + cached,
+                  "refit": replica_refit + train_resident + cached + transport}
+        if with_draft:
+            devices.append(Device("GPU with the DraftTrainer", device_bytes, 1, {
+                ph: ts + draft + (draft_batch if ph == "draft training" else []) for ph, ts in phases.items()}))
+        devices.append(Device("GPU", device_bytes, total - int(with_draft), dict(phases)))
+    else:
+        replicas = ro.num_replicas
+        devices.append(Device("rollout GPU", device_bytes, replicas, {
+            "rollout": replica_awake, "policy update": replica_awake, "draft training": replica_awake,
+            "refit": replica_awake + transport}))
+        train = {"rollout": train_resident + cached, "policy update": train_resident + train_peak,
+                 "draft training": train_resident + cached, "refit": train_resident + cached + transport}
+        if dr.enabled and dr.num_gpus > 0:
+            devices.append(Device("train GPU with the DraftTrainer", device_bytes, 1, {
+                ph: ts + draft + (draft_batch if ph == "draft training" else []) for ph, ts in train.items()}))
+        devices.append(Device("train GPU", device_bytes, ranks - int(dr.enabled and dr.num_gpus > 0), train))
+        need = replicas * max(1, round(ro.num_gpus_per_replica)) + ranks
+        if need > total:
+            layout_problems.append(f"split layout: {replicas} replicas and {ranks} Train ranks need {need} "
+                                   f"devices, the cluster has {total}")
+
+    per_node_replicas = max(1, round(ro.num_replicas / nodes))
+    per_node_ranks = max(1, round(ranks / nodes))
+    host = [Term("Train workers", "policy loaded in fp32", per_node_ranks * 4 * p),
+            Term("Ray", "object store", float(cfg.ray.object_store_memory))]
+    if colocated:
+        host.append(Term("replicas", "asleep: weights (level 1)", per_node_replicas * weights))
+    if host_states:
+        host.append(Term("Train workers", "offloaded states", per_node_ranks * host_states))
+    notes = [f"{shape.name}: {p / 1e9:.2f}B parameters; a sequence of {seq} tokens ({prompt_tokens} prompt + "
+             f"{cfg.grpo.max_new_tokens} response, max_model_len {max_len}), micro-batch {micro}; "
+             f"vLLM {util:.2f} of each device; ZeRO-{stage} over {ranks} ranks"
+             + (", optimizer offloaded" if offload_opt else "")]
+    return MemoryPlan(devices, host, host_bytes, notes, layout_problems,
+                      min_util=weights / ((1 - ACTIVATION_SHARE) * device_bytes))
+
+
+# Knobs tried, in order, when a plan does not fit: each is a list of config
+# overrides, and the first few that make it fit are named.
+KNOBS: list[tuple[str, list[str]]] = [
+    ("ZeRO-3", ["train.deepspeed.zero_optimization.stage=3"]),
+    ("optimizer offload", ["train.deepspeed.zero_optimization.offload_optimizer.device=cpu"]),
+    ("ZeRO-3 + optimizer offload", ["train.deepspeed.zero_optimization.stage=3",
+                                    "train.deepspeed.zero_optimization.offload_optimizer.device=cpu"]),
+    ("activation checkpointing", ["train.gradient_checkpointing=true"]),
+    ("micro-batch 1", ["train.deepspeed.train_micro_batch_size_per_gpu=1"]),
+    ("vLLM 0.35 of a device", ["rollout.engine_kwargs.gpu_memory_utilization=0.35"]),
+]
+
+
+def fixes(config_path: Optional[str], overrides: list[str], shape: ModelShape, device: str,
+          gpus_per_node: int, nodes: int, **kw: Any) -> list[str]:
+    """The knobs of ``KNOBS`` (as override strings) that make a plan fit."""
+    from rayspec.config import ConfigError, load_config
+
+    out = []
+    for name, extra in KNOBS:
+        try:
+            cfg = load_config(config_path, [*overrides, *extra])
+            if not plan(cfg, shape, device, gpus_per_node, nodes, **kw).problems():
+                out.append(f"{name}: {' '.join(extra)}")
+        except (ConfigError, ValueError):
+            continue
+    return out
