@@ -40,13 +40,18 @@ check's FAIL, not the end of the run:
   draft's budget): greedy responses equal a plain engine's on the same (V1)
   runner, drafts at k = 8 longer than 2 tokens, at most 2 at k = 2, none at
   k = 0.
-- ``rl step colocate`` / ``rl step split``: one GRPO step of a tiny model
+- ``rl step colocate`` / ``rl step split``: two GRPO steps of a tiny model
   through the real job (Serve replica, Ray Train + DeepSpeed bf16, online
   EAGLE-3 draft training, refit), colocated on the GPU (replica 0.6, Train
   worker 0.3, DraftTrainer 0.1 of it) and split (the replica on the GPU,
   training on the node's CPUs: one GPU cannot be split); the peak GPU memory
   in use during each phase (device-wide, sampled every 20 ms, this process's
-  own CUDA context included).
+  own CUDA context included). Colocated, the replica sleeps at level 2 and
+  the Train rank offloads its states: step 2's rollout must sample the
+  refit weights (``token_mult_prob_error`` below the warning threshold).
+- ``memory``: those colocated peaks against the memory plan of the same
+  run (``rayspec.perfmodel.memory``): each phase's peak within the plan's
+  total plus ``MEMORY_SLACK``.
 
 The fp32 checks run Triton's fp32 dots in IEEE precision
 (``TRITON_F32_DEFAULT=ieee``): by default they use TF32, whose 10-bit
@@ -74,6 +79,9 @@ MIN_SYNC_GBPS = 1.0  # a refit's floor, host memory to a replica on one node
 CUDA_RUNNERS = ("vllm.v1.worker.gpu.model_runner.GPUModelRunner",  # V2
                 "vllm.v1.worker.gpu_model_runner.GPUModelRunner")  # V1, adaptive engines (VLLM_USE_V2_MODEL_RUNNER=0)
 V1_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+MEMORY_SLACK = 2 * 2**30  # this process's CUDA context and the trace's own, beyond the plan
+# the step's timer phases (rayspec.train.loop.rl_step) and the plan's
+PLAN_PHASES = {"rollout": "rollout", "policy": "policy update", "sync": "refit", "draft": "draft training"}
 GIB = 2**30
 
 
@@ -371,7 +379,7 @@ def check_rl_step(report: Report, models: dict[str, Path], work: Path, layout: s
               # one GPU cannot be split: the replica takes it, training the CPUs
               ["rollout.num_gpus_per_replica=1", "train.gpus_per_worker=0", "draft.num_gpus=0",
                "train.deepspeed.optimizer.params.torch_adam=true"])
-    cfg = load_config(None, [f"model.path={models['tiny']}", "trainer.steps=1", f"trainer.run_dir={run_dir}",
+    cfg = load_config(None, [f"model.path={models['tiny']}", "trainer.steps=2", f"trainer.run_dir={run_dir}",
                              "trainer.save_steps=1", "data.prompts_per_step=2", "grpo.max_new_tokens=32",
                              "train.num_workers=1", "train.cpus_per_worker=1", "rollout.num_cpus_per_replica=1",
                              "draft.num_cpus=1", "draft.steps_per_rl_step=2", f"scheduler.layout={layout}",
@@ -385,14 +393,33 @@ def check_rl_step(report: Report, models: dict[str, Path], work: Path, layout: s
     with MemoryTrace() as trace:
         run(cfg)
     wall = time.perf_counter() - t0
-    (rec,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first, rec = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     peaks = {phase: trace.peak(iv) for phase, iv in rec["phase_intervals"].items()}
-    ok = rec["step"] == 1 and rec["rollout_tokens"] > 0 and rec.get("draft_alive", 1) == 1
+    err = rec.get("token_mult_prob_error", float("nan"))
+    ok = (rec["step"] == 2 and rec["rollout_tokens"] > 0 and rec.get("draft_alive", 1) == 1
+          and err < cfg.logging.warn_token_mult_prob_error)
     report.add(f"rl step {layout}", ok,
-               f"{rec['time_step_s']:.1f} s step ({wall:.0f} s with start-up); peak GPU memory "
+               f"{rec['time_step_s']:.1f} s step 2 ({wall:.0f} s with start-up); peak GPU memory "
                + ", ".join(f"{p} {_gb(b)}" for p, b in peaks.items())
-               + f"; token_mult_prob_error {rec.get('token_mult_prob_error', float('nan')):.2e}",
-               step_s=rec["time_step_s"], peak_bytes=peaks)
+               + f"; step 2's token_mult_prob_error {err:.2e} (< {cfg.logging.warn_token_mult_prob_error:g})",
+               step_s=rec["time_step_s"], peak_bytes=peaks, token_mult_prob_error=err)
+    if layout == "colocate":
+        check_memory(report, cfg, models["tiny"], peaks)
+
+
+def check_memory(report: Report, cfg, model: Path, peaks: dict[str, int]) -> None:
+    """The measured peak per phase against the memory plan's total."""
+    import torch
+
+    from rayspec.perfmodel import ModelShape
+    from rayspec.perfmodel.memory import plan
+
+    (device,) = plan(cfg, ModelShape.from_hf_config(model), "h100", gpus_per_node=1,
+                     device_bytes=torch.cuda.get_device_properties(0).total_memory).devices[:1]
+    rows = [(PLAN_PHASES[p], b, device.used(PLAN_PHASES[p])) for p, b in peaks.items() if p in PLAN_PHASES]
+    ok = bool(rows) and all(b <= planned + MEMORY_SLACK for _, b, planned in rows)
+    report.add("memory", ok, "peak / plan: " + ", ".join(f"{p} {_gb(b)} / {_gb(planned)}" for p, b, planned in rows)
+               + f" (slack {_gb(MEMORY_SLACK)})", rows=rows)
 
 
 def _finish(report: Report, out: str, t0: float) -> int:

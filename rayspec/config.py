@@ -404,6 +404,11 @@ class RolloutConfig:
             exactly for a given seed, see docs/faults.md).
         adaptive_k: see AdaptiveKConfig.
         weight_sync: see WeightSyncConfig.
+        sleep_level: vLLM's sleep level for colocated GPU replicas while the
+            policy trains, where a policy refit ends the sleep: 2 drops the
+            weights the refit overwrites (the draft's own weights are kept),
+            1 copies them to host memory and back. The first sleep, before
+            the Train workers build their engines, is level 1.
     """
 
     num_replicas: int = 1
@@ -422,9 +427,11 @@ class RolloutConfig:
     engine_env: dict[str, str] = field(default_factory=dict)
     adaptive_k: AdaptiveKConfig = field(default_factory=AdaptiveKConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    sleep_level: int = 2
 
     def validate(self, key: str = "rollout") -> None:
         _check(self.num_replicas >= 1, f"{key}.num_replicas", self.num_replicas, "must be >= 1")
+        _check(self.sleep_level in (1, 2), f"{key}.sleep_level", self.sleep_level, "expected 1 or 2 (vLLM's levels)")
         for name in ("num_cpus_per_replica", "num_gpus_per_replica"):
             _check(getattr(self, name) >= 0, f"{key}.{name}", getattr(self, name), "must be >= 0")
         extra = self.engine_kwargs.get("additional_config")
@@ -471,6 +478,15 @@ class TrainConfig:
         gradient_checkpointing: recompute decoder layers in the backward
             (transformers' activation checkpointing; null: by platform, on
             for GPU workers, off on CPU).
+        offload_states: after each policy update's weights are gathered for
+            the refit, move the ZeRO optimizer's states (Adam moments, fp32
+            master weights, gradients, bf16 weights) to host memory and empty
+            torch's cache, and move them back before the next update
+            (DeepSpeed's ``offload_states`` / ``reload_states``), so colocated
+            replicas get the device back to wake into. null: on where GPU
+            Train workers are colocated. Needs ZeRO stage 1-3, and under
+            ZeRO-3 DeepSpeed's FusedAdam (``optimizer.params.torch_adam:
+            false``: DeepSpeed 0.19.8 asserts it).
     """
 
     num_workers: int = 2
@@ -480,6 +496,7 @@ class TrainConfig:
     deepspeed: dict[str, Any] = field(default_factory=_default_deepspeed)
     torch_threads_per_worker: Optional[int] = None
     gradient_checkpointing: Optional[bool] = None
+    offload_states: Optional[bool] = None
 
     def validate(self, key: str = "train") -> None:
         _check(self.num_workers >= 1, f"{key}.num_workers", self.num_workers, "must be >= 1")
@@ -505,6 +522,12 @@ class TrainConfig:
         lr = params.get("lr")
         _check(lr is None or (_is_number(lr) and lr > 0), f"{key}.deepspeed.optimizer.params.lr", lr,
                "must be a number > 0")
+        if self.offload_states:
+            _check(stage in (1, 2, 3), f"{key}.offload_states", True,
+                   f"needs a ZeRO optimizer (zero_optimization.stage 1-3, not {stage})")
+            _check(not (stage == 3 and params.get("torch_adam")), f"{key}.offload_states", True,
+                   "under ZeRO-3 needs DeepSpeed's FusedAdam: set deepspeed.optimizer.params.torch_adam=false "
+                   "(DeepSpeed 0.19.8's stage-3 offload_states asserts it), or offload_states=false")
 
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # verl's names
@@ -1040,6 +1063,8 @@ def apply_defaults(cfg: dict[str, Any]) -> None:
         their updates took as long or less (docs/benchmarks.md, "ZeRO-2's
         bucket sizes on CPU workers").
       - ``gradient_checkpointing``: GPU true, CPU false.
+      - ``offload_states``: true for GPU workers colocated with the
+        replicas (where the ZeRO stage and optimizer allow it), else false.
       - ``torch_threads_per_worker``: CPU 1 (colocated roles share the
         cores); GPU left to torch.
 
@@ -1081,6 +1106,10 @@ def apply_defaults(cfg: dict[str, Any]) -> None:
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             _default(zero, key, CPU_ZERO_BUCKET_SIZE)
     _default(train, "gradient_checkpointing", train_gpu)
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    torch_adam = isinstance(opt, dict) and isinstance(opt.get("params"), dict) and opt["params"].get("torch_adam")
+    _default(train, "offload_states", bool(train_gpu and cfg["scheduler"]["layout"] == "colocate"
+                                           and stage in (1, 2, 3) and not (stage == 3 and torch_adam)))
     if not train_gpu:
         _default(train, "torch_threads_per_worker", 1)
 

@@ -116,6 +116,14 @@ def test_cpu_roles_keep_the_cpu_defaults_and_gpu_roles_get_the_gpu_ones():
     split = load_config(DEFAULT, ["scheduler.layout=split", "rollout.num_gpus_per_replica=1",
                                   "train.gpus_per_worker=1"])
     assert split.rollout.engine_kwargs["gpu_memory_utilization"] == GPU_MEMORY_UTILIZATION["split"]
+    # colocated GPU ranks give their states back while the replicas run; ZeRO-3 only with FusedAdam
+    assert gpu.train.offload_states is True and split.train.offload_states is False
+    assert cpu.train.offload_states is False and cpu.rollout.sleep_level == 2
+    assert load_config(DEFAULT, gpus + ["train.deepspeed.zero_optimization.stage=3"]).train.offload_states is False
+    assert load_config(DEFAULT, gpus + ["train.deepspeed.zero_optimization.stage=3",
+                                        "train.deepspeed.optimizer.params.torch_adam=false"]).train.offload_states
+    with pytest.raises(ConfigError, match=r"rollout\.sleep_level=3"):
+        load_config(DEFAULT, ["rollout.sleep_level=3"])
 
     # what the user sets stays, on either platform
     mine = load_config(DEFAULT, gpus + ["rollout.engine_kwargs.enforce_eager=true",

@@ -66,3 +66,22 @@ def test_a_new_driver_without_cuda_torch_fails_on_the_cuda_line(tmp_path, monkey
     assert checks["driver"]["ok"] and checks["compilers"]["ok"]  # this machine has gcc, g++ and Python.h
     assert not checks["cuda"]["ok"] and "+cpu" in checks["cuda"]["detail"]
     assert "PASS  driver" in capsys.readouterr().out
+
+
+def test_memory_line_sets_measured_peaks_against_the_plan(tiny_llama_dir, monkeypatch):
+    import torch
+
+    from rayspec.config import load_config
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 2**30}))
+    cfg = load_config(None, [f"model.path={tiny_llama_dir}", "train.num_workers=1", "rollout.num_gpus_per_replica=0.6",
+                             "train.gpus_per_worker=0.3", "draft.num_gpus=0.1"])
+    report = gpu_smoke.Report()
+    gib = 2**30
+    gpu_smoke.check_memory(report, cfg, tiny_llama_dir, {"rollout": 30 * gib, "policy": 4 * gib, "gather": gib})
+    (line,) = report.checks
+    assert line["ok"] and [r[0] for r in line["rows"]] == ["rollout", "policy update"]  # gather: inside sync
+    planned = dict((p, plan) for p, _, plan in line["rows"])
+    assert 0.45 * 80 * gib < planned["rollout"] < 0.5 * 80 * gib  # vLLM's region, and the contexts
+    gpu_smoke.check_memory(report, cfg, tiny_llama_dir, {"rollout": 45 * gib})
+    assert not report.checks[-1]["ok"] and "rollout 45.0 GiB" in report.checks[-1]["detail"]

@@ -70,7 +70,7 @@ def test_a_sleeping_replica_wakes_only_its_weights_for_a_refit(tmp_path):
 
     eng = object.__new__(SpecVLLMEngine)
     eng.__dict__.update(llm=LLM(), sleep_mode=True, _asleep=set(), _lock=threading.Lock(), _busy=[],
-                        _busy_since=None, adaptive=None, policy_version=0)
+                        _busy_since=None, adaptive=None, policy_version=0, _discarded=False)
     eng.object_store = ObjectStoreReceiver(eng)
     assert eng.sleep() and eng.sleep()  # sleeping twice releases once
     eng.receive_refit("policy", {"w": torch.zeros(2)}, version=1)
@@ -78,6 +78,50 @@ def test_a_sleeping_replica_wakes_only_its_weights_for_a_refit(tmp_path):
     eng._wake()
     assert calls == [("sleep", 1), ("wake_up", ["weights"]), ("rayspec_load",),
                      ("reset_prefix_cache",), ("wake_up", None)]
+    eng.__dict__.pop("llm")
+
+
+def test_after_a_level_2_sleep_a_replica_generates_only_once_a_policy_refit_landed():
+    """Level 2 discards the weights the next policy refit overwrites: until
+    it lands (a draft refit is not enough) the engine refuses to generate
+    rather than sample from freed memory."""
+    import threading
+
+    from rayspec.rollout.engine import SpecVLLMEngine
+
+    calls = []
+
+    class LLM:
+        def sleep(self, level):
+            calls.append(("sleep", level))
+
+        def wake_up(self, tags=None):
+            calls.append(("wake_up", tags))
+
+        def collective_rpc(self, method, args=()):
+            calls.append((method,))
+
+        def reset_prefix_cache(self):
+            pass
+
+    eng = object.__new__(SpecVLLMEngine)
+    eng.__dict__.update(llm=LLM(), sleep_mode=True, _asleep=set(), _lock=threading.Lock(), _busy=[],
+                        _busy_since=None, adaptive=None, policy_version=3, draft_version=3, _discarded=False,
+                        replica_id="r0")
+    eng.object_store = ObjectStoreReceiver(eng)
+    with pytest.raises(ValueError, match="sleep level 3"):
+        eng.sleep(3)
+    assert eng.sleep(2)
+    with pytest.raises(RuntimeError, match="replica r0: .*level-2 sleep with no policy refit since"):
+        eng._wake()
+    eng.receive_refit("draft", {"w": torch.zeros(2)}, version=4)
+    with pytest.raises(RuntimeError, match="level-2 sleep"):
+        eng._wake()
+    eng.receive_refit("policy", {"w": torch.zeros(2)}, version=4)
+    eng._wake()
+    assert calls[0] == ("sleep", 2) and calls[-1] == ("wake_up", None)
+    assert eng.sleep(1)  # level 1 keeps the weights: generating needs no refit
+    eng._wake()
     eng.__dict__.pop("llm")
 
 
@@ -238,3 +282,46 @@ def test_draft_refit_leaves_the_verifier_alone(spec_engine, tiny_llama_dir):
                             t["input_ids"])
     m = t["response_mask"].bool()
     assert (lp[m] - t["rollout_logprobs"][m]).abs().max() < 1e-3
+
+
+def test_offloaded_states_train_exactly_as_resident_ones(tiny_llama_dir, single_rank_group):
+    """``train.offload_states``: after each gather for the refit a rank moves
+    DeepSpeed's states to host memory (``offload_states``), and brings them
+    back before the next read (``reload_states``). On a CPU the move is
+    host to host, the same DeepSpeed code path as from a GPU: three updates
+    with a release between them train bit-identically to three without."""
+    from rayspec.batch import RolloutBatch
+    from rayspec.train.policy import PolicyWorker
+    from rayspec.train.ranks import Ranks
+
+    tok = load_tokenizer(tiny_llama_dir)
+    workers = []
+    for offload in (False, True):
+        cfg = load_config(None, ["data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1",
+                                 "train.deepspeed.optimizer.params.lr=0.01", "model.dtype=float32",
+                                 f"train.offload_states={str(offload).lower()}"])
+        torch.manual_seed(0)
+        engine = build_engine(load_policy(tiny_llama_dir), deepspeed_config(cfg, world_size=1))
+        workers.append(PolicyWorker(engine, cfg, Ranks(), tok.pad_token_id, torch.float32))
+    prompts = [tok.encode("What is 7 plus 5?"), tok.encode("Say a number:")]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        responses = [torch.randint(0, 1000, (6,), generator=g).tolist() for _ in range(4)]
+        batch = RolloutBatch([prompts[i // 2] for i in range(4)], responses, [[-1.0] * 6 for _ in range(4)],
+                             [i // 2 for i in range(4)], rewards=[1.0, 0.0, 0.0, 1.0])
+        batch.advantages = group_advantages(batch.rewards, batch.group)
+        for w in workers:
+            w.update(batch)
+            sd = w.full_state_dict()
+            w.release()
+            assert w.offloaded == w.cfg.train.offload_states
+        resident, offloaded = workers
+        assert offloaded.engine.optimizer.offloaded_states  # DeepSpeed's own record of what it moved
+        assert all(torch.equal(sd[k], v) for k, v in resident.full_state_dict().items())
+    offloaded.full_state_dict()
+    assert not offloaded.offloaded and not offloaded.engine.optimizer.offloaded_states  # read: reloaded first
+    with pytest.raises(Exception, match="train.offload_states"):
+        load_config(None, ["train.offload_states=true", "train.deepspeed.zero_optimization.stage=0"])
+    with pytest.raises(Exception, match="torch_adam=false"):
+        load_config(None, ["train.offload_states=true", "train.deepspeed.zero_optimization.stage=3",
+                           "train.deepspeed.optimizer.params.torch_adam=true"])

@@ -227,6 +227,44 @@ def _place(plan, storage):
 
 
 @pytest.mark.slow
+def _qwen3_8b_dir(tmp_path: Path) -> Path:
+    from transformers import AutoConfig
+
+    from rayspec.perfmodel.shapes import PRESETS
+
+    fields = dict(PRESETS["qwen3-8b"])
+    AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(tmp_path / "qwen3-8b")
+    return tmp_path / "qwen3-8b"
+
+
+def test_the_driver_checks_the_memory_plan_on_the_clusters_devices(tmp_path):
+    """Before any role starts, the run's memory plan on the cluster's own GPU
+    memory: refused where a device overflows, naming it and what to run to
+    see the knobs; not checked where nvidia-smi cannot read the memory."""
+    from rayspec.scheduler.driver import check_device_memory
+
+    model = _qwen3_8b_dir(tmp_path)
+    preset = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "gpu.yaml"
+    h100 = {n.node_id: 81559 * 2**20 for n in TWO_GPU_NODES}
+    cfg = load_config(preset, ["rollout.num_replicas=16", "train.num_workers=16"])
+    plan = check_device_memory(cfg, str(model), TWO_GPU_NODES, h100)
+    assert plan is not None and plan.devices[1].count == 15  # 2 nodes x 8, one with the DraftTrainer
+    resident = load_config(preset, ["rollout.num_replicas=16", "train.num_workers=16", "train.offload_states=false",
+                                    "train.deepspeed.zero_optimization.stage=1"])
+    with pytest.raises(ClusterFitError, match=r"(?s)GPU with the DraftTrainer, rollout: .*model states \(ZeRO-1\)"
+                                              r".*python -m jobs.project_memory"):
+        check_device_memory(resident, str(model), TWO_GPU_NODES, h100)
+    assert check_device_memory(resident, str(model), TWO_GPU_NODES, {TWO_GPU_NODES[0].node_id: 81559 * 2**20}) is None
+    assert check_device_memory(load_config(None, []), str(model), ONE_NODE) is None  # CPU roles: nothing to plan
+
+
+def test_simulated_gpus_report_no_memory_so_the_plan_is_not_checked(gpu_cluster):
+    from rayspec.scheduler.placement import cluster_nodes, gpu_memory_by_node
+
+    nodes = cluster_nodes()
+    assert gpu_memory_by_node(nodes) == {n.node_id: None for n in nodes}  # no nvidia-smi on any node here
+
+
 def test_simulated_gpu_nodes_hold_what_the_layout_promises(gpu_cluster, tmp_path):
     """Colocated on 1 node x 4 GPUs and on 2 nodes x 2 GPUs, each device
     holds exactly one replica and one Train rank (the DraftTrainer joins one

@@ -59,8 +59,8 @@ class FakeEngine:
         stats.replicas = {self.replica_id: SpecStats(**{**stats.__dict__, "replicas": {}})}
         return batch, stats
 
-    def sleep(self):
-        self.calls.append(("sleep",))
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
         return False
 
     def receive_refit(self, target, weights, version):
@@ -103,6 +103,9 @@ class FakePolicy:
 
     def full_state_dict(self):
         return {"w": torch.full((2,), float(self.version))}
+
+    def release(self):
+        self.calls.append(("release",))
 
     def output_weights(self):
         return {"embed": torch.zeros(1)}
@@ -178,11 +181,12 @@ def test_steps_run_their_phases_in_order_with_the_draft_beside_the_policy(ray_se
     # evaluation of version 0, then per step: rollout, sleep (colocated), update with features,
     # the policy refit, the draft refit; evaluations of versions 2 and 3 after their refits
     kinds = [c[0] if c[0] != "refit" else f"refit {c[1]} v{c[2]}" for c in calls]
-    step = ["generate", "sleep", "update", "refit policy v{}", "refit draft v{}"]
+    step = ["generate", "sleep", "update", "release", "refit policy v{}", "refit draft v{}"]
     want = ["generate"] * 2 + [p.format(1) for p in step] + [p.format(2) for p in step] + ["generate"] * 2 + \
         ["checkpoint"] + [p.format(3) for p in step] + ["generate"] * 2 + ["checkpoint"]
     assert [k for k in kinds if k != "report"] == want
     assert ("report", 1) in calls and ("report", 3) not in calls  # step 3 (the last) checkpoints instead
+    assert {c for c in calls if c[0] == "sleep"} == {("sleep", 2)}  # a policy refit ends each sleep
     # each rollout samples the newest policy and draft, and carries the draft's estimate from step 2 on
     rollouts = [c for c in calls if c[0] == "generate"]
     assert [c[1:] for c in rollouts if c[3]] == [(1, 1, True), (2, 2, True)]

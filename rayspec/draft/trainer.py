@@ -226,6 +226,8 @@ class DraftTrainer:
         """
         result = self._train(verifier_ref, steps, expect, timeout_s)
         trim_host_heap()  # here, once _train's locals (fp32 verifier copies, activations) are freed
+        if self.device.type == "cuda":  # and their device memory, before colocated replicas wake
+            torch.cuda.empty_cache()
         return result
 
     def _train(self, verifier_ref, steps: int, expect: int | None, timeout_s: float) -> dict[str, Any]:

@@ -25,26 +25,28 @@ the accounting and its sources:
   input, and one layer's 34 are live during its recompute. The LM head's
   logits, s * b * V, at 10 bytes each: the bf16 logits, their fp32 copy and
   its log-softmax for the token log-probabilities (``train.grpo.token_logprobs``).
-- **Torch's cache**: nothing calls ``torch.cuda.empty_cache()``, so memory
-  a Train rank freed after its update (activations, logits) stays reserved
-  by its caching allocator while the replicas roll out.
+- **After the update** (``PolicyWorker.release``, once the weights are
+  gathered for the refit): with ``train.offload_states`` the model states
+  go to pinned host memory (DeepSpeed's ``offload_states``), else they stay
+  and torch's cache is emptied; either way the update's activations and
+  logits are given back before the replicas wake.
 - **vLLM**: a replica owns ``gpu_memory_utilization`` x the device's
   memory while awake (weights, activations, KV cache: ``vllm/worker/
-  gpu_worker.py``'s profile); asleep (level 1) it keeps nothing on the
-  device and its weights in pinned host memory; a refit wakes the weights
-  only. The KV cache gets what remains after the weights and
-  ``ACTIVATION_SHARE`` of the region.
+  gpu_worker.py``'s profile); asleep it keeps nothing on the device (level
+  1 keeps its weights in pinned host memory, level 2 drops them); a refit
+  wakes the weights only. The KV cache gets what remains after the weights
+  and ``ACTIVATION_SHARE`` of the region.
 - **DraftTrainer**: the head's trainable weights at 16 bytes a parameter
-  (fp32 weight, gradient, two Adam moments), its LM head over the draft
-  vocabulary, and the verifier's embedding and LM head as fp32 copies
-  (``rayspec/draft/trainer.py``), plus the target logits of a batch
-  (tokens x V, fp32, twice: logits and softmax).
+  (fp32 weight, gradient, two Adam moments) and its LM head over the draft
+  vocabulary; while it trains (during the policy update and after the
+  refit) also the verifier's embedding and LM head as fp32 copies
+  (``rayspec/draft/trainer.py``) and the target logits of a batch
+  (tokens x V, fp32, twice: logits and softmax), given back after.
 - **Per process**: ``CUDA_CONTEXT`` (CUDA context, cuBLAS workspace, NCCL's
   buffers).
 
-These are what the code does today; the colocated 8B case does not fit on
-80 GB devices, which is what issue 52's item 4 (offload, empty_cache,
-sleep level 2, a leaner DraftTrainer) fixes.
+Host memory is summed as if everything were held at once (the fp32 load
+at start is over before states are offloaded): an upper bound.
 """
 
 from __future__ import annotations
@@ -254,19 +256,22 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
 
     head = shape.eagle3_head(dr.draft_vocab_size)
     trainable = head.total_params - head.lm_head_params - head.vocab_size * h  # fc, decoder layer, norms
-    draft = [Term("DraftTrainer", "head, gradient, Adam (fp32)", 16 * trainable),
-             Term("DraftTrainer", "draft LM head (fp32)", 4 * head.lm_head_params),
-             Term("DraftTrainer", "verifier embedding + LM head (fp32)", 2 * 4 * v * h),
-             Term("DraftTrainer", "CUDA context", CUDA_CONTEXT)]
-    draft_batch = [Term("DraftTrainer", "target logits (fp32 x2)", 8 * tokens * v)]
+    draft_resident = [Term("DraftTrainer", "head, gradient, Adam (fp32)", 16 * trainable),
+                      Term("DraftTrainer", "draft LM head (fp32)", 4 * head.lm_head_params),
+                      Term("DraftTrainer", "CUDA context", CUDA_CONTEXT)]
+    # _train's locals, freed with torch's cache when it returns
+    draft_training = [Term("DraftTrainer", "verifier embedding + LM head (fp32)", 2 * 4 * v * h),
+                      Term("DraftTrainer", "target logits (fp32 x2)", 8 * tokens * v)]
 
+    offload = bool(tr.offload_states)
     train_resident = [Term("Train rank", f"model states (ZeRO-{stage})", dev_states),
                       Term("Train rank", "CUDA context", CUDA_CONTEXT)]
     if buckets:
         train_resident.append(Term("Train rank", "DeepSpeed buckets", buckets))
     train_peak = [Term("Train rank", "activations" + (" (checkpointed)" if ckpt else ""), acts),
                   Term("Train rank", "logits", logits)]
-    cached = [Term("Train rank", "torch cache (no empty_cache)", acts + logits)]
+    # after the gather for the refit (PolicyWorker.release): offload_states, or torch's cache emptied
+    train_released = [Term("Train rank", "CUDA context", CUDA_CONTEXT)] if offload else train_resident
     replica_awake = [Term("replica", "weights", weights), Term("replica", "activations", region * ACTIVATION_SHARE),
                      Term("replica", "KV cache", kv), Term("replica", "CUDA context", CUDA_CONTEXT)]
     replica_asleep = [Term("replica", "CUDA context", CUDA_CONTEXT)]
@@ -275,40 +280,41 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
 
     devices, layout_problems = [], []
     total = gpus_per_node * nodes
+    with_draft = dr.enabled and dr.num_gpus > 0
+    # The DraftTrainer trains on each micro-batch's features as the update
+    # makes them, and on after the refit (rayspec.train.loop.rl_step).
     if colocated:
-        with_draft = dr.enabled and dr.num_gpus > 0
-        phases = {"rollout": replica_awake + train_resident + cached,
+        phases = {"rollout": replica_awake + train_released,
                   "policy update": replica_asleep + train_resident + train_peak,
-                  "draft training": replica_asleep + train_resident + cached,
-                  "refit": replica_refit + train_resident + cached + transport}
-        if with_draft:
-            devices.append(Device("GPU with the DraftTrainer", device_bytes, 1, {
-                ph: ts + draft + (draft_batch if ph == "draft training" else []) for ph, ts in phases.items()}))
-        devices.append(Device("GPU", device_bytes, total - int(with_draft), dict(phases)))
+                  "draft training": replica_refit + train_released,
+                  "refit": replica_refit + train_released + transport}
     else:
         replicas = ro.num_replicas
         devices.append(Device("rollout GPU", device_bytes, replicas, {
             "rollout": replica_awake, "policy update": replica_awake, "draft training": replica_awake,
             "refit": replica_awake + transport}))
-        train = {"rollout": train_resident + cached, "policy update": train_resident + train_peak,
-                 "draft training": train_resident + cached, "refit": train_resident + cached + transport}
-        if dr.enabled and dr.num_gpus > 0:
-            devices.append(Device("train GPU with the DraftTrainer", device_bytes, 1, {
-                ph: ts + draft + (draft_batch if ph == "draft training" else []) for ph, ts in train.items()}))
-        devices.append(Device("train GPU", device_bytes, ranks - int(dr.enabled and dr.num_gpus > 0), train))
+        phases = {"rollout": train_released, "policy update": train_resident + train_peak,
+                  "draft training": train_released, "refit": train_released + transport}
         need = replicas * max(1, round(ro.num_gpus_per_replica)) + ranks
         if need > total:
             layout_problems.append(f"split layout: {replicas} replicas and {ranks} Train ranks need {need} "
                                    f"devices, the cluster has {total}")
+    name = "GPU" if colocated else "train GPU"
+    if with_draft:
+        devices.append(Device(f"{name} with the DraftTrainer", device_bytes, 1, {
+            ph: ts + draft_resident + (draft_training if ph in ("policy update", "draft training") else [])
+            for ph, ts in phases.items()}))
+    devices.append(Device(name, device_bytes, (total if colocated else ranks) - int(with_draft), phases))
 
     per_node_replicas = max(1, round(ro.num_replicas / nodes))
     per_node_ranks = max(1, round(ranks / nodes))
-    host = [Term("Train workers", "policy loaded in fp32", per_node_ranks * 4 * p),
+    host = [Term("Train workers", "policy loaded in fp32 (start)", per_node_ranks * 4 * p),
             Term("Ray", "object store", float(cfg.ray.object_store_memory))]
-    if colocated:
+    if colocated and ro.sleep_level == 1:
         host.append(Term("replicas", "asleep: weights (level 1)", per_node_replicas * weights))
-    if host_states:
-        host.append(Term("Train workers", "offloaded states", per_node_ranks * host_states))
+    if host_states or offload:
+        host.append(Term("Train workers", "states in host memory",
+                         per_node_ranks * (host_states + (dev_states if offload else 0))))
     notes = [f"{shape.name}: {p / 1e9:.2f}B parameters; a sequence of {seq} tokens ({prompt_tokens} prompt + "
              f"{cfg.grpo.max_new_tokens} response, max_model_len {max_len}), micro-batch {micro}; "
              f"vLLM {util:.2f} of each device; ZeRO-{stage} over {ranks} ranks"
@@ -320,6 +326,7 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
 # Knobs tried, in order, when a plan does not fit: each is a list of config
 # overrides, and the first few that make it fit are named.
 KNOBS: list[tuple[str, list[str]]] = [
+    ("states offloaded between updates", ["train.offload_states=true"]),
     ("ZeRO-3", ["train.deepspeed.zero_optimization.stage=3"]),
     ("optimizer offload", ["train.deepspeed.zero_optimization.offload_optimizer.device=cpu"]),
     ("ZeRO-3 + optimizer offload", ["train.deepspeed.zero_optimization.stage=3",

@@ -140,9 +140,10 @@ class RolloutClient:
         ``results()`` waits for them."""
         return self.handle.broadcast(method.__name__, *args)
 
-    def sleep(self) -> list[bool]:
-        """Every replica releases its memory (``SpecVLLMEngine.sleep``); False where it cannot."""
-        return self._broadcast(SpecVLLMEngine.sleep).results()
+    def sleep(self, level: int = 1) -> list[bool]:
+        """Every replica releases its memory (``SpecVLLMEngine.sleep`` at
+        ``level``); False where it cannot."""
+        return self._broadcast(SpecVLLMEngine.sleep, level).results()
 
     def versions(self) -> list[dict[str, int]]:
         """Each replica's {"policy", "draft"} weight versions."""

@@ -283,6 +283,12 @@ class SpecVLLMEngine:
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode")) and current_platform.is_sleep_mode_available()
         if not self.sleep_mode:
             kwargs.pop("enable_sleep_mode", None)
+        elif spec is not None:
+            # level 2 discards the weights a policy refit overwrites; the draft's
+            # own weights, which it does not, vLLM keeps on the host (vLLM 0.32's
+            # ModelConfig.sleep_preserve_parameter_names; "draft.*": all of them)
+            kwargs.setdefault("sleep_preserve_parameter_names", ["draft.*"])
+        self._discarded = False  # a level-2 sleep dropped the weights; a policy refit restores them
         self.replica_id = _replica_id()
         self._lock = threading.Lock()
         self._busy: list[tuple[float, float]] = []  # (start, end) epoch seconds of engine work
@@ -624,16 +630,27 @@ class SpecVLLMEngine:
 
     def sleep(self, level: int = 1) -> bool:
         """Release the engine's memory while the policy trains on the same
-        devices (vLLM sleep mode; level 1 offloads the weights to host
-        memory and drops the KV cache). Returns False where the platform has
-        no sleep mode (CPU): there the colocated roles only take turns on the
-        cores."""
+        devices (vLLM sleep mode): level 1 offloads the weights to pinned
+        host memory and drops the KV cache; level 2 drops both, keeping
+        only the draft's own weights on the host (``draft.*``): for a sleep
+        that a policy refit ends, which overwrites every verifier weight
+        anyway (no 2 bytes a parameter copied to the host and back, and no
+        host memory held). Until that refit lands, the engine refuses to
+        generate. Returns False where the platform has no sleep mode (CPU):
+        there the colocated roles only take turns on the cores.
+
+        Raises:
+            ValueError: a level other than 1 or 2.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: vLLM's are 1 and 2")
         if not self.sleep_mode:
             return False
         with self._busy_section():
             if not self._asleep:
                 self.llm.sleep(level=level)
                 self._asleep = {"weights", "kv_cache"}
+                self._discarded = level == 2
         return True
 
     def _wake(self, tags: Optional[tuple[str, ...]] = None) -> None:
@@ -642,6 +659,9 @@ class SpecVLLMEngine:
         released beside the trainer's memory), or everything (None, before
         generating: vLLM wants every tag awake before it runs)."""
         want = set(self._asleep) if tags is None else self._asleep & set(tags)
+        if tags is None and self._discarded:
+            raise RuntimeError(f"replica {self.replica_id}: asked to generate after a level-2 sleep with no policy "
+                               f"refit since (its weights were discarded; policy version {self.policy_version})")
         if want:
             self.llm.wake_up(None if want == self._asleep else sorted(want))
             self._asleep -= want
@@ -679,6 +699,7 @@ class SpecVLLMEngine:
         if target == "policy":
             self.llm.reset_prefix_cache()
             self.policy_version = version
+            self._discarded = False
         else:
             self.draft_version = version
         # the rates were the old draft's; an n-gram or suffix draft is the policy's own text

@@ -28,7 +28,7 @@ from rayspec.data import load_problems, train_and_heldout
 from rayspec.models import check_draft_matches_policy, load_policy, resolve_model_path
 from rayspec.models.acceptance import ACCEPTANCE_FILE, read_acceptance
 from rayspec.rollout.vllm import require_vllm
-from rayspec.scheduler.placement import cluster_nodes, plan_placement
+from rayspec.scheduler.placement import ClusterFitError, NodeInfo, cluster_nodes, gpu_memory_by_node, plan_placement
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,52 @@ def check_inputs(cfg: RunConfig) -> str:
     return str(model_dir)
 
 
+def check_device_memory(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
+                        device_bytes: dict[str, int | None] | None = None):
+    """The memory plan (``rayspec.perfmodel.memory``) of a run whose roles
+    have GPUs, on the cluster's own devices, before any role starts; the
+    plan of its smallest device's memory. Host memory is not checked here
+    (the plan's host sum is an upper bound): ``jobs.project_memory`` shows it.
+
+    Args:
+        device_bytes: {node id: bytes of its smallest GPU, or None where
+            unknown}; default: read on each GPU node (``gpu_memory_by_node``).
+
+    Returns:
+        The plan, or None (CPU roles, or a GPU whose memory nvidia-smi
+        cannot read: a simulated one; logged).
+
+    Raises:
+        ClusterFitError: a device and phase that overflow, with what holds
+            the most, and the command that lists the knobs that would fit.
+    """
+    from rayspec.perfmodel import ModelShape
+    from rayspec.perfmodel.memory import plan
+
+    if cfg.rollout.num_gpus_per_replica <= 0 or cfg.train.gpus_per_worker <= 0:
+        return None
+    gpu_nodes = [n for n in nodes if n.gpus > 0]
+    if device_bytes is None:
+        device_bytes = gpu_memory_by_node(gpu_nodes)
+    known = [device_bytes.get(n.node_id) for n in gpu_nodes]
+    if not gpu_nodes or None in known:
+        log.warning("memory plan not checked: nvidia-smi gave no GPU memory on node(s) %s",
+                    [n.node_id[:8] for n, b in zip(gpu_nodes, known) if b is None])
+        return None
+    result = plan(cfg, ModelShape.from_hf_config(model_dir), "", gpus_per_node=int(max(n.gpus for n in gpu_nodes)),
+                  nodes=len(gpu_nodes), device_bytes=min(known), host_bytes=float("inf"))
+    problems = result.problems()
+    if problems:
+        raise ClusterFitError("the memory plan does not fit this cluster's GPUs:\n  " + "\n  ".join(problems)
+                              + "\n(python -m jobs.project_memory <the same preset and overrides> --model "
+                              "<model.path> --hardware <h100|h200|gb200> --gpus N prints the plan and the "
+                              "knobs that would fit)")
+    log.info("memory plan: fits (%s)", "; ".join(
+        f"{d.name} peak {max(d.used(p) for p in result.PHASES) / 2**30:.1f} of {d.capacity / 2**30:.1f} GiB"
+        for d in result.devices if d.count))
+    return result
+
+
 def check_reward_functions(reward, columns: set[str]) -> None:
     """Import each of ``reward.functions`` here, on the driver, and check its
     signature against the dataset's ``columns`` (TRL's form), before
@@ -294,7 +340,9 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     model_dir = check_inputs(cfg)
     check_run_dir(cfg)
     init_ray(cfg)
-    plan = plan_placement(cfg, cluster_nodes())
+    nodes = cluster_nodes()
+    plan = plan_placement(cfg, nodes)
+    check_device_memory(cfg, model_dir, nodes)
     log.info("scheduler mode %s%s; %s", cfg.scheduler.mode,
              f" (max_policy_lag {cfg.scheduler.max_policy_lag})" if cfg.scheduler.mode == "async" else "",
              plan.describe())

@@ -62,6 +62,21 @@ def driver_version(nvidia_smi: Optional[str] = None) -> Optional[str]:
     return lines[0].strip()
 
 
+def gpu_memory(nvidia_smi: Optional[str] = None) -> Optional[list[int]]:
+    """Each visible GPU's total memory in bytes (``nvidia-smi``'s
+    ``memory.total``, MiB), or None where there is no ``nvidia-smi`` or it
+    fails (a simulated GPU of a test cluster, a broken driver)."""
+    exe = nvidia_smi or shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    r = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True, timeout=60)
+    try:
+        return [int(float(x)) * 2**20 for x in r.stdout.split()] if r.returncode == 0 else None
+    except ValueError:
+        return None
+
+
 def _compat_libcuda() -> Optional[str]:
     """A CUDA 13 forward-compatibility ``libcuda`` on ``LD_LIBRARY_PATH``."""
     dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]

@@ -178,11 +178,13 @@ class Coordinator:
         rollout.batch.advantages = group_advantages(rollout.batch.rewards, rollout.batch.group,
                                                     norm_by_std=self.cfg.grpo.norm_adv_by_std)
 
-    def release_replicas(self) -> None:
-        """Colocated: replicas free their memory while the policy trains."""
+    def release_replicas(self, refit_next: bool = True) -> None:
+        """Colocated: replicas free their memory while the policy trains, at
+        ``rollout.sleep_level`` where a policy refit ends the sleep
+        (``refit_next``), else at level 1 (the weights kept)."""
         if self.cfg.scheduler.layout != "colocate":
             return
-        slept = self.rollouts.sleep()
+        slept = self.rollouts.sleep(self.cfg.rollout.sleep_level if refit_next else 1)
         if not self.sleep_reported:
             self.sleep_reported = True
             log.info("colocate: %s", "replicas sleep (vLLM sleep mode) while the policy trains"
@@ -305,7 +307,7 @@ class Follower:
     def advantages(self, rollout) -> None:
         pass
 
-    def release_replicas(self) -> None:
+    def release_replicas(self, refit_next: bool = True) -> None:
         pass
 
     def refit(self, target: str, weights, version: int) -> None:

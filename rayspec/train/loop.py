@@ -53,6 +53,7 @@ def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: Poli
     with timer("sync"):
         with timer("gather"):
             weights = policy.full_state_dict()
+            policy.release()  # colocated: the device back before the replicas wake for the refit
         coord.refit("policy", weights, version + 1)
         del weights
     with timer("draft"):
@@ -119,7 +120,7 @@ def rl_worker_loop(config: dict) -> None:
     draft = open_draft(cfg, ranks, config["aux_layer_ids"], config.get("draft_prior"))
     coord = Coordinator.start(cfg, tokenizer, device, lambda: draft.acceptance) if ranks.is_driver \
         else Follower()
-    coord.release_replicas()  # before DeepSpeed allocates on their devices (the ranks wait below)
+    coord.release_replicas(refit_next=False)  # before DeepSpeed allocates on their devices (the ranks wait below)
     check_devices(cfg, coord, draft, ranks, gpu_index)
     model = load_policy(config["model_dir"], torch.float32)
     if cfg.train.gradient_checkpointing:  # the EAGLE-3 capture hooks are gone before the recompute

@@ -178,6 +178,30 @@ class PolicyWorker:
     def __init__(self, engine, cfg, ranks, pad_id: int, serve_dtype: torch.dtype, ref_model=None):
         self.engine, self.cfg, self.ranks = engine, cfg, ranks
         self.pad_id, self.serve_dtype, self.ref_model = pad_id, serve_dtype, ref_model
+        self.offloaded = False  # DeepSpeed's states in host memory (``release``)
+
+    def release(self) -> None:
+        """Give this rank's device memory back before colocated replicas wake
+        (for the refit, then the next rollout). With ``train.offload_states``:
+        DeepSpeed's ``offload_states()``, the ZeRO optimizer's states (Adam
+        moments, fp32 master weights, gradients, bf16 weights) to pinned host
+        memory, then torch's cache emptied (DeepSpeed does both). Without it,
+        on a GPU: ``torch.cuda.empty_cache()``, else the update's activations
+        and logits stay reserved by torch's caching allocator while the
+        replicas roll out. Every method that reads the engine brings the
+        states back first (``_reload``)."""
+        if self.cfg.train.offload_states:
+            if not self.offloaded:
+                self.engine.offload_states()
+                self.offloaded = True
+        elif torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _reload(self) -> None:
+        """DeepSpeed's ``reload_states()`` after a ``release`` (no-op otherwise)."""
+        if self.offloaded:
+            self.engine.reload_states()
+            self.offloaded = False
 
     def share(self, rollout) -> RolloutBatch:
         """Rank 0's rollout batch (``Coordinator.next_rollout``; None on the
@@ -202,6 +226,7 @@ class PolicyWorker:
             (metrics, the feature ObjectRefs this rank owns: keep them until
             every rank is done, ``barrier``).
         """
+        self._reload()
         if features is None:
             return policy_update(self.engine, shard, self.cfg, self.pad_id, None, self.ref_model)
         world, rank = self.ranks.world, self.ranks.rank
@@ -210,10 +235,12 @@ class PolicyWorker:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full policy in the serving dtype on rank 0 (collective under ZeRO-3)."""
+        self._reload()
         return full_state_dict(self.engine, self.serve_dtype, self.ranks.rank)
 
     def output_weights(self) -> dict[str, torch.Tensor] | None:
         """The verifier's embedding and output layer on rank 0 (collective under ZeRO-3)."""
+        self._reload()
         return verifier_output_weights(self.engine, self.ranks.rank)
 
     def barrier(self, refs: list) -> None:
@@ -226,7 +253,11 @@ class PolicyWorker:
         """Write and report a checkpoint (collective, ``report_checkpoint``)."""
         from rayspec.train.checkpoint import report_checkpoint
 
+        released = self.offloaded
+        self._reload()
         report_checkpoint(metrics, self.engine, self.ranks.rank, trainer_state, stage_draft)
+        if released:  # the next rollout follows
+            self.release()
 
     def report(self, metrics: dict[str, Any]) -> None:
         """Report a step's numeric metrics to Ray Train without a checkpoint."""
@@ -239,4 +270,5 @@ class PolicyWorker:
         ``restore_checkpoint``): (trainer state, ``restore_draft``'s result)."""
         from rayspec.train.checkpoint import restore_checkpoint
 
+        self._reload()
         return restore_checkpoint(checkpoint, self.engine, self.ranks.rank, restore_draft)
