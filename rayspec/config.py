@@ -1008,7 +1008,7 @@ PLATFORM_DEFAULT_KEYS = ("rollout.engine_kwargs.enforce_eager", "rollout.engine_
                          "train.deepspeed.bf16.enabled", "train.deepspeed.optimizer.params.torch_adam",
                          "train.deepspeed.zero_optimization.reduce_bucket_size",
                          "train.deepspeed.zero_optimization.allgather_bucket_size",
-                         "train.torch_threads_per_worker", "train.gradient_checkpointing")
+                         "train.torch_threads_per_worker", "train.gradient_checkpointing", "train.offload_states")
 # ZeRO's bucket sizes (elements) on CPU Train workers (``apply_defaults``).
 CPU_ZERO_BUCKET_SIZE = 50_000_000
 

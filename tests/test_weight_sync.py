@@ -150,3 +150,62 @@ def test_tensor_parallel_workers_each_join_and_load_their_shard(tiny_llama_dir):
         assert eng.generate([probe], temperature=0.0, max_tokens=16)[0].response_ids[0] == want.tolist()
     finally:
         eng.shutdown()
+
+
+def _join_as_rank_1(host: str, port: int, out) -> None:
+    from rayspec.rollout.vllm import engine_access
+
+    pg = engine_access.stateless_group(host, port, 1, 2, "gloo", 60)
+    t = torch.zeros(4)
+    pg.broadcast(t, 0).wait()
+    out.put(t.tolist())
+    pg.barrier().wait()  # the parent reads its sockets while both ends are up
+    pg.barrier().wait()
+
+
+def _non_loopback_ipv4() -> str | None:
+    import socket
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address
+    return None
+
+
+def test_a_gloo_weight_sync_group_binds_to_the_interface_that_reaches_the_trainer():
+    """torch's gloo binds to the address the hostname resolves to, on many
+    machines a loopback one (this one's resolves to 127.0.0.1): a replica on
+    another node could not connect. The group forms on the interface that
+    reaches the rendezvous host (the trainer's Ray node IP) instead: both
+    ranks' gloo connections use that address, none loopback."""
+    import multiprocessing as mp
+    import os
+
+    import psutil
+
+    from rayspec.rollout.vllm import engine_access
+
+    host = _non_loopback_ipv4()
+    if host is None:
+        pytest.skip("this machine has no non-loopback IPv4 interface to bind to")
+    assert engine_access.route_interface(host) is not None and engine_access.route_interface("127.0.0.1") == "lo"
+    port = engine_access.open_port()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_join_as_rank_1, args=(host, port, out))
+    child.start()
+    try:
+        pg = engine_access.stateless_group(host, port, 0, 2, "gloo", 60)
+        pg.broadcast(torch.arange(4.0), 0).wait()
+        assert out.get(timeout=60) == [0.0, 1.0, 2.0, 3.0]
+        pg.barrier().wait()
+        conns = [c for c in psutil.Process().net_connections(kind="tcp") if c.status == "ESTABLISHED"]
+        assert "GLOO_SOCKET_IFNAME" not in os.environ  # set only while the group forms
+        pg.barrier().wait()
+    finally:
+        child.join(timeout=60)
+    gloo = [c for c in conns if port not in (c.laddr.port, c.raddr.port)]  # the rendezvous store's aside
+    assert gloo and all(c.laddr.ip == host for c in gloo), conns

@@ -37,9 +37,55 @@ def shutdown(llm) -> None:
 
 def stateless_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):
     """vLLM's stateless torch process group (no global ``init_process_group``):
-    the weight-sync group as vLLM's RLHF examples form it. Blocks until all
-    ``world_size`` ranks have joined, at most ``timeout_s`` seconds."""
-    return tp.STATELESS_GROUP.load()(host, port, rank, world_size, backend, timeout=timedelta(seconds=timeout_s))
+    the weight-sync group as vLLM's RLHF examples form it, a gloo group on
+    the interface that reaches ``host`` (``gloo_interface``). Blocks until
+    all ``world_size`` ranks have joined, at most ``timeout_s`` seconds."""
+    with gloo_interface(host, backend):
+        return tp.STATELESS_GROUP.load()(host, port, rank, world_size, backend, timeout=timedelta(seconds=timeout_s))
+
+
+def route_interface(host: str) -> str | None:
+    """The network interface whose address this machine sends from to reach
+    ``host`` (IPv4; a UDP socket's ``connect`` picks the route and sends
+    nothing), or None where none has that address."""
+    import socket
+
+    import psutil  # a Ray dependency
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        local = s.getsockname()[0]
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addrs):
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def gloo_interface(host: str, backend: str):
+    """``GLOO_SOCKET_IFNAME`` set, while a gloo group forms, to the interface
+    that reaches the rendezvous ``host`` (the trainer's Ray node IP).
+
+    torch's ``ProcessGroupGloo`` without options binds to the address this
+    machine's hostname resolves to; where that is a loopback address
+    (Debian's 127.0.1.1, or 127.0.0.1), ranks on other nodes cannot connect
+    and the group waits out its timeout. A ``GLOO_SOCKET_IFNAME`` the user
+    set stands; NCCL groups are left alone (``NCCL_SOCKET_IFNAME`` is
+    NCCL's own)."""
+    import os
+
+    name = None
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        with contextlib.suppress(OSError):
+            name = route_interface(host)
+    if name is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def open_port() -> int:

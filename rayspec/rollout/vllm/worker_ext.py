@@ -21,12 +21,12 @@ unwrapped from any CUDA-graph wrapper, which is what is reloaded here.
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
 
 import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+from rayspec.rollout.vllm import engine_access
 from rayspec.rollout.vllm import touchpoints as tp
 from rayspec.sync.buckets import bucket_nbytes, unpack_bucket
 
@@ -184,8 +184,7 @@ class RefitExtension:
         (tensor / pipeline parallel). Returns that rank."""
         self.rayspec_leave_weight_sync()
         rank = rank_offset + self.vllm_config.parallel_config.rank
-        self._rayspec_sync = (tp.STATELESS_GROUP.load()(
-            host, port, rank, world_size, backend, timeout=timedelta(seconds=timeout_s)), backend)
+        self._rayspec_sync = (engine_access.stateless_group(host, port, rank, world_size, backend, timeout_s), backend)
         return rank
 
     def rayspec_leave_weight_sync(self) -> None:
