@@ -283,7 +283,7 @@ def test_calibration_prefills_every_timed_run_from_an_empty_prefix_cache():
             return []
 
     eng = object.__new__(SpecVLLMEngine)
-    eng.__dict__.update(llm=LLM(), max_num_seqs=4, _asleep=set(), _lock=threading.Lock(), _busy=[],
+    eng.__dict__.update(llm=LLM(), max_num_seqs=4, _asleep=set(), _discarded=False, _lock=threading.Lock(), _busy=[],
                         _busy_since=None)
     schedules = []
     eng.set_k_schedule = lambda schedule, drafter_idle=None: schedules.append((schedule[0][2], drafter_idle))
@@ -331,7 +331,7 @@ def test_calibration_keeps_the_median_of_rounds_in_alternating_order(monkeypatch
 
     monkeypatch.setattr(engine_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0], time=lambda: 0.0))
     eng = object.__new__(SpecVLLMEngine)
-    eng.__dict__.update(llm=LLM(), max_num_seqs=4, _asleep=set(), _lock=threading.Lock(), _busy=[],
+    eng.__dict__.update(llm=LLM(), max_num_seqs=4, _asleep=set(), _discarded=False, _lock=threading.Lock(), _busy=[],
                         _busy_since=None)
     eng.set_k_schedule = lambda schedule, drafter_idle=None: state.update(k=schedule[0][2], idle=drafter_idle)
     cost = eng.calibrate(3, concurrencies=[1, 4], tokens=8, rounds=3)

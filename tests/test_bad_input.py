@@ -87,6 +87,18 @@ def test_bad_dataset_stops_the_run(content, fragments, tmp_path, tiny_llama_dir,
     assert not run_dir.exists()
 
 
+def test_a_hub_dataset_out_of_reach_stops_the_run(tmp_path, tiny_llama_dir, capsys, monkeypatch):
+    """GSM8K from the hub (gpu.yaml's ``openai/gsm8k``) on a node without
+    the hub: the datasets library's ConnectionError is the input check's."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as unreachable as no network, without the retries
+    run_dir = tmp_path / "run"
+    assert grpo.main([f"model.path={tiny_llama_dir}", "data.name=gsm8k", "data.path=openai/gsm8k",
+                      f"trainer.run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert "data.path=openai/gsm8k" in err and "Couldn't reach 'openai/gsm8k'" in err, err
+    assert not run_dir.exists()
+
+
 @pytest.mark.parametrize("rows, overrides, fragments", [
     ('{"prompt": "q", "answer": "1"}\n{"prompt": 5, "answer": "2"}\n', [], ["data.path=", "mine.jsonl"]),
     ('{"question": "q", "answer": "1"}\n', [], ["no column 'prompt' (data.prompt_key)", "['answer', 'question']"]),

@@ -24,9 +24,10 @@ from rayspec.train.policy import build_engine, deepspeed_config, full_state_dict
 from tests.conftest import engine_kwargs
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def single_rank_group():
-    """A one-process gloo group, as Ray Train sets up for each worker."""
+    """A one-process gloo group, as Ray Train sets up for each worker (one
+    for the module: DeepSpeed keeps the group of its first engine)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

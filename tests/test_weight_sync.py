@@ -202,10 +202,11 @@ def test_a_gloo_weight_sync_group_binds_to_the_interface_that_reaches_the_traine
         pg.broadcast(torch.arange(4.0), 0).wait()
         assert out.get(timeout=60) == [0.0, 1.0, 2.0, 3.0]
         pg.barrier().wait()
-        conns = [c for c in psutil.Process().net_connections(kind="tcp") if c.status == "ESTABLISHED"]
+        # the child's own sockets: the rendezvous store's and its gloo pair's (this process has others)
+        conns = [c for c in psutil.Process(child.pid).net_connections(kind="tcp") if c.status == "ESTABLISHED"]
         assert "GLOO_SOCKET_IFNAME" not in os.environ  # set only while the group forms
         pg.barrier().wait()
     finally:
         child.join(timeout=60)
-    gloo = [c for c in conns if port not in (c.laddr.port, c.raddr.port)]  # the rendezvous store's aside
-    assert gloo and all(c.laddr.ip == host for c in gloo), conns
+    gloo = [c for c in conns if c.raddr.port != port]  # the rendezvous store's aside
+    assert gloo and all(c.laddr.ip == host and c.raddr.ip == host for c in gloo), conns

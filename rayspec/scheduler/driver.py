@@ -177,7 +177,7 @@ def check_inputs(cfg: RunConfig) -> str:
             raise ConfigError(f"rollout.speculative_config.model={spec.model}: {e}") from None
     try:
         problems = load_problems(cfg.data)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:  # OSError: a missing file, or the hub out of reach
         raise ConfigError(f"data.path={cfg.data.path}: {e}") from None
     if cfg.trainer.eval_every:
         try:
