@@ -246,6 +246,46 @@ def test_refit_sent_during_a_rollout_waits_for_it(spec_engine, tiny_llama_dir):
 
 
 @pytest.mark.slow
+def test_an_async_collective_refit_does_not_hold_up_the_next_update(spec_engine, tiny_llama_dir):
+    """Async mode: rank 0 sends the refit while a replica still generates,
+    and trains on. The broadcast runs in the sender's thread, on a stream of
+    its own (on a GPU, NCCL's wait on the default stream would stall the
+    next update until the replica took the refit): send() returns at once,
+    and the next update's work finishes while the refit still waits for
+    the rollout."""
+    import threading
+
+    eng = spec_engine
+    tok = load_tokenizer(tiny_llama_dir)
+    sd = load_policy(tiny_llama_dir).state_dict()
+    transport = CollectiveSender(RolloutClient(LocalReplicas([eng]), 1), "gloo", packed_buffer_size_bytes=1 << 20,
+                                 timeout_s=120)
+    try:
+        assert transport.send("policy", sd, 6).results() == [6]  # forms the group
+        out = {}
+        gen = threading.Thread(target=lambda: out.update(r=eng.generate(
+            [tok.encode("Say a number:")], n=8, temperature=1.0, max_tokens=48)))
+        gen.start()
+        time.sleep(0.2)
+        t0 = time.time()
+        refit = transport.send("policy", sd, 7)
+        sent = time.time()
+        x = torch.randn(128, 128)
+        for _ in range(10):  # the next policy update's work, on this thread
+            x = torch.tanh(x @ x)
+        updated = time.time()
+        assert refit.results() == [7]
+        landed = time.time()
+        gen.join()
+    finally:
+        transport.close()
+    assert sent - t0 < 0.5 and updated < landed, (sent - t0, landed - updated)
+    assert out["r"][0].policy_version == 6  # the rollout in flight kept its weights
+    (_, g1), (r0, _) = eng.busy_intervals(t0)[-2:]
+    assert g1 <= r0  # the refit landed after the rollout
+
+
+@pytest.mark.slow
 def test_draft_refit_leaves_the_verifier_alone(spec_engine, tiny_llama_dir):
     """A draft refit must not touch the weights the head shares with the
     verifier (embed_tokens): without the fix in worker_ext, vLLM's in-place

@@ -69,6 +69,7 @@ class CollectiveSender(WeightSender):
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rayspec-weight-sync")
         self._waiters = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rayspec-weight-sync-wait")
         self._pg = None
+        self._stream = None  # the sender thread's stream (``_send``)
         self._group_id: str | None = None
         self._members: frozenset = frozenset()
         self._catch_up_refs: dict[str, tuple[int, Any]] = {}
@@ -120,8 +121,17 @@ class CollectiveSender(WeightSender):
         t0 = time.perf_counter()
         receiving = self._start(self.replicas.receive_weights, target, buckets, version, self._group_id)
         try:
-            for bucket in buckets:
-                self._pg.broadcast(pack_bucket(weights, bucket).to(self.device), 0).wait()
+            # On a stream of its own: NCCL's wait() makes the *current* stream
+            # wait for the broadcast, which ends only when every replica has
+            # taken the refit (in async mode, after its rollout); on the
+            # default stream that would stall rank 0's next update, then every
+            # rank's. torch.Stream is the same code on a CPU (gloo), a no-op.
+            if self._stream is None:
+                self._stream = torch.Stream(device=self.device)
+            with self._stream:
+                for bucket in buckets:
+                    self._pg.broadcast(pack_bucket(weights, bucket).to(self.device), 0).wait()
+                self._stream.synchronize()  # this thread waits; the caller's streams do not
         except Exception as e:
             # A member died or failed mid-refit: the group is unusable; the
             # next refit forms a new one. A replica that died is replaced by
