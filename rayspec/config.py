@@ -1147,8 +1147,13 @@ def dtype_reason(cfg: RunConfig) -> str:
     try:
         auto, why = auto_dtype(cfg.rollout.num_gpus_per_replica > 0)
     except ConfigError as e:
-        return f"as configured ({e})"
-    return why if cfg.model.dtype == auto else f"as configured; auto would pick {auto}: {why}"
+        why, auto = f"as configured ({e})", None
+    why = why if cfg.model.dtype == auto or auto is None else f"as configured; auto would pick {auto}: {why}"
+    if cfg.model.dtype == "float32" and (cfg.train.deepspeed.get("bf16") or {}).get("enabled"):
+        # a refit gathers DeepSpeed's module weights, which bf16 training keeps in bf16
+        why += ("; the Train workers train in bf16, so refits send DeepSpeed's bf16 module weights (not the "
+                "fp32 master): the replicas compute in fp32 on bf16-rounded weights")
+    return why
 
 
 def _absolute(path: str) -> str:

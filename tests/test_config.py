@@ -164,6 +164,11 @@ def test_auto_dtype_serves_bf16_only_where_it_is_native(monkeypatch, amx, avx512
     assert mine.model.dtype == "bfloat16"  # what the user sets stays
     if expected == "float32":
         assert dtype_reason(mine).startswith("as configured; auto would pick float32: this CPU has neither")
+    # fp32 replicas beside bf16 training serve bf16-rounded weights, and say so
+    gpu_fp32 = load_config(None, ["model.dtype=float32", "rollout.num_gpus_per_replica=0.6",
+                                  "train.gpus_per_worker=0.3"])
+    assert "refits send DeepSpeed's bf16 module weights (not the fp32 master)" in dtype_reason(gpu_fp32)
+    assert "bf16 module weights" not in dtype_reason(load_config(None, ["model.dtype=float32"]))
 
 
 def test_auto_dtype_on_a_torch_without_the_cpu_checks_names_the_key_and_the_version(monkeypatch):

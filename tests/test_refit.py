@@ -366,3 +366,28 @@ def test_offloaded_states_train_exactly_as_resident_ones(tiny_llama_dir, single_
     with pytest.raises(Exception, match="torch_adam=false"):
         load_config(None, ["train.offload_states=true", "train.deepspeed.zero_optimization.stage=3",
                            "train.deepspeed.optimizer.params.torch_adam=true"])
+
+
+def test_a_bf16_engine_is_the_same_from_a_bf16_load(tiny_llama_dir, single_rank_group):
+    """Train workers load the policy in bf16 where DeepSpeed trains in bf16
+    (``training_load_dtype``): DeepSpeed casts the module to bf16 before it
+    copies the fp32 master weights, so the engine, master weights included,
+    is the one an fp32 load builds, from half the host memory."""
+    from rayspec.train.loop import training_load_dtype
+
+    cfg = load_config(None, ["data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1",
+                             "train.deepspeed.bf16.enabled=true", "model.dtype=float32"])
+    assert training_load_dtype(cfg) == torch.bfloat16
+    assert training_load_dtype(load_config(None, [])) == torch.float32  # CPU: fp32 training
+    import copy
+
+    fp32 = load_policy(tiny_llama_dir, torch.float32)
+    with torch.no_grad():  # values bf16 cannot hold, as a trained fp32 checkpoint's
+        for p in fp32.parameters():
+            p.add_(torch.rand_like(p) * 1e-3)
+    assert not all(torch.equal(p, p.bfloat16().float()) for p in fp32.parameters())
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    engines = [build_engine(m, deepspeed_config(cfg, world_size=1)) for m in (fp32, bf16)]
+    masters = [torch.cat([p.flatten() for p in e.optimizer.single_partition_of_fp32_groups]) for e in engines]
+    assert masters[0].dtype == torch.float32 and torch.equal(masters[0], masters[1])
+    assert all(torch.equal(p, q) for p, q in zip(engines[0].module.parameters(), engines[1].module.parameters()))

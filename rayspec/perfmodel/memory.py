@@ -308,7 +308,9 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
 
     per_node_replicas = max(1, round(ro.num_replicas / nodes))
     per_node_ranks = max(1, round(ranks / nodes))
-    host = [Term("Train workers", "policy loaded in fp32 (start)", per_node_ranks * 4 * p),
+    load_bytes = 2 if (ds.get("bf16") or {}).get("enabled") else 4  # rayspec.train.loop.training_load_dtype
+    host = [Term("Train workers", f"policy loaded in {'bf16' if load_bytes == 2 else 'fp32'} (start)",
+                 per_node_ranks * load_bytes * p),
             Term("Ray", "object store", float(cfg.ray.object_store_memory))]
     if colocated and ro.sleep_level == 1:
         host.append(Term("replicas", "asleep: weights (level 1)", per_node_replicas * weights))
