@@ -103,6 +103,8 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
         "policy_version": batch.policy_version,
         "draft_version": draft_version,
         "draft_loss": draft_result.get("draft_loss", float("nan")),
+        # the verifier features this step's chunks carried to the DraftTrainer (object store)
+        "draft_feature_bytes": draft_result.get("draft_feature_bytes", 0),
         "draft_top1_per_step": draft_result.get("draft_top1_per_step", []),
         "draft_acceptance_estimate": draft_result.get("draft_acceptance_estimate", []),
         "draft_acceptance_se": draft_result.get("draft_acceptance_se", 0.0),

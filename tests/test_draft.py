@@ -177,6 +177,7 @@ def test_draft_trainer_clusters_the_estimate_by_grpo_group(tiny_policy, tmp_path
     t.submit_features([{**chunks[0], "group": torch.tensor([5, 5])}, {**chunks[1], "group": torch.tensor([6, 6])}])
     m = t.train(_verifier(tiny_policy), 2)
     assert m["draft_acceptance_se"] == 0.25 and m["draft_acceptance_clusters"] == 2
+    assert m["draft_feature_bytes"] == sum(v.nbytes for c in chunks for v in c.values()) + 4 * 8  # + the groups
     t.submit_features(chunks)
     t.train(_verifier(tiny_policy), 2)
     assert seen == [(4, [5, 5, 6, 6]), (4, [-1, -2, -3, -4])]

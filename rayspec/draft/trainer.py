@@ -201,6 +201,8 @@ class DraftTrainer:
 
         Returns:
             {"draft_loss", "draft_top1_per_step" (list), "draft_version",
+            "draft_feature_bytes" (bytes of this step's feature chunks, as
+            fetched from the object store),
             "draft_acceptance_estimate" (per draft position, the share of
             drafts accepted there when the head as it was when this call
             began, the one the replicas drafted this step's rollouts with,
@@ -283,7 +285,9 @@ class DraftTrainer:
                 self.version += 1
         per_step = [sum(a[j] for a in agree if len(a) > j) / max(1, sum(len(a) > j for a in agree))
                     for j in range(max((len(a) for a in agree), default=0))]
+        feature_bytes = sum(v.nbytes for f in newest for v in f.values() if isinstance(v, torch.Tensor))
         return {"draft_loss": sum(losses) / len(losses) if losses else float("nan"),
+                "draft_feature_bytes": feature_bytes,
                 "draft_top1_per_step": per_step, "draft_version": self.version,
                 "draft_acceptance_estimate": replay.rates(),
                 "draft_acceptance_by_share": replay.rates_by_share(),
