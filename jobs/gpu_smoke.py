@@ -23,6 +23,9 @@ check's FAIL, not the end of the run:
 - ``policy refit``: a ~1 GB fp32 policy, perturbed, loaded into a running
   EAGLE-3 engine in place; mean |p_vllm / p_policy - 1| of the sampled
   tokens (``token_mult_prob_error``) < 1e-3.
+- ``nccl refit`` (two GPUs or more): the collective transport over NCCL
+  from this process on GPU 1 into the replica on GPU 0, as split runs
+  send: error < 1e-3 and at least ``MIN_SYNC_GBPS``.
 - ``draft refit``: a perturbed head loaded into the drafter: its weights
   are the head's, the verifier's error stays < 1e-3 and the engine drafts.
 - ``weight sync``: seconds and GB/s of the refit above, the production path:
@@ -290,6 +293,9 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
                    f"collective gloo {t4 - t3:.2f} s ({nbytes / 1e9 / (t4 - t3):.2f} GB/s)",
                    bytes=nbytes, seconds=t2 - t0, put_s=t1 - t0, load_s=t2 - t1, collective_s=t4 - t3)
 
+        if torch.cuda.device_count() >= 2:
+            check_nccl_refit(report, engine, policy, prompts)
+
         head = load_head(models["1gb_head"])
         with torch.no_grad():  # a head the drafter has not seen
             for p in head.parameters():
@@ -312,6 +318,37 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
         engine.shutdown()
         policy = None
         torch.cuda.empty_cache()  # the split run's replica asks for 90% of the device
+
+
+def check_nccl_refit(report: Report, engine, policy, prompts: list[list[int]]) -> None:
+    """The collective transport over NCCL, as split runs use it: this
+    process on GPU 1 plays rank 0 (a host state dict, as after the gather)
+    and broadcasts into the replica on GPU 0; timed on the second refit
+    (the first forms the group)."""
+    import torch
+
+    from rayspec.devices import to_host
+    from rayspec.rollout.client import LocalReplicas, RolloutClient
+    from rayspec.sync import CollectiveSender, state_dict_nbytes
+
+    transport = CollectiveSender(RolloutClient(LocalReplicas([engine]), 1), "nccl", 256 << 20, timeout_s=600,
+                                 device="cuda:1")
+    try:
+        for version in (10, 11):
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(torch.randn_like(p), alpha=0.01)
+            sd = to_host(policy.state_dict())
+            t0 = time.perf_counter()
+            transport.send("policy", sd, version).results()
+            seconds = time.perf_counter() - t0
+    finally:
+        transport.close()
+    err, _ = _prob_error(engine, policy, prompts)
+    gbps = state_dict_nbytes(sd) / 1e9 / seconds
+    report.add("nccl refit", err < ERROR_BOUND and gbps >= MIN_SYNC_GBPS,
+               f"GPU 1 -> replica on GPU 0: {seconds:.2f} s ({gbps:.2f} GB/s); token_mult_prob_error {err:.2e}",
+               seconds=seconds, token_mult_prob_error=err)
 
 
 def check_adaptive_k(report: Report, models: dict[str, Path], async_scheduling: bool = False) -> None:

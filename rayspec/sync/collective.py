@@ -106,6 +106,10 @@ class CollectiveSender(WeightSender):
         return out
 
     def _send(self, target: str, weights: dict[str, torch.Tensor], version: int):
+        if self.device.type == "cuda" and self.device.index is not None:
+            # a new thread's current device is 0; NCCL's communicator and the
+            # stream below take the current one (Ray Train's may be another)
+            torch.cuda.set_device(self.device)
         try:
             self._ensure_group()
         except WeightSyncError as e:
