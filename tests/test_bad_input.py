@@ -90,7 +90,12 @@ def test_bad_dataset_stops_the_run(content, fragments, tmp_path, tiny_llama_dir,
 def test_a_hub_dataset_out_of_reach_stops_the_run(tmp_path, tiny_llama_dir, capsys, monkeypatch):
     """GSM8K from the hub (gpu.yaml's ``openai/gsm8k``) on a node without
     the hub: the datasets library's ConnectionError is the input check's."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as unreachable as no network, without the retries
+    import datasets.config
+    import huggingface_hub.constants
+
+    # as unreachable as no network, without its retries (read at import: the modules' own flags)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     run_dir = tmp_path / "run"
     assert grpo.main([f"model.path={tiny_llama_dir}", "data.name=gsm8k", "data.path=openai/gsm8k",
                       f"trainer.run_dir={run_dir}"]) == 2
