@@ -10,12 +10,14 @@ bytes), starts the rollout deployment (``rollout.num_replicas`` plain vLLM
 replicas, as the main job does) on an embedded Ray cluster, and times
 ``transport.send(...).results()`` from this process, which plays the
 trainer's rank 0 (it holds the host state dict, as rank 0 does after the
-gather): ``object_store`` and ``collective`` (gloo) in paired rounds whose
-order alternates (o c c o ...). Per cell it reports the seconds of each
-round, GB/s (state-dict bytes / median seconds) and the peak extra host
-memory of a replica during the refit (resident memory of its process tree
-above its level before the refit, plus the staging file under /dev/shm; an
-upper bound, as the file's mapped pages count in both). A transport whose
+gather): ``object_store``, ``collective`` (gloo) and ``shared_memory`` in
+rounds whose order alternates (o c s s c o ...). Per cell it reports the
+seconds of each round, GB/s (state-dict bytes / median seconds) and the
+peak extra host memory of a replica during the refit (resident memory of
+its process tree above its level before the refit, plus the staging file
+under /dev/shm; an upper bound, as the file's mapped pages count in both).
+The sender's side (the object store's put, the shared-memory files: one
+state dict each, whatever the replica count) is not in that figure. A transport whose
 refit fails (a replica killed by Ray's memory monitor, say) is recorded
 with its error and the bench goes on. Prints a table, writes JSON (after
 every cell) (a list of cells: transport, bytes, replicas, seconds,
@@ -38,7 +40,7 @@ from pathlib import Path
 
 SIZES_GB = (0.1, 0.5, 1.0, 2.0)
 QUICK_SIZES_GB = (0.1, 1.0)
-TRANSPORTS = ("object_store", "collective")
+TRANSPORTS = ("object_store", "collective", "shared_memory")
 
 
 def model_for_size(out: Path, tokenizer_dir: Path, nbytes: float) -> Path:
@@ -100,14 +102,14 @@ def _replica_processes() -> list[int]:
 
 
 def bench_cell(deploy, sd: dict, replicas: int, rounds: int, bucket_bytes: int) -> list[dict]:
-    """Both transports on a fresh deployment (``deploy()`` starts it and
+    """Every transport on a fresh deployment (``deploy()`` starts it and
     returns its handle), paired rounds. A transport whose refit fails (e.g.
     a replica killed by Ray's memory monitor) is recorded with its error and
     left out of the later rounds; the deployment is started again for the
     other."""
     from rayspec.rollout.client import RolloutClient
     from rayspec.rollout.engine import SpecVLLMEngine
-    from rayspec.sync import CollectiveSender, ObjectStoreSender, state_dict_nbytes
+    from rayspec.sync import CollectiveSender, ObjectStoreSender, SharedMemorySender, state_dict_nbytes
 
     def start():
         handle = deploy()
@@ -115,7 +117,8 @@ def bench_cell(deploy, sd: dict, replicas: int, rounds: int, bucket_bytes: int) 
         staging = [Path(d) for d in handle.broadcast(SpecVLLMEngine.staging_dir.__name__).results()]
         return (handle, _replica_processes(), staging,
                 {"object_store": ObjectStoreSender(replicas),
-                 "collective": CollectiveSender(replicas, "gloo", bucket_bytes, timeout_s=600)})
+                 "collective": CollectiveSender(replicas, "gloo", bucket_bytes, timeout_s=600),
+                 "shared_memory": SharedMemorySender(replicas, bucket_bytes)})
 
     handle, pids, staging, transports = start()
     nbytes = state_dict_nbytes(sd)
@@ -142,10 +145,12 @@ def bench_cell(deploy, sd: dict, replicas: int, rounds: int, bucket_bytes: int) 
         except Exception as e:  # noqa: BLE001 - recorded in the results, the bench goes on
             errors[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
             print(f"{nbytes / 1e9:.2f} GB, {replicas} replicas, {name}: FAILED ({errors[name]})", flush=True)
-            transports["collective"].close()
+            for t in transports.values():
+                t.close()
             handle, pids, staging, transports = start()
             form_s = None
-    transports["collective"].close()
+    for t in transports.values():
+        t.close()
     cells = []
     for name in TRANSPORTS:
         cell = {"transport": name, "bytes": nbytes, "replicas": replicas, "packed_buffer_size_bytes": bucket_bytes}
@@ -163,7 +168,7 @@ def bench_cell(deploy, sd: dict, replicas: int, rounds: int, bucket_bytes: int) 
 
 def format_table(cells: list[dict]) -> str:
     lines = [f"{'GB':>5}{'replicas':>9}  {'transport':<13}{'seconds (rounds)':<26}{'GB/s':>7}"
-             f"{'peak host GB / replica':>24}{'collective/object_store':>25}"]
+             f"{'peak host GB / replica':>24}{'vs object_store':>25}"]
     by = {(c["bytes"], c["replicas"], c["transport"]): c for c in cells}
     for c in cells:
         head = f"{c['bytes'] / 1e9:>5.2f}{c['replicas']:>9}  {c['transport']:<13}"
@@ -173,7 +178,7 @@ def format_table(cells: list[dict]) -> str:
         rounds = " ".join(f"{s:.2f}" for s in c["seconds_rounds"]) + (" (then failed)" if "error" in c else "")
         store = by.get((c["bytes"], c["replicas"], "object_store"), {})
         ratio = f"{store['seconds'] / c['seconds']:.2f}x faster" \
-            if c["transport"] == "collective" and "seconds" in store else ""
+            if c["transport"] != "object_store" and "seconds" in store else ""
         lines.append(f"{head}{rounds:<26}{c['gb_per_s']:>7.3f}{c['peak_host_bytes'] / 1e9:>24.2f}{ratio:>25}")
     return "\n".join(lines)
 
@@ -185,7 +190,7 @@ def plot(cells: list[dict], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-    for name, marker in zip(TRANSPORTS, "os"):
+    for name, marker in zip(TRANSPORTS, "os^"):
         for replicas, style in ((1, "-"), (2, "--")):
             pts = sorted(((c["bytes"] / 1e9, c) for c in cells
                           if c["transport"] == name and c["replicas"] == replicas and "seconds" in c),

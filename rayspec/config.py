@@ -38,7 +38,7 @@ DATASET_KEYS = {"arithmetic": ("level", "max_operand"), "gsm8k": ("path", "split
 DEFAULT_SYSTEM_PROMPT = "You are a careful math tutor."  # the built-in tasks' system message
 BUILTIN_REWARDS = ("last_number", "math_verify", "format")  # rayspec.reward.builtins
 ON_ERROR = ("raise", "zero")
-WEIGHT_SYNC_TRANSPORTS = ("auto", "collective", "object_store")
+WEIGHT_SYNC_TRANSPORTS = ("auto", "collective", "object_store", "shared_memory")
 LAYOUTS = ("colocate", "split")
 MODES = ("sync", "async")
 
@@ -347,8 +347,11 @@ class WeightSyncConfig:
             every replica form one process group and the weights stream
             through it in packed buckets into vLLM's in-place reload;
             ``object_store``: one ``ray.put`` per refit, read by every
-            replica and staged as a file; ``auto``: collective, falling back
-            to the object store (with a warning) where the group cannot form.
+            replica and staged as a file; ``shared_memory``: rank 0 packs
+            the weights into files in /dev/shm that every replica maps and
+            loads (one host copy for all replicas; they must share rank 0's
+            node); ``auto``: collective, falling back to the object store
+            (with a warning) where the group cannot form.
         backend: the collective's backend: ``nccl`` (GPU tensors on both
             ends; split layout only: NCCL refuses two ranks on one GPU, as
             rank 0 and a colocated replica would be), ``gloo`` (host

@@ -391,3 +391,44 @@ def test_a_bf16_engine_is_the_same_from_a_bf16_load(tiny_llama_dir, single_rank_
     masters = [torch.cat([p.flatten() for p in e.optimizer.single_partition_of_fp32_groups]) for e in engines]
     assert masters[0].dtype == torch.float32 and torch.equal(masters[0], masters[1])
     assert all(torch.equal(p, q) for p, q in zip(engines[0].module.parameters(), engines[1].module.parameters()))
+
+
+@pytest.mark.slow
+def test_a_shared_memory_refit_lands_through_mapped_files_and_leaves_none(spec_engine, tiny_llama_dir):
+    """``transport: shared_memory``: rank 0 packs the refit into files in
+    /dev/shm, the replica maps them and loads the views in place; the files
+    are gone once it landed, and a replica that cannot see them (another
+    node) is told so."""
+    from rayspec.devices import to_host
+    from rayspec.rollout.vllm.worker_ext import RefitExtension
+    from rayspec.sync import SharedMemorySender, WeightSyncError
+
+    eng = spec_engine
+    tok = load_tokenizer(tiny_llama_dir)
+    probe = tok.encode("Question: what is 12 plus 30? Answer:")
+    original = to_host(load_policy(tiny_llama_dir).state_dict())
+    policy = load_policy(tiny_llama_dir)
+    torch.manual_seed(3)
+    with torch.no_grad():  # weights the replica has not seen
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p), alpha=0.02)
+    sd = to_host(policy.state_dict())
+    transport = SharedMemorySender(RolloutClient(LocalReplicas([eng]), 1), packed_buffer_size_bytes=1 << 20)
+    try:
+        assert len(plan_buckets(sd, 1 << 20)) > 3
+        refit = transport.send("policy", sd, 20)
+        assert len(list(transport.directory.iterdir())) == len(plan_buckets(sd, 1 << 20))
+        assert refit.results() == [20]
+        assert not list(transport.directory.iterdir())  # unlinked once every replica loaded
+        sums = eng.llm.collective_rpc(RefitExtension.rayspec_weight_sums.__name__)[0]
+        assert sums["model.norm.weight"] == pytest.approx(float(sd["model.norm.weight"].sum()), rel=1e-6)
+        assert eng.generate([probe], temperature=0.0, max_tokens=16)[0].response_ids[0] == _greedy_hf(policy, probe, 16)
+        stats = transport.take_stats()
+        assert stats["weight_sync_transport"] == "shared_memory" and stats["weight_sync_bytes"] == state_dict_nbytes(sd)
+        bucket = plan_buckets(sd, 1 << 20)[0]
+        with pytest.raises(WeightSyncError, match="is not on this node: the shared_memory transport needs"):
+            eng.receive_shared("policy", [(str(transport.directory / "elsewhere.bin"), bucket)], 21)
+        assert transport.send("policy", original, 22).results() == [22]  # the module's later tests' weights
+    finally:
+        transport.close()
+    assert not transport.directory.exists()

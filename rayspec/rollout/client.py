@@ -163,6 +163,11 @@ class RolloutClient:
         """Every replica loads ``target``'s weights (an ObjectRef) at ``version`` (object store)."""
         return self._broadcast(SpecVLLMEngine.receive_refit, target, weights, version)
 
+    def receive_shared(self, target: str, files: list, version: int):
+        """Every replica loads ``target``'s weights from files in /dev/shm
+        at ``version`` (``SpecVLLMEngine.receive_shared``)."""
+        return self._broadcast(SpecVLLMEngine.receive_shared, target, files, version)
+
     def weight_sync_members(self) -> list[dict[str, Any]]:
         """Each replica's weight-sync membership (``SpecVLLMEngine.weight_sync_member``)."""
         return self._broadcast(SpecVLLMEngine.weight_sync_member).results()

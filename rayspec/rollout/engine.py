@@ -30,7 +30,7 @@ from rayspec.rollout.vllm import engine_access, require_vllm, vllm_version
 from rayspec.rollout.vllm.spec_schedule import set_schedule
 from rayspec.rollout.vllm.touchpoints import internals_error
 from rayspec.rollout.vllm.worker_ext import WORKER_EXTENSION, RefitExtension
-from rayspec.sync import CollectiveReceiver, ObjectStoreReceiver
+from rayspec.sync import CollectiveReceiver, ObjectStoreReceiver, SharedMemoryReceiver
 
 log = logging.getLogger(__name__)
 
@@ -307,6 +307,7 @@ class SpecVLLMEngine:
         self.draft_version = 0
         self.object_store = ObjectStoreReceiver(self)
         self.collective = CollectiveReceiver(self)
+        self.shared_memory = SharedMemoryReceiver(self)
         self.max_num_seqs = engine_access.max_num_seqs(self.llm)
         self.k_schedule: list = list(map(tuple, (spec or {}).get("num_speculative_tokens_per_batch_size") or []))
         if adaptive_k is not None and spec is not None and not engine_access.k_schedule(self.llm):
@@ -684,6 +685,12 @@ class SpecVLLMEngine:
         also resets the prefix cache (its KV was computed by the old
         weights). Returns the new version."""
         return self.object_store.receive(target, weights, version)
+
+    def receive_shared(self, target: str, files: list, version: int) -> int:
+        """Load ``target``'s weights from files in /dev/shm, [(path, bucket)]
+        (the shared_memory transport, ``SharedMemoryReceiver``); returns
+        the new version."""
+        return self.shared_memory.receive(target, files, version)
 
     def load_refit(self, target: str, version: int, load: Callable[[], None]) -> int:
         """Run a receiver's ``load`` under the engine's lock, the weights

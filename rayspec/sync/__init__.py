@@ -1,7 +1,8 @@
 """Weight sync: how a refit's weights travel from the trainer's rank 0 to
 every vLLM worker (``rollout.weight_sync.transport``). Two interfaces
 (``interfaces.py``): ``WeightSender`` on the trainer, ``WeightReceiver`` in
-each replica; one module per transport holds its two classes."""
+each replica; one module per transport holds its two classes
+(``object_store.py``, ``collective.py``, ``shared_memory.py``)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from rayspec.sync.buckets import bucket_nbytes, pack_bucket, plan_buckets, state
 from rayspec.sync.collective import CollectiveReceiver, CollectiveSender
 from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError
 from rayspec.sync.object_store import ObjectStoreReceiver, ObjectStoreSender
+from rayspec.sync.shared_memory import SharedMemoryReceiver, SharedMemorySender
 
 __all__ = ["CollectiveReceiver", "CollectiveSender", "ObjectStoreReceiver", "ObjectStoreSender", "Refit",
-           "RefitHost", "WeightReceiver", "WeightSender", "WeightSyncError", "bucket_nbytes", "make_sender",
-           "pack_bucket", "plan_buckets", "state_dict_nbytes", "unpack_bucket"]
+           "RefitHost", "SharedMemoryReceiver", "SharedMemorySender", "WeightReceiver", "WeightSender",
+           "WeightSyncError", "bucket_nbytes", "make_sender", "pack_bucket", "plan_buckets", "state_dict_nbytes",
+           "unpack_bucket"]
 
 
 def make_sender(ws, replicas, trainer_has_gpu: bool, replicas_have_gpu: bool, shared_gpus: bool = False,
@@ -32,6 +35,8 @@ def make_sender(ws, replicas, trainer_has_gpu: bool, replicas_have_gpu: bool, sh
     object_store = ObjectStoreSender(replicas)
     if ws.transport == "object_store":
         return object_store
+    if ws.transport == "shared_memory":
+        return SharedMemorySender(replicas, ws.packed_buffer_size_bytes)
     backend = ws.backend if ws.backend != "auto" else \
         "nccl" if trainer_has_gpu and replicas_have_gpu and not shared_gpus else "gloo"
     return CollectiveSender(replicas, backend, ws.packed_buffer_size_bytes, ws.timeout_s,

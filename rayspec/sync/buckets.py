@@ -44,11 +44,12 @@ def bucket_nbytes(bucket: Bucket) -> int:
     return sum(math.prod(shape) * getattr(torch, dtype).itemsize for _, dtype, shape in bucket)
 
 
-def pack_bucket(state_dict: dict[str, torch.Tensor], bucket: Bucket) -> torch.Tensor:
+def pack_bucket(state_dict: dict[str, torch.Tensor], bucket: Bucket, out: torch.Tensor | None = None) -> torch.Tensor:
     """The bucket's tensors as one flat uint8 buffer [bucket_nbytes], on
     their device, in the bucket's order (vLLM's packed layout: each tensor's
-    bytes, contiguous, back to back)."""
-    return torch.cat([state_dict[name].contiguous().view(-1).view(torch.uint8) for name, _, _ in bucket])
+    bytes, contiguous, back to back); written into ``out`` where given (a
+    uint8 tensor of that size, e.g. a mapped file)."""
+    return torch.cat([state_dict[name].contiguous().view(-1).view(torch.uint8) for name, _, _ in bucket], out=out)
 
 
 def unpack_bucket(buffer: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:

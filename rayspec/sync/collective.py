@@ -72,8 +72,6 @@ class CollectiveSender(WeightSender):
         self._stream = None  # the sender thread's stream (``_send``)
         self._group_id: str | None = None
         self._members: frozenset = frozenset()
-        self._catch_up_refs: dict[str, tuple[int, Any]] = {}
-        self._weights: dict[str, dict[str, torch.Tensor]] = {}
         self._fell_back = False  # the group could not form (auto): the object store from then on
 
     def send(self, target: str, weights: dict[str, torch.Tensor], version: int) -> Refit:
@@ -95,15 +93,7 @@ class CollectiveSender(WeightSender):
         outside the group."""
         if self._fell_back:
             return self._fallback.catch_up(refits)
-        out = dict(refits)
-        for target, (_, ref) in refits.items():
-            if ref is None:
-                version = self.latest[target][0]
-                cached = self._catch_up_refs.get(target)
-                if cached is None or cached[0] != version:
-                    cached = self._catch_up_refs[target] = (version, ray.put(self._weights[target]))
-                out[target] = cached
-        return out
+        return self._put_newest(refits)
 
     def _send(self, target: str, weights: dict[str, torch.Tensor], version: int):
         if self.device.type == "cuda" and self.device.index is not None:

@@ -67,6 +67,8 @@ class WeightSender(abc.ABC):
         self.replicas = replicas
         self.latest: dict[str, tuple[int, Any]] = {}
         self._landed: list[tuple[int, float, float]] = []
+        self._weights: dict[str, dict[str, torch.Tensor]] = {}  # the newest of each target (``_put_newest``)
+        self._catch_up_refs: dict[str, tuple[int, Any]] = {}
 
     @abc.abstractmethod
     def send(self, target: str, weights: dict[str, torch.Tensor], version: int) -> Refit:
@@ -77,6 +79,22 @@ class WeightSender(abc.ABC):
     def catch_up(self, refits: dict[str, tuple[int, Any]]) -> dict[str, tuple[int, Any]]:
         """``refits`` with every payload a replica outside this transport
         cannot receive (None) replaced by the newest weights as ObjectRefs."""
+
+    def _put_newest(self, refits: dict[str, tuple[int, Any]]) -> dict[str, tuple[int, Any]]:
+        """``catch_up`` for a transport that leaves ``latest``'s payloads
+        None: each replaced by the newest weights of its target (kept in
+        ``_weights`` by ``send``) as an ObjectRef, put once per version."""
+        out = dict(refits)
+        for target, (_, ref) in refits.items():
+            if ref is None:
+                version = self.latest[target][0]
+                cached = self._catch_up_refs.get(target)
+                if cached is None or cached[0] != version:
+                    import ray
+
+                    cached = self._catch_up_refs[target] = (version, ray.put(self._weights[target]))
+                out[target] = cached
+        return out
 
     def rollout_refits(self) -> dict[str, tuple[int, Any]]:
         """``refits`` for the next rollout: {target: (version, ObjectRef or

@@ -176,6 +176,18 @@ class RefitExtension:
         with _without_shared_modules(draft_model, self.model_runner.get_model()) as shared:
             self._reload(draft_model, weights, skip=shared)
 
+    def rayspec_load_shared(self, target: str, files: list) -> None:
+        """Load a refit of ``target`` from files in /dev/shm, [(path,
+        bucket)] in the packed layout (the shared_memory transport,
+        ``rayspec.sync.shared_memory``): each mapped read-only and its views
+        streamed into the loader, no copy before vLLM's own."""
+        def weights():
+            for path, bucket in files:
+                buffer = torch.from_file(path, shared=False, size=bucket_nbytes(bucket), dtype=torch.uint8)
+                yield from unpack_bucket(buffer, bucket)
+
+        self._load(target, weights())
+
     def rayspec_join_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int,
                                  backend: str, timeout_s: float) -> int:
         """Join the trainer's weight-sync process group (vLLM's stateless
