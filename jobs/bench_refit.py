@@ -167,11 +167,11 @@ def bench_cell(deploy, sd: dict, replicas: int, rounds: int, bucket_bytes: int) 
 
 
 def format_table(cells: list[dict]) -> str:
-    lines = [f"{'GB':>5}{'replicas':>9}  {'transport':<13}{'seconds (rounds)':<26}{'GB/s':>7}"
+    lines = [f"{'GB':>5}{'replicas':>9}  {'transport':<15}{'seconds (rounds)':<26}{'GB/s':>7}"
              f"{'peak host GB / replica':>24}{'vs object_store':>25}"]
     by = {(c["bytes"], c["replicas"], c["transport"]): c for c in cells}
     for c in cells:
-        head = f"{c['bytes'] / 1e9:>5.2f}{c['replicas']:>9}  {c['transport']:<13}"
+        head = f"{c['bytes'] / 1e9:>5.2f}{c['replicas']:>9}  {c['transport']:<15}"
         if "seconds" not in c:
             lines.append(f"{head}failed: {c['error']}")
             continue

@@ -28,13 +28,16 @@ def test_tiny_loop_async_split_two_replicas(ray_session, tiny_llama_dir, tmp_pat
     while the previous step trained, with the policy one version behind;
     prompts are sharded over two replicas, each reporting its own stats.
     Held-out evaluations score the initial policy, every 2nd and the last,
-    each once its weights have landed behind the batch generating ahead."""
+    each once its weights have landed behind the batch generating ahead
+    (through the shared_memory transport, whose files must outlive the
+    rollouts the refits queue behind)."""
     run_dir = tmp_path / "async"
     cfg = load_config(None, [f"model.path={tiny_llama_dir}", "model.dtype=float32",
                              "trainer.steps=3", f"trainer.run_dir={run_dir}",
                              "grpo.max_new_tokens=24", "data.prompts_per_step=2",
                              "draft.steps_per_rl_step=2", "rollout.num_replicas=2",
                              "scheduler.layout=split", "scheduler.mode=async", "trainer.eval_every=2",
+                             "rollout.weight_sync.transport=shared_memory",
                              "data.eval_num_problems=6", "trainer.eval_samples=2", *IN_PROCESS])
     run(cfg)
     recs = _records(run_dir)
@@ -63,9 +66,9 @@ def test_tiny_loop_async_split_two_replicas(ray_session, tiny_llama_dir, tmp_pat
         assert shares, r["draft_acceptance_by_share"]
         assert shares == sorted(shares, reverse=True) and all(s == 2.0 ** round(math.log2(s)) <= 1 for s in shares)
         assert all(n >= 16 and len(rates) == len(est) for _, n, rates in r["draft_acceptance_by_share"])
-    # weights went through the collective transport (gloo; auto), landing behind the rollouts
-    # in flight: step 1's policy and draft refits land in step 2's wait for its batch
-    assert [r["weight_sync_transport"] for r in recs] == ["collective"] * 3
+    # weights went through /dev/shm files (the collective transport's Serve path: test_faults),
+    # landing behind the rollouts in flight: step 1's refits land in step 2's wait for its batch
+    assert [r["weight_sync_transport"] for r in recs] == ["shared_memory"] * 3
     assert recs[0]["weight_sync_bytes"] == 0 and recs[1]["weight_sync_bytes"] > 0
     # the trainer waited less for the 2nd and 3rd batches than they took to generate
     assert recs[2]["time_rollout_s"] < recs[2]["rollout_generation_s"] + recs[2]["time_policy_s"]

@@ -6,6 +6,8 @@ tests."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -107,6 +109,11 @@ def test_transport_choice_and_bad_keys():
     store = make_sender(load_config(None, ["rollout.weight_sync.transport=object_store"]).rollout.weight_sync,
                         None, False, False)
     assert isinstance(store, WeightSender) and store.name == "object_store"
+    shm = make_sender(load_config(None, ["rollout.weight_sync.transport=shared_memory"]).rollout.weight_sync,
+                      None, False, False)
+    assert shm.name == "shared_memory" and shm.directory.parent == Path("/dev/shm")
+    shm.close()
+    assert not shm.directory.exists()
     for override, key in [("rollout.weight_sync.transport=nccl", "rollout.weight_sync.transport"),
                           ("rollout.weight_sync.backend=nccl", "rollout.weight_sync.backend"),
                           ("rollout.weight_sync.timeout_s=0", "rollout.weight_sync.timeout_s"),
@@ -210,3 +217,40 @@ def test_a_gloo_weight_sync_group_binds_to_the_interface_that_reaches_the_traine
         child.join(timeout=60)
     gloo = [c for c in conns if c.raddr.port != port]  # the rendezvous store's aside
     assert gloo and all(c.laddr.ip == host and c.raddr.ip == host for c in gloo), conns
+
+
+def test_shared_memory_files_hold_the_packed_buckets_until_the_refit_landed(monkeypatch):
+    """The shared_memory sender's files unpack to the state dict (tied
+    tensors once), exist while the replicas load and are gone after; a
+    refit larger than /dev/shm's free space is refused before any is written."""
+    from collections import namedtuple
+
+    from rayspec.sync import SharedMemorySender
+    from rayspec.sync import shared_memory as shm_mod
+
+    sd = _state_dict()
+    seen = {}
+
+    class Replicas:
+        def receive_shared(self, target, files, version):
+            for path, bucket in files:
+                buffer = torch.from_file(path, shared=False, size=bucket_nbytes(bucket), dtype=torch.uint8)
+                seen.update(unpack_bucket(buffer, bucket))
+            done = type("Response", (), {"results": lambda self: [version]})()
+            seen["paths"] = [p for p, _ in files]
+            return done
+
+    sender = SharedMemorySender(Replicas(), packed_buffer_size_bytes=1 << 20)
+    try:
+        refit = sender.send("policy", sd, 3)
+        assert all(Path(p).exists() for p in seen["paths"])  # until results()
+        assert refit.results() == [3] and not any(Path(p).exists() for p in seen.pop("paths"))
+        assert sorted(seen) == sorted(k for k in sd if k != "lm_head.weight")  # tied: sent once
+        assert all(torch.equal(seen[k], sd[k]) for k in seen)
+        usage = namedtuple("usage", "total used free")
+        monkeypatch.setattr(shm_mod.shutil, "disk_usage", lambda p: usage(100, 90, 10))
+        with pytest.raises(WeightSyncError, match=r"does not fit in /dev/shm \(0\.00 GiB free\)"):
+            sender.send("policy", sd, 4)
+        assert not list(sender.directory.iterdir())
+    finally:
+        sender.close()
