@@ -12,7 +12,8 @@ check's FAIL, not the end of the run:
 - ``driver``: the NVIDIA driver (``nvidia-smi``) is R580 or newer, or
   CUDA 13's forward-compatibility library is on ``LD_LIBRARY_PATH``
   (``rayspec.tools.node_check``). A driver too old stops here: CUDA torch
-  would only say it sees no GPU.
+  would only say it sees no GPU. Without ``nvidia-smi`` (some containers),
+  a GPU that CUDA initialises passes.
 - ``compilers``: a C and C++20 compiler and ``Python.h``, which Triton needs
   to build its launcher when an engine starts.
 - ``versions``: torch / CUDA / GPU / vLLM / DeepSpeed / Ray, and every vLLM
@@ -484,7 +485,11 @@ def main(argv: list[str] | None = None) -> int:
               f"is False, torch {torch.__version__}): run it on a GPU node after `bash cluster/install_node.sh cuda`",
               file=sys.stderr)
         return 2
-    report.run("driver", check_driver)
+    if driver is None:  # no nvidia-smi (some containers), yet CUDA initialises: the driver can load it
+        report.add("driver", True, f"nvidia-smi not found; torch {torch.__version__} initialises CUDA "
+                   f"{torch.version.cuda} on {torch.cuda.get_device_name(0)}")
+    else:
+        report.run("driver", check_driver)
     report.run("compilers", check_compilers)
     if not report.checks[0]["ok"]:
         return _finish(report, args.out, t0)  # CUDA 13 cannot load: every other line would say only that

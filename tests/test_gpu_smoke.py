@@ -85,3 +85,17 @@ def test_memory_line_sets_measured_peaks_against_the_plan(tiny_llama_dir, monkey
     assert 0.45 * 80 * gib < planned["rollout"] < 0.5 * 80 * gib  # vLLM's region, and the contexts
     gpu_smoke.check_memory(report, cfg, tiny_llama_dir, {"rollout": 45 * gib})
     assert not report.checks[-1]["ok"] and "rollout 45.0 GiB" in report.checks[-1]["detail"]
+
+
+def test_without_nvidia_smi_a_gpu_that_cuda_initialises_passes_the_driver_line(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi there on this machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Fake GPU")
+    monkeypatch.setattr(gpu_smoke, "_setup", lambda report, setup, work, cache_dir: report.add("setup", False, "stop"))
+    out = tmp_path / "r.json"
+    assert gpu_smoke.main(["--out", str(out), "--work-dir", str(tmp_path / "work"), "--only", "refit"]) == 1
+    checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+    assert checks["driver"]["ok"] and "nvidia-smi not found" in checks["driver"]["detail"]
+    assert "Fake GPU" in checks["driver"]["detail"] and not checks["setup"]["ok"]
