@@ -6,7 +6,8 @@
 #
 # Before anything is installed, rayspec/tools/node_check.py (standard
 # library, run with the system python3) checks the node: for cuda the
-# NVIDIA driver (R580 or newer for vLLM 0.32.0's CUDA 13 wheels), for both
+# NVIDIA driver (R580 or newer for vLLM 0.32.0's CUDA 13 wheels; a machine
+# with none, an image being built, goes on), for both
 # a C and C++20 compiler and Python.h (Triton builds its launcher with them
 # when an engine starts; arctic-inference is built below), and that the
 # venv does not hold the other flavor. --dry-run stops after those checks.
