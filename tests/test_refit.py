@@ -45,16 +45,12 @@ def _greedy_hf(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_a_sleeping_replica_wakes_only_its_weights_for_a_refit(tmp_path):
-    """Colocated on a GPU, a replica sleeps while the policy trains; a refit
-    reallocates its weights alone (the KV cache stays released beside the
-    trainer's memory), the next rollout the rest. vLLM's sleep mode needs a
-    GPU, so vLLM is a recording stand-in here."""
+def _sleeping_engine(calls: list, **state):
+    """A SpecVLLMEngine with sleep mode over a recording stand-in for vLLM
+    (its sleep mode needs a GPU): each call lands in ``calls``."""
     import threading
 
     from rayspec.rollout.engine import SpecVLLMEngine
-
-    calls = []
 
     class LLM:
         def sleep(self, level):
@@ -70,9 +66,19 @@ def test_a_sleeping_replica_wakes_only_its_weights_for_a_refit(tmp_path):
             calls.append(("reset_prefix_cache",))
 
     eng = object.__new__(SpecVLLMEngine)
-    eng.__dict__.update(llm=LLM(), sleep_mode=True, _asleep=set(), _lock=threading.Lock(), _busy=[],
-                        _busy_since=None, adaptive=None, policy_version=0, _discarded=False)
+    eng.__dict__.update({"llm": LLM(), "sleep_mode": True, "_asleep": set(), "_lock": threading.Lock(),
+                         "_busy": [], "_busy_since": None, "adaptive": None, "policy_version": 0,
+                         "_discarded": False, **state})
     eng.object_store = ObjectStoreReceiver(eng)
+    return eng
+
+
+def test_a_sleeping_replica_wakes_only_its_weights_for_a_refit(tmp_path):
+    """Colocated on a GPU, a replica sleeps while the policy trains; a refit
+    reallocates its weights alone (the KV cache stays released beside the
+    trainer's memory), the next rollout the rest."""
+    calls = []
+    eng = _sleeping_engine(calls)
     assert eng.sleep() and eng.sleep()  # sleeping twice releases once
     eng.receive_refit("policy", {"w": torch.zeros(2)}, version=1)
     eng._wake()  # what generate and calibrate do first
@@ -86,30 +92,8 @@ def test_after_a_level_2_sleep_a_replica_generates_only_once_a_policy_refit_land
     """Level 2 discards the weights the next policy refit overwrites: until
     it lands (a draft refit is not enough) the engine refuses to generate
     rather than sample from freed memory."""
-    import threading
-
-    from rayspec.rollout.engine import SpecVLLMEngine
-
     calls = []
-
-    class LLM:
-        def sleep(self, level):
-            calls.append(("sleep", level))
-
-        def wake_up(self, tags=None):
-            calls.append(("wake_up", tags))
-
-        def collective_rpc(self, method, args=()):
-            calls.append((method,))
-
-        def reset_prefix_cache(self):
-            pass
-
-    eng = object.__new__(SpecVLLMEngine)
-    eng.__dict__.update(llm=LLM(), sleep_mode=True, _asleep=set(), _lock=threading.Lock(), _busy=[],
-                        _busy_since=None, adaptive=None, policy_version=3, draft_version=3, _discarded=False,
-                        replica_id="r0")
-    eng.object_store = ObjectStoreReceiver(eng)
+    eng = _sleeping_engine(calls, policy_version=3, draft_version=3, replica_id="r0")
     with pytest.raises(ValueError, match="sleep level 3"):
         eng.sleep(3)
     assert eng.sleep(2)

@@ -37,7 +37,7 @@ import collections
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Any
+from typing import Any, Optional
 
 from rayspec.config import draft_online
 
@@ -211,9 +211,9 @@ def gpu_memory_by_node(nodes: list[NodeInfo]) -> dict[str, Optional[int]]:
         sizes = node_check.gpu_memory()
         return min(sizes) if sizes else None
 
-    refs = {n.node_id: query.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False))
-            .remote() for n in nodes}
-    return {node: ray.get(ref, timeout=120) for node, ref in refs.items()}
+    refs = [query.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote()
+            for n in nodes]
+    return dict(zip((n.node_id for n in nodes), ray.get(refs, timeout=120)))
 
 
 def role_bundles(cfg) -> dict[str, list[dict[str, float]]]:

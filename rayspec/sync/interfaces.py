@@ -84,14 +84,14 @@ class WeightSender(abc.ABC):
         """``catch_up`` for a transport that leaves ``latest``'s payloads
         None: each replaced by the newest weights of its target (kept in
         ``_weights`` by ``send``) as an ObjectRef, put once per version."""
+        import ray
+
         out = dict(refits)
         for target, (_, ref) in refits.items():
             if ref is None:
                 version = self.latest[target][0]
                 cached = self._catch_up_refs.get(target)
                 if cached is None or cached[0] != version:
-                    import ray
-
                     cached = self._catch_up_refs[target] = (version, ray.put(self._weights[target]))
                 out[target] = cached
         return out

@@ -1,8 +1,8 @@
 """The ``shared_memory`` transport: the trainer's rank 0 packs each refit
 into files under /dev/shm (tmpfs, so host memory), one per bucket of
 ``packed_buffer_size_bytes`` in the collective's packed layout
-(``buckets.py``), and every replica maps them (``torch.from_file(...,
-shared=True)``) and streams the views into vLLM's in-place reload. One host
+(``buckets.py``), and every replica maps them read-only
+(``torch.from_file``) and streams the views into vLLM's in-place reload. One host
 copy, the pack, whatever the replica count: no serialization, no TCP, no
 staging file per replica, no process group. A GPU replica's load is then
 its host-to-device copy.

@@ -45,6 +45,16 @@ COMPAT_GLOB = "/usr/local/cuda-13*/compat/libcuda.so.*"  # Debian/Ubuntu package
 DEBIAN_BUILD = "build-essential"  # gcc, g++ (C++20 from GCC 10)
 
 
+def _nvidia_smi(field: str, nvidia_smi: Optional[str]) -> Optional[subprocess.CompletedProcess]:
+    """``nvidia-smi --query-gpu=<field>`` (CSV, no header, no units), or
+    None where there is no ``nvidia-smi``."""
+    exe = nvidia_smi or shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    return subprocess.run([exe, f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, timeout=60)
+
+
 def driver_version(nvidia_smi: Optional[str] = None) -> Optional[str]:
     """The NVIDIA driver's version string (e.g. ``"580.82.07"``) from
     ``nvidia-smi``, or None where there is no ``nvidia-smi`` (no driver).
@@ -53,11 +63,9 @@ def driver_version(nvidia_smi: Optional[str] = None) -> Optional[str]:
         RuntimeError: ``nvidia-smi`` exists but fails (a driver/library
             mismatch, no device): its own message.
     """
-    exe = nvidia_smi or shutil.which("nvidia-smi")
-    if not exe:
+    r = _nvidia_smi("driver_version", nvidia_smi)
+    if r is None:
         return None
-    r = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"],
-                       capture_output=True, text=True, timeout=60)
     lines = r.stdout.split()
     if r.returncode != 0 or not lines:
         raise RuntimeError(f"nvidia-smi failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()[:300]}")
@@ -68,13 +76,9 @@ def gpu_memory(nvidia_smi: Optional[str] = None) -> Optional[list[int]]:
     """Each visible GPU's total memory in bytes (``nvidia-smi``'s
     ``memory.total``, MiB), or None where there is no ``nvidia-smi`` or it
     fails (a simulated GPU of a test cluster, a broken driver)."""
-    exe = nvidia_smi or shutil.which("nvidia-smi")
-    if not exe:
-        return None
-    r = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                       capture_output=True, text=True, timeout=60)
+    r = _nvidia_smi("memory.total", nvidia_smi)
     try:
-        return [int(float(x)) * 2**20 for x in r.stdout.split()] if r.returncode == 0 else None
+        return [int(float(x)) * 2**20 for x in r.stdout.split()] if r is not None and r.returncode == 0 else None
     except ValueError:
         return None
 
