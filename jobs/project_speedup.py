@@ -16,8 +16,9 @@ speedups against no speculation, then the weight sync of each transport
 (seconds by part and share of the step; ``rayspec.perfmodel.weight_sync``);
 writes JSON (``--out``) and a plot of
 concurrency and step cost over one rollout (``--plot``, beside ``--out``).
-``--validate`` prints both validation tables instead
-(``rayspec.perfmodel.validate``).
+``--validate`` prints the validation tables instead (``rayspec.perfmodel.validate``)
+and writes their rows to ``--out`` as a JSON list of {case, figure, k,
+published, projected, role, error}.
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ def project(ns) -> dict:
     nbytes = target.weight_bytes(1e9, hw.dtype_bytes)
     sync = []
     for transport in TRANSPORTS:
+        if transport == "shared_memory" and nodes > 1:
+            continue  # tmpfs is per host
         t = sync_time(transport, nbytes, hw, nodes)
         sync.append(dict(transport=transport, bytes=nbytes, nodes=nodes, gather_s=t.gather_s,
                          transfer_s=t.transfer_s, load_s=t.load_s, sync_s=t.seconds,
@@ -161,10 +164,10 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def validate(ns) -> dict:
+def validate(ns) -> list[dict]:
     from rayspec.perfmodel.calibrate import fit_plain, plain_points
-    from rayspec.perfmodel.validate import (HERE_TOLERANCE, PAPER_ASSUMPTIONS, PAPER_TOLERANCE, here,
-                                            project_235b, published)
+    from rayspec.perfmodel.validate import (HERE_TOLERANCE, PAPER_ASSUMPTIONS, PAPER_TOLERANCE, Figure, adaptive_k,
+                                            calibrate_k3, here, project_235b, published, weight_sync_anchors)
 
     cells = json.loads(Path(ns.bench).read_text())
     target = ModelShape.from_hf_config("smollm2-135m")
@@ -176,15 +179,39 @@ def validate(ns) -> dict:
         flag = "" if abs(r["error"]) <= HERE_TOLERANCE else "  over"
         print(f"{r['method']:<10}{r['draft']:<11}{r['shape']:<9}{r['k']:>2}{r['concurrency']:>5}"
               f"{r['measured']:>10.1f}{r['predicted']:>8.1f}{r['error']:>+8.0%}{flag}")
-    pub, proj = published(), project_235b()
-    print(f"\n2. published figures (tolerance {PAPER_TOLERANCE:.0%}), then 235B projections")
-    print(f"{'figure':<58}{'published':>10}{'model':>8}{'error':>8}")
-    for p in pub + proj:
-        err = "" if p.published != p.published else f"{p.error:>+8.0%}"
-        print(f"{p.what:<58}{p.published:>10.2f}{p.modelled:>8.2f}{err}")
+    cal = calibrate_k3()
+    print(f"\n2. published figures (tolerance {PAPER_TOLERANCE:.0%}); calibrated on k = 3: "
+          f"{cal.field} = {getattr(cal.hw, cal.field) * 1e3:.2f} ms, train_mfu = {cal.hw.train_mfu:.3f}")
+    figures = published(cal) + project_235b(cal)
+    print(f"{'case':<16}{'figure':<62}{'k':>2}{'published':>10}{'model':>8}{'error':>8}  role")
+    for f in figures:
+        err = "" if math.isnan(f.published) else f"{f.error:>+8.0%}"
+        flag = "  over" if err and f.role == "predicted" and abs(f.error) > PAPER_TOLERANCE else ""
+        print(f"{f.case:<16}{f.figure:<62}{'' if f.k is None else f.k:>2}{f.published:>10.2f}{f.projected:>8.2f}"
+              f"{err:>8}  {f.role}{flag}")
+    print("\n3. adaptive k on the same workloads (generation / sync step speedup)")
+    adaptive = adaptive_k(cal)
+    for r in adaptive:
+        pub = "" if r["published"] is None else f"published {r['published']:.2f}"
+        print(f"{r['case']:<10}{r['k']:<10}{r['generation_speedup']:>6.2f}{r['step_speedup']:>6.2f}  {pub}"
+              f"{r['schedule'] or ''}")
+    print("\n4. weight sync: published refits and rayspec's transports (seconds)")
+    anchors = weight_sync_anchors(cal)
+    for r in anchors:
+        if "transport" in r:
+            print(f"{r['source']:<52}{r['transport']:<14}{r['sync_s']:>9.2f} s  {r['share_of_step']:.1%} of the step")
+        else:
+            modelled = "  ".join(f"{t} {r[t]:.2f}" for t in TRANSPORTS if r[t] is not None)
+            print(f"{r['source']:<44}{r['model']:<52}published {r['published_s']:.2f}  {modelled}")
     print("\nassumptions:\n" + "\n".join(f"  {k}: {v}" for k, v in PAPER_ASSUMPTIONS.items()))
-    return dict(here=rows, here_hardware=hw.to_dict(), published=[vars(p) | {"error": p.error} for p in pub],
-                projections=[vars(p) for p in proj], assumptions=PAPER_ASSUMPTIONS)
+    out = [Figure("here", f"tokens/s {r['method']} {r['draft']} {r['shape']} concurrency {r['concurrency']}",
+                  r["k"], r["measured"], r["predicted"]).to_dict() for r in rows]
+    out += [f.to_dict() for f in figures]
+    out += [Figure(r["case"], f"generation speedup, schedule {r['schedule']}", None, math.nan,
+                   r["generation_speedup"], "projection").to_dict() for r in adaptive if r["schedule"]]
+    out += [Figure("weight sync", f"{r['source']}: {r['model']}, collective refit seconds", None, r["published_s"],
+                   r["collective"]).to_dict() for r in anchors if "transport" not in r]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

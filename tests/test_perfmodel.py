@@ -2,6 +2,7 @@
 calibration, both validations and the projection job (no Ray, no vLLM)."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,10 +11,13 @@ from jobs.project_speedup import QUICK_PROMPT_LENS
 from rayspec.perfmodel import hardware
 from rayspec.perfmodel.calibrate import (cell_seconds, fit_plain, measure_overlap, measure_rejection_noise,
                                          overlap_from_timings, plain_points)
-from rayspec.perfmodel.pipeline import Pipeline, Workload, capped_exponential_lengths, geometric_rates, rl_step
+from rayspec.perfmodel.pipeline import (Pipeline, Workload, band_rates, capped_exponential_lengths, geometric_rates,
+                                        rl_step)
 from rayspec.perfmodel.shapes import ModelShape
 from rayspec.perfmodel.simulate import Engine, best_schedule, simulate_rollout
-from rayspec.perfmodel.validate import PAPER_TOLERANCE, HERE_TOLERANCE, here, published
+from rayspec.perfmodel.validate import (HERE_TOLERANCE, PAPER_TOLERANCE, Figure, adaptive_k, calibrate_k3, here,
+                                        published)
+from rayspec.rollout.adaptive import expected_tokens
 
 BENCH = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "rollout_quick_one_openmp.json"
 # BENCH ran vLLM 0.32.0's own recovered-token noise: torch's exponential_ twice
@@ -152,7 +156,7 @@ def test_best_schedule_is_a_vllm_schedule_and_never_drafts_without_acceptance():
     good = best_schedule(eng, lengths, 200, geometric_rates(2.5, 3, 5), 5)
     assert good[0][0] == 1 and good[-1][1] == 64
     assert all(a[1] + 1 == b[0] for a, b in zip(good, good[1:]))
-    assert good[0][2] >= 3  # the memory-bound tail drafts deep
+    assert good[0][2] >= max(2, good[-1][2])  # the memory-bound tail drafts deepest
     assert all(k == 0 for *_, k in best_schedule(eng, lengths, 200, [0.0] * 5, 5))
     assert simulate_rollout(eng, lengths, 200, good, geometric_rates(2.5, 3, 5)).seconds < \
         simulate_rollout(eng, lengths, 200, 0, geometric_rates(2.5, 3, 5)).seconds
@@ -220,13 +224,63 @@ def test_validation_replays_a_rollout_cells_own_lengths():
     assert full["predicted"] > 2 * tail["predicted"]
 
 
-def test_published_figures():
-    res = {p.what: p for p in published()}
-    assert abs(res["RL-Zero sync end-to-end speedup k=3"].error) <= PAPER_TOLERANCE
-    for what in ("RL-Zero generation speedup k=3", "RL-Think generation speedup k=3"):
-        assert res[what].modelled > 1.3  # the model agrees speculation pays at k=3
-    # documented miss: the published k=5/7 drops are steeper than any per-draft cost linear in k gives
-    assert res["RL-Think generation speedup k=5"].modelled > res["RL-Think generation speedup k=5"].published
+def test_band_rates_sum_to_each_published_length():
+    rates = band_rates({3: 3.32, 5: 4.35, 7: 5.06})
+    assert [sum(rates[:3]), sum(rates[3:5]), sum(rates[5:])] == pytest.approx([2.32, 1.03, 0.71])
+    assert all(a >= b for a, b in zip(rates, rates[1:]))
+    assert expected_tokens(rates, 5) == pytest.approx(4.35)
+    with pytest.raises(ValueError, match="k=5"):  # a length that falls with k
+        band_rates({3: 3.0, 5: 2.9})
+
+
+def test_terms_that_make_extra_drafts_dear_at_large_batch():
+    q8 = ModelShape.from_hf_config("qwen3-8b")
+    hw = hardware.get("gb200", eager_layer_s=1e-3, draft_pass_overhead_s=0.0)
+    free = Engine(q8, hw, "eagle3", q8.eagle3_head(32000))
+    graphs = replace(free, cudagraph_max_tokens=512)
+    # inside the largest capture size nothing changes; beyond it the host's launches pace the forward
+    assert graphs.step_seconds(64, 64e3, 3, 2.0) == pytest.approx(free.step_seconds(64, 64e3, 3, 2.0))
+    assert graphs.forward_seconds(q8, 1024, 256e3, 4) == pytest.approx(q8.layers * 1e-3)
+    assert free.forward_seconds(q8, 1024, 256e3, 4) < q8.layers * 1e-3
+    # over the token budget the running requests take turns
+    budget = replace(free, max_num_batched_tokens=512)
+    assert budget.step_seconds(256, 256e3, 3, 2.0) == pytest.approx(2 * free.step_seconds(128, 128e3, 3, 2.0))
+    assert budget.step_seconds(100, 100e3, 3, 2.0) == pytest.approx(free.step_seconds(100, 100e3, 3, 2.0))
+    # the proposer's host work: once per draft pass
+    dear = replace(free, hw=hw.with_overrides(draft_pass_overhead_s=1e-3))
+    assert dear.step_seconds(8, 8e3, 5, 2.0) - free.step_seconds(8, 8e3, 5, 2.0) == pytest.approx(5e-3)
+    assert dear.step_seconds(8, 8e3, 0, 1.0) == free.step_seconds(8, 8e3, 0, 1.0)
+    # lookahead: 1 + k scheduled tokens and k drafter slots a request (n-gram: no drafter slots)
+    assert free.slots_per_request(3) == 7 and Engine(q8, hw, "ngram").slots_per_request(3) == 4
+
+
+def test_lookahead_slots_take_kv_from_admission():
+    target = ModelShape.from_hf_config("smollm2-135m")
+    hw = hardware.get("cpu", mem_bytes=2.2e9)
+    eng = Engine(target, hw, "eagle3", target.eagle3_head(), max_num_seqs=1000)
+    cap = eng.kv_capacity_tokens()
+    lengths, prompt = [50] * 2000, 10
+    peak = {k: max(b for _, b, *_ in simulate_rollout(eng, lengths, prompt, k, [0.5] * 7).trace) for k in (0, 7)}
+    # admitted while the running requests' prompts and slots (1 + k + k each) and the newcomer fit
+    assert peak[0] == pytest.approx(cap / (prompt + 1), rel=0.02)
+    assert peak[7] == pytest.approx(cap / (prompt + 15), rel=0.02)
+
+
+def test_published_figures_calibrated_on_k3_only():
+    cal = calibrate_k3(iterations=6)
+    figs = {(f.case, f.figure, f.k): f for f in published(cal)}
+    assert abs(figs[("RL-Zero", "generation seconds, no speculation", None)].error) < 0.01
+    for run in ("RL-Zero", "RL-Think"):
+        assert abs(figs[(run, "generation speedup", 3)].error) <= PAPER_TOLERANCE
+        assert abs(figs[(run, "sync step speedup", 3)].error) <= PAPER_TOLERANCE
+    # the documented miss (docs/performance-model.md): the published k = 5 / 7 drops are steeper than
+    # the model's terms give once calibrated at k = 3
+    assert figs[("RL-Think", "generation speedup", 5)].error > PAPER_TOLERANCE
+    rows = adaptive_k(cal)
+    for run in ("RL-Zero", "RL-Think"):
+        best = {r["k"]: r["generation_speedup"] for r in rows if r["case"] == run}
+        assert best["schedule"] >= max(best["k=3"], best["k=5"], best["k=7"]) * 0.99 and best["schedule"] > 1.0
+    assert Figure("x", "y", None, float("nan"), 1.0).to_dict()["published"] is None
 
 
 def test_workload_from_run_and_async_pipeline(tmp_path):

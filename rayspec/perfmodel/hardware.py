@@ -37,6 +37,15 @@ class Hardware:
             CUDA-graph replay), paid by the target and by every draft pass.
         layer_overhead_s: fixed seconds per layer per forward pass (eager
             op dispatch; 0 where CUDA graphs replay the whole pass).
+        eager_layer_s: host seconds to launch one layer's kernels of a
+            forward that runs outside CUDA graphs (more query tokens than
+            the engine's largest capture size); the launches run ahead of
+            the device, so such a forward costs max(device work, layers *
+            eager_layer_s) (0: never host-bound).
+        draft_pass_overhead_s: host seconds per draft pass beyond the
+            graph replay: the proposer's input preparation between passes
+            (positions, slot mapping and attention metadata of each pass,
+            ``vllm/v1/spec_decode/eagle.py``), exposed at small batch.
         collective_latency_s: latency of one all-reduce (tensor parallel).
         rejection_noise_s_per_logit: seconds per vocabulary entry of the
             Exp(1) noise row the rejection sampler draws for each request
@@ -71,6 +80,8 @@ class Hardware:
     forward_overhead_s: float
     token_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
+    eager_layer_s: float = 0.0
+    draft_pass_overhead_s: float = 0.0
     collective_latency_s: float = 10e-6
     rejection_noise_s_per_logit: float = 0.0
     dtype_bytes: float = 2.0
@@ -104,6 +115,8 @@ class Hardware:
         return asdict(self)
 
 
+DRAFT_PASS_OVERHEAD_S = 1.4e-3  # validate.calibrate_k3: 1.37 ms
+
 # Assumptions shared by the GPU presets (not in any datasheet): vLLM V1 with
 # CUDA graphs and async scheduling; a decode step reaches 60% of peak FLOP/s
 # in matmuls and 80% of HBM bandwidth; 1 ms of scheduler/sampler work and
@@ -114,8 +127,12 @@ class Hardware:
 # direction pinned), one host memcpy stream at 10 GB/s, 400 Gb/s of RDMA
 # per GPU across nodes (InfiniBand NDR, one ConnectX-7 per GPU in a DGX
 # H100; EFA on p5.48xlarge: 3200 Gb/s for 8 GPUs), 100 Gb/s of TCP per node.
+# Outside CUDA graphs, 0.1 ms of host launches a layer (about ten fused
+# kernels of a piecewise-compiled vLLM layer at ~10 us each). The draft
+# pass overhead is the one GPU figure calibrated, on the k = 3 speedups of
+# NeMo-RL's paper (perfmodel.validate.calibrate_k3; docs/performance-model.md).
 _GPU = dict(flops_efficiency=0.6, bw_efficiency=0.8, step_overhead_s=1e-3, forward_overhead_s=0.3e-3,
-            train_mfu=0.35)
+            eager_layer_s=0.1e-3, draft_pass_overhead_s=DRAFT_PASS_OVERHEAD_S, train_mfu=0.35)
 
 
 def _gpu(name: str, mem_bw: float, **kw) -> Hardware:

@@ -131,6 +131,41 @@ def geometric_rates(acceptance_length: float, k: int, k_max: int) -> list[float]
     return [a ** i for i in range(1, k_max + 1)]
 
 
+def band_rates(acceptance_lengths: dict[int, float]) -> list[float]:
+    """Per-position rates r_1..r_K from acceptance lengths measured at
+    several k (a chain draft proposes the same tokens whatever k is, so the
+    rates of positions <= k do not depend on k): each band (k_prev, k] sums
+    to AL(k) - AL(k_prev), and within a band the rate falls by a constant
+    factor c from the band's start, r_i = r_{k_prev} c^(i - k_prev) (the
+    i.i.d. shape of Leviathan et al. 2023, Sec. 3.1, band by band; r_0 = 1).
+
+    Args:
+        acceptance_lengths: {k: acceptance length at k}, AL(0) = 1 implied.
+
+    Returns:
+        [r_1, ..., r_K], K the largest k, non-increasing.
+
+    Raises:
+        ValueError: a band whose sum is not in [0, (k - k_prev) r_{k_prev})
+            (named), i.e. lengths that fall with k or grow faster than full
+            acceptance.
+    """
+    rates: list[float] = []
+    k_prev, al_prev, r_prev = 0, 1.0, 1.0
+    for k, al in sorted(acceptance_lengths.items()):
+        n, band = k - k_prev, al - al_prev
+        if n < 1 or not 0.0 <= band < n * r_prev:
+            raise ValueError(f"acceptance length {al} at k={k}: the band ({k_prev}, {k}] would sum to "
+                             f"{band:.3f}, must be in [0, {n * r_prev:.3f})")
+        lo, hi = 0.0, 1.0
+        for _ in range(100):  # bisection on c: the band's sum grows with c
+            c = (lo + hi) / 2
+            lo, hi = (c, hi) if r_prev * sum(c ** i for i in range(1, n + 1)) < band else (lo, c)
+        rates += [r_prev * c ** i for i in range(1, n + 1)]
+        k_prev, al_prev, r_prev = k, al, rates[-1]
+    return rates
+
+
 @dataclass(frozen=True)
 class Pipeline:
     """How the RL step is laid out.

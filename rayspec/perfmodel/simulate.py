@@ -34,13 +34,32 @@ lengths are spread round-robin over the replicas, admitted while the batch
 has room (``max_num_seqs`` and the KV cache), and leave when they reach their
 length, so concurrency decays into the tail. Between two events (a sequence
 finishes) b and k are constant and steps are costed at the midpoint context.
+
+Three terms make extra draft tokens dearer than linear at large batch and
+long context, each from vLLM's documented behaviour:
+- **CUDA-graph capture sizes.** A forward over more query tokens than the
+  largest captured size runs outside graphs (``vllm/config/vllm.py``,
+  ``_set_cudagraph_sizes``: vLLM <= 0.11 captured up to min(2 max_num_seqs
+  (1 + k), 512) tokens, so a speculative batch of b (1 + k) tokens left the
+  graphs at b > 512 / (1 + k); vLLM 0.32 appends the decode sizes,
+  ``cudagraph_max_tokens=None``). Its host launches then pace it:
+  max(device work, layers eager_layer_s).
+- **The token budget.** A step schedules at most ``max_num_batched_tokens``
+  query tokens; beyond it the running requests take turns (s = ceil(b (1 +
+  f k) / budget) steps of b / s sequences).
+- **Lookahead slots.** Each running request holds KV for its 1 + k scheduled
+  tokens and k lookahead slots of the drafter (``VllmConfig.
+  num_lookahead_tokens``; n-gram: none), which admission must leave free.
+The draft's attention over the whole context at each of its k passes and
+the verifier's (k + 1)-query attention are in every forward's FLOPs and KV
+reads (``forward_work``).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rayspec.perfmodel.hardware import Hardware
 from rayspec.perfmodel.shapes import ModelShape
@@ -65,6 +84,10 @@ class Engine:
         draft_fraction: f, the fraction of sequences that draft in a
             speculative step (n-gram: those with a match); the others verify
             one token and draw no noise.
+        cudagraph_max_tokens: the largest CUDA-graph capture size (query
+            tokens); a forward over more runs outside graphs. None: every
+            decode forward replays a graph (vLLM 0.32; the CPU).
+        max_num_batched_tokens: vLLM's token budget per step.
     """
 
     target: ModelShape
@@ -76,6 +99,8 @@ class Engine:
     max_num_seqs: int = 256
     temperature: float = 1.0
     draft_fraction: float = 1.0
+    cudagraph_max_tokens: int | None = None
+    max_num_batched_tokens: int = 16384
 
     def __post_init__(self):
         if self.method not in DRAFT_METHODS:
@@ -84,9 +109,9 @@ class Engine:
             raise ValueError(f"method {self.method}: needs a draft shape")
         if not 0 < self.draft_fraction <= 1:
             raise ValueError(f"draft_fraction={self.draft_fraction}: must be in (0, 1]")
-        if self.tp < 1 or self.replicas < 1 or self.max_num_seqs < 1:
-            raise ValueError(f"tp={self.tp}, replicas={self.replicas}, max_num_seqs={self.max_num_seqs}: "
-                             "must be >= 1")
+        if min(self.tp, self.replicas, self.max_num_seqs, self.max_num_batched_tokens) < 1:
+            raise ValueError(f"tp={self.tp}, replicas={self.replicas}, max_num_seqs={self.max_num_seqs}, "
+                             f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
 
     def kv_capacity_tokens(self) -> float:
         """Tokens of KV cache one replica holds (vLLM: gpu_memory_utilization
@@ -120,12 +145,13 @@ class Engine:
         flops, nbytes = self.forward_work(m, tokens, ctx_sum, q, logit_tokens)
         compute = flops / (hw.peak_flops * hw.flops_efficiency * self.tp)
         memory = nbytes / (hw.mem_bw * hw.bw_efficiency * self.tp)
-        t = hw.forward_overhead_s + m.layers * hw.layer_overhead_s + max(compute, memory) \
-            + (1.0 - hw.overlap) * min(compute, memory)
+        work = max(compute, memory) + (1.0 - hw.overlap) * min(compute, memory)
         if self.tp > 1:  # two ring all-reduces per layer (attention out, MLP out)
             msg = tokens * m.hidden_size * hw.dtype_bytes
-            t += 2 * m.layers * (2 * (self.tp - 1) / self.tp * msg / hw.link_bw + hw.collective_latency_s)
-        return t
+            work += 2 * m.layers * (2 * (self.tp - 1) / self.tp * msg / hw.link_bw + hw.collective_latency_s)
+        if self.cudagraph_max_tokens is not None and tokens > self.cudagraph_max_tokens:
+            return m.layers * hw.layer_overhead_s + max(work, m.layers * hw.eager_layer_s)
+        return hw.forward_overhead_s + m.layers * hw.layer_overhead_s + work
 
     def step_seconds(self, b: int, ctx_sum: float, k: int, accepted: float = 1.0,
                      drafter_idle: bool = False) -> float:
@@ -141,6 +167,9 @@ class Engine:
                 drafter does not run (only meaningful with k = 0).
         """
         drafting = b * self.draft_fraction if k > 0 else 0.0
+        turns = math.ceil((b + drafting * k) / self.max_num_batched_tokens)
+        if turns > 1:  # over the token budget the running requests take turns
+            return turns * self.step_seconds(b / turns, ctx_sum / turns, k, accepted, drafter_idle)
         t = self.hw.step_overhead_s + (b + drafting * k) * self.hw.token_overhead_s
         t += self.forward_seconds(self.target, b + drafting * k, ctx_sum, 1 + drafting * k / b)
         if self.temperature > 0:
@@ -150,7 +179,15 @@ class Engine:
             # (its KV cache must cover every position for later drafts)
             t += self.forward_seconds(self.draft, b * accepted, ctx_sum, accepted)
             t += max(k - 1, 0) * self.forward_seconds(self.draft, b, ctx_sum, 1)
+            t += k * self.hw.draft_pass_overhead_s
         return t
+
+    def slots_per_request(self, k: int) -> int:
+        """KV slots a running request holds beyond its context when the
+        engine drafts up to ``k`` tokens: its 1 + k scheduled tokens and the
+        drafter's k lookahead slots (vLLM 0.32 ``num_lookahead_tokens``: k for
+        EAGLE, MTP and draft models, 0 for n-gram)."""
+        return 1 + k + (k if self.draft is not None else 0)
 
     def prefill_seconds(self, n: int, prompt_len: float, drafter_idle: bool = False) -> float:
         """Prefill of ``n`` prompts of ``prompt_len`` tokens (causal: each
@@ -184,9 +221,10 @@ class Rollout:
 
 
 def _replica(engine: Engine, lengths: list[int], prompt_len: float, k_of, rates: list[float],
-             idle: bool, max_chunk: int = 256) -> Rollout:
+             idle: bool, k_max: int, max_chunk: int = 256) -> Rollout:
     cap = engine.max_num_seqs
     kv_cap = engine.kv_capacity_tokens()
+    slots = engine.slots_per_request(k_max)
     queue = list(lengths)
     queue.reverse()
     active: list[tuple[float, float]] = []  # heap of (finish progress P_adm + length, P_adm)
@@ -198,8 +236,8 @@ def _replica(engine: Engine, lengths: list[int], prompt_len: float, k_of, rates:
         nonlocal adm_sum, t
         n = 0
         while queue and len(active) < cap:
-            in_use = len(active) * prompt_len + len(active) * progress - adm_sum
-            if active and in_use + prompt_len + queue[-1] > kv_cap:
+            in_use = len(active) * (prompt_len + slots) + len(active) * progress - adm_sum
+            if active and in_use + prompt_len + slots + queue[-1] > kv_cap:
                 break
             length = queue.pop()
             heapq.heappush(active, (progress + length, progress))
@@ -247,7 +285,8 @@ def simulate_rollout(engine: Engine, lengths: list[int], prompt_len: float, k_sc
     idle = k_schedule == 0 if isinstance(k_schedule, int) else drafts_nowhere(k_schedule)
     if engine.method == "none" and not idle:
         raise ValueError("k > 0 with method none")
-    runs = [_replica(engine, lengths[r::engine.replicas], prompt_len, k_of, rates, idle)
+    k_max = k_schedule if isinstance(k_schedule, int) else max(int(k) for *_, k in k_schedule)
+    runs = [_replica(engine, lengths[r::engine.replicas], prompt_len, k_of, rates, idle, k_max)
             for r in range(min(engine.replicas, len(lengths)))]
     slowest = max(runs, key=lambda r: r.seconds)
     return Rollout(seconds=slowest.seconds, tokens=sum(lengths), steps=slowest.steps, trace=slowest.trace)
@@ -277,8 +316,8 @@ def best_schedule(engine: Engine, lengths: list[int], prompt_len: float, rates: 
     rollout has when b sequences are in flight. Returned as vLLM's
     ``num_speculative_tokens_per_batch_size`` ([(lo, hi, k)], inclusive,
     adjacent equal k merged)."""
-    plain = simulate_rollout(Engine(engine.target, engine.hw, "none", None, engine.tp, 1,
-                                    engine.max_num_seqs), lengths[::engine.replicas], prompt_len, 0, rates)
+    plain = simulate_rollout(replace(engine, method="none", draft=None, replicas=1),
+                             lengths[::engine.replicas], prompt_len, 0, rates)
     ctx_at = {b: ctx for _, b, _, _, ctx in plain.trace}  # the last (longest) context seen at b
     seen = sorted(ctx_at)
     top = seen[-1]

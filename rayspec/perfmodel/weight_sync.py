@@ -9,6 +9,9 @@ code does it. B = weight bytes, N = nodes holding replicas and trainer.
     collective   = B/pcie (gather to host) + B/pcie (each bucket back to rank 0's GPU)
                  + B/link (the pipelined broadcast; every receiver takes it at once;
                    link = NVLink within a node, the GPU's RDMA NIC across nodes)
+    shared_memory = B/pcie (rank 0 packs the gathered weights into /dev/shm files)
+                 + B/pcie (each replica's host-to-device copy from its read-only map);
+                   one node only
 
 Replicas receive in parallel, so neither depends on the replica count (the
 object store's sender NIC is shared by the other nodes: the (N-1) term). A
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 from rayspec.perfmodel.hardware import Hardware
 
-TRANSPORTS = ("object_store", "collective")
+TRANSPORTS = ("object_store", "collective", "shared_memory")
 
 
 @dataclass(frozen=True)
@@ -44,14 +47,15 @@ def sync_time(transport: str, nbytes: float, hw: Hardware, nodes: int = 1) -> Sy
     """Seconds of one refit of ``nbytes`` (see the module docstring).
 
     Args:
-        transport: ``object_store`` | ``collective``.
+        transport: ``object_store`` | ``collective`` | ``shared_memory``.
         nbytes: bytes of the weights sent (bytes).
         hw: the device preset (``pcie_bw``, ``host_copy_bw``, ``link_bw``,
             ``inter_node_bw``, ``tcp_bw``; bytes/s).
         nodes: nodes the trainer's rank 0 and the replicas span (>= 1).
 
     Raises:
-        ValueError: an unknown transport or nodes < 1.
+        ValueError: an unknown transport, nodes < 1, or shared_memory across
+            nodes.
     """
     if nodes < 1:
         raise ValueError(f"nodes={nodes}: must be >= 1")
@@ -59,6 +63,10 @@ def sync_time(transport: str, nbytes: float, hw: Hardware, nodes: int = 1) -> Sy
     if transport == "object_store":
         transfer = nbytes / hw.host_copy_bw + (nodes - 1) * nbytes / hw.tcp_bw + 2 * nbytes / hw.host_copy_bw
         load = nbytes / hw.host_copy_bw + nbytes / hw.pcie_bw
+    elif transport == "shared_memory":
+        if nodes > 1:
+            raise ValueError(f"weight transport shared_memory on {nodes} nodes: tmpfs is per host (one node only)")
+        transfer, load = 0.0, nbytes / hw.pcie_bw
     elif transport == "collective":
         link = hw.link_bw if nodes == 1 else hw.inter_node_bw
         transfer = nbytes / hw.pcie_bw + nbytes / link
