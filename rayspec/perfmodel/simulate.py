@@ -39,7 +39,7 @@ Three terms make extra draft tokens dearer than linear at large batch and
 long context, each from vLLM's documented behaviour:
 - **CUDA-graph capture sizes.** A forward over more query tokens than the
   largest captured size runs outside graphs (``vllm/config/vllm.py``,
-  ``_set_cudagraph_sizes``: vLLM <= 0.11 captured up to min(2 max_num_seqs
+  ``_set_cudagraph_sizes``: earlier vLLM captured up to min(2 max_num_seqs
   (1 + k), 512) tokens, so a speculative batch of b (1 + k) tokens left the
   graphs at b > 512 / (1 + k); vLLM 0.32 appends the decode sizes,
   ``cudagraph_max_tokens=None``). Its host launches then pace it:

@@ -164,7 +164,8 @@ PAPER_ASSUMPTIONS = {
     "parallelism": "vLLM TP=1, 32 data-parallel replicas (an 8B bf16 model fits one GB200); "
                    "colocated sync: the policy update uses the same 32 GPUs",
     "engine": "max_num_seqs 256, max_num_batched_tokens 16384, CUDA graphs up to 512 query tokens "
-              "(vLLM <= 0.11's default, min(2 max_num_seqs (1 + k), 512)); larger forwards run outside graphs",
+              "(vLLM's default before it appended the decode sizes, min(2 max_num_seqs (1 + k), 512)); "
+              "larger forwards run outside graphs",
     "rollout batch": "512 prompts x 16 samples per step (DAPO's recipe), prompts of 256 tokens",
     "response lengths": "capped exponential, cap 16384 tokens, the mean chosen so that the plain rollout takes "
                         "the published generation seconds (100.0 s RL-Zero, 133.6 s RL-Think)",
