@@ -673,6 +673,11 @@ class DraftConfig:
             and replays (1: train on the current step's features only).
         num_cpus: Ray CPUs reserved for the DraftTrainer actor.
         num_gpus: Ray GPUs reserved for the DraftTrainer actor.
+        max_restarts: times Ray restarts a DraftTrainer that died (Ray's
+            actor option of the same name; -1: always). A restarted one
+            rejoins at the next step from the newest checkpoint's draft
+            state (docs/faults.md); after that many, the run goes on with
+            the head the replicas hold, no longer trained.
         torch_threads: intra-op threads of the DraftTrainer (it runs while the
             other roles wait, in the colocated layout).
         idle_train_every: while the head is idle (adaptive k drafted in less
@@ -710,6 +715,7 @@ class DraftConfig:
     buffer_steps: int = 4
     num_cpus: float = 0.2
     num_gpus: float = 0.0
+    max_restarts: int = 3
     torch_threads: int = 2
     idle_train_every: int = 4
     idle_train_max_every: int = 32
@@ -721,6 +727,8 @@ class DraftConfig:
         _check(self.lr is None or (_is_number(self.lr) and self.lr > 0), f"{key}.lr", self.lr,
                "must be a number > 0, or null (see DraftConfig)")
         _check(self.ttt_steps >= 1, f"{key}.ttt_steps", self.ttt_steps, "must be >= 1")
+        _check(_is_int(self.max_restarts) and self.max_restarts >= -1, f"{key}.max_restarts", self.max_restarts,
+               "must be an integer >= -1 (-1: always restart)")
         _check(_is_number(self.tv_loss_weight) and self.tv_loss_weight >= 0, f"{key}.tv_loss_weight",
                self.tv_loss_weight, "must be a number >= 0")
         _check(_is_int(self.idle_train_every) and self.idle_train_every >= 0, f"{key}.idle_train_every",

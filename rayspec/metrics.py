@@ -111,6 +111,7 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
         "draft_acceptance_clusters": draft_result.get("draft_acceptance_clusters", 0),
         "draft_acceptance_by_share": draft_result.get("draft_acceptance_by_share", []),
         "num_drafts": stats.num_drafts,
+        "draft_stale_repairs": stats.draft_stale_repairs,
         "num_draft_tokens": stats.num_draft_tokens,
         "num_accepted_tokens": stats.num_accepted_tokens,
         "rollout_tokens": stats.output_tokens,

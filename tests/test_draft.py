@@ -723,8 +723,15 @@ def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp
     transport.close()
     eng.receive_refit("draft", trainer.vllm_weights(), version=2)
     again_batch, again = eng.generate(prompts, n=1, temperature=0.0, max_tokens=32)
+    # the drafter loses its own weights (as a wake that dropped them would): the next rollout
+    # finds it and loads the newest draft its refits carry again before generating
+    eng.llm.collective_rpc(_lose_draft_weights)
+    _, repaired = eng.generate(prompts, n=1, temperature=0.0, max_tokens=32,
+                               refits={"draft": (2, trainer.vllm_weights())})
     versions = eng.versions()
     eng.shutdown()
+    assert [s.draft_stale_repairs for s in (before, after, again, repaired)] == [0, 0, 0, 1]
+    assert (repaired.num_drafts, repaired.num_accepted_tokens) == (again.num_drafts, again.num_accepted_tokens)
     print(f"acceptance length untrained {before.acceptance_length:.2f} -> trained {after.acceptance_length:.2f} "
           f"(collective), {again.acceptance_length:.2f} (object store)")
     # Position by position, the head's own teacher-forced top-1 (the TTT
@@ -748,6 +755,15 @@ def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp
     assert after.acceptance_length > before.acceptance_length + 0.3
     assert (again.num_drafts, again.num_accepted_tokens) == (after.num_drafts, after.num_accepted_tokens)
     assert versions["draft"] == 2
+
+
+def _lose_draft_weights(worker) -> None:
+    """In a vLLM worker: zero the EAGLE-3 head's norms (its linear layers
+    are packed copies on the CPU, ``cpu_fixes``; the norms are the tensors
+    it computes with)."""
+    for name, p in worker.model_runner.get_draft_model().named_parameters():
+        if "norm" in name:
+            p.data.zero_()
 
 
 def _replayed_rates(head, policy, batch: RolloutBatch, k: int, temperature: float, draws: int = 40):

@@ -68,6 +68,7 @@ def _sleeping_engine(calls: list, **state):
     eng = object.__new__(SpecVLLMEngine)
     eng.__dict__.update({"llm": LLM(), "sleep_mode": True, "_asleep": set(), "_lock": threading.Lock(),
                          "_busy": [], "_busy_since": None, "adaptive": None, "policy_version": 0,
+                         "speculative_config": None,
                          "_discarded": False, **state})
     eng.object_store = ObjectStoreReceiver(eng)
     return eng

@@ -7,6 +7,7 @@ and the notebooks."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -126,6 +127,21 @@ class FakeDraftTrainer:
 
     def __init__(self):
         self.version, self.chunks, self.lock = 0, [], threading.Condition()
+        self.start, self.restored = "first", None
+
+    def incarnation(self):
+        return self.start, self.restored is not None
+
+    def restart(self):  # what Ray's restart leaves: a new start at the initial head
+        self.version, self.start, self.restored = 0, "second", None
+
+    def set_state(self, tensors, meta):
+        self.version, self.restored = meta["version"], sorted(tensors)
+        return self.version
+
+    def set_version(self, version):
+        self.version = version
+        return version
 
     def submit_features(self, refs, indices):
         with self.lock:
@@ -162,6 +178,8 @@ def _run(tmp_path, draft_online: bool, steps: int = 3, overrides: tuple = (), re
     policy = FakePolicy(calls)
     actor = FakeDraftTrainer.remote() if draft_online else None
     draft = DraftClient(actor, Ranks(), [1, 2], 1, TrainingCadence(0, 0.0)) if draft_online else NullDraft()
+    if draft_online:
+        draft.connect()
     coord = Coordinator(cfg, FakeTokenizer(), replicas, ObjectStoreSender(replicas), lambda: draft.acceptance,
                         MetricsLog(tmp_path))
     try:
@@ -204,6 +222,56 @@ def test_steps_run_their_phases_in_order_with_the_draft_beside_the_policy(ray_se
         assert "overlong_penalty_mean" not in r
     checkpoints = [c for c in calls if c[0] == "checkpoint"]
     assert checkpoints == [("checkpoint", 2, 2, True), ("checkpoint", 3, 3, True)]
+
+
+def test_a_restarted_draft_trainer_rejoins_from_the_newest_checkpoint_with_a_draft_state(ray_session, tmp_path,
+                                                                                          caplog):
+    """Ray restarted the DraftTrainer (its head is the initial one again, its
+    calls succeed): the next step's start sees the new incarnation, restores
+    the newest checkpoint that holds a draft state, numbers the head past
+    the replicas' version and sends it at the refit; the records count the
+    restart and the updates lost. Once Ray gives up, the run goes on
+    untrained, said once as an error."""
+    from types import SimpleNamespace
+
+    from rayspec.draft.state import save_draft_state
+
+    ckpts = [tmp_path / "checkpoint_1", tmp_path / "checkpoint_2", tmp_path / "checkpoint_3"]
+    for d in ckpts:
+        d.mkdir()
+    save_draft_state(({"head.w": torch.ones(2)}, {"version": 2, "rng": [3, [1, 2], None]}), ckpts[0])
+    (ckpts[2] / "draft.json").write_text('{"version": 3, "rng": [3, [1, 2], nu')  # cut off mid-write
+    actor = FakeDraftTrainer.remote()
+    draft = DraftClient(actor, Ranks(), [1, 2], 1, TrainingCadence(0, 0.0), checkpoint_dirs=lambda: ckpts)
+    draft.connect()
+    draft.version = 3  # what the replicas hold: one update after checkpoint_1's
+    rollout = SimpleNamespace(stats=SimpleNamespace(drafted_share=1.0))
+    refits = []
+    coord = SimpleNamespace(refit=lambda target, weights, version: refits.append((target, version)))
+    try:
+        assert draft.begin(rollout) and draft.restarts == 0  # the same start: nothing to do
+        ray.get(actor.restart.remote())
+        assert draft.begin(rollout)
+        assert ray.get(actor.incarnation.remote()) == ("second", True)
+        assert (draft.version, draft.restarts, draft.versions_lost) == (4, 1, 1)
+        draft.refit(coord, {})  # not trained this step: the restored head still goes out
+        assert refits == [("draft", 4)]
+        draft.refit(coord, {})
+        assert refits == [("draft", 4)]
+        rec = draft.record({}, 0.0, 1.0)
+        assert (rec["draft_alive"], rec["draft_restarts"], rec["draft_versions_lost"]) == (1, 1, 1)
+        assert draft.state_dict()["draft_restarts"] == 1
+    finally:
+        ray.kill(actor)
+    with pytest.raises(ray.exceptions.RayActorError):  # ray.kill lands asynchronously
+        for _ in range(100):
+            ray.get(actor.incarnation.remote())
+            time.sleep(0.1)
+    with caplog.at_level(logging.ERROR, logger="rayspec.draft.client"):
+        assert not draft.begin(rollout) and not draft.begin(rollout)
+    said = [r.getMessage() for r in caplog.records if r.name == "rayspec.draft.client" and r.levelno >= logging.ERROR]
+    assert len(said) == 1 and "NO LONGER TRAINED" in said[0]
+    assert draft.record({}, 0.0, 1.0)["draft_alive"] == 0
 
 
 def test_without_online_training_the_step_is_the_same_minus_the_draft(ray_session, tmp_path):
@@ -283,3 +351,23 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_refills_them_from_new_pr
         assert len(r["response_lens"]) == 4  # prompts_per_step * group_size, whatever the rounds
     assert sum(c[0] == "generate" for c in calls) == sum(r["sampling_rounds"] for r in records)
     assert any(r["sampling_rounds"] > 1 for r in records), "the seeded prompts never needed a refill"
+
+
+def test_an_acceptance_collapse_on_one_replica_is_reported_only_with_an_unchanged_head():
+    from rayspec.rollout.spec_stats import AcceptanceWatch, SpecStats
+
+    def stats(rates: dict[str, float]) -> SpecStats:
+        return SpecStats(replicas={r: SpecStats(num_drafts=100, accepted_per_pos=[int(100 * p), 0])
+                                   for r, p in rates.items()})
+
+    watch = AcceptanceWatch(fraction=0.5, window=5, patience=2)
+    for _ in range(3):
+        assert watch.observe(stats({"a": 0.6, "b": 0.6}), draft_version=1) == []
+    # b drops to 0.1 (the head it should hold gives 0.6): the second step in a row is reported
+    assert watch.observe(stats({"a": 0.6, "b": 0.1}), draft_version=1) == []
+    [c] = watch.observe(stats({"a": 0.6, "b": 0.1}), draft_version=1)
+    assert (c["replica"], c["rate"], c["median"], c["steps"]) == ("b", 0.1, 0.6, 2)
+    # a new head explains a drop: the count starts again
+    assert watch.observe(stats({"a": 0.6, "b": 0.1}), draft_version=2) == []
+    # a replica that drafted nothing (adaptive k idle) is not a collapse
+    assert watch.observe(SpecStats(replicas={"a": SpecStats(), "b": SpecStats()}), draft_version=2) == []

@@ -11,8 +11,9 @@ waits and refits.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import ray
 
@@ -22,6 +23,7 @@ from rayspec.draft.trainer import TrainingCadence
 log = logging.getLogger(__name__)
 
 DRAFT_TRAINER_NAME = "rayspec-draft-trainer"  # the actor's name in the run's namespace
+RESTART_WAIT_S = 120.0  # how long a step's start waits for a restarting DraftTrainer (then: the next step)
 
 
 class FeatureSink:
@@ -86,6 +88,15 @@ class NullDraft:
 class DraftClient(NullDraft):
     """Online EAGLE-3 training through the DraftTrainer actor.
 
+    Ray restarts a DraftTrainer that dies (``draft.max_restarts``). At each
+    step's start rank 0 asks it for its incarnation. A new one means a
+    restart, whether or not a call failed: the step restores it from the
+    draft state of the newest checkpoint that has one (else it keeps its
+    initial head), numbers it past the version the replicas hold, and sends
+    it to them at the step's refit. Only once Ray gives up does the run go
+    on with the replicas' head, no longer trained; that is logged once, as
+    an error.
+
     Args:
         actor: the DraftTrainer's actor handle (``DRAFT_TRAINER_NAME``).
         ranks: this rank among the Train workers (``rayspec.train.ranks.Ranks``).
@@ -93,35 +104,112 @@ class DraftClient(NullDraft):
         steps_per_rl_step: the head's optimizer steps per RL step (0: it
             never trains, ``draft.steps_per_rl_step``).
         cadence: which steps train it (rank 0; ``TrainingCadence``).
+        checkpoint_dirs: lists the run's checkpoint directories, oldest
+            first (where a restarted DraftTrainer is restored from).
 
     Attributes:
-        alive: the actor answers (rank 0's view; a dead one is not called again).
+        alive: the actor answers (rank 0's view).
         version: the head's version the replicas hold.
         acceptance: the DraftTrainer's last estimate (version, rates per
             position, by share), which the next rollouts carry to the replicas.
+        restarts: restarts taken over in the run.
+        versions_lost: head updates those restarts lost (trained after the
+            checkpoint each was restored from).
     """
 
     def __init__(self, actor, ranks, aux_layer_ids: list[int], steps_per_rl_step: int,
-                 cadence: TrainingCadence):
+                 cadence: TrainingCadence, checkpoint_dirs: Callable[[], list[Path]] = list):
         self.actor, self.ranks, self.aux_layer_ids = actor, ranks, aux_layer_ids
         self.steps_per_rl_step, self.cadence = steps_per_rl_step, cadence
+        self.checkpoint_dirs = checkpoint_dirs
         self.alive = True
         self.version = 0
         self.acceptance = None
+        self.restarts = self.versions_lost = 0
+        self._incarnation = None  # rank 0: the DraftTrainer start this client works with
+        self._given_up = False  # Ray will not restart it again
+        self._resend = False  # rank 0: a restored head the replicas have yet to get
         self._training = False  # this step trains the head
         self._alive_at_start = True  # rank 0: the DraftTrainer was alive when the step began
         self._call = None  # rank 0: the step's DraftTrainer.train call
 
+    def connect(self) -> None:
+        """Rank 0, as the Train workers start: note the DraftTrainer's
+        incarnation (one that does not answer is taken over at a step's
+        start, ``begin``)."""
+        try:
+            self._incarnation = ray.get(self.actor.incarnation.remote(), timeout=RESTART_WAIT_S)[0]
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            self._died("the start", e)
+
+    def lost(self) -> None:
+        """The DraftTrainer died for good before these Train workers started."""
+        self.alive, self._given_up = False, True
+
     def begin(self, rollout) -> bool:
         """Whether this step trains the head (collective: rank 0 decides from
-        the rollout's drafted share, ``TrainingCadence.due``; never once the
-        DraftTrainer died)."""
+        the rollout's drafted share, ``TrainingCadence.due``, after taking
+        over a DraftTrainer Ray restarted; never while it is dead)."""
         due = None
         if self.ranks.is_driver:
+            if not self._given_up:
+                self._check_incarnation()
             self._alive_at_start = self.alive
             due = self.alive and self.steps_per_rl_step > 0 and self.cadence.due(rollout.stats.drafted_share)
         self._training = bool(self.ranks.broadcast(due))
         return self._training
+
+    def _check_incarnation(self) -> None:
+        deadline = time.monotonic() + RESTART_WAIT_S
+        try:
+            while True:
+                try:
+                    incarnation, _ = ray.get(self.actor.incarnation.remote(),
+                                             timeout=max(0.1, deadline - time.monotonic()))
+                    break
+                except ray.exceptions.ActorUnavailableError:  # restarting
+                    if time.monotonic() > deadline:
+                        raise ray.exceptions.GetTimeoutError() from None
+                    time.sleep(0.5)
+        except ray.exceptions.GetTimeoutError:
+            self.alive = False  # still restarting: the next step asks again
+            log.warning("the DraftTrainer did not answer within %.0f s: the head does not train this step",
+                        RESTART_WAIT_S)
+            return
+        except ray.exceptions.RayActorError as e:
+            self.alive, self._given_up = False, True
+            log.error("the DraftTrainer is dead and Ray will not restart it again (draft.max_restarts; %s): "
+                      "the run continues with draft head version %d on the replicas, NO LONGER TRAINED, and "
+                      "checkpoints from now on hold no draft state (restarts taken over: %d)",
+                      type(e).__name__, self.version, self.restarts)
+            return
+        if incarnation != self._incarnation:
+            self._rejoin(incarnation)
+        else:
+            self.alive = True
+
+    def _rejoin(self, incarnation: str) -> None:
+        """Take over a DraftTrainer Ray restarted (rank 0)."""
+        held, restored, source = self.version, 0, "its initial head (no checkpoint has a readable draft state)"
+        try:
+            for d in reversed([d for d in self.checkpoint_dirs() if (d / "draft.json").is_file()]):
+                try:
+                    restored, source = restore_draft_state(self.actor, d), d
+                    break
+                except (ray.exceptions.RayTaskError, OSError, ValueError) as e:  # e.g. a half-written file
+                    log.warning("the draft state in %s does not load (%s); trying an older checkpoint", d,
+                                type(e).__name__)
+                    ray.get(self.actor.reset.remote())  # nothing half-loaded stays
+            self.version = ray.get(self.actor.set_version.remote(held + 1))
+        except ray.exceptions.RayActorError as e:
+            self._died("its restart", e)
+            return
+        self.restarts += 1
+        self.versions_lost += max(0, held - restored)
+        self._incarnation, self.alive, self._resend, self.acceptance = incarnation, True, True, None
+        log.warning("the DraftTrainer was restarted (restart %d in the run): restored from %s (draft version "
+                    "%d; the %d update(s) after it are lost), sent to the replicas as version %d",
+                    self.restarts, source, restored, max(0, held - restored), self.version)
 
     def start(self, policy, shard) -> Optional[FeatureSink]:
         """Start the head's training beside the policy update (collective):
@@ -157,15 +245,26 @@ class DraftClient(NullDraft):
         return result
 
     def refit(self, coordinator, result: dict[str, Any]) -> None:
-        """Send the head the step trained to the replicas (rank 0)."""
-        if result:
-            coordinator.refit("draft", ray.get(self.actor.vllm_weights.remote()), self.version)
+        """Send the head the step trained, or a restarted DraftTrainer's
+        restored one, to the replicas (rank 0)."""
+        if not (result or self._resend) or not self.alive:
+            return
+        try:
+            weights = ray.get(self.actor.vllm_weights.remote())
+        except ray.exceptions.RayActorError as e:
+            self._died("the refit", e)
+            return
+        self._resend = False
+        coordinator.refit("draft", weights, self.version)
 
     def record(self, result: dict[str, Any], start: float, end: float) -> dict[str, Any]:
-        """The step record's lifecycle fields: ``draft_alive``, and where the
-        DraftTrainer was alive at the step's start ``draft_trained`` and
-        ``idle_draft_s`` (seconds of [start, end] it was not training)."""
-        out = {"draft_alive": int(self.alive)}
+        """The step record's lifecycle fields: ``draft_alive``,
+        ``draft_restarts`` and ``draft_versions_lost`` (so far in the run),
+        and where the DraftTrainer was alive at the step's start
+        ``draft_trained`` and ``idle_draft_s`` (seconds of [start, end] it
+        was not training)."""
+        out = {"draft_alive": int(self.alive), "draft_restarts": self.restarts,
+               "draft_versions_lost": self.versions_lost}
         if self._alive_at_start:
             busy = max(0.0, min(result["end_time"], end) - max(result["start_time"], start)) if result else 0.0
             out.update(draft_trained=int(self._training), idle_draft_s=max(0.0, (end - start) - busy))
@@ -224,10 +323,13 @@ class DraftClient(NullDraft):
             return False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"draft_version": self.version, "draft_cadence": self.cadence.state_dict()}
+        return {"draft_version": self.version, "draft_cadence": self.cadence.state_dict(),
+                "draft_restarts": self.restarts, "draft_versions_lost": self.versions_lost}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = state.get("draft_version", 0)
+        self.restarts = state.get("draft_restarts", 0)
+        self.versions_lost = state.get("draft_versions_lost", 0)
         if "draft_cadence" in state:  # absent from checkpoints written before the cadence
             self.cadence.load_state_dict(state["draft_cadence"])
 
@@ -241,10 +343,11 @@ class DraftClient(NullDraft):
             return []  # the first step finds it dead and goes on without it
 
     def _died(self, when: str, err: Exception) -> None:
-        """The DraftTrainer is gone: the run goes on with the head the replicas hold."""
+        """The DraftTrainer died: the run goes on with the head the replicas
+        hold until a restart rejoins (``begin``)."""
         self.alive = False
-        log.warning("%s: the DraftTrainer died (%s); the run continues with draft head version %d on the "
-                    "replicas, no longer trained (checkpoints from now on hold no draft state)",
+        log.warning("%s: the DraftTrainer died (%s); draft head version %d stays on the replicas, untrained, "
+                    "until Ray restarts it (draft.max_restarts) and a step's start restores it",
                     when, type(err).__name__, self.version)
 
 

@@ -19,6 +19,7 @@ import queue
 import random
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,10 @@ class DraftTrainer:
         self._pending: queue.Queue = queue.Queue()
         self._buffer: collections.deque = collections.deque(maxlen=max(1, buffer_steps))
         self._lock = threading.Lock()  # optimizer steps vs. get_state / set_state / reset
+        # a new id each time Ray (re)starts the actor: a client that sees it change knows the
+        # head went back to head_dir's, whatever calls succeeded since (draft.max_restarts)
+        self._incarnation = uuid.uuid4().hex
+        self._adopted = False  # set_state / set_version on this incarnation
         self._start()
 
     def _start(self) -> None:
@@ -164,6 +169,21 @@ class DraftTrainer:
             self._abandon_pending()
             self._start()
         return had
+
+    def incarnation(self) -> tuple[str, bool]:
+        """(an id of this start of the actor, a restart by Ray gives a new
+        one; whether a client took this start over: ``set_state`` or
+        ``set_version`` ran on it)."""
+        return self._incarnation, self._adopted
+
+    def set_version(self, version: int) -> int:
+        """Number the head's next update ``version + 1`` (a client that
+        restored this restarted actor from an older checkpoint keeps
+        versions increasing past what the replicas held); returns it."""
+        with self._lock:
+            self.version = int(version)
+            self._adopted = True
+        return self.version
 
     def submit_features(self, feature_refs: list, indices: list[int] | None = None) -> int:
         """Queue features for the (running or next) ``train`` call; returns the queue length.
@@ -337,6 +357,7 @@ class DraftTrainer:
                                       if k.startswith(f"buffer.{si}.{ci}.")} for ci in range(n)])
             self._rng.setstate(meta["rng"])
             self.version = int(meta["version"])
+            self._adopted = True
         return self.version
 
     def save_state(self, out_dir: str) -> None:

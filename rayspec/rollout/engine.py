@@ -305,6 +305,8 @@ class SpecVLLMEngine:
         log.info("replica %s: vLLM %s, model runner %s", self.replica_id, vllm_version(), self.model_runner)
         self.policy_version = 0
         self.draft_version = 0
+        # what the drafter held after its last load: compared before each rollout
+        self._draft_reference = self._draft_digest()
         self.object_store = ObjectStoreReceiver(self)
         self.collective = CollectiveReceiver(self)
         self.shared_memory = SharedMemoryReceiver(self)
@@ -536,6 +538,7 @@ class SpecVLLMEngine:
         """
         from vllm import SamplingParams, TokensPrompt
 
+        repairs = self._check_draft()
         for name, (version, weights) in (refits or {}).items():
             have = self.versions()[name]
             if version > have:
@@ -577,10 +580,40 @@ class SpecVLLMEngine:
         n_tok = sum(len(r) for r in batch.response_ids)
         stats = diff_counters(before, stats_after, n_tok, wall)
         stats.k_schedule = schedule if self.adaptive is not None else []
+        stats.draft_stale_repairs = repairs
         if self.adaptive is not None:
             self._adapt(stats, schedule, [len(r) for r in batch.response_ids])
         stats.replicas = {self.replica_id: dataclasses.replace(stats)}
         return batch, stats
+
+    def _draft_digest(self) -> Optional[list]:
+        """Per vLLM worker, the drafter's {parameter: sum} (``rayspec_weight_sums``:
+        as vLLM lays the weights out, shared verifier modules included); None
+        for methods without a draft model (n-gram, suffix)."""
+        if not self.speculative_config or self.speculative_config.get("method") in ("ngram", "suffix"):
+            return None
+        return self.llm.collective_rpc(RefitExtension.rayspec_weight_sums.__name__, args=("draft",))
+
+    def _check_draft(self) -> int:
+        """Before a rollout: whether the drafter still holds what its last
+        load gave it (a sleep and wake, or a refit, can lose the draft's
+        weights, and nothing else would show it but acceptance falling to
+        zero). On a mismatch the draft version is marked unknown (-1), so
+        the rollout's ``refits`` load the newest draft again first (or, with
+        no payload, ``ReplicaBehind`` gets it sent). Returns 1 where it
+        found the draft stale, else 0."""
+        if self._draft_reference is None:
+            return 0
+        with self._busy_section():
+            self._wake(("weights",))
+            held = self._draft_digest()
+            if held == self._draft_reference:
+                return 0
+            log.error("replica %s: the draft weights it holds are not those of draft version %d (lost in a "
+                      "sleep / wake or a refit); loading the newest draft again before generating",
+                      self.replica_id, self.draft_version)
+            self.draft_version = -1
+        return 1
 
     def _draft_estimated(self, version: int, rates: list[float], by_share: Optional[list] = None) -> None:
         """Hand the estimate of draft ``version`` to the controller once, if
@@ -703,6 +736,8 @@ class SpecVLLMEngine:
 
     def _loaded(self, target: str, version: int) -> None:
         """Bookkeeping after ``target``'s weights landed (under the lock)."""
+        # a policy refit moves the verifier modules the drafter shares (embeddings)
+        self._draft_reference = self._draft_digest()
         if target == "policy":
             self.llm.reset_prefix_cache()
             self.policy_version = version

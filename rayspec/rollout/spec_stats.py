@@ -20,6 +20,9 @@ class SpecStats:
             of stats keeps every replica's entry, summed per replica).
         k_schedule: the [(lo, hi, k)] batch-size schedule the engine drafted
             with (adaptive speculation); empty when k was fixed.
+        draft_stale_repairs: times a replica found the draft weights it
+            held were not those of its last refit (lost in a sleep / wake
+            or a refit) and loaded them again before generating.
     """
 
     num_drafts: int = 0
@@ -30,6 +33,7 @@ class SpecStats:
     wall_s: float = 0.0
     replicas: dict[str, "SpecStats"] = field(default_factory=dict)
     k_schedule: list = field(default_factory=list)
+    draft_stale_repairs: int = 0
 
     @property
     def acceptance_length(self) -> float:
@@ -84,6 +88,7 @@ class SpecStats:
              else self.replicas.get(k) or other.replicas[k]
              for k in {**self.replicas, **other.replicas}},
             self.k_schedule or other.k_schedule,
+            self.draft_stale_repairs + other.draft_stale_repairs,
         )
 
 
@@ -117,3 +122,55 @@ def diff_counters(before: dict, after: dict, output_tokens: int, wall_s: float) 
         output_tokens=output_tokens,
         wall_s=wall_s,
     )
+
+
+class AcceptanceWatch:
+    """Finds an acceptance collapse on a replica: its position-1 acceptance
+    rate below ``fraction`` of the median over its last ``window`` steps,
+    for ``patience`` steps in a row, while the draft head it drafted with
+    did not change. That is the sign of draft weights lost on the replica
+    (a wake or a refit that left it a different head), which a new head
+    would not explain. Replicas that drafted nothing in a step are skipped.
+
+    Args:
+        fraction: the collapse threshold, as a fraction of the median.
+        window: steps of each replica's history the median covers.
+        patience: consecutive collapsed steps before it is reported.
+    """
+
+    def __init__(self, fraction: float = 0.5, window: int = 5, patience: int = 2):
+        self.fraction, self.window, self.patience = fraction, window, patience
+        self._history: dict[str, list[float]] = {}  # replica -> position-1 rates of steps before
+        self._low: dict[str, int] = {}  # replica -> consecutive collapsed steps, same head
+        self._head: dict[str, int] = {}  # replica -> the draft version of its last step
+
+    def observe(self, stats: SpecStats, draft_version: int) -> list[dict]:
+        """Look at one step's rollout.
+
+        Args:
+            stats: the step's SpecStats (``replicas``: per replica).
+            draft_version: the draft head's version the rollout drafted with.
+
+        Returns:
+            One entry per replica that collapsed this step: {"replica",
+            "rate" (position 1), "median" (of its window), "steps"}.
+        """
+        found = []
+        for rid, s in sorted(stats.replicas.items()):
+            if not s.num_drafts or not s.accepted_per_pos:
+                continue
+            rate = s.acceptance_rate_per_pos[0]
+            past = self._history.setdefault(rid, [])
+            if self._head.get(rid, draft_version) != draft_version:
+                self._low[rid] = 0  # a new head: its rate may move for that reason
+            self._head[rid] = draft_version
+            median = sorted(past)[len(past) // 2] if past else None
+            if median is not None and len(past) >= self.patience and rate < self.fraction * median:
+                self._low[rid] = self._low.get(rid, 0) + 1
+                if self._low[rid] >= self.patience:
+                    found.append({"replica": rid, "rate": rate, "median": median, "steps": self._low[rid]})
+                continue  # collapsed steps stay out of the median
+            self._low[rid] = 0
+            past.append(rate)
+            del past[:-self.window]
+        return found

@@ -286,6 +286,31 @@ def _has_mtp_layers(policy_cfg: dict) -> bool:
         "mimo" in str(policy_cfg.get("model_type", ""))
 
 
+def save_draft_head(draft, first_start, out: Path) -> bool:
+    """Write the DraftTrainer's head to ``out`` after the run (its final
+    head), unless the actor died, or Ray restarted it after the last step
+    and no step took the restart over (it holds ``out``'s initial head
+    again); ``first_start``: the ObjectRef of ``incarnation()`` called on
+    its first start. Returns whether it wrote."""
+    why = None
+    try:
+        now, adopted = ray.get(draft.incarnation.remote())
+        try:
+            first = ray.get(first_start)[0]
+        except ray.exceptions.RayActorError:  # died before answering: only adoption tells
+            first = None
+        if now != first and not adopted:
+            why = "was restarted after the last step"
+        else:
+            ray.get(draft.save.remote(str(out)))
+    except ray.exceptions.RayActorError:
+        why = "died at the end of the run"
+    if why:
+        log.warning("the DraftTrainer %s: %s is not its final head; the last checkpoint with a draft state "
+                    "holds the newest one", why, out)
+    return why is None
+
+
 def checkpoints(run_dir: str | Path) -> list[Path]:
     """The Ray Train checkpoint directories of a run, oldest first."""
     return sorted(p for p in (Path(run_dir) / TRAIN_STORAGE / TRAIN_NAME).glob("checkpoint_*") if p.is_dir())
@@ -364,7 +389,8 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
                  "none (a fresh head)" if draft_prior is None else f"{draft_prior:.3f}")
         # threaded: features arrive (submit_features) while train() runs
         draft = ray.remote(DraftTrainer).options(
-            name=DRAFT_TRAINER_NAME, max_concurrency=2, **plan.draft_options()).remote(
+            name=DRAFT_TRAINER_NAME, max_concurrency=2, max_restarts=cfg.draft.max_restarts,
+            **plan.draft_options()).remote(
             draft_dir, lr, cfg.draft.ttt_steps, cfg.draft.torch_threads,
             cfg.draft.buffer_steps, cfg.trainer.seed,
             plan.cores.get("draft", {}).get(plan.role("draft")[0].node_id),
@@ -372,6 +398,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
             num_speculative_tokens=spec.num_speculative_tokens,
             draft_sample_method=spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
             temperature=cfg.grpo.temperature, tv_loss_weight=cfg.draft.tv_loss_weight)
+        first_start = draft.incarnation.remote()  # runs on the first start, whatever happens later
     log.info("rollout ready in %.0fs", time.perf_counter() - t0)
     try:
         trainer = TorchTrainer(
@@ -388,12 +415,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
         )
         trainer.fit()
         if draft is not None:
-            try:
-                ray.get(draft.save.remote(str(run_dir / "draft_head")))
-            except ray.exceptions.RayActorError:
-                log.warning("the DraftTrainer died during the run: %s is not its final head; "
-                            "the last checkpoint with a draft state holds the newest one",
-                            run_dir / "draft_head")
+            save_draft_head(draft, first_start, run_dir / "draft_head")
     finally:
         serve.delete(ROLLOUT_APP)
         # Serve was started for the rollout app (without HTTP proxies): shut it

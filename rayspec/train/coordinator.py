@@ -21,7 +21,7 @@ from rayspec.data import PromptSource, prompt_ids, train_and_heldout
 from rayspec.reward.pool import RewardPool, RewardResult
 from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, step_record
 from rayspec.rollout.client import RolloutClient, shard_seed
-from rayspec.rollout.spec_stats import SpecStats
+from rayspec.rollout.spec_stats import AcceptanceWatch, SpecStats
 from rayspec.scheduler.pipeline import RolloutPipeline
 from rayspec.sync import WeightSender
 from rayspec.train.evaluate import eval_due, read_baseline, score_eval, write_baseline
@@ -84,6 +84,8 @@ class Coordinator:
         self.evals: list[dict[str, Any]] = []  # evaluations since the last step record
         self.sleep_reported = False
         self.batches = 0  # batches drawn: the RL step the last submitted batch trains at
+        self.acceptance_watch = AcceptanceWatch()
+        self._draft_drafted_with = 0  # the draft version the replicas held during this step's rollout
 
     @classmethod
     def start(cls, cfg: RunConfig, tokenizer, device: torch.device, draft_acceptance) -> "Coordinator":
@@ -203,9 +205,22 @@ class Coordinator:
                draft_fields: dict[str, Any], draft_version: int, timer: PhaseTimer, start: float,
                end: float) -> dict[str, Any]:
         """The step's record (``metrics.step_record``), with each replica's
-        engine work over the step and the refits that landed."""
-        return step_record(step, self.cfg, rollout, train_metrics, draft_result, draft_fields, draft_version,
-                           timer, start, end, self.rollouts.busy_intervals(start), self.sender.take_stats())
+        engine work over the step and the refits that landed, and
+        ``acceptance_collapse`` where a replica's acceptance collapsed
+        (``AcceptanceWatch``; logged, naming the replica)."""
+        record = step_record(step, self.cfg, rollout, train_metrics, draft_result, draft_fields, draft_version,
+                             timer, start, end, self.rollouts.busy_intervals(start), self.sender.take_stats())
+        # the head the replicas held as this step's rollouts drafted: the last step's (in async
+        # mode a batch generated ahead may have drafted with an older one)
+        used, self._draft_drafted_with = self._draft_drafted_with, draft_version
+        collapsed = self.acceptance_watch.observe(rollout.stats, used)
+        for c in collapsed:
+            log.warning("step %d: replica %s's acceptance collapsed: position-1 rate %.3f against a median of "
+                        "%.3f, %d steps in a row with draft head version %d unchanged (draft weights lost on "
+                        "that replica?)", step, c["replica"], c["rate"], c["median"], c["steps"], used)
+        if collapsed:
+            record["acceptance_collapse"] = collapsed
+        return record
 
     def finish_step(self, version: int, record: dict[str, Any]) -> None:
         """After the step that made ``version``: evaluate it if due, then

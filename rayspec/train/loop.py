@@ -162,12 +162,18 @@ def open_draft(cfg: RunConfig, ranks: Ranks, aux_layer_ids, prior) -> DraftClien
     where it died before these Train workers started)."""
     if not aux_layer_ids:
         return NullDraft()
+    from rayspec.scheduler.driver import checkpoints
+
     actor, lost = find_draft_trainer(ranks, True)
     client = DraftClient(actor, ranks, aux_layer_ids, cfg.draft.steps_per_rl_step,
                          TrainingCadence(cfg.draft.idle_train_every, cfg.draft.min_acceptance_gain,
                                          cfg.draft.min_drafted_share, prior=prior,
-                                         max_idle_every=cfg.draft.idle_train_max_every))
-    client.alive = not lost
+                                         max_idle_every=cfg.draft.idle_train_max_every),
+                         checkpoint_dirs=lambda: checkpoints(cfg.trainer.run_dir))
+    if lost:
+        client.lost()
+    elif ranks.is_driver:
+        client.connect()
     return client
 
 

@@ -134,6 +134,8 @@ class RefitExtension:
         runner = self.model_runner
         model = runner.get_model() if which == "policy" else \
             tp.require(runner, "get_draft_model", tp.REFIT)()
+        if model is None:  # a drafter without a model (n-gram, suffix)
+            return {}
         sums = {name: float(p.detach().float().sum()) for name, p in model.named_parameters()}
         sums.update({f"{name}.weight": m.rayspec_weight_sum for name, m in model.named_modules()
                      if hasattr(m, "rayspec_weight_sum")})
