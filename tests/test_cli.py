@@ -78,7 +78,7 @@ def test_a_run_dir_that_cannot_be_written_is_refused_naming_the_key(where, capsy
     assert not ray.is_initialized()
 
 
-@pytest.mark.parametrize("job", ["bench_pipeline", "bench_refit", "bench_rl", "warmstart_draft", "serve",
+@pytest.mark.parametrize("job", ["bench_pipeline", "bench_refit", "bench_rl", "bench_serve", "warmstart_draft", "serve",
                                  "project_speedup", "bench_rollout", "bench_step", "check_lossless", "check_vllm"])
 def test_every_jobs_help_describes_it_in_whole_sentences(job):
     out = subprocess.run([sys.executable, "-m", f"jobs.{job}", "--help"], cwd=REPO, capture_output=True,

@@ -359,3 +359,52 @@ def test_draft_state_is_staged_by_the_draft_trainer_on_its_node(ray_session, hea
     finally:
         ray.kill(trained)
         ray.kill(fresh)
+
+
+def test_a_checkpoint_whose_writer_is_killed_mid_copy_is_never_read(tmp_path):
+    """Ray Train copies a checkpoint into the run directory, then registers
+    it. A writer SIGKILLed mid-copy leaves a partial directory; only the
+    registered one is listed (so resume and a restarted DraftTrainer read
+    it), and it loads."""
+    import signal
+    import subprocess
+    import sys
+
+    import torch
+
+    from rayspec.draft.state import load_draft_state, save_draft_state
+
+    root = tmp_path / "ray_train" / "train"
+    done = root / "checkpoint_2026-01-01_00-00-01"
+    done.mkdir(parents=True)
+    (done / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    save_draft_state(({"head.w": torch.arange(1 << 20, dtype=torch.float32)}, {"version": 2, "rng": [3, [1], None]}),
+                     done)
+    (root / "checkpoint_manager_snapshot.json").write_text(
+        json.dumps({"checkpoint_results": [{"checkpoint_dir_name": done.name}]}))
+    partial = root / "checkpoint_2026-01-01_00-00-09"
+    # the writer: the same files, 64 KiB at a time, slowly; it says when it is inside draft.safetensors
+    writer = subprocess.Popen([sys.executable, "-c", f"""
+import pathlib, sys, time
+src, dst = pathlib.Path({str(done)!r}), pathlib.Path({str(partial)!r})
+dst.mkdir()
+for f in sorted(src.iterdir(), key=lambda f: f.suffix != ".json"):
+    data = f.read_bytes()
+    with open(dst / f.name, "wb") as out:
+        for i in range(0, len(data), 1 << 16):
+            out.write(data[i:i + (1 << 16)]); out.flush()
+            if f.suffix == ".safetensors" and i == 1 << 17:
+                print("inside", flush=True)
+            time.sleep(0.01)
+"""], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "inside"
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(timeout=30)
+    assert (partial / "draft.json").is_file()  # killed mid-write, its JSON already there
+    assert (partial / "draft.safetensors").stat().st_size < (done / "draft.safetensors").stat().st_size
+    assert checkpoints(tmp_path) == [done]
+    tensors, meta = load_draft_state(checkpoints(tmp_path)[-1])
+    assert meta["version"] == 2 and torch.equal(tensors["head.w"], torch.arange(1 << 20, dtype=torch.float32))
+    (root / "checkpoint_manager_snapshot.json").write_text('{"checkpoint_results": [')  # half-written
+    with pytest.raises(ValueError, match="checkpoint_manager_snapshot.json"):
+        checkpoints(tmp_path)

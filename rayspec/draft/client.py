@@ -192,7 +192,12 @@ class DraftClient(NullDraft):
         """Take over a DraftTrainer Ray restarted (rank 0)."""
         held, restored, source = self.version, 0, "its initial head (no checkpoint has a readable draft state)"
         try:
-            for d in reversed([d for d in self.checkpoint_dirs() if (d / "draft.json").is_file()]):
+            found = [d for d in self.checkpoint_dirs() if (d / "draft.json").is_file()]
+        except ValueError as e:  # an unreadable checkpoint snapshot
+            log.warning("the run's checkpoints cannot be listed (%s)", e)
+            found = []
+        try:
+            for d in reversed(found):
                 try:
                     restored, source = restore_draft_state(self.actor, d), d
                     break
