@@ -15,8 +15,8 @@ Starts ``python -m jobs.serve <run dir> --port P`` as a user would (or uses
    4xx in the OpenAI error shape ({"error": {"message", "type", ...}}),
    and a valid request must succeed right after it.
 3. **Disconnect**: a streaming request with a large ``max_tokens`` is
-   dropped after its first chunk; vLLM must abort it (its "Aborted
-   request" log line in the Serve replica's log) and the server go on.
+   dropped after its first chunk; its server replica must cancel it
+   (Serve's "CANCELLED" line in the Ray session's logs) and the server go on.
 
 Writes the JSON (``--out``) and a latency plot beside it. Uses only the
 standard library's HTTP client (threads), so what is timed is the server.
@@ -236,22 +236,28 @@ def bad_inputs(client: Client, max_model_len: int) -> list[dict]:
     return rows
 
 
-def disconnect(client: Client, logs: Path | None, since: float) -> dict:
-    """Drop a streaming request after its first chunk; then whether vLLM
-    logged its abort (Serve replica logs under ``logs`` changed after
-    ``since``) and a valid request succeeds."""
+def _cancelled(logs: Path | None) -> int | None:
+    """Calls Serve replicas logged as cancelled ("CALL chat CANCELLED":
+    Serve cancels a request whose client went away, which stops its vLLM
+    generation), in the Ray session's logs (the LLM server's go to its
+    worker's stderr); None without logs."""
+    if logs is None or not logs.is_dir():
+        return None
+    files = [*logs.glob("worker-*.err"), *logs.glob("serve/*.log")]
+    return sum(f.read_text(errors="replace").count(" CANCELLED ") for f in files)
+
+
+def disconnect(client: Client, logs: Path | None) -> dict:
+    """Drop a streaming request after its first chunk; then whether its
+    server replica cancelled it (``_cancelled``: the Ray session's logs
+    under ``logs``) and a valid request succeeds."""
+    before = _cancelled(logs)
     r = client.stream(PROMPTS[2], max_tokens=512, stop_after_first=True)
-    time.sleep(3.0)  # the abort reaches the engine asynchronously
-    aborted = None
-    if logs is not None and logs.is_dir():
-        aborted = False
-        for f in logs.glob("**/*.log"):
-            if f.stat().st_mtime >= since and "Aborted request" in f.read_text(errors="replace"):
-                aborted = True
-                break
+    time.sleep(3.0)  # the cancellation reaches the replica asynchronously
+    after_count = _cancelled(logs)
     after = client.chat(PROMPTS[1], 4)
-    return {"first_chunk_s": r["first_chunk_s"], "chunks_read": r["tokens"], "aborted_logged": aborted,
-            "serving_after": after["status"] == 200}
+    return {"first_chunk_s": r["first_chunk_s"], "chunks_read": r["tokens"],
+            "cancelled": None if before is None else after_count > before, "serving_after": after["status"] == 200}
 
 
 def _serve(run_dir: str, port: int, timeout_s: float = 900.0) -> tuple[subprocess.Popen, str]:
@@ -304,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = OmegaConf.load(Path(ns.run_dir) / "config.yaml")
     max_model_len = int(cfg.rollout.engine_kwargs.get("max_model_len") or 4096)
-    proc, since = None, time.time()
+    proc = None
     if ns.url:
         url, model = ns.url, Path(ns.run_dir).resolve().name
     else:
@@ -316,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {"model": model, "url": url, "concurrency": ns.concurrency, "max_tokens": ns.max_tokens,
                   "load": load(client, ns.requests, ns.concurrency, ns.max_tokens, ns.duration_s)}
         result["bad_input"] = bad_inputs(client, max_model_len)
-        logs = Path("/tmp/ray/session_latest/logs/serve") if proc is not None else None
-        result["disconnect"] = disconnect(client, logs, since)
+        logs = Path("/tmp/ray/session_latest/logs") if proc is not None else None
+        result["disconnect"] = disconnect(client, logs)
     finally:
         if proc is not None:
             proc.terminate()
@@ -339,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['case']:<18}{r['status']:>5}  {str(r['openai_error_shape']):<13}{str(r['error_type']):<24}"
               f"{str(r['serving_after']):<14}{r['message'][:70]}")
     d = result["disconnect"]
-    print(f"\ndisconnect after the first chunk: abort logged {d['aborted_logged']}, serving after {d['serving_after']}")
+    print(f"\ndisconnect after the first chunk: cancelled {d['cancelled']}, serving after {d['serving_after']}")
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

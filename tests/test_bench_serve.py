@@ -80,7 +80,7 @@ def test_bad_inputs_need_a_4xx_in_the_openai_shape_and_a_server_still_serving(se
 
 
 def test_disconnect_and_percentiles(server):
-    d = disconnect(Client(server, "m"), logs=None, since=0.0)
-    assert d["chunks_read"] == 1 and d["serving_after"] and d["aborted_logged"] is None
+    d = disconnect(Client(server, "m"), logs=None)
+    assert d["chunks_read"] == 1 and d["serving_after"] and d["cancelled"] is None
     assert percentile([], 50) is None and percentile([3.0], 99) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile(list(range(101)), 99) == 99

@@ -68,3 +68,22 @@ def test_llm_config_without_speculation_and_on_gpus(tmp_path, tiny_llama_dir):
     assert "speculative_config" not in llm.engine_kwargs
     assert llm.placement_group_config["bundles"] == [{"CPU": 1, "GPU": 1}] * 2
     assert llm.deployment_config["num_replicas"] == 2
+
+
+def test_an_unknown_model_is_refused_in_the_openai_error_shape():
+    """Ray Serve LLM's ingress refuses an unknown model with FastAPI's
+    {"detail": ...}; rayspec's answers 404 in the OpenAI shape through
+    Ray's own error middleware, and serves a known one as before."""
+    import asyncio
+
+    from ray.llm._internal.serve.utils.server_utils import get_response_for_error
+
+    from rayspec.tools.ingress import NotFoundError, OpenAiErrorIngress
+
+    ingress = object.__new__(OpenAiErrorIngress)
+    ingress._model_cards = {"run": object()}
+    assert asyncio.run(ingress._get_model_id("run")) == "run"
+    with pytest.raises(NotFoundError) as e:
+        asyncio.run(ingress._get_model_id("nope"))
+    error = get_response_for_error(e.value, "request-1").model_dump()["error"]
+    assert (error["code"], error["type"]) == (404, "NotFoundError") and '"nope"' in error["message"]

@@ -133,7 +133,7 @@ class FakeDraftTrainer:
         return self.start, self.restored is not None
 
     def restart(self):  # what Ray's restart leaves: a new start at the initial head
-        self.version, self.start, self.restored = 0, "second", None
+        self.version, self.start, self.restored = 0, f"{self.start}+", None
 
     def set_state(self, tensors, meta):
         self.version, self.restored = meta["version"], sorted(tensors)
@@ -252,7 +252,7 @@ def test_a_restarted_draft_trainer_rejoins_from_the_newest_checkpoint_with_a_dra
         assert draft.begin(rollout) and draft.restarts == 0  # the same start: nothing to do
         ray.get(actor.restart.remote())
         assert draft.begin(rollout)
-        assert ray.get(actor.incarnation.remote()) == ("second", True)
+        assert ray.get(actor.incarnation.remote()) == ("first+", True)
         assert (draft.version, draft.restarts, draft.versions_lost) == (4, 1, 1)
         draft.refit(coord, {})  # not trained this step: the restored head still goes out
         assert refits == [("draft", 4)]
@@ -261,6 +261,14 @@ def test_a_restarted_draft_trainer_rejoins_from_the_newest_checkpoint_with_a_dra
         rec = draft.record({}, 0.0, 1.0)
         assert (rec["draft_alive"], rec["draft_restarts"], rec["draft_versions_lost"]) == (1, 1, 1)
         assert draft.state_dict()["draft_restarts"] == 1
+        # restarted again right after a checkpoint of the head the replicas hold: nothing lost, nothing sent
+        ckpts.append(tmp_path / "checkpoint_4")
+        ckpts[-1].mkdir()
+        save_draft_state(({"head.w": torch.ones(2)}, {"version": 4, "rng": [3, [1, 2], None]}), ckpts[-1])
+        ray.get(actor.restart.remote())
+        assert draft.begin(rollout)
+        draft.refit(coord, {})
+        assert (draft.version, draft.restarts, draft.versions_lost, refits) == (4, 2, 1, [("draft", 4)])
     finally:
         ray.kill(actor)
     with pytest.raises(ray.exceptions.RayActorError):  # ray.kill lands asynchronously

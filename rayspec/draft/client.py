@@ -92,10 +92,10 @@ class DraftClient(NullDraft):
     step's start rank 0 asks it for its incarnation. A new one means a
     restart, whether or not a call failed: the step restores it from the
     draft state of the newest checkpoint that has one (else it keeps its
-    initial head), numbers it past the version the replicas hold, and sends
-    it to them at the step's refit. Only once Ray gives up does the run go
-    on with the replicas' head, no longer trained; that is logged once, as
-    an error.
+    initial head); where that is not the head the replicas hold, it numbers
+    it past their version and sends it to them at the step's refit. Only
+    once Ray gives up does the run go on with the replicas' head, no longer
+    trained; that is logged once, as an error.
 
     Args:
         actor: the DraftTrainer's actor handle (``DRAFT_TRAINER_NAME``).
@@ -205,16 +205,20 @@ class DraftClient(NullDraft):
                     log.warning("the draft state in %s does not load (%s); trying an older checkpoint", d,
                                 type(e).__name__)
                     ray.get(self.actor.reset.remote())  # nothing half-loaded stays
-            self.version = ray.get(self.actor.set_version.remote(held + 1))
+            if restored != held:  # another head than the replicas': a new version for them
+                self.version = ray.get(self.actor.set_version.remote(held + 1))
         except ray.exceptions.RayActorError as e:
             self._died("its restart", e)
             return
         self.restarts += 1
         self.versions_lost += max(0, held - restored)
-        self._incarnation, self.alive, self._resend, self.acceptance = incarnation, True, True, None
+        self._incarnation, self.alive, self._resend = incarnation, True, restored != held
+        if restored != held:
+            self.acceptance = None
         log.warning("the DraftTrainer was restarted (restart %d in the run): restored from %s (draft version "
-                    "%d; the %d update(s) after it are lost), sent to the replicas as version %d",
-                    self.restarts, source, restored, max(0, held - restored), self.version)
+                    "%d; the %d update(s) after it are lost)%s", self.restarts, source, restored,
+                    max(0, held - restored), f", sent to the replicas as version {self.version}" if self._resend
+                    else ": the head the replicas hold")
 
     def start(self, policy, shard) -> Optional[FeatureSink]:
         """Start the head's training beside the policy update (collective):

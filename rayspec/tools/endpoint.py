@@ -120,7 +120,8 @@ def llm_config(run_dir: str | Path, model_id: str | None = None, num_replicas: i
 
 
 def build_app(configs: list, ingress_num_cpus: float = 0.0):
-    """The OpenAI app (``ray.serve.llm.build_openai_app``) for ``configs``.
+    """The OpenAI app (``ray.serve.llm.build_openai_app``) for ``configs``,
+    its ingress ``OpenAiErrorIngress`` (every refusal in the OpenAI error shape).
 
     Args:
         configs: LLMConfigs (``llm_config``).
@@ -130,6 +131,8 @@ def build_app(configs: list, ingress_num_cpus: float = 0.0):
     """
     from ray.serve.llm import build_openai_app
 
-    return build_openai_app({"llm_configs": configs,
+    from rayspec.tools.ingress import OpenAiErrorIngress
+
+    return build_openai_app({"llm_configs": configs, "ingress_cls_config": {"ingress_cls": OpenAiErrorIngress},
                              "ingress_deployment_config": {
                                  "ray_actor_options": {"num_cpus": ingress_num_cpus}}})
