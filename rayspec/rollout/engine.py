@@ -602,7 +602,9 @@ class SpecVLLMEngine:
         the rollout's ``refits`` load the newest draft again first (or, with
         no payload, ``ReplicaBehind`` gets it sent). Returns 1 where it
         found the draft stale, else 0."""
-        if self._draft_reference is None:
+        # after a level-2 sleep the shared verifier weights are gone until the policy refit,
+        # which takes the reference again
+        if self._draft_reference is None or self._discarded:
             return 0
         with self._busy_section():
             self._wake(("weights",))
