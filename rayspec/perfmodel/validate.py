@@ -4,11 +4,15 @@
 (``calibrate.fit_plain``), predict every cell of a ``jobs.bench_rollout``
 run (tokens/s per method, k and concurrency) and report the error.
 
-``published``: with Qwen3-8B's shape on 32 GB200 and the published acceptance
-lengths, reproduce the generation speedups, k sweeps and sync end-to-end
-speedup of NeMo-RL's speculative rollouts (arXiv 2604.26779; figures as
-reported in its public summaries), then project Qwen3-235B-A22B. Every
-assumption the paper does not state is in ``PAPER_ASSUMPTIONS``.
+``published``: with Qwen3-8B's shape on 32 GB200 and the per-position
+acceptance the published EAGLE-3 lengths imply (``band_rates``), calibrate
+on the k = 3 figures only (``calibrate_k3``), then predict the k = 5 / 7
+generation speedups, the sync and async step speedups of NeMo-RL's
+speculative rollouts (arXiv 2604.26779; figures as reported in its public
+summaries) and project Qwen3-235B-A22B; beside them, what adaptive k would
+have chosen (``adaptive_k``) and rayspec's weight transports against
+published refit times (``weight_sync_anchors``). Every assumption the
+paper does not state is in ``PAPER_ASSUMPTIONS``.
 """
 
 from __future__ import annotations
