@@ -269,7 +269,7 @@ def _serve(run_dir: str, port: int, timeout_s: float = 900.0) -> tuple[subproces
     for line in proc.stdout:
         print("  serve |", line.rstrip()[:200], flush=True)
         if line.startswith("serving '"):
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep draining
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # drained, or the server blocks
             return proc, line.split("'")[1]
         if time.time() - t0 > timeout_s:
             break

@@ -122,12 +122,7 @@ def geometric_rates(acceptance_length: float, k: int, k_max: int) -> list[float]
     Raises:
         ValueError: ``acceptance_length`` not in [1, k + 1).
     """
-    if not 1.0 <= acceptance_length < k + 1:
-        raise ValueError(f"acceptance length {acceptance_length}: must be in [1, {k + 1}) at k={k}")
-    lo, hi = 0.0, 1.0
-    for _ in range(100):
-        a = (lo + hi) / 2
-        lo, hi = (a, hi) if sum(a ** i for i in range(k + 1)) < acceptance_length else (lo, a)
+    a = band_rates({k: acceptance_length})[0]  # one band from r_0 = 1: r_i = a^i
     return [a ** i for i in range(1, k_max + 1)]
 
 

@@ -194,17 +194,17 @@ def paper_engines(hw: hardware.Hardware, target: ModelShape | None = None, tp: i
             Engine(target, hw, "eagle3", target.eagle3_head(32000), **common))
 
 
-def paper_workload(name: str, plain: Engine, sequences: int = SEQUENCES, seconds: float | None = None) -> Workload:
-    """The workload of run ``name``: ``sequences`` capped-exponential
-    response lengths whose plain rollout on ``plain`` takes ``seconds``
-    (default: the published generation seconds), per-position acceptance
-    from the published lengths (``band_rates``).
+def paper_workload(name: str, plain: Engine) -> Workload:
+    """The workload of run ``name``: ``SEQUENCES`` capped-exponential
+    response lengths whose plain rollout on ``plain`` takes the published
+    generation seconds, per-position acceptance from the published lengths
+    (``band_rates``).
 
     Raises:
-        ValueError: no mean length below the cap reaches ``seconds``.
+        ValueError: no mean length below the cap reaches those seconds.
     """
     run = PAPER_RUNS[name]
-    seconds = run.generation_s if seconds is None else seconds
+    seconds, sequences = run.generation_s, SEQUENCES
     rates = band_rates(run.acceptance_lengths)
 
     def plain_s(mean: float) -> float:
@@ -248,27 +248,32 @@ def calibrate_k3(field: str = "draft_pass_overhead_s", bounds: tuple[float, floa
         ValueError: an unknown field (``Hardware.with_overrides``).
     """
     base = (hw or hardware.get("gb200")).with_overrides(**{field: bounds[0]})
-    cache: dict[float, tuple[float, dict[str, Workload]]] = {}
     solved = {n: paper_workload(n, paper_engines(base)[0]) for n in PAPER_RUNS}
 
     def trial(v: float) -> tuple[float, dict[str, Workload]]:
-        if v not in cache:
-            plain, spec = paper_engines(base.with_overrides(**{field: v}))
-            for n, w in solved.items():  # re-solved only where the field moves plain steps
-                plain_s = simulate_rollout(plain, w.lengths, w.prompt_len, 0, w.rates).seconds
-                if abs(plain_s / PAPER_RUNS[n].generation_s - 1.0) > 1e-3:
-                    solved[n] = paper_workload(n, plain)
-            works = dict(solved)
-            loss = sum(math.log(_speedup(plain, spec, w, 3) / PAPER_RUNS[n].generation_speedup[3]) ** 2
-                       for n, w in works.items())
-            cache[v] = loss, works
-        return cache[v]
+        plain, spec = paper_engines(base.with_overrides(**{field: v}))
+        for n, w in solved.items():  # re-solved only where the field moves plain steps
+            plain_s = simulate_rollout(plain, w.lengths, w.prompt_len, 0, w.rates).seconds
+            if abs(plain_s / PAPER_RUNS[n].generation_s - 1.0) > 1e-3:
+                solved[n] = paper_workload(n, plain)
+        works = dict(solved)
+        loss = sum(math.log(_speedup(plain, spec, w, 3) / PAPER_RUNS[n].generation_speedup[3]) ** 2
+                   for n, w in works.items())
+        return loss, works
 
     g = (math.sqrt(5) - 1) / 2
     a, b = bounds
-    for _ in range(iterations):
-        c, d = b - g * (b - a), a + g * (b - a)
-        a, b = (a, d) if trial(c)[0] < trial(d)[0] else (c, b)
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = trial(c)[0], trial(d)[0]
+    for _ in range(iterations):  # one new trial a round: the kept point is the next round's other
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = trial(c)[0]
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = trial(d)[0]
     value = (a + b) / 2
     hw_v = base.with_overrides(**{field: value})
     works = trial(value)[1]

@@ -26,6 +26,7 @@ from rayspec.devices import assigned_gpu
 from rayspec.draft.client import DraftClient, NullDraft, find_draft_trainer
 from rayspec.draft.trainer import TrainingCadence
 from rayspec.metrics import PhaseTimer, plot_run
+from rayspec.scheduler.driver import checkpoints
 from rayspec.scheduler.placement import ClusterFitError, check_device_sharing
 from rayspec.train.coordinator import Coordinator, Follower
 from rayspec.train.policy import PolicyWorker, build_engine, deepspeed_config
@@ -162,8 +163,6 @@ def open_draft(cfg: RunConfig, ranks: Ranks, aux_layer_ids, prior) -> DraftClien
     where it died before these Train workers started)."""
     if not aux_layer_ids:
         return NullDraft()
-    from rayspec.scheduler.driver import checkpoints
-
     actor, lost = find_draft_trainer(ranks, True)
     client = DraftClient(actor, ranks, aux_layer_ids, cfg.draft.steps_per_rl_step,
                          TrainingCadence(cfg.draft.idle_train_every, cfg.draft.min_acceptance_gain,

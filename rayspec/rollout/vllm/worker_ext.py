@@ -136,7 +136,8 @@ class RefitExtension:
             tp.require(runner, "get_draft_model", tp.REFIT)()
         if model is None:  # a drafter without a model (n-gram, suffix)
             return {}
-        sums = {name: float(p.detach().float().sum()) for name, p in model.named_parameters()}
+        # accumulated in fp32 without an fp32 copy of the tensor (an 8B policy's embedding: 2.5 GB)
+        sums = {name: float(p.detach().sum(dtype=torch.float32)) for name, p in model.named_parameters()}
         sums.update({f"{name}.weight": m.rayspec_weight_sum for name, m in model.named_modules()
                      if hasattr(m, "rayspec_weight_sum")})
         return sums
