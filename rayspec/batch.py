@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from rayspec.devices import to_device
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -19,7 +22,9 @@ class RolloutBatch:
         rollout_logprobs: per sample, log p(token) under the rollout engine
             (float, length T_i), used as the behaviour policy in the ratio.
         group: per sample, index of its prompt (GRPO group id).
-        policy_version: version of the policy weights that sampled the batch.
+        policy_version: version of the policy weights that sampled the batch;
+            of a batch joined from parts sampled by several versions, the
+            oldest (``join_versions``).
         rewards: per sample scalar reward (set by the reward stage).
         advantages: per sample GRPO advantage (set by ``group_advantages``).
         texts: decoded responses (for logs).
@@ -51,11 +56,8 @@ class RolloutBatch:
     def gather(parts: list[tuple["RolloutBatch", list[int]]]) -> "RolloutBatch":
         """The samples ``idx`` of each (batch, idx) in ``parts``, in order,
         each distinct (part, group) renumbered 0, 1, ... in order of first
-        appearance; versions must agree."""
-        versions = {b.policy_version for b, _ in parts}
-        if len(versions) != 1:
-            raise ValueError(f"cannot join rollouts of policy versions {sorted(versions)}")
-        out = RolloutBatch([], [], [], [], policy_version=versions.pop())
+        appearance; the version is ``join_versions``'."""
+        out = RolloutBatch([], [], [], [], policy_version=join_versions([b for b, _ in parts]))
         ids: dict[tuple[int, int], int] = {}
         for n, (b, idx) in enumerate(parts):
             for i in idx:
@@ -67,11 +69,9 @@ class RolloutBatch:
 
     @staticmethod
     def concat(parts: list["RolloutBatch"]) -> "RolloutBatch":
-        """Join shards (e.g. from several replicas) in order; versions must agree."""
-        versions = {p.policy_version for p in parts}
-        if len(versions) != 1:
-            raise ValueError(f"cannot join rollouts of policy versions {sorted(versions)}")
-        out = RolloutBatch([], [], [], [], policy_version=versions.pop())
+        """Join shards (e.g. from several replicas) in order; the version is
+        ``join_versions``'."""
+        out = RolloutBatch([], [], [], [], policy_version=join_versions(parts))
         for p in parts:
             for name in ("prompt_ids", "response_ids", "rollout_logprobs", "group",
                          "rewards", "advantages", "texts"):
@@ -104,3 +104,26 @@ class RolloutBatch:
         adv = torch.tensor(self.advantages or [0.0] * B, dtype=torch.float32)
         return to_device({"input_ids": input_ids, "attention_mask": attn, "response_mask": resp_mask,
                           "rollout_logprobs": old_lp, "advantages": adv}, device)
+
+
+def join_versions(parts: list[RolloutBatch]) -> int:
+    """The policy version of a batch joined from ``parts``: the oldest part's.
+
+    In async mode the parts of one batch can be sampled by different
+    versions: a shard retried on a replica that had already loaded a newer
+    refit (a replica Serve started in place of a dead one catches up to the
+    newest weights), or dynamic sampling's refills drawn from batches
+    generated later. Each sample keeps its own behaviour logprobs, so the
+    importance ratio stays exact; the batch counts as its oldest part, the
+    largest policy lag among its samples, which is what ``max_policy_lag``
+    bounds.
+
+    Raises:
+        ValueError: no parts.
+    """
+    if not parts:
+        raise ValueError("no rollouts to join")
+    versions = sorted({p.policy_version for p in parts})
+    if len(versions) > 1:
+        log.info("joining rollouts of policy versions %s: the batch counts as version %d", versions, versions[0])
+    return versions[0]

@@ -587,7 +587,9 @@ class GRPOConfig:
             (``OverlongBufferConfig``).
         dynamic_sampling: DAPO's dynamic sampling: groups whose rewards
             are all equal (no GRPO signal) are dropped and refilled from new
-            prompts (``Coordinator.reward``; sync mode).
+            prompts (``Coordinator.reward``; in async mode the refills are
+            the batches generated ahead, and the joined batch counts as its
+            oldest part's policy version).
         max_sampling_rounds: rollout rounds a step may draw to fill
             ``data.prompts_per_step`` informative groups (>= 1); short after
             them, the step trains on equal-reward groups too.
@@ -982,9 +984,6 @@ def check_across_sections(cfg: RunConfig) -> None:
     _check(ws.backend != "nccl" or cfg.scheduler.layout == "split", "rollout.weight_sync.backend", ws.backend,
            "colocated, the trainer's rank 0 shares its GPU with a replica and NCCL refuses two ranks on one "
            "device: use gloo (or auto)")
-    _check(not cfg.grpo.dynamic_sampling or cfg.scheduler.mode == "sync", "grpo.dynamic_sampling",
-           cfg.grpo.dynamic_sampling, "needs scheduler.mode=sync: a refilled batch would join rollouts of "
-           "different policy versions in async mode")
     if cfg.trainer.eval_every:
         _check(cfg.data.eval_num_problems >= 1, "data.eval_num_problems", cfg.data.eval_num_problems,
                "must be >= 1 while trainer.eval_every > 0")
