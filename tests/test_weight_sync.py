@@ -159,6 +159,72 @@ def test_tensor_parallel_workers_each_join_and_load_their_shard(tiny_llama_dir):
         eng.shutdown()
 
 
+class _Member:
+    """A replica of one worker that joins the group for real (gloo) and
+    receives refits; ``dies`` makes it die at its join, before checking in,
+    as a SIGKILLed replica would (Serve's handle then drops it)."""
+
+    def __init__(self, replica_id: str, engines: list, dies: bool = False):
+        self.replica_id, self.engines, self.dies = replica_id, engines, dies
+        self.joins: list = []
+        self.pg = None
+
+    def weight_sync_member(self):
+        return {"replica_id": self.replica_id, "group_id": None, "num_workers": 1}
+
+    def join_weight_sync(self, host, port, offsets, world, backend, timeout_s, group_id, barrier_port):
+        import ray
+
+        from rayspec.rollout.vllm import engine_access
+        from rayspec.sync.collective import check_in
+
+        if self.dies:
+            self.engines.remove(self)
+            raise ray.exceptions.ActorDiedError()
+        try:
+            check_in(host, barrier_port, timeout_s, self.replica_id)
+        except WeightSyncError as e:
+            self.joins.append(str(e))
+            raise
+        self.pg = engine_access.stateless_group(host, port, offsets[self.replica_id], world, backend, timeout_s)
+        self.joins.append("joined")
+        return offsets[self.replica_id]
+
+    def receive_weights(self, target, buckets, version, group_id):
+        self.received = {}
+        for bucket in buckets:
+            buffer = torch.empty(bucket_nbytes(bucket), dtype=torch.uint8)
+            self.pg.broadcast(buffer, 0).wait()
+            self.received.update(unpack_bucket(buffer, bucket))
+        return version
+
+
+def test_a_replica_dying_while_the_group_forms_does_not_hold_the_others():
+    """Replica b dies at its join (as a replica SIGKILLed while the group
+    forms). Replica a, waiting at the check-in barrier, is told to give up
+    at once rather than after ``timeout_s`` (vLLM's rendezvous would hold
+    its engine that long); the group forms again without b, and the refit
+    lands in a."""
+    import time
+
+    from rayspec.rollout.client import LocalReplicas
+
+    engines: list = []
+    a, b = _Member("a", engines), _Member("b", engines, dies=True)
+    engines += [a, b]
+    transport = CollectiveSender(RolloutClient(LocalReplicas(engines), 2), "gloo", 1 << 20, timeout_s=120)
+    t0 = time.monotonic()
+    try:
+        assert transport.send("policy", _state_dict(), 1).results() == [1]
+    finally:
+        transport.close()
+    assert time.monotonic() - t0 < 30
+    assert len(a.joins) == 2 and "abandoned (a member died)" in a.joins[0] and a.joins[1] == "joined"
+    for name, t in _state_dict().items():
+        if name != "lm_head.weight":  # tied: sent once, as the embedding
+            assert torch.equal(a.received[name], t), name
+
+
 def _join_as_rank_1(host: str, port: int, out) -> None:
     from rayspec.rollout.vllm import engine_access
 

@@ -172,6 +172,19 @@ class RolloutClient:
         """Each replica's weight-sync membership (``SpecVLLMEngine.weight_sync_member``)."""
         return self._broadcast(SpecVLLMEngine.weight_sync_member).results()
 
+    def running_replicas(self) -> int:
+        """How many replicas Serve's controller sees running (``LocalReplicas``:
+        its engines), asked of the controller: a replica answers one call at
+        a time (``max_ongoing_requests=1``), so it cannot be asked while it
+        waits in a call."""
+        if isinstance(self.handle, LocalReplicas):
+            return len(self.handle.engines)
+        from ray import serve
+
+        app = serve.status().applications.get(self.handle.app_name)
+        deployment = app.deployments.get(self.handle.deployment_name) if app else None
+        return deployment.replica_states.get("RUNNING", 0) if deployment else 0
+
     def join_weight_sync(self, *args):
         """Every replica joins a weight-sync group (``SpecVLLMEngine.join_weight_sync``)."""
         return self._broadcast(SpecVLLMEngine.join_weight_sync, *args)

@@ -17,6 +17,17 @@ run in CI; rayspec uses vLLM's group constructor and bucket layout instead
 and keeps its own receive hook (the draft refit must skip the modules the
 head shares with the verifier).
 
+Forming a group, each replica joins once its engine is free (in async mode
+after the rollout it is generating), and vLLM's rendezvous then blocks in
+C++ until every rank is in, for up to ``timeout_s``. A member that dies
+before joining would hold the others' engines that long (10 minutes by
+default). So members first check in at a barrier in Python
+(``JoinBarrier``), where rank 0, watching that every member is still
+alive, can tell them to give up; the rendezvous starts only once all are
+in, and the group is formed again from the live replicas. (Rank 0 asks
+Serve's controller how many replicas run: a replica answers one call at a
+time, and each is in its join.)
+
 A replica Serve restarts after a failure is not in the group: it raises
 ``ReplicaBehind`` at its first rollout, the rollout's shard comes back with
 the newest weights as ObjectRefs (``catch_up``: one ``ray.put`` per version,
@@ -29,7 +40,8 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from typing import Any, Optional
+from datetime import timedelta
+from typing import Any, Callable, Optional
 
 import ray
 import torch
@@ -157,10 +169,28 @@ class CollectiveSender(WeightSender):
             stats["weight_sync_transport"] = self._fallback.name
         return stats
 
-    def _ensure_group(self) -> None:
+    def _ensure_group(self, attempts: int = 3) -> None:
         """Form the group anew unless every live replica is in the current
         one (a replica Serve started since, or a new trainer rank 0 after a
-        Train restart, makes a new group)."""
+        Train restart, makes a new group). A member that dies while the
+        group forms is left out of the next of ``attempts``.
+
+        Raises:
+            WeightSyncError: the group did not form within ``timeout_s``.
+            ray.exceptions.RayActorError: members kept dying (the refit is
+                skipped; the replicas catch up before their next rollout).
+        """
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._form_group()
+            except ray.exceptions.RayActorError as e:
+                if attempt == attempts:
+                    raise
+                log.warning("weight sync: a replica died while the group formed (%s); forming it again from the "
+                            "live replicas (%d/%d)", type(e).__name__, attempt, attempts - 1)
+                time.sleep(1.0)  # Serve's handle drops the dead replica
+
+    def _form_group(self) -> None:
         members = self.replicas.weight_sync_members()
         ids = frozenset(m["replica_id"] for m in members)
         if self._pg is not None and ids == self._members and \
@@ -174,19 +204,31 @@ class CollectiveSender(WeightSender):
             offsets[m["replica_id"]] = world
             world += m["num_workers"]
         host, port, group_id = ray.util.get_node_ip_address(), engine_access.open_port(), uuid.uuid4().hex
-        joining = self._start(self.replicas.join_weight_sync, host, port, offsets, world, self.backend, self.timeout_s,
-                              group_id)
+        where = (f"the weight-sync group at {host}:{port} ({self.backend}, {world} ranks: rank 0 and replicas "
+                 f"{offsets} at their first rank)")
+        barrier = JoinBarrier(host, len(offsets), self.timeout_s)
+        joining = self._start(self.replicas.join_weight_sync, host, port, offsets, world, self.backend,
+                              self.timeout_s, group_id, barrier.port)
+        try:
+            barrier.wait(lambda: self._alive(ids), where)
+        except BaseException:
+            joining.result()  # the members have given up (and released their engines)
+            raise
         try:
             pg = engine_access.stateless_group(host, port, 0, world, self.backend, self.timeout_s)
         except Exception as e:
-            raise WeightSyncError(
-                f"the weight-sync group at {host}:{port} ({self.backend}, {world} ranks: rank 0 and "
-                f"replicas {offsets} at their first rank) did not form within {self.timeout_s:.0f} s "
-                f"({type(e).__name__}: {e}); the replicas said: {joining.result()}") from e
+            raise WeightSyncError(f"{where} did not form within {self.timeout_s:.0f} s ({type(e).__name__}: {e}); "
+                                  f"the replicas said: {joining.result()}") from e
         _raise_first(joining.result())
         self._pg, self._group_id, self._members = pg, group_id, ids
         log.info("weight sync: %s group of %d ranks formed at %s:%d (replicas %s)", self.backend, world,
                  host, port, sorted(offsets))
+
+    def _alive(self, ids: frozenset) -> bool:
+        """Whether Serve still runs as many replicas as ``ids`` (a dead one's
+        replacement takes tens of seconds to start; the barrier polls
+        every 0.5 s)."""
+        return self.replicas.running_replicas() >= len(ids)
 
     def _drop_group(self) -> None:
         pg, self._pg, self._group_id = self._pg, None, None
@@ -201,6 +243,76 @@ class CollectiveSender(WeightSender):
         self._sender.shutdown(wait=True)
         self._waiters.shutdown(wait=False)
         self._drop_group()
+
+
+class JoinBarrier:
+    """Rank 0's side of the check-in before the weight-sync rendezvous (see
+    the module docstring): a ``torch.distributed.TCPStore`` (what the
+    rendezvous itself runs on) that members add themselves to
+    (``check_in``) and then poll for ``go`` or ``abort``.
+
+    Args:
+        host: rank 0's address the members reach.
+        members: replicas expected.
+        timeout_s: how long members may take to check in (seconds).
+    """
+
+    def __init__(self, host: str, members: int, timeout_s: float):
+        from torch.distributed import TCPStore
+
+        self.port, self.members, self.timeout_s = engine_access.open_port(), members, timeout_s
+        self.store = TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s))
+
+    def wait(self, alive: Callable[[], bool], where: str, poll_s: float = 0.5) -> None:
+        """Return once every member has checked in (and tell them to go on).
+
+        Raises:
+            ray.exceptions.ActorDiedError: ``alive()`` said a member died
+                (the others are told to give up).
+            WeightSyncError: not all checked in within ``timeout_s``.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while (arrived := self.store.add("arrived", 0)) < self.members:
+            if not alive():
+                self.store.set("abort", "a member died")
+                raise ray.exceptions.ActorDiedError()
+            if time.monotonic() > deadline:
+                self.store.set("abort", "timeout")
+                raise WeightSyncError(f"{where} did not form within {self.timeout_s:.0f} s: {arrived} of "
+                                      f"{self.members} replicas checked in")
+            time.sleep(poll_s)
+        self.store.set("go", "1")
+
+
+def check_in(host: str, port: int, timeout_s: float, replica_id: str, poll_s: float = 0.05) -> None:
+    """A member's side of ``JoinBarrier``: check in, then wait for rank 0's
+    ``go``.
+
+    Raises:
+        WeightSyncError: rank 0 said to give up (a member died, or not all
+            checked in in time), it is gone, or no word came within
+            ``timeout_s``.
+    """
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store.add("arrived", 1)
+        deadline = time.monotonic() + timeout_s
+        while not store.check(["go"]):
+            if store.check(["abort"]):
+                raise WeightSyncError(f"replica {replica_id}: the weight-sync group at {host} was abandoned "
+                                      f"({store.get('abort').decode()})")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"replica {replica_id}: no word from the trainer at {host}:{port} "
+                                      f"within {timeout_s:.0f} s")
+            time.sleep(poll_s)
+    except WeightSyncError:
+        raise
+    except Exception as e:  # rank 0 (the store's server) is gone
+        raise WeightSyncError(f"replica {replica_id}: the trainer's check-in at {host}:{port} failed: "
+                              f"{type(e).__name__}: {e}") from None
 
 
 def _raise_first(results: list) -> list:
@@ -227,16 +339,17 @@ class CollectiveReceiver(WeightReceiver):
         return {"replica_id": self.host.replica_id, "group_id": self.group_id, "num_workers": num_workers}
 
     def join(self, host: str, port: int, rank_offsets: dict[str, int], world_size: int, backend: str,
-             timeout_s: float, group_id: str) -> Optional[int]:
-        """Every worker joins the group at ``host:port`` (``backend`` nccl |
-        gloo) from rank ``rank_offsets[replica_id]`` (run under the engine's
+             timeout_s: float, group_id: str, barrier_port: int) -> Optional[int]:
+        """Check in at rank 0's ``JoinBarrier`` (``barrier_port``), then every
+        worker joins the group at ``host:port`` (``backend`` nccl | gloo)
+        from rank ``rank_offsets[replica_id]`` (run under the engine's
         lock). Returns that rank, or None where this replica is not in
         ``rank_offsets`` (it started after the trainer counted the replicas;
         it catches up and joins the next group).
 
         Raises:
-            WeightSyncError: the group did not form (names this replica and
-                the address).
+            WeightSyncError: the group did not form, or was abandoned
+                (names this replica and the address).
         """
         from rayspec.rollout.vllm.worker_ext import RefitExtension
 
@@ -244,6 +357,7 @@ class CollectiveReceiver(WeightReceiver):
         if offset is None:
             return None
         self.group_id = None
+        check_in(host, barrier_port, timeout_s, self.host.replica_id)
         try:
             self.host.llm.collective_rpc(RefitExtension.rayspec_join_weight_sync.__name__,
                                          args=(host, port, offset, world_size, backend, timeout_s))
