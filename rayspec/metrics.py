@@ -84,6 +84,7 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
         "mode": cfg.scheduler.mode,
         "policy_lag": rollout.lag,
         "rollout_retries": rollout.retries,
+        "rollout_regenerated": int(rollout.regenerated),
         "time_step_s": window,
         # what the trainer waited for the batch (all of its generation in sync mode)
         "time_rollout_s": seconds.get("rollout", 0.0),

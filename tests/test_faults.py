@@ -131,6 +131,7 @@ def test_resume_continues_as_if_never_stopped(uninterrupted_dir, uninterrupted, 
     _same_samples(got, uninterrupted)
     discarded = [json.loads(line) for line in (run_dir / "metrics.discarded.jsonl").read_text().splitlines()]
     assert [r["step"] for r in discarded] == [3, 4]
+    assert [r["rollout_regenerated"] for r in got] == [0, 0, 1, 1]  # drawn by the stopped attempt too
     # the DraftTrainer resumed with its head, optimizer and replay buffer
     for key in ("draft_version", "draft_loss", "num_accepted_tokens"):
         assert [r[key] for r in got] == [r[key] for r in uninterrupted], key
@@ -231,6 +232,7 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
     got = _records(run_dir)
     _same_prompts(got, uninterrupted)
     assert [r["rollout_retries"] for r in got] == [0, 1, 0, 0]
+    assert [r["rollout_regenerated"] for r in got] == [0, 0, 1, 0]  # step 3's batch died with rank 0
     # Ray restarted the DraftTrainer after step 3: step 4 restored it from step 2's checkpoint
     # (version 3's update lost), numbered it 4 and trained it to 5
     assert [r["draft_alive"] for r in got] == [1, 1, 1, 1]
@@ -240,6 +242,71 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
     assert json.loads((ckpts[-1] / "trainer_state.json").read_text())["step"] == STEPS
     assert json.loads((ckpts[-1] / "draft.json").read_text())["version"] == 5
     assert (run_dir / "draft_head").is_dir()  # the restart was taken over: its head is the final one
+
+
+@pytest.mark.slow
+def test_async_run_survives_a_train_worker_a_replica_and_the_draft_trainer_dying(ray_session, tiny_llama_dir,
+                                                                                tmp_path, monkeypatch):
+    """Async on the split layout, ``max_policy_lag`` 2, two replicas, the
+    collective transport; 6 steps, a checkpoint every 2. A Train worker is
+    killed in step 3 (the batches generated ahead for steps 4 and 5 die
+    with rank 0's queue; the worker group restarts from step 2's
+    checkpoint), then one replica while it generates the batch for step 6
+    (two steps ahead), then the DraftTrainer while it trains (step 5).
+    Every step trains on exactly one batch of the prompts an uninterrupted
+    run draws, within the lag bound; the regenerated batches, the retried
+    shard and the DraftTrainer's restart are in the records. (Lag 1 and 2
+    under a restart on fakes: ``test_step::test_an_async_run_restarted_…``.)"""
+    from rayspec.data import PromptSource, train_and_heldout
+
+    steps, lag = 6, 2
+    run_dir = tmp_path / "async-faults"
+    cfg = _cfg(tiny_llama_dir, run_dir, steps, "rollout.num_replicas=2", "scheduler.layout=split",
+               "scheduler.mode=async", f"scheduler.max_policy_lag={lag}")
+    injected: list[str] = []
+    errors: list[BaseException] = []
+
+    def inject():
+        try:
+            _wait(lambda: len(_records(run_dir)) >= 1)
+            train_worker = _actor_pid("RayTrainWorker")  # looked up before step 3 starts
+            _wait(lambda: _registered(run_dir) >= 1)  # step 2's checkpoint; step 3 is running
+            assert len(_records(run_dir)) == 2, "step 3 ended before the Train worker could be killed"
+            _kill(train_worker)
+            injected.append("train worker")
+            _wait(lambda: len(_records(run_dir)) >= 3)
+            # step 4 of the restored attempt starts by submitting step 6's batch, ~1.5 s of generation
+            time.sleep(0.4)
+            _kill(_actor_pid("SpecVLLMReplica"))
+            injected.append("replica")
+            _wait(lambda: len(_records(run_dir)) >= 4)
+            time.sleep(1.0)  # into step 5's policy update, which the DraftTrainer trains beside
+            _kill(_actor_pid("DraftTrainer"))
+            injected.append("draft trainer")
+        except BaseException as e:
+            errors.append(e)
+            raise
+
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # see test_run_survives_…
+    thread = threading.Thread(target=inject, daemon=True)
+    thread.start()
+    run(cfg)
+    thread.join(timeout=5)
+    assert not errors, f"fault injection failed after {injected}: {errors[0]!r}"
+    assert injected == ["train worker", "replica", "draft trainer"]
+    got = _records(run_dir)
+    source = PromptSource(train_and_heldout(cfg.data, 0)[0], cfg.data.prompts_per_step, cfg.data.seed)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    assert [r["problem_ids"] for r in got] == [[p.index for p in source.next_batch()] for _ in range(steps)]
+    assert all(len(r["response_lens"]) == 4 * len(r["problem_ids"]) for r in got)
+    for r in got:
+        assert 0 <= r["policy_lag"] <= lag and r["policy_version"] == r["step"] - 1 - r["policy_lag"], r["step"]
+    assert got[2]["policy_lag"] == 0  # step 3's batch generated again by the restored policy
+    # the failed attempt had drawn the batches of steps 3 (training), 4 and 5 (ahead)
+    assert [r["rollout_regenerated"] for r in got] == [0, 0, 1, 1, 1, 0]
+    assert [r["rollout_retries"] for r in got] == [0, 0, 0, 0, 0, 1]  # the killed replica's shard of step 6
+    assert [r["draft_alive"] for r in got][-1] == 1 and got[-1]["draft_restarts"] == 1
+    assert got[-1]["draft_version"] > got[3]["draft_version"]
 
 
 def test_workers_started_after_the_draft_trainer_died_go_on_without_it(ray_session):

@@ -7,9 +7,11 @@ and the notebooks."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -25,6 +27,7 @@ from rayspec.rollout.client import LocalReplicas, RolloutClient
 from rayspec.rollout.spec_stats import SpecStats
 from rayspec.sync import ObjectStoreSender
 from rayspec.train.coordinator import Coordinator
+from rayspec.train.loop import resume as loop_resume
 from rayspec.train.loop import run_steps, start_over
 from rayspec.train.ranks import Ranks
 from tests.conftest import STEP_RECORD_KEYS
@@ -86,6 +89,11 @@ class FakePolicy:
 
     def __init__(self, calls: list):
         self.calls, self.ranks, self.version = calls, Ranks(), 0
+        self.states: dict[int, dict] = {}  # rank 0's trainer state at each checkpoint, by step
+
+    def restore(self, checkpoint, draft_state):
+        self.version = checkpoint.state["policy_version"]
+        return checkpoint.state, None
 
     def share(self, rollout):
         return rollout.batch.shard(0, 1)
@@ -116,6 +124,7 @@ class FakePolicy:
 
     def checkpoint(self, metrics, state, stage_draft):
         self.calls.append(("checkpoint", metrics["step"], state["policy_version"], stage_draft is not None))
+        self.states[metrics["step"]] = json.loads(json.dumps(state))  # as trainer_state.json holds it
 
     def report(self, metrics):
         self.calls.append(("report", metrics["step"]))
@@ -169,7 +178,11 @@ class FakeDraftTrainer:
         return ("node", None)
 
 
-def _run(tmp_path, draft_online: bool, steps: int = 3, overrides: tuple = (), records: list | None = None):
+def _run(tmp_path, draft_online: bool, steps: int = 3, overrides: tuple = (), records: list | None = None,
+         resume: dict | None = None, states: dict | None = None):
+    """A run over the fakes; ``resume``: a trainer state to continue from
+    (``loop.resume``, as restarted Train workers do) instead of step 1;
+    ``states`` gets the trainer state of each checkpoint."""
     cfg = load_config(None, [f"trainer.steps={steps}", f"trainer.run_dir={tmp_path}", "trainer.save_steps=2",
                              "trainer.eval_every=2", "data.eval_num_problems=4", "trainer.eval_samples=1",
                              "data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1", *overrides])
@@ -183,14 +196,19 @@ def _run(tmp_path, draft_online: bool, steps: int = 3, overrides: tuple = (), re
     coord = Coordinator(cfg, FakeTokenizer(), replicas, ObjectStoreSender(replicas), lambda: draft.acceptance,
                         MetricsLog(tmp_path))
     try:
-        start_over(policy, coord, draft)
-        run_steps(cfg, coord, policy, draft, 0)
+        if resume is None:
+            start_over(policy, coord, draft)
+        version = 0 if resume is None else \
+            loop_resume(SimpleNamespace(path="checkpoint", state=resume), policy, coord, draft)
+        run_steps(cfg, coord, policy, draft, version)
     finally:
         coord.close()
         if actor is not None:
             ray.kill(actor)
         if records is not None:
             records += read_metrics(tmp_path)
+        if states is not None:
+            states.update(policy.states)
     return cfg, calls, read_metrics(tmp_path)
 
 
@@ -224,6 +242,40 @@ def test_steps_run_their_phases_in_order_with_the_draft_beside_the_policy(ray_se
     assert checkpoints == [("checkpoint", 2, 2, True), ("checkpoint", 3, 3, True)]
 
 
+@pytest.mark.parametrize("lag", [1, 2])
+def test_an_async_run_restarted_from_a_checkpoint_trains_each_step_once_on_the_same_prompts(ray_session, tmp_path,
+                                                                                            lag):
+    """Train workers restarted after a failure in step 4 of an async run
+    (``max_policy_lag`` 1 and 2), from step 2's checkpoint: the failed
+    attempt's batches generated ahead died with it. The restarted attempt
+    trains steps 3-6 on the uninterrupted run's prompts, each step on one
+    batch, within the lag bound (lag 0 at step 3: its batch is generated
+    again with the restored policy), and its records say which batches the
+    failed attempt had drawn; its record of step 3 is set aside."""
+    mode = ("scheduler.layout=split", "scheduler.mode=async", f"scheduler.max_policy_lag={lag}",
+            "trainer.eval_every=0")
+    states: dict = {}
+    _, calls, want = _run(tmp_path / "whole", draft_online=False, steps=6, overrides=mode, states=states)
+    # nothing is generated ahead for a step past the last: the run drew 6 batches
+    assert sum(c[0] == "generate" for c in calls) == 6
+    assert states[2]["steps"] == 6
+    run_dir = tmp_path / "restarted"
+    run_dir.mkdir()
+    lines = (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_text("".join(lines[:3]))  # the failed attempt had recorded step 3
+    _, _, got = _run(run_dir, draft_online=False, steps=6, overrides=mode, resume=states[2])
+    assert [r["step"] for r in got] == list(range(1, 7))
+    assert [r["problem_ids"] for r in got] == [r["problem_ids"] for r in want]
+    assert all(len(r["response_lens"]) == 4 for r in got)  # one batch: 2 prompts x group_size 2
+    for r in got:
+        assert 0 <= r["policy_lag"] <= lag and r["policy_version"] == r["step"] - 1 - r["policy_lag"], r
+    assert got[2]["policy_lag"] == 0
+    # drawn by the failed attempt: steps 3 (recorded), 4 (in progress) and the lag after it
+    assert [r["rollout_regenerated"] for r in got] == {1: [0, 0, 1, 1, 1, 0], 2: [0, 0, 1, 1, 1, 1]}[lag]
+    discarded = [json.loads(line) for line in (run_dir / "metrics.discarded.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in discarded] == [3]
+
+
 def test_a_restarted_draft_trainer_rejoins_from_the_newest_checkpoint_with_a_draft_state(ray_session, tmp_path,
                                                                                           caplog):
     """Ray restarted the DraftTrainer (its head is the initial one again, its
@@ -232,8 +284,6 @@ def test_a_restarted_draft_trainer_rejoins_from_the_newest_checkpoint_with_a_dra
     the replicas' version and sends it at the refit; the records count the
     restart and the updates lost. Once Ray gives up, the run goes on
     untrained, said once as an error."""
-    from types import SimpleNamespace
-
     from rayspec.draft.state import save_draft_state
 
     ckpts = [tmp_path / "checkpoint_1", tmp_path / "checkpoint_2", tmp_path / "checkpoint_3"]
@@ -334,17 +384,21 @@ def by_answer(completions, answer, **kwargs):
 """
 
 
-def test_dynamic_sampling_drops_equal_reward_groups_and_refills_them_from_new_prompts(ray_session, tmp_path):
+@pytest.mark.parametrize("mode", [(), ("scheduler.layout=split", "scheduler.mode=async")], ids=["sync", "async"])
+def test_dynamic_sampling_drops_equal_reward_groups_and_refills_them_from_new_prompts(ray_session, tmp_path, mode):
     """DAPO's dynamic sampling over the scripted replica: a group scores
     [1, 0] where its answer is even and [1, 1] (dropped) where it is odd.
     The expected draws are replayed from the same prompt source: each step
     takes rounds of 2 prompts until 2 even-answer groups are in hand (at
-    most 3 rounds, then odd ones fill the batch)."""
+    most 3 rounds, then odd ones fill the batch). In async mode the refills
+    are batches generated ahead, by a newer policy than the step's first
+    batch: the joined batch counts as the oldest (its policy lag)."""
     from rayspec.data import PromptSource, train_and_heldout
 
     (tmp_path / "r.py").write_text(BY_ANSWER)
     cfg, calls, records = _run(tmp_path / "run", draft_online=False, steps=4, overrides=(
-        f"reward.functions=[{tmp_path}/r.py:by_answer]", "grpo.dynamic_sampling=true", "trainer.eval_every=0"))
+        f"reward.functions=[{tmp_path}/r.py:by_answer]", "grpo.dynamic_sampling=true", "trainer.eval_every=0",
+        *mode))
     source = PromptSource(train_and_heldout(cfg.data, 0)[0], 2, cfg.data.seed)
     for r in records:
         kept, dropped, rounds = [], [], 0
@@ -357,8 +411,13 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_refills_them_from_new_pr
         assert r["sampling_rounds"] == rounds and r["groups_dropped"] == len(dropped) - max(0, 2 - len(kept))
         assert r["reward_mean"] == sum(0.5 if int(p.columns["answer"]) % 2 == 0 else 1.0 for p in trained) / 2
         assert len(r["response_lens"]) == 4  # prompts_per_step * group_size, whatever the rounds
-    assert sum(c[0] == "generate" for c in calls) == sum(r["sampling_rounds"] for r in records)
+    generated = [c[1] for c in calls if c[0] == "generate"]
+    assert len(generated) - sum(r["sampling_rounds"] for r in records) in ({0} if not mode else {0, 1})
     assert any(r["sampling_rounds"] > 1 for r in records), "the seeded prompts never needed a refill"
+    for r in records:  # the step's first batch is the oldest it trains on
+        assert 0 <= r["policy_lag"] <= (1 if mode else 0) and r["policy_version"] == r["step"] - 1 - r["policy_lag"]
+    if mode:  # a batch generated ahead at lag 1, refilled from one sampled by the next version
+        assert any(r["sampling_rounds"] > 1 and r["policy_lag"] == 1 for r in records)
 
 
 def test_an_acceptance_collapse_on_one_replica_is_reported_only_with_an_unchanged_head():

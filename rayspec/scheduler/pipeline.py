@@ -47,11 +47,16 @@ class RolloutPipeline:
             batch's prompts).
         max_policy_lag: 0 for sync; async keeps this many batches in flight
             ahead of the one being trained.
+        last_version: the trainer version of the run's last step
+            (``trainer.steps`` - 1): no batch is generated ahead for a step
+            past it (None: no end).
     """
 
-    def __init__(self, submit: Callable[[], tuple[Any, Any]], max_policy_lag: int):
+    def __init__(self, submit: Callable[[], tuple[Any, Any]], max_policy_lag: int,
+                 last_version: int | None = None):
         self._submit = submit
         self.max_policy_lag = max_policy_lag
+        self.last_version = last_version
         self._ahead: collections.deque = collections.deque()
         self._refits: list = []
         self.last_retries = 0  # shards of the last batch retried after their replica died
@@ -82,7 +87,8 @@ class RolloutPipeline:
 
     def next(self, trainer_version: int):
         """The batch to train at ``trainer_version``, after topping up the
-        batches generating ahead.
+        batches generating ahead (up to ``max_policy_lag``, none for steps
+        past ``last_version``).
 
         Returns:
             (RolloutBatch, SpecStats, extra, policy lag in versions).
@@ -102,7 +108,10 @@ class RolloutPipeline:
             raise PolicyLagError(
                 f"batch sampled by policy version {batch.policy_version} would train at version "
                 f"{trainer_version}: lag {lag}, allowed 0..{self.max_policy_lag}")
-        while len(self._ahead) < self.max_policy_lag:
+        ahead = self.max_policy_lag
+        if self.last_version is not None:
+            ahead = min(ahead, self.last_version - trainer_version)
+        while len(self._ahead) < ahead:
             self._ahead.append(self._submit())
         return batch, stats, extra, lag
 

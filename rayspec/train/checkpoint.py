@@ -9,7 +9,8 @@ leaves a checkpoint that a resume would pick)::
     policy/            DeepSpeed ``save_checkpoint``: fp32 weights, optimizer
                        (each rank its ZeRO partition), DeepSpeed's own state
     rng_rank<r>.json   torch / Python / NumPy RNG states of rank r
-    trainer_state.json step, policy version, data cursor of the next batch
+    trainer_state.json step, the run's trainer.steps, policy version, data
+                       cursor of the next batch to train
     draft.safetensors  DraftTrainer: head, AdamW state, replay buffer
     draft.json         (only with online draft training)
 

@@ -42,7 +42,8 @@ class Rollout:
     stats: SpecStats
     problems: list
     lag: int
-    retries: int = 0
+    retries: int = 0  # shards retried after their replica died
+    regenerated: bool = False  # drawn before by an attempt that failed (``Coordinator.restore``)
     scores: RewardResult | None = None  # the reward functions' (before the overlong penalty)
     groups_dropped: int | None = None  # grpo.dynamic_sampling: equal-reward groups left out
     sampling_rounds: int | None = None  # grpo.dynamic_sampling: rollout rounds drawn
@@ -75,7 +76,7 @@ class Coordinator:
         self.rewards = rewards or RewardPool(cfg.reward, set(problems[0].columns))
         self.prompts = PromptSource(problems, cfg.data.prompts_per_step, cfg.data.seed)
         lag = cfg.scheduler.max_policy_lag if cfg.scheduler.mode == "async" else 0
-        self.pipeline = RolloutPipeline(self._submit, lag)
+        self.pipeline = RolloutPipeline(self._submit, lag, cfg.trainer.steps - 1)
         self.log = metrics_log or MetricsLog(cfg.trainer.run_dir)
         self.dashboard = dashboard
         # a resumed run's baseline (the initial policy's greedy answers) is on disk
@@ -84,6 +85,7 @@ class Coordinator:
         self.evals: list[dict[str, Any]] = []  # evaluations since the last step record
         self.sleep_reported = False
         self.batches = 0  # batches drawn: the RL step the last submitted batch trains at
+        self.redrawn_until = 0  # after a restore: the last step whose batch a failed attempt had drawn
         self.acceptance_watch = AcceptanceWatch()
         self._draft_drafted_with = 0  # the draft version the replicas held during this step's rollout
 
@@ -111,7 +113,8 @@ class Coordinator:
         """The batch policy ``version`` trains on: generated now (sync), or
         taken from those generating ahead (async), which are topped up."""
         batch, stats, (problems, _), lag = self.pipeline.next(version)
-        return Rollout(batch, stats, problems, lag, self.pipeline.last_retries)
+        return Rollout(batch, stats, problems, lag, self.pipeline.last_retries,
+                       regenerated=version + 1 <= self.redrawn_until)
 
     def reward(self, rollout: Rollout) -> None:
         """Each sample's reward (the weighted sum of ``reward.functions``),
@@ -286,16 +289,27 @@ class Coordinator:
         """What a checkpoint after ``step`` resumes from. Batches generated
         ahead (async) are not kept: the cursor is the one before them."""
         ahead = self.pipeline.ahead()
-        return {"step": step, "policy_version": version, **draft_state,
+        return {"step": step, "steps": self.cfg.trainer.steps, "policy_version": version, **draft_state,
                 "prompts": ahead[0][1] if ahead else self.prompts.state_dict()}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue after ``state``'s step: its prompt cursor and batch count;
         metrics.jsonl records of later steps (a failed attempt) move to
-        metrics.discarded.jsonl."""
+        metrics.discarded.jsonl.
+
+        The failed attempt had drawn the batches of the steps it recorded,
+        of the step it was in, and of the ``max_policy_lag`` steps after it
+        (async: generated ahead); their samples died with it. This attempt
+        draws the same prompts again (the cursor is the one before them) and
+        its records of those steps say so (``rollout_regenerated``). It is
+        an upper bound: an attempt that died waiting for a step's batch had
+        not yet drawn the last one."""
+        step = state["step"]
         self.prompts.load_state_dict(state["prompts"])
-        self.batches = state["step"]
-        self.log.discard_after(state["step"])
+        self.batches = step
+        discarded = self.log.discard_after(step)
+        if step < state.get("steps", step + 1):  # a run's last checkpoint: it drew nothing past it
+            self.redrawn_until = step + discarded + 1 + self.pipeline.max_policy_lag
 
     def replica_versions(self) -> list[dict[str, int]]:
         return self.rollouts.versions()
