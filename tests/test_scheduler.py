@@ -240,22 +240,29 @@ def _qwen3_8b_dir(tmp_path: Path) -> Path:
 def test_the_driver_checks_the_memory_plan_on_the_clusters_devices(tmp_path):
     """Before any role starts, the run's memory plan on the cluster's own GPU
     memory: refused where a device overflows, naming it and what to run to
-    see the knobs; not checked where nvidia-smi cannot read the memory."""
-    from rayspec.scheduler.driver import check_device_memory
+    see the knobs; not checked where nvidia-smi cannot read the memory.
+    CPU roles on one node: its host memory."""
+    from rayspec.scheduler.driver import check_memory_plan
 
     model = _qwen3_8b_dir(tmp_path)
     preset = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "gpu.yaml"
     h100 = {n.node_id: 81559 * 2**20 for n in TWO_GPU_NODES}
     cfg = load_config(preset, ["rollout.num_replicas=16", "train.num_workers=16"])
-    plan = check_device_memory(cfg, str(model), TWO_GPU_NODES, h100)
+    plan = check_memory_plan(cfg, str(model), TWO_GPU_NODES, h100)
     assert plan is not None and plan.devices[1].count == 15  # 2 nodes x 8, one with the DraftTrainer
     resident = load_config(preset, ["rollout.num_replicas=16", "train.num_workers=16", "train.offload_states=false",
                                     "train.deepspeed.zero_optimization.stage=1"])
     with pytest.raises(ClusterFitError, match=r"(?s)GPU with the DraftTrainer, rollout: .*model states \(ZeRO-1\)"
                                               r".*python -m jobs.project_memory"):
-        check_device_memory(resident, str(model), TWO_GPU_NODES, h100)
-    assert check_device_memory(resident, str(model), TWO_GPU_NODES, {TWO_GPU_NODES[0].node_id: 81559 * 2**20}) is None
-    assert check_device_memory(load_config(None, []), str(model), ONE_NODE) is None  # CPU roles: nothing to plan
+        check_memory_plan(resident, str(model), TWO_GPU_NODES, h100)
+    assert check_memory_plan(resident, str(model), TWO_GPU_NODES, {TWO_GPU_NODES[0].node_id: 81559 * 2**20}) is None
+    # CPU roles: one node's host memory (cpu_plan); over several nodes, not checked
+    cpu = load_config(None, [])
+    assert check_memory_plan(cpu, str(model), ONE_NODE, host_bytes=2**40).devices[0].name == "host memory of a node"
+    with pytest.raises(ClusterFitError, match=r"(?s)this node's host memory:.*host memory of a node, policy update: "
+                                              r".*--hardware cpu --host-gib 24"):
+        check_memory_plan(cpu, str(model), ONE_NODE, host_bytes=24 * 2**30)  # an 8B policy
+    assert check_memory_plan(cpu, str(model), ONE_NODE * 2) is None
 
 
 def test_simulated_gpus_report_no_memory_so_the_plan_is_not_checked(gpu_cluster):

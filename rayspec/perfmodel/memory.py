@@ -47,6 +47,16 @@ the accounting and its sources:
 
 Host memory is summed as if everything were held at once (the fp32 load
 at start is over before states are offloaded): an upper bound.
+
+**CPU roles** (``cpu_plan``): every role lives in host memory, so the plan
+is one node's host memory per phase. The terms are the same byte counts
+(fp32 training: 4 bytes a weight and 16 a parameter of gradient, fp32
+copy and Adam moments, partitioned as above; DeepSpeed's buckets capped at
+the model's size; activations at twice Korthikanti's 16-bit figure), plus
+what this project measured on its 2-core, 24 GiB machines
+(``docs/benchmarks.md``), each a named constant: a vLLM CPU replica's and
+a Train worker's own footprint (Python, torch, oneDNN, DeepSpeed, Ray),
+and a replica's extra memory while it loads a refit, by transport.
 """
 
 from __future__ import annotations
@@ -68,6 +78,28 @@ CUDA_CONTEXT = 1 * GIB  # an assumption: ~0.5 GiB context + cuBLAS workspace + N
 ACTIVATION_SHARE = 0.05  # of a replica's region, vLLM's profiled activation peak (an assumption)
 LOGIT_BYTES = 10  # bf16 logits + fp32 copy + fp32 log-softmax
 PROMPT_TOKENS = 256  # a prompt's tokens, where the config does not bound them
+
+# CPU roles, measured (docs/benchmarks.md; the files under docs/benchmarks/):
+# a vLLM CPU replica's resident memory beyond its weights and KV space:
+# the GSM8K preset's replica (SmolLM2-135M fp32, 0.54 GB; 1 GiB KV) held
+# 3.37-3.52 GiB without drafting (rl_memory.json, 24 steps): fitted.
+VLLM_CPU_RUNTIME = 2.0 * GIB
+# a Train worker's beyond the terms below: one ZeRO-2 rank's isolated
+# update with 5e7 buckets (zero_bucket_memory.json, the CPU default) peaked
+# at 5.69-5.88 GiB: fitted.
+TRAIN_CPU_RUNTIME = 2.0 * GIB
+# the DraftTrainer's while it waits: 0.52-0.53 GiB (rl_memory.json): fitted.
+DRAFT_CPU_RUNTIME = 0.5 * GIB
+# Ray's own processes on the head node (GCS, raylet, dashboard, Serve's
+# controller), the driver and the reward workers: an assumption.
+RAY_CPU_PROCESSES = 1.5 * GIB
+# A replica's extra memory while it loads a refit (bench_refit, refit.json):
+# object store, per state-dict byte (ray.get's copy, the safetensors file it
+# stages in /dev/shm, vLLM's load): 4.39 at 1 GB, fitted; collective and
+# shared_memory, per bucket byte (the received bucket and its unpacked
+# views, vLLM's load): 0.65-0.66 GB and 0.63 GB at 256 MiB buckets, fitted.
+OBJECT_STORE_REFIT_PER_BYTE = 4.4
+BUCKET_REFIT_PER_BYTE = 2.4
 
 
 @dataclass
@@ -156,9 +188,10 @@ class MemoryPlan:
                 lines.append(f"  {role:<14} {what:<34}" + "".join(cells))
             lines.append(f"  {'total':<49}" + "".join(
                 f"{d.used(p) / GIB:>14.1f}" + ("!" if d.used(p) > d.capacity else " ") for p in self.PHASES))
-        host = sum(t.bytes for t in self.host)
-        lines.append(f"host memory per node ({self.host_capacity / GIB:.0f} GiB): {host / GIB:.1f} GiB"
-                     + "".join(f"\n  {t.role:<14} {t.what:<34} {t.bytes / GIB:>10.2f}" for t in self.host))
+        if self.host:  # a GPU plan's host memory (a CPU plan's is its one device)
+            host = sum(t.bytes for t in self.host)
+            lines.append(f"host memory per node ({self.host_capacity / GIB:.0f} GiB): {host / GIB:.1f} GiB"
+                         + "".join(f"\n  {t.role:<14} {t.what:<34} {t.bytes / GIB:>10.2f}" for t in self.host))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -325,6 +358,98 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
                       min_util=weights / ((1 - ACTIVATION_SHARE) * device_bytes))
 
 
+def refit_host_bytes(transport: str, state_dict_bytes: float, bucket_bytes: float) -> float:
+    """A CPU replica's extra host memory while it loads a refit of
+    ``state_dict_bytes`` through ``transport`` (``object_store``,
+    ``collective``, ``shared_memory``; ``auto`` is ``collective`` on CPUs),
+    from this project's measurements (``OBJECT_STORE_REFIT_PER_BYTE``,
+    ``BUCKET_REFIT_PER_BYTE``). Bytes."""
+    if transport == "object_store":
+        return OBJECT_STORE_REFIT_PER_BYTE * state_dict_bytes
+    return BUCKET_REFIT_PER_BYTE * min(bucket_bytes, state_dict_bytes)
+
+
+def cpu_plan(cfg, shape: ModelShape, host_bytes: float, nodes: int = 1,
+             prompt_tokens: int = PROMPT_TOKENS) -> MemoryPlan:
+    """The memory plan of ``cfg`` with CPU roles (no GPU asked for): one
+    node's host memory per phase of the RL step, as one "device" of the
+    plan (see the module docstring for the terms and their sources).
+
+    Args:
+        cfg: the run's RunConfig.
+        shape: the policy's shape (``ModelShape.from_hf_config``).
+        host_bytes: one node's memory (bytes), e.g. ``psutil.virtual_memory().total``.
+        nodes: nodes the roles spread over (each holds its share).
+        prompt_tokens: a prompt's length in tokens.
+
+    Raises:
+        ValueError: a config whose roles ask for GPUs, or a ZeRO stage
+            outside 0-3 (named).
+    """
+    ro, tr, dr = cfg.rollout, cfg.train, cfg.draft
+    if ro.num_gpus_per_replica > 0 or tr.gpus_per_worker > 0:
+        raise ValueError("cpu_plan is of CPU roles: rollout.num_gpus_per_replica and train.gpus_per_worker "
+                         "must be 0 (plan() plans GPUs)")
+    ds = tr.deepspeed
+    zero = ds.get("zero_optimization", {}) or {}
+    stage = int(zero.get("stage", 0))
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"train.deepspeed.zero_optimization.stage={stage}: must be 0-3")
+    p, h, v = shape.total_params, shape.hidden_size, shape.vocab_size
+    ranks = max(1, round(tr.num_workers / nodes))
+    replicas = max(1, round(ro.num_replicas / nodes))
+    wb = 2 if (ds.get("bf16") or {}).get("enabled") else 4  # rayspec.train.loop.training_load_dtype
+    rest = 18 if wb == 2 else 16  # gradient, fp32 copy, Adam moments (+ bf16 gradient)
+    n = tr.num_workers
+    states = {0: (wb + rest) * p, 1: wb * p + wb * p + (rest - wb) * p / n,
+              2: wb * p + rest * p / n, 3: (wb + rest) * p / n}[stage]
+    seq = prompt_tokens + cfg.grpo.max_new_tokens
+    tokens = int(ds.get("train_micro_batch_size_per_gpu", 1)) * seq
+    layer_act = 34 * (wb // 2) * tokens * h
+    acts = shape.layers * 2 * tokens * h * (wb // 2) + layer_act if tr.gradient_checkpointing \
+        else shape.layers * layer_act
+    bucket_elems = min(float(zero.get("reduce_bucket_size", 5e8)), p) + \
+        min(float(zero.get("allgather_bucket_size", 5e8)), p)
+    rdt = _dtype_bytes(cfg.model.dtype)
+    refit_bytes = p * rdt
+
+    train = [Term("Train workers", f"model states (ZeRO-{stage}, {'bf16' if wb == 2 else 'fp32'})", ranks * states),
+             Term("Train workers", "process (measured)", ranks * TRAIN_CPU_RUNTIME)]
+    if stage in (1, 2):
+        train.append(Term("Train workers", "DeepSpeed buckets", ranks * wb * bucket_elems))
+    if cfg.grpo.kl_coef > 0:
+        train.append(Term("Train workers", "reference model", ranks * wb * p))
+    update = [Term("Train workers", "activations" + (" (checkpointed)" if tr.gradient_checkpointing else ""),
+                   ranks * acts),
+              Term("Train workers", "logits (+ log-softmax)", ranks * (wb + 4) * tokens * v)]
+    replica = [Term("replicas", "weights", replicas * refit_bytes),
+               Term("replicas", "KV cache (cpu_kvcache_space_gib)", replicas * ro.cpu_kvcache_space_gib * GIB),
+               Term("replicas", "process (measured)", replicas * VLLM_CPU_RUNTIME)]
+    transport = "collective" if ro.weight_sync.transport == "auto" else ro.weight_sync.transport
+    refit = [Term("replicas", f"loading a refit ({transport}, measured)",
+                  replicas * refit_host_bytes(transport, refit_bytes, ro.weight_sync.packed_buffer_size_bytes)),
+             Term("Train workers", "rank 0: the gathered weights", refit_bytes)]
+    common = [Term("Ray", "object store", float(cfg.ray.object_store_memory)),
+              Term("Ray", "Ray's processes, driver, reward workers", RAY_CPU_PROCESSES)]
+    draft, draft_training = [], []
+    if dr.enabled and cfg.rollout.speculative_config.method == "eagle3":
+        head = shape.eagle3_head(dr.draft_vocab_size)
+        trainable = head.total_params - head.lm_head_params - head.vocab_size * h
+        draft = [Term("DraftTrainer", "head, gradient, Adam (fp32)", 16 * trainable),
+                 Term("DraftTrainer", "draft LM head (fp32)", 4 * head.lm_head_params),
+                 Term("DraftTrainer", "process (measured)", DRAFT_CPU_RUNTIME),
+                 Term("replicas", "draft head", replicas * rdt * head.total_params)]
+        draft_training = [Term("DraftTrainer", "verifier embedding + LM head (fp32)", 2 * 4 * v * h),
+                          Term("DraftTrainer", "target logits (fp32 x2)", 8 * tokens * v)]
+    base = common + replica + train + draft
+    phases = {"rollout": base, "policy update": base + update + draft_training,
+              "draft training": base + draft_training, "refit": base + refit}
+    notes = [f"{shape.name}: {p / 1e9:.2f}B parameters; CPU roles on {nodes} node(s): {replicas} replica(s) and "
+             f"{ranks} Train worker(s) a node; a sequence of {seq} tokens; ZeRO-{stage} over {n} ranks; the "
+             "measured terms are of this project's 2-core machines (vLLM 0.32 CPU, DeepSpeed 0.19.8)"]
+    return MemoryPlan([Device("host memory of a node", host_bytes, nodes, phases)], [], host_bytes, notes)
+
+
 # Knobs tried, in order, when a plan does not fit: each is a list of config
 # overrides, and the first few that make it fit are named.
 KNOBS: list[tuple[str, list[str]]] = [
@@ -339,16 +464,31 @@ KNOBS: list[tuple[str, list[str]]] = [
 ]
 
 
+# The same for CPU roles (``cpu_plan``).
+CPU_KNOBS: list[tuple[str, list[str]]] = [
+    ("refits through the collective transport", ["rollout.weight_sync.transport=collective"]),
+    ("no reference model", ["grpo.kl_coef=0"]),
+    ("one Train worker", ["train.num_workers=1"]),
+    ("ZeRO-3", ["train.deepspeed.zero_optimization.stage=3"]),
+    ("activation checkpointing", ["train.gradient_checkpointing=true"]),
+    ("micro-batch 1", ["train.deepspeed.train_micro_batch_size_per_gpu=1"]),
+]
+
+
 def fixes(config_path: Optional[str], overrides: list[str], shape: ModelShape, device: str,
           gpus_per_node: int, nodes: int, **kw: Any) -> list[str]:
-    """The knobs of ``KNOBS`` (as override strings) that make a plan fit."""
+    """The knobs of ``KNOBS`` (``CPU_KNOBS`` where ``device`` is ``cpu``:
+    ``kw`` then holds ``host_bytes``) as override strings, that make a plan
+    fit."""
     from rayspec.config import ConfigError, load_config
 
     out = []
-    for name, extra in KNOBS:
+    for name, extra in CPU_KNOBS if device == "cpu" else KNOBS:
         try:
             cfg = load_config(config_path, [*overrides, *extra])
-            if not plan(cfg, shape, device, gpus_per_node, nodes, **kw).problems():
+            fitted = cpu_plan(cfg, shape, nodes=nodes, **kw) if device == "cpu" else \
+                plan(cfg, shape, device, gpus_per_node, nodes, **kw)
+            if not fitted.problems():
                 out.append(f"{name}: {' '.join(extra)}")
         except (ConfigError, ValueError):
             continue

@@ -189,46 +189,63 @@ def check_inputs(cfg: RunConfig) -> str:
     return str(model_dir)
 
 
-def check_device_memory(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
-                        device_bytes: dict[str, int | None] | None = None):
-    """The memory plan (``rayspec.perfmodel.memory``) of a run whose roles
-    have GPUs, on the cluster's own devices, before any role starts; the
-    plan of its smallest device's memory. Host memory is not checked here
-    (the plan's host sum is an upper bound): ``jobs.project_memory`` shows it.
+def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
+                      device_bytes: dict[str, int | None] | None = None, host_bytes: float | None = None):
+    """The memory plan (``rayspec.perfmodel.memory``) of the run on the
+    cluster's own memory, before any role starts. GPU roles: the plan of the
+    smallest GPU's memory (host memory is not checked: the GPU plan's host
+    sum is an upper bound; ``jobs.project_memory`` shows it). CPU roles on
+    one node: its host memory per phase (``cpu_plan``).
 
     Args:
         device_bytes: {node id: bytes of its smallest GPU, or None where
             unknown}; default: read on each GPU node (``gpu_memory_by_node``).
+        host_bytes: the node's memory (CPU roles); default: this machine's
+            (the driver runs on the one node).
 
     Returns:
-        The plan, or None (CPU roles, or a GPU whose memory nvidia-smi
-        cannot read: a simulated one; logged).
+        The plan, or None (CPU roles over several nodes, or a GPU whose
+        memory nvidia-smi cannot read: a simulated one; logged).
 
     Raises:
-        ClusterFitError: a device and phase that overflow, with what holds
-            the most, and the command that lists the knobs that would fit.
+        ClusterFitError: a device (or the host) and phase that overflow, with
+            what holds the most, and the command that lists the knobs that
+            would fit.
     """
     from rayspec.perfmodel import ModelShape
-    from rayspec.perfmodel.memory import plan
+    from rayspec.perfmodel.memory import cpu_plan, plan
 
-    if cfg.rollout.num_gpus_per_replica <= 0 or cfg.train.gpus_per_worker <= 0:
-        return None
-    gpu_nodes = [n for n in nodes if n.gpus > 0]
-    if device_bytes is None:
-        device_bytes = gpu_memory_by_node(gpu_nodes)
-    known = [device_bytes.get(n.node_id) for n in gpu_nodes]
-    if not gpu_nodes or None in known:
-        log.warning("memory plan not checked: nvidia-smi gave no GPU memory on node(s) %s",
-                    [n.node_id[:8] for n, b in zip(gpu_nodes, known) if b is None])
-        return None
-    result = plan(cfg, ModelShape.from_hf_config(model_dir), "", gpus_per_node=int(max(n.gpus for n in gpu_nodes)),
-                  nodes=len(gpu_nodes), device_bytes=min(known), host_bytes=float("inf"))
+    shape = ModelShape.from_hf_config(model_dir)
+    if cfg.rollout.num_gpus_per_replica <= 0 and cfg.train.gpus_per_worker <= 0:
+        if len(nodes) != 1:
+            log.info("memory plan of CPU roles not checked: %d nodes (jobs.project_memory --hardware cpu "
+                     "plans one)", len(nodes))
+            return None
+        if host_bytes is None:
+            import psutil  # a Ray dependency
+
+            host_bytes = psutil.virtual_memory().total
+        result, what, hardware = cpu_plan(cfg, shape, host_bytes), "this node's host memory", \
+            f"cpu --host-gib {host_bytes / 2**30:.0f}"
+    elif cfg.rollout.num_gpus_per_replica <= 0 or cfg.train.gpus_per_worker <= 0:
+        return None  # a GPU role beside a CPU one: the GPU plan needs both on GPUs
+    else:
+        gpu_nodes = [n for n in nodes if n.gpus > 0]
+        if device_bytes is None:
+            device_bytes = gpu_memory_by_node(gpu_nodes)
+        known = [device_bytes.get(n.node_id) for n in gpu_nodes]
+        if not gpu_nodes or None in known:
+            log.warning("memory plan not checked: nvidia-smi gave no GPU memory on node(s) %s",
+                        [n.node_id[:8] for n, b in zip(gpu_nodes, known) if b is None])
+            return None
+        result = plan(cfg, shape, "", gpus_per_node=int(max(n.gpus for n in gpu_nodes)), nodes=len(gpu_nodes),
+                      device_bytes=min(known), host_bytes=float("inf"))
+        what, hardware = "this cluster's GPUs", "<h100|h200|gb200> --gpus N"
     problems = result.problems()
     if problems:
-        raise ClusterFitError("the memory plan does not fit this cluster's GPUs:\n  " + "\n  ".join(problems)
+        raise ClusterFitError(f"the memory plan does not fit {what}:\n  " + "\n  ".join(problems)
                               + "\n(python -m jobs.project_memory <the same preset and overrides> --model "
-                              "<model.path> --hardware <h100|h200|gb200> --gpus N prints the plan and the "
-                              "knobs that would fit)")
+                              f"<model.path> --hardware {hardware} prints the plan and the knobs that would fit)")
     log.info("memory plan: fits (%s)", "; ".join(
         f"{d.name} peak {max(d.used(p) for p in result.PHASES) / 2**30:.1f} of {d.capacity / 2**30:.1f} GiB"
         for d in result.devices if d.count))
@@ -391,7 +408,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     init_ray(cfg)
     nodes = cluster_nodes()
     plan = plan_placement(cfg, nodes)
-    check_device_memory(cfg, model_dir, nodes)
+    check_memory_plan(cfg, model_dir, nodes)
     log.info("scheduler mode %s%s; %s", cfg.scheduler.mode,
              f" (max_policy_lag {cfg.scheduler.max_policy_lag})" if cfg.scheduler.mode == "async" else "",
              plan.describe())
