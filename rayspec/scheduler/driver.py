@@ -215,11 +215,15 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
     from rayspec.perfmodel import ModelShape
     from rayspec.perfmodel.memory import cpu_plan, plan
 
-    shape = ModelShape.from_hf_config(model_dir)
     if cfg.rollout.num_gpus_per_replica <= 0 and cfg.train.gpus_per_worker <= 0:
         if len(nodes) != 1:
             log.info("memory plan of CPU roles not checked: %d nodes (jobs.project_memory --hardware cpu "
                      "plans one)", len(nodes))
+            return None
+        try:
+            shape = ModelShape.from_hf_config(model_dir)
+        except ValueError as e:  # an architecture the plan does not know runs all the same on CPUs
+            log.warning("memory plan of CPU roles not checked: %s", e)
             return None
         if host_bytes is None:
             import psutil  # a Ray dependency
@@ -238,7 +242,7 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
             log.warning("memory plan not checked: nvidia-smi gave no GPU memory on node(s) %s",
                         [n.node_id[:8] for n, b in zip(gpu_nodes, known) if b is None])
             return None
-        result = plan(cfg, shape, "", gpus_per_node=int(max(n.gpus for n in gpu_nodes)), nodes=len(gpu_nodes),
+        result = plan(cfg, ModelShape.from_hf_config(model_dir), "", gpus_per_node=int(max(n.gpus for n in gpu_nodes)), nodes=len(gpu_nodes),
                       device_bytes=min(known), host_bytes=float("inf"))
         what, hardware = "this cluster's GPUs", "<h100|h200|gb200> --gpus N"
     problems = result.problems()
