@@ -546,6 +546,24 @@ def test_drafted_share_counts_the_tokens_of_steps_that_carried_a_draft():
     assert SpecStats(output_tokens=64).drafted_share == 0.0 and SpecStats().drafted_share == 0.0
 
 
+def test_verifier_targets_cast_the_bf16_output_layer_a_block_of_rows_at_a_time():
+    """The DraftTrainer keeps the verifier's layers in bf16, as rank 0 sends
+    them; the targets cast ``rows`` rows of the output layer at a time to
+    the head's fp32 and equal those of a whole fp32 copy: the same logits,
+    probabilities over the draft vocabulary and argmax."""
+    from rayspec.draft.loss import verifier_targets
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 5, 16), torch.randn(37, 16).to(torch.bfloat16)
+    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 0, 0, 0]])
+    ids = torch.tensor([0, 3, 5, 36])
+    whole = verifier_targets(hidden, mask, weight.float(), ids, torch.float32, 0.7, rows=10**6)
+    blocks = verifier_targets(hidden, mask, weight, ids, torch.float32, 0.7, rows=8)
+    assert torch.equal(whole[0], blocks[0]) and torch.equal(whole[2], blocks[2])
+    assert blocks[1].dtype == torch.float32 and torch.allclose(whole[1], blocks[1], rtol=1e-5, atol=0)
+    assert blocks[1].shape == (5, 4)
+
+
 def test_draft_vocabulary_by_frequency():
     from rayspec.draft.vocab import coverage, select_draft_vocab, token_counts
 

@@ -93,11 +93,11 @@ def test_the_gpu_preset_at_8b_colocated_fits_80_gb_cards_by_giving_the_device_ba
     # offload_states: while the replica rolls out, the Train rank holds its CUDA context alone,
     # and the DraftTrainer its head (the verifier copies are _train's locals)
     assert ("Train rank", "CUDA context") in rollout and not any(w.startswith("model states") for _, w in rollout)
-    assert ("DraftTrainer", "verifier embedding + LM head (fp32)") not in rollout
+    assert ("DraftTrainer", "verifier embedding + LM head (bf16)") not in rollout
     assert any(t.what == "states in host memory" for t in plan.host)
     # the policy update holds the states and the DraftTrainer's training beside them
     update = {t.what for t in gpu0.phases["policy update"]}
-    assert {"model states (ZeRO-2)", "logits", "verifier embedding + LM head (fp32)"} <= update
+    assert {"model states (ZeRO-2)", "logits", "verifier embedding + LM head (bf16)"} <= update
     assert not _plan("h200").problems()
 
 
@@ -154,7 +154,8 @@ def test_cli_plans_cpu_roles_on_a_nodes_host_memory(capsys):
     GSM8K preset on 16 GiB does not, and the CLI names the knobs that fit."""
     assert project_memory.main(["--model", "smollm2-135m", "--hardware", "cpu", "--host-gib", "24"]) == 0
     out = capsys.readouterr().out
-    assert "host memory of a node" in out and "KV cache (cpu_kvcache_space_gib)" in out and out.rstrip().endswith("fits")
+    assert "host memory of a node" in out and "KV cache (cpu_kvcache_space_gib)" in out
+    assert out.rstrip().endswith("fits")
     assert project_memory.main(["jobs/configs/gsm8k.yaml", "--model", "smollm2-135m", "--hardware", "cpu",
                                 "--host-gib", "16"]) == 1
     err = capsys.readouterr().err
@@ -186,8 +187,9 @@ def test_cpu_plan_matches_the_measured_train_worker_replica_and_draft_trainer():
     (TRAIN_CPU_RUNTIME); with DeepSpeed's 5e8 it is predicted within 10%
     (zero_bucket_memory.json: 8 sequences of at most 248 tokens a rank); a
     replica without drafting is fitted (VLLM_CPU_RUNTIME), with online
-    EAGLE-3 predicted within 10%; the DraftTrainer while training falls in
-    its measured range (rl_memory.json)."""
+    EAGLE-3 predicted within 10%; the DraftTrainer while training within
+    15% of its measured range (rl_memory.json; it then held the verifier's
+    layers in fp32, 0.1 GiB more than now)."""
     shape = ModelShape.from_hf_config("smollm2-135m")
 
     def worker_peak(*overrides):
@@ -214,7 +216,7 @@ def test_cpu_plan_matches_the_measured_train_worker_replica_and_draft_trainer():
     trainer = sum(t.bytes for t in plan["draft training"] if t.role == "DraftTrainer") / memory.GIB
     measured = [_gib(s["rss_mib_draft_trainer"]) for runs in rl.values() if isinstance(runs, dict)
                 for s in runs.get("online-adaptive", [])]
-    assert min(measured) <= trainer <= max(measured), (trainer, measured)
+    assert 0.85 * min(measured) <= trainer <= 1.15 * max(measured), (trainer, measured)
 
 
 def _bench_shape(nbytes: float) -> ModelShape:

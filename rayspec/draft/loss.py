@@ -112,10 +112,17 @@ def target_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([loss_mask, loss_mask.new_zeros(loss_mask.shape[0], 1)], 1)
 
 
+# rows of the verifier's output layer cast to the head's dtype at a time
+# (verifier_targets): 8192 x 4096 fp32 is 128 MiB, where the whole layer of a
+# 128k vocabulary would be 2 GiB on top of its bf16 copy
+TARGET_ROWS = 8192
+
+
 @torch.no_grad()
 def verifier_targets(final_hidden: torch.Tensor, mask: torch.Tensor, lm_head_weight: torch.Tensor,
                      draft_ids: torch.Tensor | None, dtype: torch.dtype,
-                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     temperature: float = 1.0,
+                     rows: int = TARGET_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The verifier's next-token distribution at every masked position, once
     for all draft steps: step j from chain start t targets position t + 1 + j,
     so the steps share these rows, and the [n, V] output layer, the largest
@@ -123,8 +130,11 @@ def verifier_targets(final_hidden: torch.Tensor, mask: torch.Tensor, lm_head_wei
 
     Args:
         final_hidden: [B, L, H]; mask: [B, L], 1 where token s + 1 is a
-            response token; lm_head_weight: [V, H]; draft_ids: [N] policy ids
-            of the draft vocabulary or None (all V).
+            response token; lm_head_weight: [V, H], bf16 as the DraftTrainer
+            gets it (it keeps no fp32 copy);
+            draft_ids: [N] policy ids of the draft vocabulary or None (all V).
+        dtype: the logits' (the head's: fp32); ``rows`` rows of the output
+            layer at a time are cast to it.
         temperature: > 0, divides the logits.
 
     Returns:
@@ -133,7 +143,11 @@ def verifier_targets(final_hidden: torch.Tensor, mask: torch.Tensor, lm_head_wei
         renormalised over it; the argmax over all V tokens [n] int64).
     """
     b, position = mask.bool().nonzero(as_tuple=True)
-    logits = (final_hidden[b, position].to(dtype) @ lm_head_weight.to(dtype).T) / temperature  # [n, V]
+    x = final_hidden[b, position].to(dtype)
+    logits = torch.empty(x.shape[0], lm_head_weight.shape[0], dtype=dtype, device=x.device)  # [n, V]
+    for v in range(0, lm_head_weight.shape[0], rows):
+        torch.matmul(x, lm_head_weight[v:v + rows].to(dtype).T, out=logits[:, v:v + rows])
+    logits /= temperature
     lse = torch.logsumexp(logits, -1, keepdim=True)
     return position, ((logits if draft_ids is None else logits[:, draft_ids]) - lse).exp(), logits.argmax(-1)
 

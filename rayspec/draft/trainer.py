@@ -247,7 +247,7 @@ class DraftTrainer:
                 did not arrive within ``timeout_s``.
         """
         result = self._train(verifier_ref, steps, expect, timeout_s)
-        trim_host_heap()  # here, once _train's locals (fp32 verifier copies, activations) are freed
+        trim_host_heap()  # here, once _train's locals (verifier layers, activations) are freed
         if self.device.type == "cuda":  # and their device memory, before colocated replicas wake
             torch.cuda.empty_cache()
         return result
@@ -262,8 +262,10 @@ class DraftTrainer:
         if expect < 1:
             raise RuntimeError("DraftTrainer.train: no features submitted")
         ver = ray.get(verifier_ref) if isinstance(verifier_ref, ray.ObjectRef) else verifier_ref
-        embed = ver["embed"].to(self.device, torch.float32)
-        lm_head = ver["lm_head"].to(self.device, torch.float32)
+        # bf16, as rank 0 sends them (verifier_output_weights): no fp32 copies
+        # of two [V, H] layers; the loss casts rows to the head's fp32 as it uses them
+        embed = ver["embed"].to(self.device)
+        lm_head = ver["lm_head"].to(self.device)
         self.head.set_output_from_verifier(lm_head)
         chunks = _StepChunks(pending, timeout_s)
         newest: list = []

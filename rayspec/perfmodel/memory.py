@@ -39,8 +39,9 @@ the accounting and its sources:
 - **DraftTrainer**: the head's trainable weights at 16 bytes a parameter
   (fp32 weight, gradient, two Adam moments) and its LM head over the draft
   vocabulary; while it trains (during the policy update and after the
-  refit) also the verifier's embedding and LM head as fp32 copies
-  (``rayspec/draft/trainer.py``) and the target logits of a batch
+  refit) also the verifier's embedding and LM head in bf16, as rank 0
+  sends them (``rayspec/draft/trainer.py``; the loss casts 8192 rows at a
+  time to fp32, ``loss.TARGET_ROWS``) and the target logits of a batch
   (tokens x V, fp32, twice: logits and softmax), given back after.
 - **Per process**: ``CUDA_CONTEXT`` (CUDA context, cuBLAS workspace, NCCL's
   buffers).
@@ -293,7 +294,7 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
                       Term("DraftTrainer", "draft LM head (fp32)", 4 * head.lm_head_params),
                       Term("DraftTrainer", "CUDA context", CUDA_CONTEXT)]
     # _train's locals, freed with torch's cache when it returns
-    draft_training = [Term("DraftTrainer", "verifier embedding + LM head (fp32)", 2 * 4 * v * h),
+    draft_training = [Term("DraftTrainer", "verifier embedding + LM head (bf16)", 2 * 2 * v * h),
                       Term("DraftTrainer", "target logits (fp32 x2)", 8 * tokens * v)]
 
     offload = bool(tr.offload_states)
@@ -439,7 +440,7 @@ def cpu_plan(cfg, shape: ModelShape, host_bytes: float, nodes: int = 1,
                  Term("DraftTrainer", "draft LM head (fp32)", 4 * head.lm_head_params),
                  Term("DraftTrainer", "process (measured)", DRAFT_CPU_RUNTIME),
                  Term("replicas", "draft head", replicas * rdt * head.total_params)]
-        draft_training = [Term("DraftTrainer", "verifier embedding + LM head (fp32)", 2 * 4 * v * h),
+        draft_training = [Term("DraftTrainer", "verifier embedding + LM head (bf16)", 2 * 2 * v * h),
                           Term("DraftTrainer", "target logits (fp32 x2)", 8 * tokens * v)]
     base = common + replica + train + draft
     phases = {"rollout": base, "policy update": base + update + draft_training,

@@ -242,8 +242,8 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
             log.warning("memory plan not checked: nvidia-smi gave no GPU memory on node(s) %s",
                         [n.node_id[:8] for n, b in zip(gpu_nodes, known) if b is None])
             return None
-        result = plan(cfg, ModelShape.from_hf_config(model_dir), "", gpus_per_node=int(max(n.gpus for n in gpu_nodes)), nodes=len(gpu_nodes),
-                      device_bytes=min(known), host_bytes=float("inf"))
+        result = plan(cfg, ModelShape.from_hf_config(model_dir), "", gpus_per_node=int(max(n.gpus for n in gpu_nodes)),
+                      nodes=len(gpu_nodes), device_bytes=min(known), host_bytes=float("inf"))
         what, hardware = "this cluster's GPUs", "<h100|h200|gb200> --gpus N"
     problems = result.problems()
     if problems:
