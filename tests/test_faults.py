@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -29,7 +31,7 @@ from jobs.grpo import main as grpo_main
 from rayspec.config import ConfigError, load_config
 from rayspec.draft.client import DRAFT_TRAINER_NAME
 from rayspec.scheduler import checkpoints, run
-from tests.conftest import IN_PROCESS
+from tests.conftest import IN_PROCESS, STEP_RECORD_KEYS
 
 STEPS = 4
 
@@ -247,29 +249,39 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
 @pytest.mark.slow
 def test_async_run_survives_a_train_worker_a_replica_and_the_draft_trainer_dying(ray_session, tiny_llama_dir,
                                                                                 tmp_path, monkeypatch):
-    """Async on the split layout, ``max_policy_lag`` 2, two replicas, the
-    collective transport; 6 steps, a checkpoint every 2. A Train worker is
-    killed in step 3 (the batches generated ahead for steps 4 and 5 die
-    with rank 0's queue; the worker group restarts from step 2's
-    checkpoint), then one replica while it generates the batch for step 6
-    (two steps ahead), then the DraftTrainer while it trains (step 5).
+    """The main job async on the split layout (``max_policy_lag`` 2, two
+    replicas, the shared_memory transport, held-out evaluations every 2
+    steps); 6 steps, a checkpoint every 2. A Train worker is killed in step
+    3 (the batches generated ahead for steps 4 and 5 die with rank 0's
+    queue; the worker group restarts from step 2's checkpoint), then one
+    replica while it generates the batch for step 6 (two steps ahead), then
+    the DraftTrainer 1 s into step 5 (it trains beside the policy update).
+
     Every step trains on exactly one batch of the prompts an uninterrupted
     run draws, within the lag bound; the regenerated batches, the retried
-    shard and the DraftTrainer's restart are in the records. (Lag 1 and 2
-    under a restart on fakes: ``test_step::test_an_async_run_restarted_…``.)"""
+    shard and the DraftTrainer's restart are in the records; the killed
+    rank 0's refit files are removed. The run itself: batches generated
+    while the previous step trained, sharded over both replicas, each
+    reporting its own stats; evaluations of versions 0, 2, 4 and 6, each
+    once its weights landed behind the batches generating ahead. (Lag 1 and
+    2 under a restart on fakes: ``test_step::test_an_async_run_restarted_…``.)"""
     from rayspec.data import PromptSource, train_and_heldout
+    from rayspec.sync.shared_memory import PREFIX, SHM
 
     steps, lag = 6, 2
     run_dir = tmp_path / "async-faults"
     cfg = _cfg(tiny_llama_dir, run_dir, steps, "rollout.num_replicas=2", "scheduler.layout=split",
-               "scheduler.mode=async", f"scheduler.max_policy_lag={lag}")
+               "scheduler.mode=async", f"scheduler.max_policy_lag={lag}", "trainer.eval_every=2",
+               "rollout.weight_sync.transport=shared_memory", "data.eval_num_problems=6", "trainer.eval_samples=2")
     injected: list[str] = []
     errors: list[BaseException] = []
+    ranks_0: list = []
 
     def inject():
         try:
             _wait(lambda: len(_records(run_dir)) >= 1)
             train_worker = _actor_pid("RayTrainWorker")  # looked up before step 3 starts
+            ranks_0.extend(d.name for d in Path(SHM).glob(f"{PREFIX}*"))
             _wait(lambda: _registered(run_dir) >= 1)  # step 2's checkpoint; step 3 is running
             assert len(_records(run_dir)) == 2, "step 3 ended before the Train worker could be killed"
             _kill(train_worker)
@@ -295,18 +307,44 @@ def test_async_run_survives_a_train_worker_a_replica_and_the_draft_trainer_dying
     assert not errors, f"fault injection failed after {injected}: {errors[0]!r}"
     assert injected == ["train worker", "replica", "draft trainer"]
     got = _records(run_dir)
-    source = PromptSource(train_and_heldout(cfg.data, 0)[0], cfg.data.prompts_per_step, cfg.data.seed)
+    source = PromptSource(train_and_heldout(cfg.data, cfg.data.eval_num_problems)[0], cfg.data.prompts_per_step,
+                          cfg.data.seed)
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     assert [r["problem_ids"] for r in got] == [[p.index for p in source.next_batch()] for _ in range(steps)]
     assert all(len(r["response_lens"]) == 4 * len(r["problem_ids"]) for r in got)
     for r in got:
         assert 0 <= r["policy_lag"] <= lag and r["policy_version"] == r["step"] - 1 - r["policy_lag"], r["step"]
-    assert got[2]["policy_lag"] == 0  # step 3's batch generated again by the restored policy
+    assert [r["policy_lag"] for r in got[:3]] == [0, 1, 0]  # step 3's batch generated again, by the restored policy
     # the failed attempt had drawn the batches of steps 3 (training), 4 and 5 (ahead)
     assert [r["rollout_regenerated"] for r in got] == [0, 0, 1, 1, 1, 0]
     assert [r["rollout_retries"] for r in got] == [0, 0, 0, 0, 0, 1]  # the killed replica's shard of step 6
-    assert [r["draft_alive"] for r in got][-1] == 1 and got[-1]["draft_restarts"] == 1
+    assert got[-1]["draft_alive"] == 1 and got[-1]["draft_restarts"] == 1
     assert got[-1]["draft_version"] > got[3]["draft_version"]
+    assert ranks_0 and not any((Path(SHM) / d).exists() for d in ranks_0)  # the killed sender's files
+
+    # held-out evaluations once each version's weights landed (the restored attempt evaluates from step 4)
+    assert [[e["policy_version"] for e in r.get("evals", [])] for r in got] == [[0], [2], [], [4], [], [6]]
+    for e in (e for r in got if "evals" in r for e in r["evals"]):
+        assert 0.0 <= e["reward_greedy"] <= 1.0 and 0.0 <= e["reward_sampled"] <= 1.0
+        assert e["response_len_greedy"] > 0 and e["acceptance_length"] >= 1.0
+    assert got[0]["evals"][0]["greedy_changed"] == 0.0  # the baseline is version 0's own greedy answers
+    assert json.loads((run_dir / "eval_baseline.json").read_text())["prompts"][0]
+    for r in got:
+        assert STEP_RECORD_KEYS <= r.keys()
+        assert (r["layout"], r["mode"], r["weight_sync_transport"]) == ("split", "async", "shared_memory")
+        for role in ("rollout", "train", "draft"):
+            assert 0 <= r[f"idle_{role}_s"] <= r["time_step_s"]
+        est = r["draft_acceptance_estimate"]
+        if r["draft_alive"]:  # the DraftTrainer's replayed acceptance, one rate per draft position
+            assert len(est) == cfg.rollout.speculative_config.num_speculative_tokens and all(0 <= x <= 1 for x in est)
+            shares = [share for share, _, _ in r["draft_acceptance_by_share"]]
+            assert shares == sorted(shares, reverse=True) and all(s == 2.0 ** round(math.log2(s)) <= 1 for s in shares)
+    # each replica's own stats (Serve routes a batch's two shards to the free replicas: one or both)
+    for r in got[:5]:
+        assert sum(s["output_tokens"] for s in r["replicas"].values()) == r["rollout_tokens"], r["step"]
+    assert any(len(r["replicas"]) == 2 for r in got)
+    # step 5's batch was generated during steps 3-4: the trainer waited less than it took
+    assert got[4]["time_rollout_s"] < got[4]["rollout_generation_s"] + got[4]["time_policy_s"]
 
 
 def test_workers_started_after_the_draft_trainer_died_go_on_without_it(ray_session):

@@ -2,7 +2,7 @@
 ``DraftClient``, the object-store weight sender) over in-process fakes of
 the roles it talks to: replicas that return scripted rollouts, a policy
 that does not train, and a DraftTrainer actor that answers at once. Runs in
-seconds; what the real roles do is tested in test_loop.py, test_faults.py
+seconds; what the real roles do is tested in test_faults.py, test_job_submit.py
 and the notebooks."""
 
 from __future__ import annotations

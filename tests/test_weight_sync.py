@@ -1,11 +1,12 @@
 """The weight transports' own mechanics (rayspec.sync): bucketing, the
 group that cannot form, the automatic fallback. The collective refit into a
 real vLLM engine is in test_refit.py (policy, after a DeepSpeed step) and
-test_draft.py (a trained head); through Serve in test_loop.py and the fault
+test_draft.py (a trained head); through Serve in the fault
 tests."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -283,6 +284,33 @@ def test_a_gloo_weight_sync_group_binds_to_the_interface_that_reaches_the_traine
         child.join(timeout=60)
     gloo = [c for c in conns if c.raddr.port != port]  # the rendezvous store's aside
     assert gloo and all(c.laddr.ip == host and c.raddr.ip == host for c in gloo), conns
+
+
+def test_a_shared_memory_sender_removes_the_files_of_a_killed_predecessor():
+    """A rank 0 killed mid-refit leaves its /dev/shm directory (host memory);
+    the sender of the restarted worker group removes it, and leaves those of
+    live senders (another run on the node, itself)."""
+    import os
+    import subprocess
+
+    from rayspec.sync import SharedMemorySender
+    from rayspec.sync.shared_memory import PREFIX, SHM
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = Path(SHM) / f"{PREFIX}{dead.pid}-test"
+    alive = Path(SHM) / f"{PREFIX}{os.getpid()}-test"
+    for d in (orphan, alive):
+        d.mkdir()
+        (d / "policy-v3.bin").write_bytes(b"\0" * 4096)
+    try:
+        sender = SharedMemorySender(None, 1 << 20)
+        assert not orphan.exists() and alive.exists()
+        assert sender.directory.name.startswith(f"{PREFIX}{os.getpid()}-")
+        sender.close()
+    finally:
+        for d in (orphan, alive):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_shared_memory_files_hold_the_packed_buckets_until_the_refit_landed(monkeypatch):

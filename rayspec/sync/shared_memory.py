@@ -15,7 +15,9 @@ its own weights.
 
 Files live until every replica has loaded them (``Refit.results``); a
 replica that falls behind catches up through the object store, as with the
-collective transport.
+collective transport. A rank 0 killed with a refit in flight leaves its
+files behind (tmpfs: host memory); the sender that replaces it removes the
+directories of senders no longer alive (``_remove_orphans``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from rayspec.sync.buckets import Bucket, bucket_nbytes, pack_bucket, plan_bucket
 from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError
 
 SHM = "/dev/shm"
+PREFIX = "rayspec-refit-shm-"  # then the sending process's pid and "-"
 
 
 def shm_dir() -> str:
@@ -61,7 +64,8 @@ class SharedMemorySender(WeightSender):
     def __init__(self, replicas, packed_buffer_size_bytes: int):
         super().__init__(replicas)
         self.bucket_bytes = packed_buffer_size_bytes
-        self.directory = Path(tempfile.mkdtemp(prefix="rayspec-refit-shm-", dir=shm_dir()))
+        _remove_orphans(Path(shm_dir()))
+        self.directory = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=shm_dir()))
 
     def send(self, target: str, weights: dict[str, torch.Tensor], version: int) -> Refit:
         """Pack ``weights`` (host tensors) into files, one per bucket, and
@@ -106,6 +110,22 @@ class SharedMemorySender(WeightSender):
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _remove_orphans(shm: Path) -> list[Path]:
+    """Remove the refit directories in ``shm`` of senders whose process is
+    gone (a rank 0 killed mid-refit: Ray Train restarts the worker group);
+    returns them. A pid in use again keeps its directory (a leak, not a
+    loss)."""
+    import psutil  # a Ray dependency
+
+    removed = []
+    for d in shm.glob(f"{PREFIX}*-*"):
+        pid = d.name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
 
 
 def _unlink(files: list[tuple[str, Bucket]]) -> None:
