@@ -147,6 +147,11 @@ def _actor_pid(class_part: str) -> int:
     contains class_part, read from the worker's process title
     ("ray::Class.method"). Not the state API: on a loaded 2-core CI machine
     one list_actors call outlasted the rest of the run."""
+    return _actor_pids(class_part)[0]
+
+
+def _actor_pids(class_part: str) -> list[int]:
+    """Every live actor's pid of ``_actor_pid``'s kind."""
     # the embedded cluster's raylet, and so every worker, descends from this process;
     # as_dict reads a process that exits meanwhile as None instead of raising
     procs = [p.as_dict(["pid", "ppid", "cmdline"]) for p in psutil.Process().children(recursive=True)]
@@ -155,7 +160,34 @@ def _actor_pid(class_part: str) -> int:
     # a process the actor forked inherits its title: take the actor itself
     pids = [pid for pid, ppid in actors.items() if ppid not in actors]
     assert pids, f"no live actor of class *{class_part}*"
-    return pids[0]
+    return pids
+
+
+def _busy_actor(class_part: str, share: float = 0.3, window_s: float = 0.2, windows: int = 3,
+                timeout_s: float = 60) -> int:
+    """pid of a live actor of class ``class_part`` (one per process tree, as
+    ``_actor_pid`` finds them) whose processes used at least ``share`` of a
+    core in each of ``windows`` windows of ``window_s`` in a row: a replica
+    generating, not one idle or loading a refit (a tenth of a second here).
+    A replica cannot be asked whether it generates: it runs one call at a
+    time."""
+    def cpu(proc):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+        return 0.0
+
+    procs = [psutil.Process(pid) for pid in _actor_pids(class_part)]
+    last, busy = [cpu(p) for p in procs], [0] * len(procs)
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        time.sleep(window_s)
+        for i, p in enumerate(procs):
+            now = cpu(p)
+            busy[i] = busy[i] + 1 if now - last[i] >= share * window_s else 0
+            last[i] = now
+            if busy[i] >= windows:
+                return p.pid
+    raise TimeoutError(f"no actor of class *{class_part}* was busy within {timeout_s} s")
 
 
 def _kill(pid: int) -> None:
@@ -288,8 +320,8 @@ def test_async_run_survives_a_train_worker_a_replica_and_the_draft_trainer_dying
             injected.append("train worker")
             _wait(lambda: len(_records(run_dir)) >= 3)
             # step 4 of the restored attempt starts by submitting step 6's batch, ~1.5 s of generation
-            time.sleep(0.4)
-            _kill(_actor_pid("SpecVLLMReplica"))
+            # (steps 4 and 5 were generated during step 3): the first replica busy is generating it
+            _kill(_busy_actor("SpecVLLMReplica"))
             injected.append("replica")
             _wait(lambda: len(_records(run_dir)) >= 4)
             time.sleep(1.0)  # into step 5's policy update, which the DraftTrainer trains beside

@@ -299,17 +299,19 @@ class Coordinator:
 
         The failed attempt had drawn the batches of the steps it recorded,
         of the step it was in, and of the ``max_policy_lag`` steps after it
-        (async: generated ahead); their samples died with it. This attempt
-        draws the same prompts again (the cursor is the one before them) and
-        its records of those steps say so (``rollout_regenerated``). It is
-        an upper bound: an attempt that died waiting for a step's batch had
-        not yet drawn the last one."""
+        (async: generated ahead), up to its ``trainer.steps``; their samples
+        died with it. This attempt draws the same prompts again (the cursor
+        is the one before them) and its records of those steps say so
+        (``rollout_regenerated``). It is an upper bound: an attempt that died
+        waiting for a step's batch had not yet drawn the last one."""
         step = state["step"]
         self.prompts.load_state_dict(state["prompts"])
         self.batches = step
         discarded = self.log.discard_after(step)
-        if step < state.get("steps", step + 1):  # a run's last checkpoint: it drew nothing past it
-            self.redrawn_until = step + discarded + 1 + self.pipeline.max_policy_lag
+        last = state.get("steps")  # the failed attempt drew no batch past its trainer.steps (older checkpoints: ?)
+        if last is None or step < last:  # a run's last checkpoint: it drew nothing past it
+            drawn = step + discarded + 1 + self.pipeline.max_policy_lag
+            self.redrawn_until = drawn if last is None else min(drawn, last)
 
     def replica_versions(self) -> list[dict[str, int]]:
         return self.rollouts.versions()
