@@ -24,6 +24,10 @@ check's FAIL, not the end of the run:
 - ``policy refit``: a ~1 GB fp32 policy, perturbed, loaded into a running
   EAGLE-3 engine in place; mean |p_vllm / p_policy - 1| of the sampled
   tokens (``token_mult_prob_error``) < 1e-3.
+- ``cuda_ipc refit``: the cuda_ipc transport, as colocated runs send: this
+  process exports its policy on the replica's GPU as CUDA IPC handles and
+  the replica's worker copies it in on the device: error < 1e-3 and at
+  least ``MIN_SYNC_GBPS``.
 - ``nccl refit`` (two GPUs or more): the collective transport over NCCL
   from this process on GPU 1 into the replica on GPU 0, as split runs
   send: error < 1e-3 and at least ``MIN_SYNC_GBPS``.
@@ -47,7 +51,7 @@ check's FAIL, not the end of the run:
 - ``rl step colocate`` / ``rl step split``: two GRPO steps of a tiny model
   through the real job (Serve replica, Ray Train + DeepSpeed bf16, online
   EAGLE-3 draft training, refit), colocated on the GPU (replica 0.6, Train
-  worker 0.3, DraftTrainer 0.1 of it) and split (the replica on the GPU,
+  worker 0.3, DraftTrainer 0.1 of it; refits through cuda_ipc) and split (the replica on the GPU,
   training on the node's CPUs: one GPU cannot be split); the peak GPU memory
   in use during each phase (device-wide, sampled every 20 ms, this process's
   own CUDA context included). Colocated, the replica sleeps at level 2 and
@@ -294,8 +298,9 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
                    f"collective gloo {t4 - t3:.2f} s ({nbytes / 1e9 / (t4 - t3):.2f} GB/s)",
                    bytes=nbytes, seconds=t2 - t0, put_s=t1 - t0, load_s=t2 - t1, collective_s=t4 - t3)
 
+        report.run("cuda_ipc refit", check_ipc_refit, engine, policy, prompts)
         if torch.cuda.device_count() >= 2:
-            check_nccl_refit(report, engine, policy, prompts)
+            report.run("nccl refit", check_nccl_refit, engine, policy, prompts)
 
         head = load_head(models["1gb_head"])
         with torch.no_grad():  # a head the drafter has not seen
@@ -319,6 +324,42 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
         engine.shutdown()
         policy = None
         torch.cuda.empty_cache()  # the split run's replica asks for 90% of the device
+
+
+def check_ipc_refit(report: Report, engine, policy, prompts: list[list[int]]) -> None:
+    """The cuda_ipc transport, as colocated runs send: this process plays a
+    Train rank on the GPU the replica uses, exports its policy
+    (``DeviceExport``: CUDA IPC handles to the weights themselves), and the
+    replica's worker (vLLM's engine-core process) opens them and copies on
+    the device; timed from the export to the export dropped, rank 0's host
+    copy for catching up included."""
+    import torch
+
+    from rayspec.rollout.client import LocalReplicas, RolloutClient
+    from rayspec.sync import CudaIpcSender, DeviceExport
+    from rayspec.train.ranks import Ranks
+
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p), alpha=0.01)
+    export = DeviceExport(Ranks(), torch.device("cuda", torch.cuda.current_device()))
+    sender = CudaIpcSender(RolloutClient(LocalReplicas([engine]), 1))
+    try:
+        t0 = time.perf_counter()
+        weights = export.collect(policy.state_dict(), torch.float32, copy=False)
+        sender.send("policy", weights, 4).results()
+        export.done()
+        seconds = time.perf_counter() - t0
+        nbytes = weights.nbytes
+        del weights
+    finally:
+        export.done()
+        sender.close()
+    err, _ = _prob_error(engine, policy, prompts)
+    gbps = nbytes / 1e9 / seconds
+    report.add("cuda_ipc refit", err < ERROR_BOUND and gbps >= MIN_SYNC_GBPS,
+               f"{nbytes / 1e9:.2f} GB: {seconds:.2f} s ({gbps:.2f} GB/s, the host copy for catching up "
+               f"included); token_mult_prob_error {err:.2e}", seconds=seconds, token_mult_prob_error=err)
 
 
 def check_nccl_refit(report: Report, engine, policy, prompts: list[list[int]]) -> None:
@@ -412,7 +453,8 @@ def check_rl_step(report: Report, models: dict[str, Path], work: Path, layout: s
     from rayspec.scheduler import run
 
     run_dir = work / f"rl_{layout}"
-    shares = (["rollout.num_gpus_per_replica=0.6", "train.gpus_per_worker=0.3", "draft.num_gpus=0.1"]
+    shares = (["rollout.num_gpus_per_replica=0.6", "train.gpus_per_worker=0.3", "draft.num_gpus=0.1",
+               "rollout.weight_sync.transport=cuda_ipc"]
               if layout == "colocate" else
               # one GPU cannot be split: the replica takes it, training the CPUs
               ["rollout.num_gpus_per_replica=1", "train.gpus_per_worker=0", "draft.num_gpus=0",
@@ -435,7 +477,8 @@ def check_rl_step(report: Report, models: dict[str, Path], work: Path, layout: s
     peaks = {phase: trace.peak(iv) for phase, iv in rec["phase_intervals"].items()}
     err = rec.get("token_mult_prob_error", float("nan"))
     ok = (rec["step"] == 2 and rec["rollout_tokens"] > 0 and rec.get("draft_alive", 1) == 1
-          and err < cfg.logging.warn_token_mult_prob_error)
+          and err < cfg.logging.warn_token_mult_prob_error
+          and rec["weight_sync_transport"] == cfg.rollout.weight_sync.transport.replace("auto", "collective"))
     report.add(f"rl step {layout}", ok,
                f"{rec['time_step_s']:.1f} s step 2 ({wall:.0f} s with start-up); peak GPU memory "
                + ", ".join(f"{p} {_gb(b)}" for p, b in peaks.items())

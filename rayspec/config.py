@@ -38,7 +38,7 @@ DATASET_KEYS = {"arithmetic": ("level", "max_operand"), "gsm8k": ("path", "split
 DEFAULT_SYSTEM_PROMPT = "You are a careful math tutor."  # the built-in tasks' system message
 BUILTIN_REWARDS = ("last_number", "math_verify", "format")  # rayspec.reward.builtins
 ON_ERROR = ("raise", "zero")
-WEIGHT_SYNC_TRANSPORTS = ("auto", "collective", "object_store", "shared_memory")
+WEIGHT_SYNC_TRANSPORTS = ("auto", "collective", "object_store", "shared_memory", "cuda_ipc")
 LAYOUTS = ("colocate", "split")
 MODES = ("sync", "async")
 
@@ -350,8 +350,12 @@ class WeightSyncConfig:
             replica and staged as a file; ``shared_memory``: rank 0 packs
             the weights into files in /dev/shm that every replica maps and
             loads (one host copy for all replicas; they must share rank 0's
-            node); ``auto``: collective, falling back to the object store
-            (with a warning) where the group cannot form.
+            node); ``cuda_ipc`` (colocated only): every Train rank exports
+            handles to its own copy of the policy, and each replica loads
+            the one on its device (CUDA IPC on a GPU, a device-to-device
+            copy; shared memory on a CPU); ``auto``: collective, falling
+            back to the object store (with a warning) where the group
+            cannot form.
         backend: the collective's backend: ``nccl`` (GPU tensors on both
             ends; split layout only: NCCL refuses two ranks on one GPU, as
             rank 0 and a colocated replica would be), ``gloo`` (host
@@ -984,6 +988,12 @@ def check_across_sections(cfg: RunConfig) -> None:
     _check(ws.backend != "nccl" or cfg.scheduler.layout == "split", "rollout.weight_sync.backend", ws.backend,
            "colocated, the trainer's rank 0 shares its GPU with a replica and NCCL refuses two ranks on one "
            "device: use gloo (or auto)")
+    _check(ws.transport != "cuda_ipc" or cfg.scheduler.layout == "colocate", "rollout.weight_sync.transport",
+           ws.transport, "cuda_ipc needs scheduler.layout=colocate: each replica opens the export of the Train "
+           "rank on its own device (split: use collective)")
+    _check(ws.transport != "cuda_ipc" or (cfg.train.gpus_per_worker > 0) == (cfg.rollout.num_gpus_per_replica > 0),
+           "rollout.weight_sync.transport", ws.transport, "cuda_ipc needs GPUs on both ends or on neither "
+           "(train.gpus_per_worker, rollout.num_gpus_per_replica): a replica opens exports on its own device")
     if cfg.trainer.eval_every:
         _check(cfg.data.eval_num_problems >= 1, "data.eval_num_problems", cfg.data.eval_num_problems,
                "must be >= 1 while trainer.eval_every > 0")

@@ -1,6 +1,8 @@
 """Checkpoints, resume and failure injection on a real run (embedded Ray
 cluster, a Serve replica with vLLM + EAGLE-3, two Ray Train workers with
 DeepSpeed ZeRO-2, the DraftTrainer), each compared with an uninterrupted run.
+The colocated runs refit through the cuda_ipc transport's CPU twin (rank 0's
+export in shared memory, opened by the replica).
 
 Rollouts are reseeded per step and shard. With the engine core in the
 replica's process this CPU engine then samples bit-identically across
@@ -40,7 +42,8 @@ def _cfg(tiny, run_dir, steps=STEPS, *more):
     return load_config(None, [f"model.path={tiny}", "model.dtype=float32", f"trainer.steps={steps}",
                               f"trainer.run_dir={run_dir}", "trainer.save_steps=2",
                               "trainer.max_failures=1", "grpo.max_new_tokens=24",
-                              "data.prompts_per_step=2", "draft.steps_per_rl_step=2", *IN_PROCESS, *more])
+                              "data.prompts_per_step=2", "draft.steps_per_rl_step=2",
+                              "rollout.weight_sync.transport=cuda_ipc", *IN_PROCESS, *more])
 
 
 
@@ -265,6 +268,9 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
     assert injected == ["replica", "train worker", "draft trainer"]
     got = _records(run_dir)
     _same_prompts(got, uninterrupted)
+    assert {r["weight_sync_transport"] for r in got} == {"cuda_ipc"}
+    # the killed rank 0's exports went with it (torch's shm manager unlinks a dead client's files)
+    assert not [p for p in Path("/dev/shm").glob("torch_*") if not psutil.pid_exists(int(p.name.split("_")[1]))]
     assert [r["rollout_retries"] for r in got] == [0, 1, 0, 0]
     assert [r["rollout_regenerated"] for r in got] == [0, 0, 1, 0]  # step 3's batch died with rank 0
     # Ray restarted the DraftTrainer after step 3: step 4 restored it from step 2's checkpoint
@@ -432,7 +438,7 @@ def test_restart_before_the_first_checkpoint_resets_the_draft_head(ray_session, 
                             refit=lambda target, weights, version: refits.append((target, weights, version)),
                             wait_refits=lambda: None, evaluate=lambda version: None)
     weights = {"w": torch.ones(2)}
-    policy = SimpleNamespace(ranks=Ranks(), full_state_dict=lambda: weights)
+    policy = SimpleNamespace(ranks=Ranks(), refit_weights=lambda: weights, refit_sent=lambda: None)
 
     def trained_elsewhere(version):  # the first attempt's head: other weights, a later version
         tensors, meta = ray.get(actor.get_state.remote())

@@ -382,6 +382,63 @@ def test_a_bf16_engine_is_the_same_from_a_bf16_load(tiny_llama_dir, single_rank_
 
 
 @pytest.mark.slow
+def test_a_cuda_ipc_refit_loads_the_ranks_own_weights_in_another_process(spec_engine, tiny_llama_dir,
+                                                                          single_rank_group):
+    """``transport: cuda_ipc``'s CPU twin through the production calls: a
+    ZeRO-2 rank's ``PolicyWorker.refit_weights`` exports its weights as
+    shared-memory handles (torch's reductions), the replica's vLLM worker (the
+    engine core's process) opens them and loads them in place, so its greedy
+    continuation is the trainer's; ``refit_sent`` drops the export, whose files
+    live on only as the sender's catch-up copy, until the next refit; a
+    replica with no export on its device is told so."""
+    from rayspec.sync import IpcWeights, make_sender, make_source
+    from rayspec.train.policy import PolicyWorker
+    from rayspec.train.ranks import Ranks
+
+    eng = spec_engine
+    cfg = load_config(None, ["data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1",
+                             "model.dtype=float32", "rollout.weight_sync.transport=cuda_ipc"])
+    tok = load_tokenizer(tiny_llama_dir)
+    probe = tok.encode("Question: what is 12 plus 30? Answer:")
+    policy = load_policy(tiny_llama_dir)
+    torch.manual_seed(4)
+    with torch.no_grad():  # weights the replica has not seen
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p), alpha=0.02)
+    worker = PolicyWorker(build_engine(policy, deepspeed_config(cfg, world_size=1)), cfg, Ranks(), tok.pad_token_id,
+                          torch.float32, source=make_source(cfg.rollout.weight_sync, Ranks()))
+    sender = make_sender(cfg.rollout.weight_sync, RolloutClient(LocalReplicas([eng]), 1), trainer_has_gpu=False,
+                         replicas_have_gpu=False, shared_gpus=True)
+    files = lambda: {p.name for p in __import__("pathlib").Path("/dev/shm").glob(f"torch_{os.getpid()}_*")}
+    before = files()
+    trainer_greedy = _greedy_hf(worker.engine.module.eval(), probe, 16)
+    try:
+        weights = worker.refit_weights()
+        assert isinstance(weights, IpcWeights) and len(files() - before) == len(weights.names)
+        assert sender.send("policy", weights, 30).results() == [30]
+        worker.refit_sent()
+        del weights
+        assert eng.generate([probe], temperature=0.0, max_tokens=16)[0].response_ids[0] == trainer_greedy
+        assert sender.take_stats()["weight_sync_transport"] == "cuda_ipc"
+        first = files() - before
+        weights = worker.refit_weights()
+        payload = {**weights.payload, "handles": [{"host:elsewhere": h} for h in
+                                                  (next(iter(hs.values())) for hs in weights.payload["handles"])]}
+        with pytest.raises(Exception, match="no Train rank exported the policy on host:"):
+            eng.receive_ipc("policy", payload, 31)
+        assert sender.send("policy", weights, 32).results() == [32]
+        worker.refit_sent()
+        del weights
+        assert not first & files()  # the first export's files went with the sender's catch-up copy
+        assert eng.generate([probe], temperature=0.0, max_tokens=16)[0].response_ids[0] == trainer_greedy
+    finally:
+        sender.close()
+        worker.source.done()
+    assert files() == before
+    eng.receive_refit("policy", load_policy(tiny_llama_dir).state_dict(), 33)  # the module's later tests' weights
+
+
+@pytest.mark.slow
 def test_a_shared_memory_refit_lands_through_mapped_files_and_leaves_none(spec_engine, tiny_llama_dir):
     """``transport: shared_memory``: rank 0 packs the refit into files in
     /dev/shm, the replica maps them and loads the views in place; the files

@@ -110,11 +110,12 @@ class FakePolicy:
         self.version += 1
         return {"loss": 0.25, "clip_frac": 0.0}, refs
 
-    def full_state_dict(self):
+    def refit_weights(self):
+        self.calls.append(("release",))  # HostGather: the device is given back before the refit
         return {"w": torch.full((2,), float(self.version))}
 
-    def release(self):
-        self.calls.append(("release",))
+    def refit_sent(self):
+        pass
 
     def output_weights(self):
         return {"embed": torch.zeros(1)}

@@ -126,6 +126,13 @@ def test_transport_choice_and_bad_keys():
     with pytest.raises(ConfigError, match="NCCL refuses two ranks on one device"):
         load_config(None, [*gpus, "scheduler.layout=colocate"])
     assert load_config(None, [*gpus, "scheduler.layout=split"]).rollout.weight_sync.backend == "nccl"
+    ipc = load_config(None, ["rollout.weight_sync.transport=cuda_ipc"]).rollout.weight_sync
+    assert make_sender(ipc, None, False, False, shared_gpus=True).name == "cuda_ipc"
+    with pytest.raises(ConfigError, match="cuda_ipc needs scheduler.layout=colocate"):
+        load_config(None, ["rollout.weight_sync.transport=cuda_ipc", "scheduler.layout=split",
+                           "rollout.num_replicas=1"])
+    with pytest.raises(ConfigError, match="cuda_ipc needs GPUs on both ends or on neither"):
+        load_config(None, ["rollout.weight_sync.transport=cuda_ipc", "rollout.num_gpus_per_replica=0.5"])
 
 
 @pytest.mark.slow
@@ -348,3 +355,155 @@ def test_shared_memory_files_hold_the_packed_buckets_until_the_refit_landed(monk
         assert not list(sender.directory.iterdir())
     finally:
         sender.close()
+
+
+def _torch_shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob(f"torch_{__import__('os').getpid()}_*")}
+
+
+def test_a_shared_tensor_opens_in_another_process_again_and_again_until_released():
+    """cuda_ipc's CPU twin: a handle made with torch's reductions opens in
+    another process (the vLLM worker) as a mapping of the sender's memory,
+    as often as replicas open it, one after another (torch's own
+    ``rebuild_storage_filename`` gives back the sender's reference at the
+    first open: without ``open_shared`` putting it back, the file would be
+    gone at the second); the file goes once the sender releases it and
+    frees the tensor."""
+    import gc
+    import subprocess
+    import sys
+
+    from rayspec.sync.ipc import release, share, shareable
+
+    before = _torch_shm_files()
+    src = torch.randn(300, 40)
+    t = shareable(src, torch.bfloat16, copy=False)
+    assert t.dtype == torch.bfloat16 and t.is_shared() and torch.equal(t, src.to(torch.bfloat16))
+    handle = share(t)
+    child = ("import gc, sys, torch\n"
+             "from rayspec.sync.ipc import open_shared\n"
+             "handle = sys.stdin.buffer.read()\n"
+             "for _ in range(3):  # three replicas, each opening once its predecessor let go\n"
+             "    x = open_shared(handle, torch.device('cpu'))\n"
+             "    print(float(x.float().sum()), x.dtype, tuple(x.shape), flush=True)\n"
+             "    del x\n"
+             "    gc.collect()\n")
+    out = subprocess.run([sys.executable, "-c", child], input=handle, capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    want = f"{float(t.float().sum())} torch.bfloat16 (300, 40)"
+    assert out.stdout.decode().splitlines() == [want] * 3
+    assert len(_torch_shm_files() - before) == 1
+    release(t)
+    del t
+    gc.collect()
+    assert _torch_shm_files() == before
+
+
+class _TwoRanks:
+    """Rank ``rank`` of two: this rank's side of the collectives, the other
+    rank's contributions given (its device key, its handles)."""
+
+    def __init__(self, rank: int, other_key: str, other_handles=None):
+        self.rank, self.world, self.barriers = rank, 2, 0
+        self.other_key, self.other_handles = other_key, other_handles
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def all_gather(self, obj):
+        other = self.other_key if isinstance(obj, str) else self.other_handles
+        return [obj, other] if self.rank == 0 else [other, obj]
+
+    def barrier(self):
+        self.barriers += 1
+
+
+def test_every_device_exports_once_and_rank_0_sends_every_handle(monkeypatch):
+    """``DeviceExport``: the first rank on each device key exports (tied
+    tensors once), rank 0 gets each tensor's handles by key, a rank whose
+    key another serves exports nothing and gets None, and every rank meets
+    at the barrier before it drops its export; the sender sends only the
+    payload (no tensors), and catches a replica up from the host copy."""
+    import gc
+
+    from rayspec.sync import CudaIpcSender, DeviceExport, IpcWeights
+    from rayspec.sync.ipc import device_key
+
+    sd = _state_dict()
+    mine = device_key(torch.device("cpu"))
+    before = _torch_shm_files()
+    rank0 = DeviceExport(_TwoRanks(0, "gpu:other", other_handles=[b"h0", b"h1", b"h2", b"h3"]), torch.device("cpu"))
+    weights = rank0.collect(sd, torch.float32, copy=False)
+    assert isinstance(weights, IpcWeights)
+    assert weights.names == [k for k in sd if k != "lm_head.weight"]  # tied: once
+    assert weights.dtypes == ["float32", "float32", "float32", "float32"]  # floating point in the serving dtype
+    assert [sorted(h) for h in weights.handles] == [sorted([mine, "gpu:other"])] * 4
+    assert [h["gpu:other"] for h in weights.handles] == [b"h0", b"h1", b"h2", b"h3"]
+    assert weights.nbytes == sum(v.numel() * 4 for k, v in sd.items() if k != "lm_head.weight")
+    assert len(_torch_shm_files() - before) == 4
+
+    import subprocess
+
+    from rayspec.sync.ipc import SHM, TORCH_SHM_PREFIX
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = Path(SHM) / f"{TORCH_SHM_PREFIX}{dead.pid}_123_0"  # a killed rank's export (Ray killed torch's manager)
+    orphan.write_bytes(b"\0" * 4096)
+    rank1 = DeviceExport(_TwoRanks(1, mine), torch.device("cpu"))  # the same host: rank 0's export serves it
+    assert not orphan.exists() and len(_torch_shm_files() - before) == 4  # live ones stay
+    assert rank1.collect(sd, torch.float32, copy=False) is None
+    rank1.done()
+    assert rank1.ranks.barriers == 1 and len(_torch_shm_files() - before) == 4
+
+    payloads = []
+
+    class Replicas:
+        def receive_ipc(self, target, payload, version):
+            payloads.append(payload)
+            return type("Response", (), {"results": lambda self: [version]})()
+
+    sender = CudaIpcSender(Replicas())
+    assert sender.send("policy", weights, 5).results() == [5]
+    assert sender.rollout_refits() == {"policy": (5, None)}
+    assert set(payloads[0]) == {"names", "dtypes", "shapes", "handles"}
+    rank0.done()
+    assert rank0.ranks.barriers == 1
+    rank0.done()  # nothing pending: no second barrier
+    assert rank0.ranks.barriers == 1
+    monkeypatch.setattr("ray.put", lambda x: x)
+    refits = sender.catch_up(sender.rollout_refits())
+    assert refits["policy"][0] == 5
+    assert all(torch.equal(refits["policy"][1][k], sd[k].float()) for k in weights.names)
+    del weights, refits
+    sender.close()
+    gc.collect()
+    assert _torch_shm_files() == before  # the host copy was the export: gone with the sender's
+
+
+_REBUILT = []
+
+
+def _rebuilt_on(*args):
+    """Stands in for torch's ``rebuild_cuda_tensor`` (a GPU's handle)."""
+    _REBUILT.append(args)
+    return torch.empty(args[1], device="meta")
+
+
+def test_a_cuda_handle_is_opened_on_the_receivers_index_of_the_gpu(monkeypatch):
+    """A CUDA IPC handle names the sender's device index; the receiver's
+    CUDA_VISIBLE_DEVICES may number the same GPU otherwise, so
+    ``open_shared`` rebuilds on its own index (reduce_tensor's args[6], as
+    vLLM's IPC engine does) and leaves the rest as sent."""
+    import pickle
+
+    import torch.multiprocessing.reductions as reductions
+
+    from rayspec.sync.ipc import open_shared
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", _rebuilt_on)
+    sent = ("Tensor", 3, (1,), 0, "Storage", "float32", 5, b"handle", 12, 0, False, b"ref", 0, b"event", True)
+    t = open_shared(pickle.dumps((_rebuilt_on, sent)), torch.device("cuda", 2))
+    (args,) = _REBUILT
+    assert t.shape == (3,) and args[6] == 2 and args[:6] == sent[:6] and args[7:] == sent[7:]

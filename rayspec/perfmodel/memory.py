@@ -101,6 +101,10 @@ RAY_CPU_PROCESSES = 1.5 * GIB
 # views, vLLM's load): 0.65-0.66 GB and 0.63 GB at 256 MiB buckets, fitted.
 OBJECT_STORE_REFIT_PER_BYTE = 4.4
 BUCKET_REFIT_PER_BYTE = 2.4
+# cuda_ipc's CPU twin, per state-dict byte: the pages of rank 0's export the
+# replica maps as it loads (shared with the export, so an upper bound) and
+# vLLM's load: 0.61 GB at 0.99 GB (refit_transports_quick.json), fitted.
+IPC_REFIT_PER_BYTE = 0.62
 
 
 @dataclass
@@ -311,6 +315,19 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
     replica_asleep = [Term("replica", "CUDA context", CUDA_CONTEXT)]
     replica_refit = [Term("replica", "weights (woken)", weights), Term("replica", "CUDA context", CUDA_CONTEXT)]
     transport = [Term("weight sync", "bucket", float(ro.weight_sync.packed_buffer_size_bytes))]
+    if ro.weight_sync.transport == "cuda_ipc":
+        # the replicas read each rank's own weights (rayspec.sync.ipc): its states stay on the device
+        # until the refit landed; the export is a copy where the serving dtype is not the module's, and
+        # under ZeRO-3 (the gathered parameters are freed after the gather)
+        module_bytes = 2 if (ds.get("bf16") or {}).get("enabled") else 4
+        transport = list(train_resident)
+        if stage == 3:
+            transport.append(Term("Train rank", "gathered parameters", p * module_bytes))
+        if stage == 3 or rdt != module_bytes:
+            transport.append(Term("Train rank", "export (a copy in the serving dtype)", p * rdt))
+        train_refit = []
+    else:
+        train_refit = train_released
 
     devices, layout_problems = [], []
     total = gpus_per_node * nodes
@@ -321,14 +338,14 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
         phases = {"rollout": replica_awake + train_released,
                   "policy update": replica_asleep + train_resident + train_peak,
                   "draft training": replica_refit + train_released,
-                  "refit": replica_refit + train_released + transport}
+                  "refit": replica_refit + train_refit + transport}
     else:
         replicas = ro.num_replicas
         devices.append(Device("rollout GPU", device_bytes, replicas, {
             "rollout": replica_awake, "policy update": replica_awake, "draft training": replica_awake,
             "refit": replica_awake + transport}))
         phases = {"rollout": train_released, "policy update": train_resident + train_peak,
-                  "draft training": train_released, "refit": train_released + transport}
+                  "draft training": train_released, "refit": train_refit + transport}
         need = replicas * max(1, round(ro.num_gpus_per_replica)) + ranks
         if need > total:
             layout_problems.append(f"split layout: {replicas} replicas and {ranks} Train ranks need {need} "
@@ -345,7 +362,9 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
     load_bytes = 2 if (ds.get("bf16") or {}).get("enabled") else 4  # rayspec.train.loop.training_load_dtype
     host = [Term("Train workers", f"policy loaded in {'bf16' if load_bytes == 2 else 'fp32'} (start)",
                  per_node_ranks * load_bytes * p),
-            Term("Ray", "object store", float(cfg.ray.object_store_memory))]
+            Term("Ray", "object store", float(cfg.ray.object_store_memory)),
+            # the sender keeps the newest policy for replicas that catch up (rayspec.sync)
+            Term("Train workers", "rank 0: the newest refit (host copy)", weights)]
     if colocated and ro.sleep_level == 1:
         host.append(Term("replicas", "asleep: weights (level 1)", per_node_replicas * weights))
     if host_states or offload:
@@ -362,11 +381,14 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
 def refit_host_bytes(transport: str, state_dict_bytes: float, bucket_bytes: float) -> float:
     """A CPU replica's extra host memory while it loads a refit of
     ``state_dict_bytes`` through ``transport`` (``object_store``,
-    ``collective``, ``shared_memory``; ``auto`` is ``collective`` on CPUs),
-    from this project's measurements (``OBJECT_STORE_REFIT_PER_BYTE``,
-    ``BUCKET_REFIT_PER_BYTE``). Bytes."""
+    ``collective``, ``shared_memory``, ``cuda_ipc``; ``auto`` is
+    ``collective`` on CPUs), from this project's measurements
+    (``OBJECT_STORE_REFIT_PER_BYTE``, ``BUCKET_REFIT_PER_BYTE``,
+    ``IPC_REFIT_PER_BYTE``). Bytes."""
     if transport == "object_store":
         return OBJECT_STORE_REFIT_PER_BYTE * state_dict_bytes
+    if transport == "cuda_ipc":
+        return IPC_REFIT_PER_BYTE * state_dict_bytes
     return BUCKET_REFIT_PER_BYTE * min(bucket_bytes, state_dict_bytes)
 
 
@@ -429,7 +451,8 @@ def cpu_plan(cfg, shape: ModelShape, host_bytes: float, nodes: int = 1,
     transport = "collective" if ro.weight_sync.transport == "auto" else ro.weight_sync.transport
     refit = [Term("replicas", f"loading a refit ({transport}, measured)",
                   replicas * refit_host_bytes(transport, refit_bytes, ro.weight_sync.packed_buffer_size_bytes)),
-             Term("Train workers", "rank 0: the gathered weights", refit_bytes)]
+             Term("Train workers", "rank 0: the export (shared memory)" if transport == "cuda_ipc"
+                  else "rank 0: the gathered weights", refit_bytes)]
     common = [Term("Ray", "object store", float(cfg.ray.object_store_memory)),
               Term("Ray", "Ray's processes, driver, reward workers", RAY_CPU_PROCESSES)]
     draft, draft_training = [], []

@@ -168,6 +168,11 @@ class RolloutClient:
         at ``version`` (``SpecVLLMEngine.receive_shared``)."""
         return self._broadcast(SpecVLLMEngine.receive_shared, target, files, version)
 
+    def receive_ipc(self, target: str, payload: dict, version: int):
+        """Every replica loads ``target``'s weights from the Train ranks'
+        exports at ``version`` (``SpecVLLMEngine.receive_ipc``)."""
+        return self._broadcast(SpecVLLMEngine.receive_ipc, target, payload, version)
+
     def weight_sync_members(self) -> list[dict[str, Any]]:
         """Each replica's weight-sync membership (``SpecVLLMEngine.weight_sync_member``)."""
         return self._broadcast(SpecVLLMEngine.weight_sync_member).results()

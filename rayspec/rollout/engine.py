@@ -30,7 +30,7 @@ from rayspec.rollout.vllm import engine_access, require_vllm, vllm_version
 from rayspec.rollout.vllm.spec_schedule import set_schedule
 from rayspec.rollout.vllm.touchpoints import internals_error
 from rayspec.rollout.vllm.worker_ext import WORKER_EXTENSION, RefitExtension
-from rayspec.sync import CollectiveReceiver, ObjectStoreReceiver, SharedMemoryReceiver
+from rayspec.sync import CollectiveReceiver, CudaIpcReceiver, ObjectStoreReceiver, SharedMemoryReceiver
 
 log = logging.getLogger(__name__)
 
@@ -310,6 +310,7 @@ class SpecVLLMEngine:
         self.object_store = ObjectStoreReceiver(self)
         self.collective = CollectiveReceiver(self)
         self.shared_memory = SharedMemoryReceiver(self)
+        self.cuda_ipc = CudaIpcReceiver(self)
         self.max_num_seqs = engine_access.max_num_seqs(self.llm)
         self.k_schedule: list = list(map(tuple, (spec or {}).get("num_speculative_tokens_per_batch_size") or []))
         if adaptive_k is not None and spec is not None and not engine_access.k_schedule(self.llm):
@@ -726,6 +727,12 @@ class SpecVLLMEngine:
         (the shared_memory transport, ``SharedMemoryReceiver``); returns
         the new version."""
         return self.shared_memory.receive(target, files, version)
+
+    def receive_ipc(self, target: str, payload: dict, version: int) -> int:
+        """Load ``target``'s weights from the Train ranks' exports (the
+        cuda_ipc transport, ``CudaIpcReceiver``): ``payload`` is
+        ``IpcWeights.payload``; returns the new version."""
+        return self.cuda_ipc.receive(target, payload, version)
 
     def load_refit(self, target: str, version: int, load: Callable[[], None]) -> int:
         """Run a receiver's ``load`` under the engine's lock, the weights

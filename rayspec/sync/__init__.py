@@ -1,8 +1,9 @@
-"""Weight sync: how a refit's weights travel from the trainer's rank 0 to
-every vLLM worker (``rollout.weight_sync.transport``). Two interfaces
-(``interfaces.py``): ``WeightSender`` on the trainer, ``WeightReceiver`` in
-each replica; one module per transport holds its two classes
-(``object_store.py``, ``collective.py``, ``shared_memory.py``)."""
+"""Weight sync: how a refit's weights travel from the Train ranks to every
+vLLM worker (``rollout.weight_sync.transport``). The interfaces
+(``interfaces.py``): a weight source on every Train rank, ``WeightSender``
+on rank 0, ``WeightReceiver`` in each replica; one module per transport
+holds its classes (``object_store.py``, ``collective.py``,
+``shared_memory.py``, ``ipc.py``)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import torch
 
 from rayspec.sync.buckets import bucket_nbytes, pack_bucket, plan_buckets, state_dict_nbytes, unpack_bucket
 from rayspec.sync.collective import CollectiveReceiver, CollectiveSender
-from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError
+from rayspec.sync.interfaces import HostGather, Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError
+from rayspec.sync.ipc import CudaIpcReceiver, CudaIpcSender, DeviceExport, IpcWeights
 from rayspec.sync.object_store import ObjectStoreReceiver, ObjectStoreSender
 from rayspec.sync.shared_memory import SharedMemoryReceiver, SharedMemorySender
 
-__all__ = ["CollectiveReceiver", "CollectiveSender", "ObjectStoreReceiver", "ObjectStoreSender", "Refit",
-           "RefitHost", "SharedMemoryReceiver", "SharedMemorySender", "WeightReceiver", "WeightSender",
-           "WeightSyncError", "bucket_nbytes", "make_sender", "pack_bucket", "plan_buckets", "state_dict_nbytes",
+__all__ = ["CollectiveReceiver", "CollectiveSender", "CudaIpcReceiver", "CudaIpcSender", "DeviceExport",
+           "HostGather", "IpcWeights", "ObjectStoreReceiver", "ObjectStoreSender", "Refit", "RefitHost",
+           "SharedMemoryReceiver", "SharedMemorySender", "WeightReceiver", "WeightSender", "WeightSyncError",
+           "bucket_nbytes", "make_sender", "make_source", "pack_bucket", "plan_buckets", "state_dict_nbytes",
            "unpack_bucket"]
 
 
@@ -32,6 +35,8 @@ def make_sender(ws, replicas, trainer_has_gpu: bool, replicas_have_gpu: bool, sh
             refuses two ranks on one device, so ``auto`` picks gloo.
         device: rank 0's device (the nccl buckets' device).
     """
+    if ws.transport == "cuda_ipc":
+        return CudaIpcSender(replicas)
     object_store = ObjectStoreSender(replicas)
     if ws.transport == "object_store":
         return object_store
@@ -42,3 +47,10 @@ def make_sender(ws, replicas, trainer_has_gpu: bool, replicas_have_gpu: bool, sh
     return CollectiveSender(replicas, backend, ws.packed_buffer_size_bytes, ws.timeout_s,
                             device if backend == "nccl" else "cpu",
                             fallback=object_store if ws.transport == "auto" else None)
+
+
+def make_source(ws, ranks, device: torch.device | str = "cpu") -> HostGather | DeviceExport:
+    """Every Train rank's weight source for ``ws``'s transport: ``DeviceExport``
+    (cuda_ipc: this rank's copy on ``device``, its device) or ``HostGather``
+    (rank 0's host copies)."""
+    return DeviceExport(ranks, torch.device(device)) if ws.transport == "cuda_ipc" else HostGather(ranks)

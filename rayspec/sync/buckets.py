@@ -11,10 +11,6 @@ import torch
 Bucket = list[tuple[str, str, list[int]]]  # (name, torch dtype name, shape) per tensor
 
 
-class WeightSyncError(RuntimeError):
-    """The weight-sync group could not form, or a refit through it failed."""
-
-
 def plan_buckets(state_dict: dict[str, torch.Tensor], packed_buffer_size_bytes: int) -> list[Bucket]:
     """Split a state dict into buckets of at most ``packed_buffer_size_bytes``
     (a larger tensor goes alone). Tensors sharing storage (tied embeddings)

@@ -1,8 +1,9 @@
-"""Weight sync as two small interfaces: ``WeightSender`` on the trainer's
-rank 0 and ``WeightReceiver`` in each rollout replica, one class of each per
-transport (``object_store.py``, ``collective.py``). The RL step only calls
-``WeightSender``: it never branches on the transport (as NeMo-RL's
-``weight_sync`` interfaces).
+"""Weight sync as small interfaces: ``WeightSender`` on the trainer's rank 0,
+``WeightReceiver`` in each rollout replica, one class of each per transport
+(``object_store.py``, ``collective.py``, ``shared_memory.py``, ``ipc.py``),
+and a weight source on every Train rank that collects what the sender sends
+(``HostGather``, or ``ipc.DeviceExport``). The RL step only calls these: it
+never branches on the transport (as NeMo-RL's ``weight_sync`` interfaces).
 
 A refit's ``target`` is ``policy`` (the verifier's HF-named weights) or
 ``draft`` (the EAGLE-3 head's vLLM-named weights); its ``version`` counts
@@ -122,6 +123,37 @@ class WeightSender(abc.ABC):
 
     def close(self) -> None:
         """Stop sending (after the refits queued) and release what the transport holds."""
+
+
+class HostGather:
+    """What every transport but cuda_ipc sends: the full policy as host
+    copies on rank 0 (``to_host``; None on the other ranks), owned by the
+    sender from then on. ``DeviceExport`` (``ipc.py``) is the other weight
+    source, with the same methods.
+
+    Args:
+        ranks: this rank among the Train workers (``rayspec.train.ranks.Ranks``).
+
+    Attributes:
+        reads_device: False: a colocated rank gives its device back before
+            the replicas wake for the refit.
+    """
+
+    reads_device = False
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+
+    def collect(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                copy: bool = True) -> dict[str, torch.Tensor] | None:
+        """``state_dict`` (this rank's full policy, any device) as host copies
+        in ``dtype`` (floating point only) on rank 0; None elsewhere."""
+        from rayspec.devices import to_host
+
+        return to_host(state_dict, dtype) if self.ranks.is_driver else None
+
+    def done(self) -> None:
+        """Nothing to drop: the sender owns the host copies."""
 
 
 class RefitHost(Protocol):

@@ -17,7 +17,7 @@ Files live until every replica has loaded them (``Refit.results``); a
 replica that falls behind catches up through the object store, as with the
 collective transport. A rank 0 killed with a refit in flight leaves its
 files behind (tmpfs: host memory); the sender that replaces it removes the
-directories of senders no longer alive (``_remove_orphans``).
+directories of senders no longer alive (``remove_orphans``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class SharedMemorySender(WeightSender):
     def __init__(self, replicas, packed_buffer_size_bytes: int):
         super().__init__(replicas)
         self.bucket_bytes = packed_buffer_size_bytes
-        _remove_orphans(Path(shm_dir()))
+        remove_orphans(Path(shm_dir()), PREFIX, "-")
         self.directory = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=shm_dir()))
 
     def send(self, target: str, weights: dict[str, torch.Tensor], version: int) -> Refit:
@@ -112,18 +112,21 @@ class SharedMemorySender(WeightSender):
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _remove_orphans(shm: Path) -> list[Path]:
-    """Remove the refit directories in ``shm`` of senders whose process is
-    gone (a rank 0 killed mid-refit: Ray Train restarts the worker group);
-    returns them. A pid in use again keeps its directory (a leak, not a
-    loss)."""
+def remove_orphans(shm: Path, prefix: str, sep: str) -> list[Path]:
+    """Remove the entries of ``shm`` named ``<prefix><pid><sep>...`` whose
+    process is gone (a rank 0 killed mid-refit: Ray Train restarts the
+    worker group); returns them. A pid in use again keeps its entries (a
+    leak, not a loss)."""
     import psutil  # a Ray dependency
 
     removed = []
-    for d in shm.glob(f"{PREFIX}*-*"):
-        pid = d.name[len(PREFIX):].split("-", 1)[0]
+    for d in shm.glob(f"{prefix}*{sep}*"):
+        pid = d.name[len(prefix):].split(sep, 1)[0]
         if pid.isdigit() and not psutil.pid_exists(int(pid)):
-            shutil.rmtree(d, ignore_errors=True)
+            if d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                d.unlink(missing_ok=True)
             removed.append(d)
     return removed
 

@@ -28,6 +28,7 @@ from rayspec.draft.trainer import TrainingCadence
 from rayspec.metrics import PhaseTimer, plot_run
 from rayspec.scheduler.driver import checkpoints
 from rayspec.scheduler.placement import ClusterFitError, check_device_sharing
+from rayspec.sync import make_source
 from rayspec.train.coordinator import Coordinator, Follower
 from rayspec.train.policy import PolicyWorker, build_engine, deepspeed_config
 from rayspec.train.ranks import Ranks
@@ -52,11 +53,11 @@ def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: Poli
     with timer("policy"):
         train_metrics, feature_refs = policy.update(shard, features)
     with timer("sync"):
-        with timer("gather"):
-            weights = policy.full_state_dict()
-            policy.release()  # colocated: the device back before the replicas wake for the refit
+        with timer("gather"):  # rank 0's host copy, or every rank's device export (cuda_ipc)
+            weights = policy.refit_weights()
         coord.refit("policy", weights, version + 1)
         del weights
+        policy.refit_sent()  # colocated: the device back before the next rollout
     with timer("draft"):
         draft_result = draft.finish()
     with timer("sync"):
@@ -131,7 +132,8 @@ def rl_worker_loop(config: dict) -> None:
     if cfg.grpo.kl_coef > 0:  # frozen, beside the policy on its device, in its compute dtype
         ref_model = load_policy(config["model_dir"], next(engine.module.parameters()).dtype)
         ref_model = ref_model.eval().requires_grad_(False).to(engine.device)
-    policy = PolicyWorker(engine, cfg, ranks, tokenizer.pad_token_id, _dtype(cfg.model.dtype), ref_model)
+    policy = PolicyWorker(engine, cfg, ranks, tokenizer.pad_token_id, _dtype(cfg.model.dtype), ref_model,
+                          make_source(cfg.rollout.weight_sync, ranks, device))
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         version = resume(checkpoint, policy, coord, draft)
@@ -204,21 +206,21 @@ def resume(checkpoint, policy: PolicyWorker, coord, draft) -> int:
     (= the last step the checkpoint finished). Collective."""
     state, draft_version = policy.restore(checkpoint, draft.restore())
     version = state["policy_version"]
-    weights = policy.full_state_dict()
-    if not policy.ranks.is_driver:
-        return version
-    coord.restore(state)
-    draft.load_state_dict(state)
-    coord.refit("policy", weights, version)
-    del weights
-    if draft_version is not None:
-        draft.send_weights(coord, draft_version)
-    elif draft.alive:
-        log.warning("checkpoint %s holds no draft state: the DraftTrainer continues from its current head",
-                    checkpoint.path)
-    log.info("resumed from %s after step %d (policy version %d, draft version %d, prompt cursor %s)",
-             checkpoint.path, state["step"], version, draft.version, state["prompts"])
-    coord.wait_refits()
+    weights = policy.refit_weights()
+    if policy.ranks.is_driver:
+        coord.restore(state)
+        draft.load_state_dict(state)
+        coord.refit("policy", weights, version)
+        del weights
+        if draft_version is not None:
+            draft.send_weights(coord, draft_version)
+        elif draft.alive:
+            log.warning("checkpoint %s holds no draft state: the DraftTrainer continues from its current head",
+                        checkpoint.path)
+        log.info("resumed from %s after step %d (policy version %d, draft version %d, prompt cursor %s)",
+                 checkpoint.path, state["step"], version, draft.version, state["prompts"])
+        coord.wait_refits()
+    policy.refit_sent()
     return version
 
 
@@ -236,13 +238,15 @@ def start_over(policy: PolicyWorker, coord, draft) -> None:
         stale = trained or any(v["policy"] != 0 or (draft.alive and v["draft"] != 0)
                                for v in coord.replica_versions())
     if policy.ranks.broadcast(stale):
-        weights = policy.full_state_dict()
+        weights = policy.refit_weights()
         if policy.ranks.is_driver:
             log.warning("no checkpoint to restore: the run starts over from step 1 and resets the replicas%s",
                         " and the draft head" if draft.alive else "")
             coord.refit("policy", weights, 0)
             draft.send_weights(coord, 0)
             coord.wait_refits()
+        del weights
+        policy.refit_sent()
     if policy.ranks.is_driver:
         coord.evaluate(0)
 

@@ -121,24 +121,28 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
     return {k: v / n_micro for k, v in sums.items()}, feature_refs
 
 
-def full_state_dict(engine, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
-    """Full HF-named policy weights on rank 0 (None elsewhere), in ``dtype``,
-    as host (CPU) copies.
-
-    ZeRO-3 shards parameters, so all ranks must enter the gather; stages
-    0-2 keep full parameters on every rank.
-    """
+@contextlib.contextmanager
+def full_parameters(engine):
+    """The policy's full HF-named state dict on this rank's device, for the
+    ``with`` block: (state dict, persistent). ZeRO-3 shards parameters, so
+    every rank must enter (a collective gather), and the gathered tensors
+    are freed at the block's end (persistent False); stages 0-2 hold full
+    parameters on every rank (persistent True)."""
     module = engine.module
     if engine.zero_optimization_stage() == 3:
         import deepspeed
 
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            sd = to_host(module.state_dict(), dtype) if rank == 0 else None
-        return sd
-    if rank != 0:
-        return None
-    return to_host(module.state_dict(), dtype)
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            yield module.state_dict(), False
+    else:
+        yield module.state_dict(), True
+
+
+def full_state_dict(engine, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
+    """Full HF-named policy weights on rank 0 (None elsewhere), in ``dtype``,
+    as host (CPU) copies. Collective under ZeRO-3 (``full_parameters``)."""
+    with full_parameters(engine) as (sd, _):
+        return to_host(sd, dtype) if rank == 0 else None
 
 
 def verifier_output_weights(engine, rank: int) -> dict[str, torch.Tensor] | None:
@@ -173,11 +177,17 @@ class PolicyWorker:
         serve_dtype: dtype the replicas serve the policy in (``model.dtype``):
             refits are sent in it.
         ref_model: frozen reference policy on ``engine.device``, or None.
+        source: what this rank gives a refit (``rayspec.sync.make_source``:
+            rank 0's host copies, or every rank's device export for
+            cuda_ipc); None: ``HostGather``.
     """
 
-    def __init__(self, engine, cfg, ranks, pad_id: int, serve_dtype: torch.dtype, ref_model=None):
+    def __init__(self, engine, cfg, ranks, pad_id: int, serve_dtype: torch.dtype, ref_model=None, source=None):
+        from rayspec.sync import HostGather
+
         self.engine, self.cfg, self.ranks = engine, cfg, ranks
         self.pad_id, self.serve_dtype, self.ref_model = pad_id, serve_dtype, ref_model
+        self.source = source if source is not None else HostGather(ranks)
         self.offloaded = False  # DeepSpeed's states in host memory (``release``)
 
     def release(self) -> None:
@@ -234,9 +244,31 @@ class PolicyWorker:
                              lambda ref, micro: features.submit(ref, micro * world + rank))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The full policy in the serving dtype on rank 0 (collective under ZeRO-3)."""
+        """The full policy in the serving dtype as host copies on rank 0
+        (collective under ZeRO-3): checkpoints and the saved model."""
         self._reload()
         return full_state_dict(self.engine, self.serve_dtype, self.ranks.rank)
+
+    def refit_weights(self):
+        """What a policy refit sends, from this rank's weight source
+        (``source.collect``; collective): rank 0's host copies, or with
+        cuda_ipc the handles to every rank's device copy, on rank 0 (None
+        elsewhere). Where the source leaves the device unread, it is given
+        back here (``release``), before colocated replicas wake for the
+        refit; else in ``refit_sent``."""
+        self._reload()
+        with full_parameters(self.engine) as (sd, persistent):
+            weights = self.source.collect(sd, self.serve_dtype, copy=not persistent)
+        if not self.source.reads_device:
+            self.release()
+        return weights
+
+    def refit_sent(self) -> None:
+        """After rank 0 sent the refit (sync mode: and it landed): what the
+        source exported is dropped (cuda_ipc: collective) and the device
+        given back (``release``)."""
+        self.source.done()
+        self.release()
 
     def output_weights(self) -> dict[str, torch.Tensor] | None:
         """The verifier's embedding and output layer on rank 0 (collective under ZeRO-3)."""

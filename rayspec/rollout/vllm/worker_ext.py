@@ -191,6 +191,18 @@ class RefitExtension:
 
         self._load(target, weights())
 
+    def rayspec_load_ipc(self, target: str, payload: dict, replica: str = "") -> None:
+        """Load a refit of ``target`` from the Train ranks' exports (the
+        cuda_ipc transport, ``rayspec.sync.ipc``): the handles of this
+        worker's device, opened and streamed into the loader (on a GPU a
+        copy within the device). Raises WeightSyncError where no rank
+        exported on this worker's device."""
+        from rayspec.sync.ipc import opened
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")  # vLLM's GPU worker sets its device current
+        self._load(target, opened(payload, device, replica))
+
     def rayspec_join_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int,
                                  backend: str, timeout_s: float) -> int:
         """Join the trainer's weight-sync process group (vLLM's stateless
