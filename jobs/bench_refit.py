@@ -111,7 +111,9 @@ class _IpcRank0:
         self.export, self.sender = DeviceExport(Ranks(), torch.device("cpu")), CudaIpcSender(replicas)
 
     def send(self, target: str, sd: dict, version: int):
-        refit = self.sender.send(target, self.export.collect(sd, next(iter(sd.values())).dtype, copy=False), version)
+        from rayspec.sync.interfaces import resident
+
+        refit = self.sender.send(target, self.export.collect(resident(sd), next(iter(sd.values())).dtype), version)
 
         class Landed:
             @staticmethod

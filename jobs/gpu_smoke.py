@@ -337,6 +337,7 @@ def check_ipc_refit(report: Report, engine, policy, prompts: list[list[int]]) ->
 
     from rayspec.rollout.client import LocalReplicas, RolloutClient
     from rayspec.sync import CudaIpcSender, DeviceExport
+    from rayspec.sync.interfaces import resident
     from rayspec.train.ranks import Ranks
 
     with torch.no_grad():
@@ -346,7 +347,7 @@ def check_ipc_refit(report: Report, engine, policy, prompts: list[list[int]]) ->
     sender = CudaIpcSender(RolloutClient(LocalReplicas([engine]), 1))
     try:
         t0 = time.perf_counter()
-        weights = export.collect(policy.state_dict(), torch.float32, copy=False)
+        weights = export.collect(resident(policy.state_dict()), torch.float32)
         sender.send("policy", weights, 4).results()
         export.done()
         seconds = time.perf_counter() - t0

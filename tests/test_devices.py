@@ -20,6 +20,7 @@ import pytest
 import ray
 import torch
 
+from rayspec import devices as devices_mod
 from rayspec.batch import RolloutBatch
 from rayspec.config import load_config
 from rayspec.draft import eagle3 as eagle3_mod
@@ -82,7 +83,7 @@ def copied_from(monkeypatch):
         devices.extend(v.device.type for v in tensors.values())
         return {k: torch.zeros(v.shape, dtype=dtype or v.dtype) for k, v in tensors.items()}
 
-    for mod in (policy_mod, trainer_mod, eagle3_mod):
+    for mod in (devices_mod, policy_mod, trainer_mod, eagle3_mod):
         monkeypatch.setattr(mod, "to_host", to_host)
     return devices
 

@@ -381,6 +381,39 @@ def test_a_bf16_engine_is_the_same_from_a_bf16_load(tiny_llama_dir, single_rank_
     assert all(torch.equal(p, q) for p, q in zip(engines[0].module.parameters(), engines[1].module.parameters()))
 
 
+def test_a_zero3_refit_gathers_one_parameter_at_a_time(tiny_llama_dir, single_rank_group):
+    """Under ZeRO-3 ``full_parameters`` gathers each parameter in turn (every
+    other one stays partitioned meanwhile), so a device never holds more
+    than one, and both weight sources copy what they are given before the
+    next gather frees it: their weights equal the policy's."""
+    from rayspec.sync import DeviceExport, HostGather
+    from rayspec.train.policy import full_parameters
+    from rayspec.train.ranks import Ranks
+
+    cfg = load_config(None, ["data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1",
+                             "model.dtype=float32", "train.deepspeed.zero_optimization.stage=3"])
+    policy = load_policy(tiny_llama_dir)
+    want = {k: v.clone() for k, v in policy.state_dict().items()}
+    engine = build_engine(policy, deepspeed_config(cfg, world_size=1))
+    assert engine.zero_optimization_stage() == 3
+    params = list(engine.module.parameters())
+    names = []
+    for name, t, persistent in full_parameters(engine):
+        assert not persistent and sum(p.data.numel() > 0 for p in params) == 1  # only this one gathered
+        assert torch.equal(t, want[name])
+        names.append(name)
+    assert sum(p.data.numel() > 0 for p in params) == 0
+    assert set(names) == {n for n, _ in engine.module.named_parameters()}
+    host = HostGather(Ranks()).collect(full_parameters(engine), torch.float32)
+    export = DeviceExport(Ranks(), torch.device("cpu"))
+    weights = export.collect(full_parameters(engine), torch.float32)
+    try:
+        assert list(host) == names == weights.names
+        assert all(torch.equal(host[n], want[n]) and torch.equal(weights.host()[n], want[n]) for n in names)
+    finally:
+        export.done()
+
+
 @pytest.mark.slow
 def test_a_cuda_ipc_refit_loads_the_ranks_own_weights_in_another_process(spec_engine, tiny_llama_dir,
                                                                           single_rank_group):

@@ -428,13 +428,14 @@ def test_every_device_exports_once_and_rank_0_sends_every_handle(monkeypatch):
     import gc
 
     from rayspec.sync import CudaIpcSender, DeviceExport, IpcWeights
+    from rayspec.sync.interfaces import resident
     from rayspec.sync.ipc import device_key
 
     sd = _state_dict()
     mine = device_key(torch.device("cpu"))
     before = _torch_shm_files()
     rank0 = DeviceExport(_TwoRanks(0, "gpu:other", other_handles=[b"h0", b"h1", b"h2", b"h3"]), torch.device("cpu"))
-    weights = rank0.collect(sd, torch.float32, copy=False)
+    weights = rank0.collect(resident(sd), torch.float32)
     assert isinstance(weights, IpcWeights)
     assert weights.names == [k for k in sd if k != "lm_head.weight"]  # tied: once
     assert weights.dtypes == ["float32", "float32", "float32", "float32"]  # floating point in the serving dtype
@@ -453,7 +454,7 @@ def test_every_device_exports_once_and_rank_0_sends_every_handle(monkeypatch):
     orphan.write_bytes(b"\0" * 4096)
     rank1 = DeviceExport(_TwoRanks(1, mine), torch.device("cpu"))  # the same host: rank 0's export serves it
     assert not orphan.exists() and len(_torch_shm_files() - before) == 4  # live ones stay
-    assert rank1.collect(sd, torch.float32, copy=False) is None
+    assert rank1.collect(resident(sd), torch.float32) is None
     rank1.done()
     assert rank1.ranks.barriers == 1 and len(_torch_shm_files() - before) == 4
 

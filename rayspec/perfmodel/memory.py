@@ -318,11 +318,11 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
     if ro.weight_sync.transport == "cuda_ipc":
         # the replicas read each rank's own weights (rayspec.sync.ipc): its states stay on the device
         # until the refit landed; the export is a copy where the serving dtype is not the module's, and
-        # under ZeRO-3 (the gathered parameters are freed after the gather)
+        # under ZeRO-3 (each parameter is gathered in turn and freed after: full_parameters)
         module_bytes = 2 if (ds.get("bf16") or {}).get("enabled") else 4
         transport = list(train_resident)
         if stage == 3:
-            transport.append(Term("Train rank", "gathered parameters", p * module_bytes))
+            transport.append(Term("Train rank", "one gathered parameter", shape.largest_module_params * module_bytes))
         if stage == 3 or rdt != module_bytes:
             transport.append(Term("Train rank", "export (a copy in the serving dtype)", p * rdt))
         train_refit = []

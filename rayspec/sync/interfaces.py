@@ -13,7 +13,7 @@ optimizer steps (policy) or draft-trainer versions (draft).
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -125,11 +125,33 @@ class WeightSender(abc.ABC):
         """Stop sending (after the refits queued) and release what the transport holds."""
 
 
+def resident(state_dict: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """A state dict whose tensors outlive the refit (ZeRO 0-2's parameters,
+    host copies) as weight sources take weights: (name, tensor, persistent
+    True)."""
+    return ((name, t, True) for name, t in state_dict.items())
+
+
+def host_copies(weights: Iterable[tuple[str, torch.Tensor, bool]], dtype: torch.dtype | None,
+                keep: bool = True) -> dict[str, torch.Tensor] | None:
+    """Host copies of ``weights`` ((name, tensor, persistent), e.g.
+    ``rayspec.train.policy.full_parameters``, iterated to the end: a
+    collective under ZeRO-3) in ``dtype`` (floating point only; None: each
+    tensor's own); None where not ``keep``."""
+    from rayspec.devices import to_host
+
+    out = {} if keep else None
+    for name, t, _ in weights:
+        if keep:
+            out[name] = to_host({name: t}, dtype)[name]
+    return out
+
+
 class HostGather:
     """What every transport but cuda_ipc sends: the full policy as host
-    copies on rank 0 (``to_host``; None on the other ranks), owned by the
-    sender from then on. ``DeviceExport`` (``ipc.py``) is the other weight
-    source, with the same methods.
+    copies on rank 0 (``host_copies``; None on the other ranks), owned by
+    the sender from then on. ``DeviceExport`` (``ipc.py``) is the other
+    weight source, with the same methods.
 
     Args:
         ranks: this rank among the Train workers (``rayspec.train.ranks.Ranks``).
@@ -144,13 +166,12 @@ class HostGather:
     def __init__(self, ranks):
         self.ranks = ranks
 
-    def collect(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                copy: bool = True) -> dict[str, torch.Tensor] | None:
-        """``state_dict`` (this rank's full policy, any device) as host copies
-        in ``dtype`` (floating point only) on rank 0; None elsewhere."""
-        from rayspec.devices import to_host
-
-        return to_host(state_dict, dtype) if self.ranks.is_driver else None
+    def collect(self, weights: Iterable[tuple[str, torch.Tensor, bool]],
+                dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+        """``weights`` (this rank's full policy, (name, tensor, persistent)
+        on any device; iterated on every rank) as host copies in ``dtype``
+        on rank 0; None elsewhere."""
+        return host_copies(weights, dtype, self.ranks.is_driver)
 
     def done(self) -> None:
         """Nothing to drop: the sender owns the host copies."""

@@ -21,14 +21,16 @@ strategy, a file under /dev/shm), and one export per host serves every
 replica on that host.
 
 The exports live until rank 0 has seen the refit land (``DeviceExport.done``,
-a barrier). A CPU export whose rank was killed stays in /dev/shm: torch's
-shm manager would unlink it, but Ray kills a dead worker's child processes,
-the manager among them; the next ``DeviceExport`` on the host removes it. So the transport needs the colocated layout, which is sync mode:
+a barrier). So the transport needs the colocated layout, which is sync mode:
 every refit lands before the step goes on. Rank 0 keeps a host copy of the
 newest policy for a replica that Serve restarts (``catch_up``, through the
 object store). On a CPU that copy is its export; on a GPU, a copy to host
 memory made while the replicas load. The draft head, which the DraftTrainer
 sends as host tensors, goes through the object store.
+
+A CPU export whose rank was killed stays in /dev/shm: torch's shm manager
+would unlink it, but Ray kills a dead worker's child processes, the manager
+among them; the next ``DeviceExport`` on the host removes it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -219,28 +221,28 @@ class DeviceExport:
         self._host: _HostCopy | None = None
         self._pending = False  # collected, not yet done: every rank then meets at done's barrier
 
-    def collect(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, copy: bool) -> IpcWeights | None:
-        """Export ``state_dict`` (this rank's full policy on its device) in
-        ``dtype``. Collective: the first rank on each device key exports,
-        and rank 0 gets every handle (None elsewhere). Tensors sharing
-        storage (tied embeddings) go once, under their first name.
-
-        Args:
-            copy: ``state_dict`` is freed after this call (ZeRO-3).
-        """
+    def collect(self, weights: Iterable[tuple[str, torch.Tensor, bool]], dtype: torch.dtype) -> IpcWeights | None:
+        """Export ``weights`` (this rank's full policy on its device: (name,
+        tensor, persistent), ``rayspec.train.policy.full_parameters``; a
+        tensor not persistent is freed after it is iterated, so it is
+        copied) in ``dtype``. Collective: every rank iterates them, the
+        first rank on each device key exports, and rank 0 gets every handle
+        (None elsewhere). Tensors sharing storage (tied embeddings) go once,
+        under their first name."""
         self.done()
         keys = self.ranks.all_gather(self.key)
         exports = keys.index(self.key) == self.ranks.rank
-        names, seen = [], set()
-        for name, t in state_dict.items():
-            if t.data_ptr() not in seen:
+        names, seen, handles, self._pending = [], set(), [], True
+        for name, t, persistent in weights:
+            if persistent:
+                if t.data_ptr() in seen:
+                    continue
                 seen.add(t.data_ptr())
-                names.append(name)
-        handles, self._pending = None, True
-        if exports:
-            self._tensors = [shareable(state_dict[n], dtype, copy) for n in names]
-            handles = [share(t) for t in self._tensors]
-        gathered = self.ranks.all_gather(handles)
+            names.append(name)
+            if exports:
+                self._tensors.append(shareable(t, dtype, copy=not persistent))
+                handles.append(share(self._tensors[-1]))
+        gathered = self.ranks.all_gather(handles if exports else None)
         if not self.ranks.is_driver:
             return None
         tensors = dict(zip(names, self._tensors))

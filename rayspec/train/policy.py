@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 import copy
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterator
 
 import ray
 import torch
 
 from rayspec.batch import RolloutBatch
 from rayspec.devices import to_host
+from rayspec.sync.interfaces import HostGather, host_copies, resident
 from rayspec.train.capture import capture_eagle3_features
 from rayspec.train.grpo import grpo_loss, token_logprobs, token_mult_prob_error
 
@@ -121,28 +122,31 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
     return {k: v / n_micro for k, v in sums.items()}, feature_refs
 
 
-@contextlib.contextmanager
-def full_parameters(engine):
-    """The policy's full HF-named state dict on this rank's device, for the
-    ``with`` block: (state dict, persistent). ZeRO-3 shards parameters, so
-    every rank must enter (a collective gather), and the gathered tensors
-    are freed at the block's end (persistent False); stages 0-2 hold full
-    parameters on every rank (persistent True)."""
+def full_parameters(engine) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """The policy's full HF-named weights on this rank's device, one at a
+    time: (name, tensor, persistent). Stages 0-2 hold full parameters on
+    every rank: the state dict's own tensors (persistent True). ZeRO-3
+    shards them: each is gathered in turn (a collective, so every rank must
+    iterate them all, in the same order) and freed when the next is asked
+    for (persistent False: copy it before), so no device ever holds more
+    than one gathered parameter (at 8B, 1.2 GB: the embedding) where a
+    gather of the whole model would hold all of it. Tied parameters come
+    once, under their first name (vLLM and HF tie them themselves)."""
     module = engine.module
-    if engine.zero_optimization_stage() == 3:
-        import deepspeed
+    if engine.zero_optimization_stage() != 3:
+        yield from resident(module.state_dict())
+        return
+    import deepspeed
 
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            yield module.state_dict(), False
-    else:
-        yield module.state_dict(), True
+    for name, p in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+            yield name, p.data, False
 
 
 def full_state_dict(engine, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
     """Full HF-named policy weights on rank 0 (None elsewhere), in ``dtype``,
     as host (CPU) copies. Collective under ZeRO-3 (``full_parameters``)."""
-    with full_parameters(engine) as (sd, _):
-        return to_host(sd, dtype) if rank == 0 else None
+    return host_copies(full_parameters(engine), dtype, keep=rank == 0)
 
 
 def verifier_output_weights(engine, rank: int) -> dict[str, torch.Tensor] | None:
@@ -183,8 +187,6 @@ class PolicyWorker:
     """
 
     def __init__(self, engine, cfg, ranks, pad_id: int, serve_dtype: torch.dtype, ref_model=None, source=None):
-        from rayspec.sync import HostGather
-
         self.engine, self.cfg, self.ranks = engine, cfg, ranks
         self.pad_id, self.serve_dtype, self.ref_model = pad_id, serve_dtype, ref_model
         self.source = source if source is not None else HostGather(ranks)
@@ -257,8 +259,7 @@ class PolicyWorker:
         back here (``release``), before colocated replicas wake for the
         refit; else in ``refit_sent``."""
         self._reload()
-        with full_parameters(self.engine) as (sd, persistent):
-            weights = self.source.collect(sd, self.serve_dtype, copy=not persistent)
+        weights = self.source.collect(full_parameters(self.engine), self.serve_dtype)
         if not self.source.reads_device:
             self.release()
         return weights
