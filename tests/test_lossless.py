@@ -157,18 +157,19 @@ def _run_check(tmp_path, *argv) -> list[dict]:
 def test_every_draft_kind_is_lossless_in_vllm(tmp_path):
     """No speculation, draft = target (greedy: one-hot q), a disjoint draft,
     a perturbed sampled draft (full q), sampled drafts of an EAGLE-3 head with
-    a reduced draft vocabulary (q = 0 off it), n-gram and suffix: 100k tokens each at
+    a reduced draft vocabulary (q = 0 off it), n-gram and suffix: 60k tokens each at
     T=1.0 and 2000 3-token continuations pass; the unpatched engine fails on
-    10k. (q = p sampled is in the full run, docs/lossless.md.)"""
+    10k. (q = p sampled, and 100k tokens a case, are in the full run,
+    docs/lossless.md.)"""
     from rayspec.rollout.vllm.cpu_fixes import needs_patch
 
-    rows = _run_check(tmp_path, "--via", "engine", "--temperature", "1.0", "--tokens", "100000",
+    rows = _run_check(tmp_path, "--via", "engine", "--temperature", "1.0", "--tokens", "60000",
                       "--sequences", "2000", "--cases",
                       "none,draft_target,disjoint,perturbed_probabilistic,eagle3_probabilistic,ngram,suffix,unpatched")
     by = {(r["case"], r["test"]): r for r in rows}
     assert len(by) == 16
     for (case, test), r in by.items():
-        assert r["tokens"] >= (100_000 if test == "token" else 2000) or case == "unpatched", r
+        assert r["tokens"] >= (60_000 if test == "token" else 2000) or case == "unpatched", r
         assert r["family_alpha"] == 0.01 and r["via"] == "engine"
         assert r["passed"] == (case != "unpatched" or not needs_patch()), r
         if test == "sequence" and case != "none":
