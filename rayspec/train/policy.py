@@ -131,7 +131,8 @@ def full_parameters(engine) -> Iterator[tuple[str, torch.Tensor, bool]]:
     for (persistent False: copy it before), so no device ever holds more
     than one gathered parameter (at 8B, 1.2 GB: the embedding) where a
     gather of the whole model would hold all of it. Tied parameters come
-    once, under their first name (vLLM and HF tie them themselves)."""
+    once, under their first name (vLLM and HF tie them themselves), then
+    the state dict's buffers, which ZeRO-3 does not partition."""
     module = engine.module
     if engine.zero_optimization_stage() != 3:
         yield from resident(module.state_dict())
@@ -141,6 +142,8 @@ def full_parameters(engine) -> Iterator[tuple[str, torch.Tensor, bool]]:
     for name, p in module.named_parameters():
         with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
             yield name, p.data, False
+    in_state_dict = set(module.state_dict())
+    yield from ((name, b, True) for name, b in module.named_buffers() if name in in_state_dict)
 
 
 def full_state_dict(engine, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
