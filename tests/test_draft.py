@@ -10,7 +10,8 @@ import torch
 
 from rayspec.batch import RolloutBatch
 from rayspec.draft import trainer as trainer_mod
-from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, init_head, load_head,
+from rayspec.config import ConfigError
+from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, head_init_tensors, init_head, load_head,
                                   save_head, vllm_state_dict)
 from rayspec.draft.loss import draft_top1, replay_drafting
 from rayspec.draft.trainer import DraftTrainer, TrainingCadence, online_lr, recorded_acceptance_length
@@ -37,6 +38,34 @@ def test_default_aux_layers_and_validation():
                     [1, 2, 99])
     with pytest.raises(ValueError, match="Llama-family"):
         head_config({"model_type": "gpt2"})
+
+
+def test_a_head_initialises_from_the_few_policy_tensors_it_reads(tiny_policy, tiny_llama_dir, tmp_path):
+    """The driver initialises a head from ``head_init_tensors`` alone (the
+    rest of the policy on the meta device, holding no memory): the same head
+    as from the whole policy, with a tied output layer read from the
+    embedding and an untied one from its own tensor; a tensor the checkpoint
+    lacks is named."""
+    names = head_init_tensors(tiny_policy.config.num_hidden_layers)
+    untied = tmp_path / "untied"
+    tiny_policy.config.tie_word_embeddings = False
+    try:
+        with torch.no_grad():
+            tiny_policy.lm_head.weight = torch.nn.Parameter(tiny_policy.lm_head.weight * 2)
+        tiny_policy.save_pretrained(untied)
+    finally:
+        tiny_policy.config.tie_word_embeddings = True
+        tiny_policy.lm_head.weight = tiny_policy.model.embed_tokens.weight
+    for model_dir in (tiny_llama_dir, untied):
+        part = load_policy(model_dir, only=names)
+        loaded = {n for n, p in part.state_dict().items() if not p.is_meta}
+        assert loaded == set(names), model_dir
+        want = init_head(load_policy(model_dir), seed=3).state_dict()
+        got = init_head(part, seed=3).state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items()), model_dir
+    assert not torch.equal(init_head(load_policy(untied)).lm_head.weight, init_head(tiny_policy).lm_head.weight)
+    with pytest.raises(ConfigError, match="model.layers.99.mlp.up_proj.weight"):
+        load_policy(tiny_llama_dir, only=["model.layers.99.mlp.up_proj.weight"])
 
 
 def test_checkpoint_is_vllm_eagle3_format_and_roundtrips(tiny_policy, tmp_path):

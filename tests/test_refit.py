@@ -382,19 +382,29 @@ def test_a_bf16_engine_is_the_same_from_a_bf16_load(tiny_llama_dir, single_rank_
 
 
 def test_a_zero3_refit_gathers_one_parameter_at_a_time(tiny_llama_dir, single_rank_group):
-    """Under ZeRO-3 ``full_parameters`` gathers each parameter in turn (every
-    other one stays partitioned meanwhile), so a device never holds more
-    than one, and both weight sources copy what they are given before the
-    next gather frees it: their weights equal the policy's."""
+    """Under ZeRO-3 the policy loads partitioned (``zero3_init``: no rank
+    ever holds it whole, and a model loaded after it is whole again, as the
+    reference policy must be); ``full_parameters`` gathers each parameter in
+    turn (every other one stays partitioned meanwhile), so a device never
+    holds more than one, and both weight sources copy what they are given
+    before the next gather frees it: their weights equal the checkpoint's."""
     from rayspec.sync import DeviceExport, HostGather
-    from rayspec.train.policy import full_parameters
+    from rayspec.train.policy import full_parameters, zero3_init
     from rayspec.train.ranks import Ranks
 
     cfg = load_config(None, ["data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1",
                              "model.dtype=float32", "train.deepspeed.zero_optimization.stage=3"])
-    policy = load_policy(tiny_llama_dir)
-    want = {k: v.clone() for k, v in policy.state_dict().items()}
-    engine = build_engine(policy, deepspeed_config(cfg, world_size=1))
+    ds_config = deepspeed_config(cfg, world_size=1)
+    with zero3_init(ds_config):
+        policy = load_policy(tiny_llama_dir)
+    assert all(p.data.numel() == 0 and p.ds_tensor.numel() >= p.ds_numel for p in policy.parameters())
+    whole = load_policy(tiny_llama_dir)
+    assert not any(hasattr(p, "ds_id") for p in whole.parameters())
+    want = {k: v.clone() for k, v in whole.state_dict().items()}
+    with zero3_init(deepspeed_config(load_config(None, ["data.prompts_per_step=2", "grpo.group_size=2",
+                                                        "train.num_workers=1"]), world_size=1)):
+        assert not any(hasattr(p, "ds_id") for p in load_policy(tiny_llama_dir).parameters())  # ZeRO-2: whole
+    engine = build_engine(policy, ds_config)
     assert engine.zero_optimization_stage() == 3
     params = list(engine.module.parameters())
     names = []

@@ -274,9 +274,18 @@ def head_config(policy_config: dict, aux_layer_ids: Optional[list[int]] = None,
     return cfg
 
 
+def head_init_tensors(num_layers: int) -> list[str]:
+    """The policy tensors ``init_head`` reads (checkpoint names of a
+    ``num_layers``-layer transformers Llama), for ``load_policy(only=...)``."""
+    last = f"model.layers.{num_layers - 1}"
+    return ["lm_head.weight", "model.norm.weight", f"{last}.post_attention_layernorm.weight",
+            f"{last}.self_attn.o_proj.weight"] + [f"{last}.mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+
+
 def init_head(policy, aux_layer_ids: Optional[list[int]] = None, seed: int = 0,
               draft_vocab: Optional[torch.Tensor] = None) -> Eagle3Head:
-    """A new head for ``policy`` (a transformers Llama causal LM).
+    """A new head for ``policy`` (a transformers Llama causal LM; only the
+    tensors ``head_init_tensors`` names need be loaded).
 
     ``lm_head`` and ``norm`` start from the policy's (so step-0 drafts read
     the policy's own output space); the MLP and o_proj from its last layer;

@@ -201,11 +201,44 @@ def load_tokenizer(path: str | os.PathLike):
     return tok
 
 
-def load_policy(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
-    """The policy as a transformers causal LM (fp32 master weights for training)."""
-    from transformers import AutoModelForCausalLM
+def load_policy(path: str | os.PathLike, dtype: torch.dtype = torch.float32, only: list[str] | None = None):
+    """The policy as a transformers causal LM, on the host, in ``dtype``.
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    Args:
+        only: the checkpoint names of the tensors to read (a tied output
+            layer reads the embedding); every other parameter and buffer
+            stays on the ``meta`` device, holding no memory. For reading a
+            few layers of a large policy: the draft head's initialisation
+            (``rayspec.draft.eagle3.head_init_tensors``) reads 2.9 GB of
+            Llama-3.1-8B's 32 GB in fp32. None: all of it.
+
+    Raises:
+        ConfigError: a name in ``only`` is in none of the directory's
+            ``*.safetensors`` files (named).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if only is None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    from safetensors import safe_open
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    stored = {}  # checkpoint name -> file
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            stored.update(dict.fromkeys(f.keys(), file))
+    tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
+    tensors = {}
+    for name in only:
+        key = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in stored and tied else name
+        if key not in stored:
+            raise ConfigError(f"{path}: no tensor {key!r} in its *.safetensors files")
+        with safe_open(stored[key], "pt") as f:
+            tensors[name] = f.get_tensor(key).to(dtype)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    return model
 
 
 def make_tiny_llama(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike,

@@ -46,8 +46,10 @@ the accounting and its sources:
 - **Per process**: ``CUDA_CONTEXT`` (CUDA context, cuBLAS workspace, NCCL's
   buffers).
 
-Host memory is summed as if everything were held at once (the fp32 load
-at start is over before states are offloaded): an upper bound.
+Host memory is summed as if everything were held at once (the policy's
+load at start, whole on every rank but under ZeRO-3, and the driver's
+read of the tensors a new draft head starts from, are over before states
+are offloaded): an upper bound.
 
 **CPU roles** (``cpu_plan``): every role lives in host memory, so the plan
 is one node's host memory per phase. The terms are the same byte counts
@@ -196,7 +198,7 @@ class MemoryPlan:
         if self.host:  # a GPU plan's host memory (a CPU plan's is its one device)
             host = sum(t.bytes for t in self.host)
             lines.append(f"host memory per node ({self.host_capacity / GIB:.0f} GiB): {host / GIB:.1f} GiB"
-                         + "".join(f"\n  {t.role:<14} {t.what:<34} {t.bytes / GIB:>10.2f}" for t in self.host))
+                         + "".join(f"\n  {t.role:<14} {t.what:<52} {t.bytes / GIB:>8.2f}" for t in self.host))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -360,11 +362,18 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
     per_node_replicas = max(1, round(ro.num_replicas / nodes))
     per_node_ranks = max(1, round(ranks / nodes))
     load_bytes = 2 if (ds.get("bf16") or {}).get("enabled") else 4  # rayspec.train.loop.training_load_dtype
-    host = [Term("Train workers", f"policy loaded in {'bf16' if load_bytes == 2 else 'fp32'} (start)",
-                 per_node_ranks * load_bytes * p),
+    # ZeRO-3 builds each rank's partition on its device (rayspec.train.policy.zero3_init); rank 0
+    # reads the checkpoint memory-mapped (page cache, reclaimable)
+    host = [Term("Train workers", "policy loaded partitioned, on the devices (start)" if stage == 3 else
+                 f"policy loaded in {'bf16' if load_bytes == 2 else 'fp32'} (start)",
+                 0 if stage == 3 else per_node_ranks * load_bytes * p),
             Term("Ray", "object store", float(cfg.ray.object_store_memory)),
             # the sender keeps the newest policy for replicas that catch up (rayspec.sync)
             Term("Train workers", "rank 0: the newest refit (host copy)", weights)]
+    if dr.enabled and cfg.rollout.speculative_config.method == "eagle3" and not cfg.rollout.speculative_config.model:
+        # a new head reads only these (rayspec.draft.eagle3.head_init_tensors), fp32
+        host.append(Term("driver", "policy tensors a new draft head starts from (start)",
+                         4 * (v * h + h * h + 3 * h * shape.intermediate_size)))
     if colocated and ro.sleep_level == 1:
         host.append(Term("replicas", "asleep: weights (level 1)", per_node_replicas * weights))
     if host_states or offload:

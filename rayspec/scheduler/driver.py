@@ -80,13 +80,15 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
     spec = cfg.rollout.speculative_config
     if spec.method != "eagle3":
         return spec.model, None
-    from rayspec.draft.eagle3 import aux_layer_ids, init_head, load_head, save_head
+    from rayspec.draft.eagle3 import aux_layer_ids, head_init_tensors, init_head, load_head, save_head
 
     head_dir = run_dir / "draft_head"
 
+    def num_layers() -> int:  # read only where needed: a given head may name its layers
+        return json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+
     def aux_ids(head_cfg: dict) -> list[int]:  # the policy's depth only where the head names no layers
-        return aux_layer_ids(head_cfg, None) or aux_layer_ids(
-            head_cfg, json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
+        return aux_layer_ids(head_cfg, None) or aux_layer_ids(head_cfg, num_layers())
 
     if spec.model is not None:
         head = load_head(spec.model)
@@ -97,7 +99,7 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
         if record.is_file():
             shutil.copyfile(record, head_dir / ACCEPTANCE_FILE)
     elif not (head_dir / "model.safetensors").is_file():
-        policy = load_policy(model_dir)
+        policy = load_policy(model_dir, only=head_init_tensors(num_layers()))  # not the whole policy on the driver
         save_head(init_head(policy, cfg.draft.aux_hidden_state_layer_ids, seed=cfg.trainer.seed,
                             draft_vocab=_prompt_draft_vocab(cfg, model_dir, policy.config.vocab_size)), head_dir)
     return str(head_dir), aux_ids(json.loads((head_dir / "config.json").read_text()))

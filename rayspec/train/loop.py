@@ -30,7 +30,7 @@ from rayspec.scheduler.driver import checkpoints
 from rayspec.scheduler.placement import ClusterFitError, check_device_sharing
 from rayspec.sync import make_source
 from rayspec.train.coordinator import Coordinator, Follower
-from rayspec.train.policy import PolicyWorker, build_engine, deepspeed_config
+from rayspec.train.policy import PolicyWorker, build_engine, deepspeed_config, zero3_init
 from rayspec.train.ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -124,10 +124,12 @@ def rl_worker_loop(config: dict) -> None:
         else Follower()
     coord.release_replicas(refit_next=False)  # before DeepSpeed allocates on their devices (the ranks wait below)
     check_devices(cfg, coord, draft, ranks, gpu_index)
-    model = load_policy(config["model_dir"], training_load_dtype(cfg))
+    ds_config = deepspeed_config(cfg, ranks.world)
+    with zero3_init(ds_config, gpu_index):
+        model = load_policy(config["model_dir"], training_load_dtype(cfg))
     if cfg.train.gradient_checkpointing:  # the EAGLE-3 capture hooks are gone before the recompute
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine = build_engine(model, deepspeed_config(cfg, ranks.world), device_rank=gpu_index)
+    engine = build_engine(model, ds_config, device_rank=gpu_index)
     ref_model = None
     if cfg.grpo.kl_coef > 0:  # frozen, beside the policy on its device, in its compute dtype
         ref_model = load_policy(config["model_dir"], next(engine.module.parameters()).dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from types import SimpleNamespace
 from typing import Any, Iterator
 
@@ -46,6 +47,53 @@ def build_engine(model, ds_config: dict, device_rank: int | None = None):
     engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
                                       config=ds_config)
     return engine
+
+
+@contextlib.contextmanager
+def zero3_init(ds_config: dict, device_rank: int | None = None) -> Iterator[None]:
+    """Models loaded inside are partitioned as they are built, where
+    ``ds_config`` is ZeRO-3 (elsewhere a no-op).
+
+    transformers' ``HfDeepSpeedConfig`` makes ``from_pretrained`` build the
+    module under ``deepspeed.zero.Init``, each layer partitioned onto the
+    rank's device as it is built, and copy each checkpoint tensor into its
+    gathered parameter on rank 0 (``_load_state_dict_into_zero3_model``,
+    transformers 5.19; the checkpoint is memory-mapped). Without it
+    DeepSpeed moves the whole module to every device before partitioning it
+    (``_configure_distributed_model``, 0.19.8): 16 GB at 8B in bf16, 65 GB
+    at 32B, on GPUs a colocated replica shares. TRL and accelerate load
+    ZeRO-3 models the same way. The config is unset on exit: a model loaded
+    after it (the GRPO reference policy) is whole. Collective: every rank
+    enters it.
+
+    Args:
+        ds_config: the engine's DeepSpeed config (``deepspeed_config``).
+        device_rank: the accelerator index the partitions go to (as
+            ``build_engine``'s); None: ``LOCAL_RANK``'s (CPU: host memory).
+    """
+    if (ds_config.get("zero_optimization") or {}).get("stage") != 3:
+        yield
+        return
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    deepspeed.init_distributed()  # zero.Init reads the world size from DeepSpeed's group (Ray Train made torch's)
+    local_rank = os.environ.get("LOCAL_RANK")
+    if device_rank is not None:
+        # zero.Init places partitions on <accelerator>:<LOCAL_RANK> (partition_parameters.py, 0.19.8),
+        # which is not the GPU Ray gave this worker where one host runs several Ray nodes
+        os.environ["LOCAL_RANK"] = str(device_rank)
+    config = HfDeepSpeedConfig(ds_config)  # transformers keeps a weak reference: hold it while loading
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del config
+        if local_rank is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = local_rank
 
 
 def num_micro_batches(engine, rows: int) -> int:
