@@ -60,6 +60,10 @@ check's FAIL, not the end of the run:
 - ``memory``: those colocated peaks against the memory plan of the same
   run (``rayspec.perfmodel.memory``): each phase's peak within the plan's
   total plus ``MEMORY_SLACK``.
+- ``zero3 load``: a Train rank's load under ZeRO-3 (``zero3_init``): in a
+  one-rank NCCL group on the last GPU, with ``LOCAL_RANK`` 0 as Ray Train
+  may set it, the ~1 GB policy's partitions are built on that GPU, the
+  engine builds on them, and its gathered weights equal the checkpoint's.
 
 The fp32 checks run Triton's fp32 dots in IEEE precision
 (``TRITON_F32_DEFAULT=ieee``): by default they use TF32, whose 10-bit
@@ -81,7 +85,7 @@ import time
 import traceback
 from pathlib import Path
 
-CHECKS = ("versions", "refit", "adaptive_k", "suffix", "rl_colocate", "rl_split")
+CHECKS = ("versions", "refit", "adaptive_k", "suffix", "rl_colocate", "rl_split", "zero3")
 ERROR_BOUND = 1e-3  # token_mult_prob_error after a refit, fp32
 MIN_SYNC_GBPS = 1.0  # a refit's floor, host memory to a replica on one node
 CUDA_RUNNERS = ("vllm.v1.worker.gpu.model_runner.GPUModelRunner",  # V2
@@ -504,6 +508,56 @@ def check_memory(report: Report, cfg, model: Path, peaks: dict[str, int]) -> Non
                + f" (slack {_gb(MEMORY_SLACK)})", rows=rows)
 
 
+def check_zero3_load(report: Report, models: dict[str, Path]) -> None:
+    """``zero3_init`` on a GPU: the partitions land on the GPU given, not
+    ``LOCAL_RANK``'s, and the engine's gathered weights are the checkpoint's
+    (bf16: ``make_tiny_llama``'s weights are exact in it)."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from rayspec.config import load_config
+    from rayspec.models import load_policy
+    from rayspec.train.loop import training_load_dtype
+    from rayspec.train.policy import build_engine, deepspeed_config, full_parameters, zero3_init
+
+    gpu = torch.cuda.device_count() - 1
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", gpu))
+    try:
+        cfg = load_config(None, ["data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1",
+                                 "train.gpus_per_worker=1", "rollout.num_gpus_per_replica=1",
+                                 "train.deepspeed.zero_optimization.stage=3"])
+        ds_config = deepspeed_config(cfg, 1)
+        with zero3_init(ds_config, gpu):
+            policy = load_policy(models["1gb"], training_load_dtype(cfg))
+        placed = {str(p.ds_tensor.device) for p in policy.parameters()}
+        engine = build_engine(policy, ds_config, device_rank=gpu)
+        want = load_file(models["1gb"] / "model.safetensors")
+        names, equal = set(), True
+        for name, t, _ in full_parameters(engine):
+            if name in want:
+                names.add(name)
+                equal &= torch.equal(t.cpu(), want[name].to(t.dtype))
+    finally:
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    params = {n for n, _ in engine.module.named_parameters()}
+    report.add("zero3 load", placed == {f"cuda:{gpu}"} and equal and params <= names,
+               f"partitions on {sorted(placed)} (cuda:{gpu} given, LOCAL_RANK 0); gathered weights "
+               f"{'equal' if equal else 'differ from'} the checkpoint's ({len(names)} tensors)")
+
+
 def _finish(report: Report, out: str, t0: float) -> int:
     failed = [c["name"] for c in report.checks if not c["ok"]]
     print(f"{len(report.checks) - len(failed)}/{len(report.checks)} passed in {time.perf_counter() - t0:.0f} s"
@@ -565,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     for layout in ("colocate", "split"):
         if f"rl_{layout}" in args.only:
             report.run(f"rl step {layout}", check_rl_step, models, work, layout)
+    if "zero3" in args.only:  # last: it leaves DeepSpeed's communication state in this process
+        report.run("zero3 load", check_zero3_load, models)
     return _finish(report, args.out, t0)
 
 
