@@ -349,6 +349,10 @@ def test_weight_sync_model_by_transport_and_nodes():
     # object store: host copies on both ends, one TCP copy per other node
     assert two["object_store"].seconds - one["object_store"].seconds == pytest.approx(16e9 / 12.5e9)
     assert one["object_store"].seconds > 5 * one["collective"].seconds
+    # cuda_ipc: no gather; the replicas' copies within HBM beside rank 0's host copy, on any node count
+    ipc = sync_time("cuda_ipc", 16e9, hw, nodes=2)
+    assert ipc.seconds == ipc.load_s == pytest.approx(max(2 * 16e9 / hw.mem_bw, 16e9 / hw.pcie_bw))
+    assert ipc.seconds < one["collective"].seconds / 2
     with pytest.raises(ValueError, match="weight transport 'rdma'"):
         sync_time("rdma", 1e9, hw)
     with pytest.raises(ValueError, match="weight_sync='rdma'"):

@@ -12,6 +12,10 @@ code does it. B = weight bytes, N = nodes holding replicas and trainer.
     shared_memory = B/pcie (rank 0 packs the gathered weights into /dev/shm files)
                  + B/pcie (each replica's host-to-device copy from its read-only map);
                    one node only
+    cuda_ipc     = max(2 B/hbm (each replica copies its rank's exported weights
+                   within the device: a read and a write), B/pcie (rank 0's host
+                   copy for a replica that catches up, in parallel; the refit
+                   ends when it has landed)); colocated, no gather
 
 Replicas receive in parallel, so neither depends on the replica count (the
 object store's sender NIC is shared by the other nodes: the (N-1) term). A
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 
 from rayspec.perfmodel.hardware import Hardware
 
-TRANSPORTS = ("object_store", "collective", "shared_memory")
+TRANSPORTS = ("object_store", "collective", "shared_memory", "cuda_ipc")
 
 
 @dataclass(frozen=True)
@@ -47,10 +51,11 @@ def sync_time(transport: str, nbytes: float, hw: Hardware, nodes: int = 1) -> Sy
     """Seconds of one refit of ``nbytes`` (see the module docstring).
 
     Args:
-        transport: ``object_store`` | ``collective`` | ``shared_memory``.
+        transport: ``object_store`` | ``collective`` | ``shared_memory`` |
+            ``cuda_ipc``.
         nbytes: bytes of the weights sent (bytes).
         hw: the device preset (``pcie_bw``, ``host_copy_bw``, ``link_bw``,
-            ``inter_node_bw``, ``tcp_bw``; bytes/s).
+            ``inter_node_bw``, ``tcp_bw``, ``mem_bw``; bytes/s).
         nodes: nodes the trainer's rank 0 and the replicas span (>= 1).
 
     Raises:
@@ -67,6 +72,9 @@ def sync_time(transport: str, nbytes: float, hw: Hardware, nodes: int = 1) -> Sy
         if nodes > 1:
             raise ValueError(f"weight transport shared_memory on {nodes} nodes: tmpfs is per host (one node only)")
         transfer, load = 0.0, nbytes / hw.pcie_bw
+    elif transport == "cuda_ipc":
+        gather, transfer = 0.0, 0.0
+        load = max(2 * nbytes / hw.mem_bw, nbytes / hw.pcie_bw)
     elif transport == "collective":
         link = hw.link_bw if nodes == 1 else hw.inter_node_bw
         transfer = nbytes / hw.pcie_bw + nbytes / link
