@@ -677,6 +677,13 @@ class DraftConfig:
             given as ``rollout.speculative_config.model`` keeps its own.
         buffer_steps: RL steps of verifier features the DraftTrainer keeps
             and replays (1: train on the current step's features only).
+        capture_share: share of each micro-batch's sequences whose verifier
+            features are captured for the DraftTrainer (at random, at least
+            one a micro-batch; 1: all). Features are 2 bytes x 4 x hidden
+            a token (32 KiB at hidden 4096: 10 GB a step of ``gpu.yaml`` at
+            8B) copied to host, put and fetched; a lower share cuts that
+            traffic and the head's training data alike. The policy update
+            uses every sequence whatever the share.
         num_cpus: Ray CPUs reserved for the DraftTrainer actor.
         num_gpus: Ray GPUs reserved for the DraftTrainer actor.
         max_restarts: times Ray restarts a DraftTrainer that died (Ray's
@@ -719,6 +726,7 @@ class DraftConfig:
     aux_hidden_state_layer_ids: Optional[list[int]] = None
     draft_vocab_size: Optional[int] = 8192
     buffer_steps: int = 4
+    capture_share: float = 1.0
     num_cpus: float = 0.2
     num_gpus: float = 0.0
     max_restarts: int = 3
@@ -750,6 +758,8 @@ class DraftConfig:
                f"{key}.draft_vocab_size", self.draft_vocab_size,
                "must be an integer >= 1, or null for the policy's vocabulary")
         _check(self.buffer_steps >= 1, f"{key}.buffer_steps", self.buffer_steps, "must be >= 1")
+        _check(_is_number(self.capture_share) and 0 < self.capture_share <= 1, f"{key}.capture_share",
+               self.capture_share, "must be in (0, 1]")
         _check(self.torch_threads >= 1, f"{key}.torch_threads", self.torch_threads, "must be >= 1")
         for name in ("num_cpus", "num_gpus"):
             _check(getattr(self, name) >= 0, f"{key}.{name}", getattr(self, name), "must be >= 0")

@@ -249,6 +249,7 @@ def test_draft_model_with_existing_dir(tmp_path):
     (["draft.min_drafted_share=1.5"], "draft.min_drafted_share", "1.5"),
     (["draft.tv_loss_weight=-1"], "draft.tv_loss_weight", "-1"),
     (["draft.lr=0"], "draft.lr", "0"),
+    (["draft.capture_share=0"], "draft.capture_share", "0"),
 ], ids=["unknown-key", "k<1", "unknown-method", "missing-model", "group-size-1", "greedy", "wrong-type",
         "draft-model-no-path", "draft-model-missing-dir", "num-workers-not-dividing",
         "unknown-dataset", "adaptive-calibration-too-short", "adaptive-calibration-rounds-0",
@@ -257,7 +258,7 @@ def test_draft_model_with_existing_dir(tmp_path):
         "eval-every-negative", "eval-samples-0", "eval-problems-0", "max-operand-1", "mapping-for-a-list",
         "suffix-key-without-suffix", "suffix-min-prob-above-1", "idle-train-every-negative", "idle-train-max-every-below-it",
         "min-acceptance-gain-negative", "min-drafted-share-above-1", "tv-loss-weight-negative",
-        "draft-lr-0"])
+        "draft-lr-0", "capture-share-0"])
 def test_bad_override_names_key_and_value(overrides, key, value):
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, overrides)

@@ -116,6 +116,35 @@ def test_policy_update_computes_on_the_engine_device_and_puts_host_tensors(
     assert _on_host(verifier_output_weights(engine, rank=0))
 
 
+def test_a_capture_share_puts_a_random_part_of_each_micro_batch_and_updates_on_all_of_it(
+        tiny_llama_dir, copied_from, monkeypatch):
+    """``draft.capture_share`` 0.5: each micro-batch's chunk holds one of its
+    two sequences, picked on the device before the host copy, drawn anew by
+    the generator; the update's forward still takes both."""
+    from rayspec.train.policy import captured_rows
+
+    policy = _meta_policy(tiny_llama_dir)
+    puts, forward_rows = [], []
+    monkeypatch.setattr(ray, "put", lambda obj: puts.append(obj) or len(puts))
+    engine = MetaEngine(policy)
+    cfg = load_config(None, ["draft.capture_share=0.5"])
+    batch = RolloutBatch(prompt_ids=[[1, 2, 3], [4, 5]] * 4, response_ids=[[6, 7], [8, 9, 10]] * 4,
+                         rollout_logprobs=[[-1.0, -2.0], [-1.0, -1.0, -1.0]] * 4, group=[0, 0, 1, 1, 2, 2, 3, 3],
+                         advantages=[1.0, -1.0, 0.5, -0.5] * 2)
+    module_forward = policy.forward
+    monkeypatch.setattr(policy, "forward", lambda **kw: forward_rows.append(len(kw["input_ids"]))
+                        or module_forward(**kw))
+    _, refs = policy_update(engine, batch, cfg, pad_id=0, aux_layer_ids=[1, 3, 4],
+                            capture_rng=torch.Generator().manual_seed(0))
+    assert forward_rows == [2, 2, 2, 2] and len(refs) == len(puts) == 4
+    assert all(len(v) == 1 for chunk in puts for v in chunk.values())
+    assert set(copied_from) == {"meta"}
+    assert captured_rows(8, 1.0, None) is None
+    draws = [captured_rows(8, 0.3, g).tolist() for g in [torch.Generator().manual_seed(1)] * 8]
+    assert all(len(d) == 2 and d == sorted(set(d)) for d in draws) and len({tuple(d) for d in draws}) > 1
+    assert captured_rows(3, 0.01, torch.Generator()).numel() == 1
+
+
 def test_draft_trainer_trains_on_its_device_and_returns_host_tensors(head_dir, copied_from, monkeypatch):
     loss_inputs: list[str] = []
 

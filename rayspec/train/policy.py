@@ -102,8 +102,19 @@ def num_micro_batches(engine, rows: int) -> int:
     return -(-rows // micro)
 
 
+def captured_rows(rows: int, share: float, rng: torch.Generator | None) -> torch.Tensor | None:
+    """The rows of a micro-batch of ``rows`` sequences whose features are
+    captured: max(1, round(share x rows)) of them drawn by ``rng``, in
+    order ([n] int64); None for all (share 1)."""
+    if share >= 1:
+        return None
+    n = max(1, round(share * rows))
+    return torch.randperm(rows, generator=rng)[:n].sort().values
+
+
 def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: list[int] | None,
-                  ref_model=None, on_features=None) -> tuple[dict[str, float], list]:
+                  ref_model=None, on_features=None,
+                  capture_rng: torch.Generator | None = None) -> tuple[dict[str, float], list]:
     """One GRPO optimizer step on this rank's shard of the batch.
 
     Every micro-batch forward is with the weights that sampled the batch
@@ -123,6 +134,8 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
         on_features: called with each micro-batch's feature ObjectRef and
             the micro-batch's index as soon as it exists (the DraftTrainer
             trains while this runs).
+        capture_rng: draws the sequences captured where
+            ``cfg.draft.capture_share`` < 1 (``captured_rows``).
 
     Returns:
         (metrics averaged over micro-batches, list of ObjectRefs of feature
@@ -159,10 +172,12 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
             sums[k] = sums.get(k, 0.0) + v
         n_micro += 1
         if aux_layer_ids:
+            rows = captured_rows(len(part), cfg.draft.capture_share, capture_rng)
+            pick = (lambda x: x) if rows is None else (lambda x: x[rows.to(x.device)])  # noqa: E731
             feature_refs.append(ray.put({
-                **to_host({"input_ids": t["input_ids"], "loss_mask": t["response_mask"]}),
-                "group": torch.tensor(part.group),  # [B] GRPO group ids: the estimate's clusters
-                **to_host({"aux_hidden": feats["aux_hidden"], "final_hidden": feats["final_hidden"]},
+                **to_host({"input_ids": pick(t["input_ids"]), "loss_mask": pick(t["response_mask"])}),
+                "group": pick(torch.tensor(part.group)),  # [B] GRPO group ids: the estimate's clusters
+                **to_host({"aux_hidden": pick(feats["aux_hidden"]), "final_hidden": pick(feats["final_hidden"])},
                           torch.bfloat16),
             }))
             if on_features is not None:
@@ -242,6 +257,8 @@ class PolicyWorker:
         self.pad_id, self.serve_dtype, self.ref_model = pad_id, serve_dtype, ref_model
         self.source = source if source is not None else HostGather(ranks)
         self.offloaded = False  # DeepSpeed's states in host memory (``release``)
+        # the sequences whose features are captured (draft.capture_share < 1), each rank its own draw
+        self.capture_rng = torch.Generator().manual_seed(cfg.trainer.seed * 65537 + ranks.rank)
 
     def release(self) -> None:
         """Give this rank's device memory back before colocated replicas wake
@@ -294,7 +311,7 @@ class PolicyWorker:
             return policy_update(self.engine, shard, self.cfg, self.pad_id, None, self.ref_model)
         world, rank = self.ranks.world, self.ranks.rank
         return policy_update(self.engine, shard, self.cfg, self.pad_id, features.aux_layer_ids, self.ref_model,
-                             lambda ref, micro: features.submit(ref, micro * world + rank))
+                             lambda ref, micro: features.submit(ref, micro * world + rank), self.capture_rng)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full policy in the serving dtype as host copies on rank 0
