@@ -29,8 +29,9 @@ check's FAIL, not the end of the run:
   the replica's worker copies it in on the device: error < 1e-3 and at
   least ``MIN_SYNC_GBPS``.
 - ``nccl refit`` (two GPUs or more): the collective transport over NCCL
-  from this process on GPU 1 into the replica on GPU 0, as split runs
-  send: error < 1e-3 and at least ``MIN_SYNC_GBPS``.
+  from this process's weights on GPU 1 into the replica on GPU 0, packed
+  and broadcast from the device as sync split runs send: error < 1e-3 and
+  at least ``MIN_SYNC_GBPS``.
 - ``draft refit``: a perturbed head loaded into the drafter: its weights
   are the head's, the verifier's error stays < 1e-3 and the engine drafts.
 - ``weight sync``: seconds and GB/s of the refit above, the production path:
@@ -368,15 +369,17 @@ def check_ipc_refit(report: Report, engine, policy, prompts: list[list[int]]) ->
 
 
 def check_nccl_refit(report: Report, engine, policy, prompts: list[list[int]]) -> None:
-    """The collective transport over NCCL, as split runs use it: this
-    process on GPU 1 plays rank 0 (a host state dict, as after the gather)
-    and broadcasts into the replica on GPU 0; timed on the second refit
-    (the first forms the group)."""
+    """The collective transport over NCCL, as split runs in sync mode use
+    it: this process plays rank 0 with its weights on GPU 1
+    (``DeviceGather``: packed and broadcast from there, no host copy) into
+    the replica on GPU 0; timed on the second refit (the first forms the
+    group)."""
     import torch
 
-    from rayspec.devices import to_host
     from rayspec.rollout.client import LocalReplicas, RolloutClient
-    from rayspec.sync import CollectiveSender, state_dict_nbytes
+    from rayspec.sync import CollectiveSender, DeviceGather, state_dict_nbytes
+    from rayspec.sync.interfaces import resident
+    from rayspec.train.ranks import Ranks
 
     transport = CollectiveSender(RolloutClient(LocalReplicas([engine]), 1), "nccl", 256 << 20, timeout_s=600,
                                  device="cuda:1")
@@ -385,7 +388,8 @@ def check_nccl_refit(report: Report, engine, policy, prompts: list[list[int]]) -
             with torch.no_grad():
                 for p in policy.parameters():
                     p.add_(torch.randn_like(p), alpha=0.01)
-            sd = to_host(policy.state_dict())
+            on_gpu1 = {k: v.to("cuda:1") for k, v in policy.state_dict().items()}
+            sd = DeviceGather(Ranks()).collect(resident(on_gpu1), torch.float32)
             t0 = time.perf_counter()
             transport.send("policy", sd, version).results()
             seconds = time.perf_counter() - t0

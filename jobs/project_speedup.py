@@ -129,7 +129,7 @@ def project(ns) -> dict:
     for transport in TRANSPORTS:
         if transport == "shared_memory" and nodes > 1:
             continue  # tmpfs is per host
-        t = sync_time(transport, nbytes, hw, nodes)
+        t = sync_time(transport, nbytes, hw, nodes, pipe.mode)
         sync.append(dict(transport=transport, bytes=nbytes, nodes=nodes, gather_s=t.gather_s,
                          transfer_s=t.transfer_s, load_s=t.load_s, sync_s=t.seconds,
                          **{f"share_{n}": t.seconds / with_sync(runs[n], pipe, t.seconds).step_s

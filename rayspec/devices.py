@@ -24,7 +24,8 @@ def to_host(tensors: dict[str, torch.Tensor], dtype: Optional[torch.dtype] = Non
     """Detached CPU copies of ``{name: tensor}``, for the object store or a file.
 
     Always a copy, never a view of live parameters (the caller may keep
-    training while the copy is in flight).
+    training while the copy is in flight). Tensors that are one (tied
+    embeddings) stay one: copied once, under every name.
 
     Args:
         tensors: tensors on any device.
@@ -35,8 +36,14 @@ def to_host(tensors: dict[str, torch.Tensor], dtype: Optional[torch.dtype] = Non
     Returns:
         {name: CPU tensor}, same shapes.
     """
-    return {k: v.detach().to("cpu", dtype if dtype and v.is_floating_point() else v.dtype, copy=True)
-            for k, v in tensors.items()}
+    out, copies = {}, {}
+    for k, v in tensors.items():
+        same = (v.device, v.data_ptr(), v.dtype, v.shape, v.stride())
+        if v.data_ptr() and same in copies:
+            out[k] = copies[same]
+            continue
+        out[k] = copies[same] = v.detach().to("cpu", dtype if dtype and v.is_floating_point() else v.dtype, copy=True)
+    return out
 
 
 def to_device(tensors: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:

@@ -341,18 +341,21 @@ def test_weight_sync_model_by_transport_and_nodes():
     from rayspec.perfmodel.weight_sync import sync_time
 
     hw = hardware.get("h100")
-    one = {t: sync_time(t, 16e9, hw, nodes=1) for t in ("object_store", "collective")}
-    two = {t: sync_time(t, 16e9, hw, nodes=2) for t in ("object_store", "collective")}
-    # collective: two pageable host<->device copies, then NVLink (one node) or the GPU's NIC (two)
+    one = {t: sync_time(t, 16e9, hw, nodes=1, mode="async") for t in ("object_store", "collective")}
+    two = {t: sync_time(t, 16e9, hw, nodes=2, mode="async") for t in ("object_store", "collective")}
+    # async collective: two pageable host<->device copies, then NVLink (one node) or the GPU's NIC (two)
     assert one["collective"].seconds == pytest.approx(3 * 16e9 / 25e9 - 16e9 / 25e9 + 16e9 / 450e9)
     assert two["collective"].transfer_s - one["collective"].transfer_s == pytest.approx(16e9 / 50e9 - 16e9 / 450e9)
+    # sync: from rank 0's device, packed in HBM (DeviceGather), no host copy
+    sync = sync_time("collective", 16e9, hw, nodes=2)
+    assert sync.gather_s == 0 and sync.seconds == pytest.approx(2 * 16e9 / hw.mem_bw + 16e9 / 50e9)
     # object store: host copies on both ends, one TCP copy per other node
     assert two["object_store"].seconds - one["object_store"].seconds == pytest.approx(16e9 / 12.5e9)
     assert one["object_store"].seconds > 5 * one["collective"].seconds
     # cuda_ipc: no gather; the replicas' copies within HBM beside rank 0's host copy, on any node count
     ipc = sync_time("cuda_ipc", 16e9, hw, nodes=2)
     assert ipc.seconds == ipc.load_s == pytest.approx(max(2 * 16e9 / hw.mem_bw, 16e9 / hw.pcie_bw))
-    assert ipc.seconds < one["collective"].seconds / 2
+    assert ipc.seconds < one["collective"].seconds / 2 and sync_time("collective", 16e9, hw).seconds < ipc.seconds
     with pytest.raises(ValueError, match="weight transport 'rdma'"):
         sync_time("rdma", 1e9, hw)
     with pytest.raises(ValueError, match="weight_sync='rdma'"):

@@ -449,7 +449,7 @@ def test_a_cuda_ipc_refit_loads_the_ranks_own_weights_in_another_process(spec_en
         for p in policy.parameters():
             p.add_(torch.randn_like(p), alpha=0.02)
     worker = PolicyWorker(build_engine(policy, deepspeed_config(cfg, world_size=1)), cfg, Ranks(), tok.pad_token_id,
-                          torch.float32, source=make_source(cfg.rollout.weight_sync, Ranks()))
+                          torch.float32, source=make_source(cfg, Ranks()))
     sender = make_sender(cfg.rollout.weight_sync, RolloutClient(LocalReplicas([eng]), 1), trainer_has_gpu=False,
                          replicas_have_gpu=False, shared_gpus=True)
     files = lambda: {p.name for p in __import__("pathlib").Path("/dev/shm").glob(f"torch_{os.getpid()}_*")}

@@ -14,8 +14,11 @@ import torch
 
 from rayspec.config import ConfigError, load_config
 from rayspec.rollout.client import RolloutClient
-from rayspec.sync import (CollectiveSender, ObjectStoreSender, Refit, WeightSender, WeightSyncError, bucket_nbytes,
-                          make_sender, pack_bucket, plan_buckets, state_dict_nbytes, unpack_bucket)
+from rayspec.sync import (CollectiveSender, DeviceExport, DeviceGather, HostGather, ObjectStoreSender, Refit,
+                          WeightSender, WeightSyncError, bucket_nbytes, make_sender, make_source, pack_bucket,
+                          plan_buckets, state_dict_nbytes, unpack_bucket)
+from rayspec.sync.interfaces import resident
+from rayspec.train.ranks import Ranks
 
 
 def _state_dict():
@@ -133,6 +136,51 @@ def test_transport_choice_and_bad_keys():
                            "rollout.num_replicas=1"])
     with pytest.raises(ConfigError, match="cuda_ipc needs GPUs on both ends or on neither"):
         load_config(None, ["rollout.weight_sync.transport=cuda_ipc", "rollout.num_gpus_per_replica=0.5"])
+
+
+def test_the_weight_source_follows_the_transport_the_zero_stage_and_the_mode():
+    """``make_source``: the collective sends rank 0's weights where they are
+    (NCCL from its GPU; gloo from host memory on CPU ranks, the same code)
+    in sync mode; async runs, ZeRO-3, colocated GPUs (gloo) and the object
+    store gather to host; cuda_ipc exports on every rank."""
+    def source(*overrides, device="cpu"):
+        return type(make_source(load_config(None, list(overrides)), Ranks(), device))
+
+    gpus = ["train.gpus_per_worker=1", "rollout.num_gpus_per_replica=1"]
+    assert source() is DeviceGather  # CPU ranks, auto: the collective over gloo
+    assert source(*gpus, "scheduler.layout=split", device="cuda:0") is DeviceGather  # NCCL
+    assert source(*gpus, "scheduler.layout=colocate", device="cuda:0") is HostGather  # gloo between GPUs
+    assert source("scheduler.mode=async", "scheduler.layout=split", "rollout.num_replicas=1") is HostGather
+    assert source("train.deepspeed.zero_optimization.stage=3") is HostGather
+    assert source("rollout.weight_sync.transport=object_store") is HostGather
+    assert source("rollout.weight_sync.transport=cuda_ipc") is DeviceExport
+
+
+def test_device_gather_sends_the_weights_themselves_and_catches_up_from_host_copies(monkeypatch):
+    """``DeviceGather`` on rank 0 gives the module's own tensors where they
+    are in the serving dtype, copies the rest (cast, or freed after their
+    gather: not persistent), and nothing on the other ranks; the sender
+    puts host copies for a replica that catches up, once a version."""
+    import ray
+
+    live = _state_dict()
+    gathered = torch.randn(3, 3)
+    weights = DeviceGather(Ranks()).collect([*resident(live), ("model.layers.1.gathered", gathered, False)],
+                                            torch.float32)
+    assert weights["model.embed_tokens.weight"] is not live["model.embed_tokens.weight"]  # a detached view
+    assert weights["model.embed_tokens.weight"].data_ptr() == live["model.embed_tokens.weight"].data_ptr()
+    assert weights["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32  # cast: a copy
+    assert weights["model.layers.1.gathered"].data_ptr() != gathered.data_ptr()
+    assert DeviceGather(Ranks(rank=1, world=2)).collect(resident(live), torch.float32) is None
+
+    puts = []
+    monkeypatch.setattr(ray, "put", lambda obj: puts.append(obj) or "ref")
+    transport = CollectiveSender(_replicas(), "gloo", 1 << 20, timeout_s=2)
+    transport.latest["policy"], transport._weights["policy"] = (4, None), weights
+    assert transport.catch_up({"policy": (3, None)}) == {"policy": (4, "ref")}
+    assert transport.catch_up({"policy": (3, None)}) == {"policy": (4, "ref")} and len(puts) == 1  # once a version
+    assert all(puts[0][k].data_ptr() != v.data_ptr() and torch.equal(puts[0][k], v) for k, v in weights.items())
+    transport.close()
 
 
 @pytest.mark.slow

@@ -317,11 +317,11 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
     replica_asleep = [Term("replica", "CUDA context", CUDA_CONTEXT)]
     replica_refit = [Term("replica", "weights (woken)", weights), Term("replica", "CUDA context", CUDA_CONTEXT)]
     transport = [Term("weight sync", "bucket", float(ro.weight_sync.packed_buffer_size_bytes))]
+    module_bytes = 2 if (ds.get("bf16") or {}).get("enabled") else 4
     if ro.weight_sync.transport == "cuda_ipc":
         # the replicas read each rank's own weights (rayspec.sync.ipc): its states stay on the device
         # until the refit landed; the export is a copy where the serving dtype is not the module's, and
         # under ZeRO-3 (each parameter is gathered in turn and freed after: full_parameters)
-        module_bytes = 2 if (ds.get("bf16") or {}).get("enabled") else 4
         transport = list(train_resident)
         if stage == 3:
             transport.append(Term("Train rank", "one gathered parameter", shape.largest_module_params * module_bytes))
@@ -348,6 +348,15 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
             "refit": replica_awake + transport}))
         phases = {"rollout": train_released, "policy update": train_resident + train_peak,
                   "draft training": train_released, "refit": train_refit + transport}
+        ws = ro.weight_sync
+        if ws.transport in ("auto", "collective") and ws.backend in ("auto", "nccl") and stage < 3 \
+                and cfg.scheduler.mode == "sync":
+            # NCCL broadcasts rank 0's weights from its device (rayspec.sync.DeviceGather): its states
+            # stay there through the refit, with a copy where the serving dtype is not the module's (on
+            # every train GPU: the plan's kinds do not single out rank 0's, an upper bound)
+            copy = [Term("Train rank", "rank 0: the policy in the serving dtype", p * rdt)] \
+                if rdt != module_bytes else []
+            phases["refit"] = train_resident + copy + transport
         need = replicas * max(1, round(ro.num_gpus_per_replica)) + ranks
         if need > total:
             layout_problems.append(f"split layout: {replicas} replicas and {ranks} Train ranks need {need} "

@@ -227,7 +227,7 @@ def rl_step(engine: Engine, work: Workload, pipe: Pipeline, k_schedule) -> StepT
     rate = hw.peak_flops * hw.train_mfu * pipe.train_devices
     train_s = 6.0 * target.active_params * work.tokens / rate
     logprob_s = 2.0 * target.active_params * work.tokens / rate
-    sync_s = sync_time(pipe.weight_sync, target.weight_bytes(1e9, hw.dtype_bytes), hw, pipe.nodes).seconds
+    sync_s = sync_time(pipe.weight_sync, target.weight_bytes(1e9, hw.dtype_bytes), hw, pipe.nodes, pipe.mode).seconds
     return StepTime(ro, rollout_s, logprob_s, train_s, sync_s, _step_s(pipe, rollout_s, logprob_s, train_s, sync_s))
 
 

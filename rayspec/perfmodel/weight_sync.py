@@ -6,9 +6,12 @@ code does it. B = weight bytes, N = nodes holding replicas and trainer.
                  + (N-1) B/tcp (the owner's NIC sends one copy per other node)
                  + 3 B/host (a replica's ray.get, its staging-file write, the loader's read)
                  + B/pcie (the loader's host-to-device copy)
-    collective   = B/pcie (gather to host) + B/pcie (each bucket back to rank 0's GPU)
-                 + B/link (the pipelined broadcast; every receiver takes it at once;
-                   link = NVLink within a node, the GPU's RDMA NIC across nodes)
+    collective   = sync mode: 2 B/hbm (rank 0 packs each bucket from its own weights
+                   on its GPU: rayspec.sync.DeviceGather) + B/link (the pipelined
+                   broadcast; every receiver takes it at once; link = NVLink within
+                   a node, the GPU's RDMA NIC across nodes);
+                   async mode: B/pcie (gather to host) + B/pcie (each bucket back to
+                   rank 0's GPU) + B/link
     shared_memory = B/pcie (rank 0 packs the gathered weights into /dev/shm files)
                  + B/pcie (each replica's host-to-device copy from its read-only map);
                    one node only
@@ -47,7 +50,7 @@ class SyncTime:
         return self.gather_s + self.transfer_s + self.load_s
 
 
-def sync_time(transport: str, nbytes: float, hw: Hardware, nodes: int = 1) -> SyncTime:
+def sync_time(transport: str, nbytes: float, hw: Hardware, nodes: int = 1, mode: str = "sync") -> SyncTime:
     """Seconds of one refit of ``nbytes`` (see the module docstring).
 
     Args:
@@ -57,6 +60,8 @@ def sync_time(transport: str, nbytes: float, hw: Hardware, nodes: int = 1) -> Sy
         hw: the device preset (``pcie_bw``, ``host_copy_bw``, ``link_bw``,
             ``inter_node_bw``, ``tcp_bw``, ``mem_bw``; bytes/s).
         nodes: nodes the trainer's rank 0 and the replicas span (>= 1).
+        mode: the pipeline's ``sync`` | ``async`` (the collective sends from
+            rank 0's device in sync mode only).
 
     Raises:
         ValueError: an unknown transport, nodes < 1, or shared_memory across
@@ -77,7 +82,10 @@ def sync_time(transport: str, nbytes: float, hw: Hardware, nodes: int = 1) -> Sy
         load = max(2 * nbytes / hw.mem_bw, nbytes / hw.pcie_bw)
     elif transport == "collective":
         link = hw.link_bw if nodes == 1 else hw.inter_node_bw
-        transfer = nbytes / hw.pcie_bw + nbytes / link
+        if mode == "sync":
+            gather, transfer = 0.0, 2 * nbytes / hw.mem_bw + nbytes / link
+        else:
+            transfer = nbytes / hw.pcie_bw + nbytes / link
         load = 0.0
     else:
         raise ValueError(f"weight transport {transport!r}: expected one of {TRANSPORTS}")

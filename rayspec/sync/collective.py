@@ -41,11 +41,12 @@ import logging
 import time
 import uuid
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import ray
 import torch
 
+from rayspec.devices import to_host
 from rayspec.rollout.vllm import engine_access
 from rayspec.sync.buckets import pack_bucket, plan_buckets, state_dict_nbytes
 from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError
@@ -87,11 +88,12 @@ class CollectiveSender(WeightSender):
         self._fell_back = False  # the group could not form (auto): the object store from then on
 
     def send(self, target: str, weights: dict[str, torch.Tensor], version: int) -> Refit:
-        """Queue ``weights`` (host tensors; kept until the next refit of
+        """Queue ``weights`` (host tensors, or with nccl tensors on
+        ``device``: ``DeviceGather``; kept until the next refit of
         ``target`` for replicas that fall behind) for ``target`` on every
         replica; returns at once."""
         if self._fell_back:
-            refit = self._fallback.send(target, weights, version)
+            refit = self._fallback.send(target, to_host(weights), version)
             return Refit(self, refit._wait, refit.nbytes)
         self.latest[target] = (version, None)
         self._weights[target] = weights
@@ -102,7 +104,9 @@ class CollectiveSender(WeightSender):
         """``refits`` with every None payload replaced by the newest weights
         of its target as an ObjectRef (put once per version; newer than the
         entry where a refit was sent since the rollout was), for a replica
-        outside the group."""
+        outside the group. Rank 0's device tensors (``DeviceGather``, sync
+        mode) still hold that version here: a replica catches up in a
+        rollout, which comes before the next update."""
         if self._fell_back:
             return self._fallback.catch_up(refits)
         return self._put_newest(refits)
@@ -120,7 +124,7 @@ class CollectiveSender(WeightSender):
             log.warning("rollout.weight_sync.transport=auto: %s; weights go through Ray's object "
                         "store from now on", e)
             self._fell_back = True
-            return self._fallback.send(target, weights, version)._wait()
+            return self._fallback.send(target, to_host(weights), version)._wait()
         if self._pg is None:  # no replica is up: the ones Serve starts catch up
             return [], 0.0, 0.0
         buckets = plan_buckets(weights, self.bucket_bytes)
@@ -134,6 +138,10 @@ class CollectiveSender(WeightSender):
             # rank's. torch.Stream is the same code on a CPU (gloo), a no-op.
             if self._stream is None:
                 self._stream = torch.Stream(device=self.device)
+            if self.device.type == "cuda":
+                # device weights (DeviceGather) were written on the default stream, which this
+                # thread's is too: the broadcast reads them after every kernel queued there so far
+                self._stream.wait_stream(torch.cuda.default_stream(self.device))
             with self._stream:
                 for bucket in buckets:
                     self._pg.broadcast(pack_bucket(weights, bucket).to(self.device), 0).wait()
@@ -243,6 +251,56 @@ class CollectiveSender(WeightSender):
         self._sender.shutdown(wait=True)
         self._waiters.shutdown(wait=False)
         self._drop_group()
+
+
+class DeviceGather:
+    """The collective's weight source where rank 0 computes on a GPU and
+    NCCL carries the refit: rank 0's full policy on its device, broadcast
+    from there (NCCL reads device memory), where ``HostGather`` copies it
+    to host memory and the sender copies each bucket back (two PCIe
+    crossings of every byte; vLLM's RLHF examples, NeMo-RL and OpenRLHF
+    broadcast from the trainer's GPU too). The sender copies the weights to
+    host memory only for a replica that catches up (``catch_up``).
+
+    Sync mode only (``make_source``): the module's own tensors go as they
+    are (persistent, already in the serving dtype), as nothing writes them
+    before the refit has landed and the next rollout has run (a replica
+    catches up in a rollout, so they still hold the version it needs). In
+    async mode the next update runs while the refit travels: a snapshot
+    would hold a second copy of the policy on rank 0's device through it,
+    so async runs gather to host (``HostGather``), off the step's critical
+    path there. A tensor is copied where its dtype is not the serving one.
+    On a CPU (gloo) the same code sends from host memory.
+
+    Args:
+        ranks: this rank among the Train workers (``rayspec.train.ranks.Ranks``).
+
+    Attributes:
+        reads_device: True: the sender reads rank 0's device memory.
+    """
+
+    reads_device = True
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+
+    def collect(self, weights: Iterable[tuple[str, torch.Tensor, bool]],
+                dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+        """``weights`` (this rank's full policy on its device, (name, tensor,
+        persistent): ``rayspec.train.policy.full_parameters``; a tensor not
+        persistent is freed after it is iterated, so it is copied; iterated
+        on every rank) in ``dtype`` (floating point ones) on rank 0, on its
+        device; None elsewhere."""
+        out = {} if self.ranks.is_driver else None
+        for name, t, persistent in weights:
+            if out is None:
+                continue
+            want = dtype if t.is_floating_point() else t.dtype
+            out[name] = t.detach() if persistent and t.dtype == want else t.detach().to(want, copy=True)
+        return out
+
+    def done(self) -> None:
+        """Nothing to drop: the sender owns what it sends."""
 
 
 class JoinBarrier:

@@ -2,7 +2,7 @@
 ``WeightReceiver`` in each rollout replica, one class of each per transport
 (``object_store.py``, ``collective.py``, ``shared_memory.py``, ``ipc.py``),
 and a weight source on every Train rank that collects what the sender sends
-(``HostGather``, or ``ipc.DeviceExport``). The RL step only calls these: it
+(``HostGather``, ``collective.DeviceGather`` or ``ipc.DeviceExport``). The RL step only calls these: it
 never branches on the transport (as NeMo-RL's ``weight_sync`` interfaces).
 
 A refit's ``target`` is ``policy`` (the verifier's HF-named weights) or
@@ -84,8 +84,12 @@ class WeightSender(abc.ABC):
     def _put_newest(self, refits: dict[str, tuple[int, Any]]) -> dict[str, tuple[int, Any]]:
         """``catch_up`` for a transport that leaves ``latest``'s payloads
         None: each replaced by the newest weights of its target (kept in
-        ``_weights`` by ``send``) as an ObjectRef, put once per version."""
+        ``_weights`` by ``send``) as an ObjectRef of host copies (they may be
+        rank 0's device tensors: ``collective.DeviceGather``), put once per
+        version."""
         import ray
+
+        from rayspec.devices import to_host
 
         out = dict(refits)
         for target, (_, ref) in refits.items():
@@ -93,7 +97,7 @@ class WeightSender(abc.ABC):
                 version = self.latest[target][0]
                 cached = self._catch_up_refs.get(target)
                 if cached is None or cached[0] != version:
-                    cached = self._catch_up_refs[target] = (version, ray.put(self._weights[target]))
+                    cached = self._catch_up_refs[target] = (version, ray.put(to_host(self._weights[target])))
                 out[target] = cached
         return out
 
@@ -137,21 +141,28 @@ def host_copies(weights: Iterable[tuple[str, torch.Tensor, bool]], dtype: torch.
     """Host copies of ``weights`` ((name, tensor, persistent), e.g.
     ``rayspec.train.policy.full_parameters``, iterated to the end: a
     collective under ZeRO-3) in ``dtype`` (floating point only; None: each
-    tensor's own); None where not ``keep``."""
+    tensor's own); None where not ``keep``. Persistent tensors that are one
+    (tied embeddings) are copied once, as ``to_host`` does."""
     from rayspec.devices import to_host
 
-    out = {} if keep else None
-    for name, t, _ in weights:
+    out, copies = ({}, {}) if keep else (None, None)
+    for name, t, persistent in weights:
         if keep:
+            if persistent and t.data_ptr() and t.data_ptr() in copies:
+                out[name] = copies[t.data_ptr()]
+                continue
             out[name] = to_host({name: t}, dtype)[name]
+            if persistent:
+                copies[t.data_ptr()] = out[name]
     return out
 
 
 class HostGather:
-    """What every transport but cuda_ipc sends: the full policy as host
-    copies on rank 0 (``host_copies``; None on the other ranks), owned by
-    the sender from then on. ``DeviceExport`` (``ipc.py``) is the other
-    weight source, with the same methods.
+    """What the object store and shared memory send, and the collective
+    under ZeRO-3 or colocated on GPUs: the full policy as host copies on
+    rank 0 (``host_copies``; None on the other ranks), owned by the sender
+    from then on. ``DeviceGather`` (``collective.py``) and ``DeviceExport``
+    (``ipc.py``) are the other weight sources, with the same methods.
 
     Args:
         ranks: this rank among the Train workers (``rayspec.train.ranks.Ranks``).

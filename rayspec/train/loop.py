@@ -53,7 +53,7 @@ def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: Poli
     with timer("policy"):
         train_metrics, feature_refs = policy.update(shard, features)
     with timer("sync"):
-        with timer("gather"):  # rank 0's host copy, or every rank's device export (cuda_ipc)
+        with timer("gather"):  # the weight source: rank 0's host copy, its device weights or every rank's export
             weights = policy.refit_weights()
         coord.refit("policy", weights, version + 1)
         del weights
@@ -135,7 +135,7 @@ def rl_worker_loop(config: dict) -> None:
         ref_model = load_policy(config["model_dir"], next(engine.module.parameters()).dtype)
         ref_model = ref_model.eval().requires_grad_(False).to(engine.device)
     policy = PolicyWorker(engine, cfg, ranks, tokenizer.pad_token_id, _dtype(cfg.model.dtype), ref_model,
-                          make_source(cfg.rollout.weight_sync, ranks, device))
+                          make_source(cfg, ranks, device))
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         version = resume(checkpoint, policy, coord, draft)

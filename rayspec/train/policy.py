@@ -248,8 +248,9 @@ class PolicyWorker:
             refits are sent in it.
         ref_model: frozen reference policy on ``engine.device``, or None.
         source: what this rank gives a refit (``rayspec.sync.make_source``:
-            rank 0's host copies, or every rank's device export for
-            cuda_ipc); None: ``HostGather``.
+            rank 0's host copies, rank 0's weights on its device for the
+            collective, or every rank's device export for cuda_ipc); None:
+            ``HostGather``.
     """
 
     def __init__(self, engine, cfg, ranks, pad_id: int, serve_dtype: torch.dtype, ref_model=None, source=None):
@@ -321,9 +322,9 @@ class PolicyWorker:
 
     def refit_weights(self):
         """What a policy refit sends, from this rank's weight source
-        (``source.collect``; collective): rank 0's host copies, or with
-        cuda_ipc the handles to every rank's device copy, on rank 0 (None
-        elsewhere). Where the source leaves the device unread, it is given
+        (``source.collect``; collective): rank 0's host copies, its weights
+        on its device (the collective), or with cuda_ipc the handles to
+        every rank's device copy, on rank 0 (None elsewhere). Where the source leaves the device unread, it is given
         back here (``release``), before colocated replicas wake for the
         refit; else in ``refit_sent``."""
         self._reload()
