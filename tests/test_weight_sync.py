@@ -170,6 +170,8 @@ def test_device_gather_sends_the_weights_themselves_and_catches_up_from_host_cop
     assert weights["model.embed_tokens.weight"] is not live["model.embed_tokens.weight"]  # a detached view
     assert weights["model.embed_tokens.weight"].data_ptr() == live["model.embed_tokens.weight"].data_ptr()
     assert weights["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32  # cast: a copy
+    cast = DeviceGather(Ranks()).collect(resident(live), torch.bfloat16)
+    assert cast["lm_head.weight"] is cast["model.embed_tokens.weight"]  # tied: one copy
     assert weights["model.layers.1.gathered"].data_ptr() != gathered.data_ptr()
     assert DeviceGather(Ranks(rank=1, world=2)).collect(resident(live), torch.float32) is None
 

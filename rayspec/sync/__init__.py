@@ -16,8 +16,8 @@ from rayspec.sync.ipc import CudaIpcReceiver, CudaIpcSender, DeviceExport, IpcWe
 from rayspec.sync.object_store import ObjectStoreReceiver, ObjectStoreSender
 from rayspec.sync.shared_memory import SharedMemoryReceiver, SharedMemorySender
 
-__all__ = ["CollectiveReceiver", "CollectiveSender", "CudaIpcReceiver", "CudaIpcSender", "DeviceExport", "DeviceGather",
-           "HostGather", "IpcWeights", "ObjectStoreReceiver", "ObjectStoreSender", "Refit", "RefitHost",
+__all__ = ["CollectiveReceiver", "CollectiveSender", "CudaIpcReceiver", "CudaIpcSender", "DeviceExport",
+           "DeviceGather", "HostGather", "IpcWeights", "ObjectStoreReceiver", "ObjectStoreSender", "Refit", "RefitHost",
            "SharedMemoryReceiver", "SharedMemorySender", "WeightReceiver", "WeightSender", "WeightSyncError",
            "bucket_nbytes", "collective_backend", "make_sender", "make_source", "pack_bucket", "plan_buckets",
            "state_dict_nbytes", "unpack_bucket"]

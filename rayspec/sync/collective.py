@@ -290,13 +290,20 @@ class DeviceGather:
         persistent): ``rayspec.train.policy.full_parameters``; a tensor not
         persistent is freed after it is iterated, so it is copied; iterated
         on every rank) in ``dtype`` (floating point ones) on rank 0, on its
-        device; None elsewhere."""
-        out = {} if self.ranks.is_driver else None
+        device; None elsewhere. Tied tensors stay one (sent once)."""
+        out, copies = ({}, {}) if self.ranks.is_driver else (None, None)
         for name, t, persistent in weights:
             if out is None:
                 continue
             want = dtype if t.is_floating_point() else t.dtype
-            out[name] = t.detach() if persistent and t.dtype == want else t.detach().to(want, copy=True)
+            if persistent and t.dtype == want:
+                out[name] = t.detach()
+            elif persistent and t.data_ptr() in copies:
+                out[name] = copies[t.data_ptr()]
+            else:
+                out[name] = t.detach().to(want, copy=True)
+                if persistent:
+                    copies[t.data_ptr()] = out[name]
         return out
 
     def done(self) -> None:
