@@ -81,6 +81,33 @@ def test_a_group_that_cannot_form_names_the_address_and_the_replica():
     transport.close()
 
 
+def test_the_group_and_its_check_in_take_different_ports_with_vllm_port_set(monkeypatch):
+    """With ``VLLM_PORT`` set, vLLM's ``get_open_port`` returns the first
+    free port from it: the check-in barrier binds its port before the
+    group's is picked, so the two differ (they were one, and the members
+    joined the barrier's store as the group's)."""
+    import socket
+
+    from rayspec.rollout.client import LocalReplicas
+
+    joined = []
+
+    class Replica(_Replica):
+        def join_weight_sync(self, *args):
+            joined.append(args)
+            return 1
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        monkeypatch.setenv("VLLM_PORT", str(s.getsockname()[1] + 1))
+    transport = CollectiveSender(RolloutClient(LocalReplicas([Replica()]), 1), "gloo", 1 << 20, timeout_s=1)
+    with pytest.raises(WeightSyncError):
+        transport.send("policy", _state_dict(), 1).results()
+    transport.close()
+    (_, port, *_, barrier_port), = joined
+    assert port != barrier_port
+
+
 def test_auto_falls_back_to_the_object_store_when_the_group_cannot_form():
     sent = []
 

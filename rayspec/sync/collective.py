@@ -211,10 +211,13 @@ class CollectiveSender(WeightSender):
         for m in sorted(members, key=lambda m: m["replica_id"]):
             offsets[m["replica_id"]] = world
             world += m["num_workers"]
-        host, port, group_id = ray.util.get_node_ip_address(), engine_access.open_port(), uuid.uuid4().hex
+        host, group_id = ray.util.get_node_ip_address(), uuid.uuid4().hex
+        # the barrier's store binds its port first: with VLLM_PORT set, open_port returns the first
+        # free port from it, which was the barrier's too when both were picked before either bound
+        barrier = JoinBarrier(host, len(offsets), self.timeout_s)
+        port = engine_access.open_port()
         where = (f"the weight-sync group at {host}:{port} ({self.backend}, {world} ranks: rank 0 and replicas "
                  f"{offsets} at their first rank)")
-        barrier = JoinBarrier(host, len(offsets), self.timeout_s)
         joining = self._start(self.replicas.join_weight_sync, host, port, offsets, world, self.backend,
                               self.timeout_s, group_id, barrier.port)
         try:
