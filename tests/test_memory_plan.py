@@ -170,6 +170,24 @@ def test_split_layout_counts_devices():
     assert any("need 16 devices, the cluster has 8" in p for p in problems), problems
 
 
+def test_host_memory_at_start_counts_the_mapped_checkpoint_once_and_copies_per_rank():
+    """transformers maps the checkpoint: loaded in its dtype (bf16) it is
+    the file's pages, once per node; fp32 training loads a copy per rank;
+    ZeRO-3 builds the partitions on the devices; the driver reads only the
+    tensors a new head starts from (Qwen3-8B: its 4 x (V + h + 3i) x h bytes)."""
+    def start(*overrides):
+        return {t.what: t.bytes for t in _plan("h100", *overrides).host if "start" in t.what}
+
+    p = ModelShape.from_hf_config("qwen3-8b").total_params
+    mapped = "policy checkpoint, memory-mapped (start, shared)"
+    driver = "policy tensors a new draft head starts from (start)"
+    assert start() == {mapped: 2 * p, driver: 4 * (151936 + 4096 + 3 * 12288) * 4096}
+    assert start("train.deepspeed.bf16.enabled=false")["policy loaded in fp32 (start)"] == 8 * 4 * p
+    assert set(start("train.deepspeed.bf16.enabled=false", "train.deepspeed.zero_optimization.stage=3")) == \
+        {mapped, driver}
+    assert set(start("draft.enabled=false")) == {mapped}
+
+
 BENCH = "docs/benchmarks"
 
 

@@ -47,9 +47,10 @@ the accounting and its sources:
   buffers).
 
 Host memory is summed as if everything were held at once (the policy's
-load at start, whole on every rank but under ZeRO-3, and the driver's
-read of the tensors a new draft head starts from, are over before states
-are offloaded): an upper bound.
+load at start: the memory-mapped checkpoint, shared by a node's ranks,
+and a copy per rank where they train in another dtype, but under ZeRO-3;
+and the driver's read of the tensors a new draft head starts from; all
+over before states are offloaded): an upper bound.
 
 **CPU roles** (``cpu_plan``): every role lives in host memory, so the plan
 is one node's host memory per phase. The terms are the same byte counts
@@ -371,12 +372,15 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
     per_node_replicas = max(1, round(ro.num_replicas / nodes))
     per_node_ranks = max(1, round(ranks / nodes))
     load_bytes = 2 if (ds.get("bf16") or {}).get("enabled") else 4  # rayspec.train.loop.training_load_dtype
-    # ZeRO-3 builds each rank's partition on its device (rayspec.train.policy.zero3_init); rank 0
-    # reads the checkpoint memory-mapped (page cache, reclaimable)
-    host = [Term("Train workers", "policy loaded partitioned, on the devices (start)" if stage == 3 else
-                 f"policy loaded in {'bf16' if load_bytes == 2 else 'fp32'} (start)",
-                 0 if stage == 3 else per_node_ranks * load_bytes * p),
-            Term("Ray", "object store", float(cfg.ray.object_store_memory)),
+    # transformers memory-maps the checkpoint: loaded in its own dtype, the weights are the mapped
+    # file, pages every rank on the node shares; in another dtype each rank copies them. ZeRO-3 builds
+    # each rank's partition on its device (rayspec.train.policy.zero3_init), reading the mapped file
+    host = [Term("Train workers", "policy checkpoint, memory-mapped (start, shared)",
+                 shape.checkpoint_dtype_bytes * p)]
+    if stage != 3 and load_bytes != shape.checkpoint_dtype_bytes:
+        host.append(Term("Train workers", f"policy loaded in {'bf16' if load_bytes == 2 else 'fp32'} (start)",
+                         per_node_ranks * load_bytes * p))
+    host += [Term("Ray", "object store", float(cfg.ray.object_store_memory)),
             # the sender keeps the newest policy for replicas that catch up (rayspec.sync)
             Term("Train workers", "rank 0: the newest refit (host copy)", weights)]
     if dr.enabled and cfg.rollout.speculative_config.method == "eagle3" and not cfg.rollout.speculative_config.model:

@@ -56,6 +56,8 @@ class ModelShape:
             EAGLE-3 layer that reads [embedding, hidden]).
         tied_embeddings: the LM head is the embedding table.
         qk_norm: RMSNorm over each head's q and k (Qwen3).
+        checkpoint_dtype_bytes: bytes a weight takes in the checkpoint
+            (config.json's ``dtype``; 2 where it names none).
     """
 
     name: str
@@ -73,6 +75,7 @@ class ModelShape:
     qkv_in: int = 0
     tied_embeddings: bool = False
     qk_norm: bool = False
+    checkpoint_dtype_bytes: int = 2
 
     @property
     def q_dim(self) -> int:
@@ -219,6 +222,8 @@ class ModelShape:
                 num_experts_per_tok=getattr(cfg, "num_experts_per_tok", None) or 0,
                 moe_intermediate_size=getattr(cfg, "moe_intermediate_size", None) or 0,
                 tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-                qk_norm=cfg.model_type in ("qwen3", "qwen3_moe"))
+                qk_norm=cfg.model_type in ("qwen3", "qwen3_moe"),
+                checkpoint_dtype_bytes=4 if str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+                                               ).removeprefix("torch.") == "float32" else 2)
         except AttributeError as e:
             raise ValueError(f"{name}: config lacks a field the performance model needs ({e})") from None
