@@ -278,8 +278,9 @@ def head_init_tensors(num_layers: int) -> list[str]:
     """The policy tensors ``init_head`` reads (checkpoint names of a
     ``num_layers``-layer transformers Llama), for ``load_policy(only=...)``."""
     last = f"model.layers.{num_layers - 1}"
+    mlp = [f"{last}.mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
     return ["lm_head.weight", "model.norm.weight", f"{last}.post_attention_layernorm.weight",
-            f"{last}.self_attn.o_proj.weight"] + [f"{last}.mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+            f"{last}.self_attn.o_proj.weight", *mlp]
 
 
 def init_head(policy, aux_layer_ids: Optional[list[int]] = None, seed: int = 0,
