@@ -76,36 +76,45 @@ def _replicas():
 
 def test_a_group_that_cannot_form_names_the_address_and_the_replica():
     transport = CollectiveSender(_replicas(), "gloo", 1 << 20, timeout_s=2)
-    with pytest.raises(WeightSyncError, match=r"weight-sync group at [\d.]+:\d+ \(gloo, 3 ranks.*replica-a"):
+    with pytest.raises(WeightSyncError, match=r"weight-sync group at [\d.]+ \(gloo, 3 ranks.*replica-a"):
         transport.send("policy", _state_dict(), 1).results()
     transport.close()
 
 
-def test_the_group_and_its_check_in_take_different_ports_with_vllm_port_set(monkeypatch):
-    """With ``VLLM_PORT`` set, vLLM's ``get_open_port`` returns the first
-    free port from it: the check-in barrier binds its port before the
-    group's is picked, so the two differ (they were one, and the members
-    joined the barrier's store as the group's)."""
+def test_the_group_port_is_picked_once_every_member_checked_in_and_sent_with_the_go(monkeypatch):
+    """Rank 0 picks the group's port after the check-in and sends it with
+    the go: a port picked before stayed unbound while members came in, for
+    any socket on the host to take. With ``VLLM_PORT`` set (vLLM's
+    ``get_open_port`` then returns the first free port from it) it is not
+    the barrier's (they were one, and the members joined the barrier's
+    store as the group's)."""
     import socket
+    import time
 
     from rayspec.rollout.client import LocalReplicas
+    from rayspec.rollout.vllm import engine_access
+    from rayspec.sync.collective import check_in
 
-    joined = []
+    checked_in, picked, arrived = [], [], []
 
-    class Replica(_Replica):
-        def join_weight_sync(self, *args):
-            joined.append(args)
+    class Replica(_Replica):  # checks in, never joins: rank 0's rendezvous times out
+        def join_weight_sync(self, host, offsets, world, backend, timeout_s, group_id, barrier_port):
+            arrived.append(time.monotonic())
+            checked_in.append((barrier_port, check_in(host, barrier_port, timeout_s, "replica-a")))
             return 1
 
+    open_port = engine_access.open_port
+    monkeypatch.setattr(engine_access, "open_port", lambda: picked.append(time.monotonic()) or open_port())
     with socket.socket() as s:
         s.bind(("", 0))
         monkeypatch.setenv("VLLM_PORT", str(s.getsockname()[1] + 1))
     transport = CollectiveSender(RolloutClient(LocalReplicas([Replica()]), 1), "gloo", 1 << 20, timeout_s=1)
-    with pytest.raises(WeightSyncError):
+    with pytest.raises(WeightSyncError, match=r"group at [\d.]+:\d+ \(gloo"):
         transport.send("policy", _state_dict(), 1).results()
     transport.close()
-    (_, port, *_, barrier_port), = joined
-    assert port != barrier_port
+    (barrier_port, group_port), = checked_in
+    assert group_port != barrier_port
+    assert picked[-1] > arrived[0]  # the group's port: picked while the member waited for the go
 
 
 def test_auto_falls_back_to_the_object_store_when_the_group_cannot_form():
@@ -257,7 +266,7 @@ class _Member:
     def weight_sync_member(self):
         return {"replica_id": self.replica_id, "group_id": None, "num_workers": 1}
 
-    def join_weight_sync(self, host, port, offsets, world, backend, timeout_s, group_id, barrier_port):
+    def join_weight_sync(self, host, offsets, world, backend, timeout_s, group_id, barrier_port):
         import ray
 
         from rayspec.rollout.vllm import engine_access
@@ -267,7 +276,7 @@ class _Member:
             self.engines.remove(self)
             raise ray.exceptions.ActorDiedError()
         try:
-            check_in(host, barrier_port, timeout_s, self.replica_id)
+            port = check_in(host, barrier_port, timeout_s, self.replica_id)
         except WeightSyncError as e:
             self.joins.append(str(e))
             raise

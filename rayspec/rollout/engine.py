@@ -763,12 +763,11 @@ class SpecVLLMEngine:
         (``CollectiveReceiver.member``); does not wait for the engine."""
         return self.collective.member(engine_access.num_workers(self.llm))
 
-    def join_weight_sync(self, host: str, port: int, rank_offsets: dict[str, int], world_size: int,
+    def join_weight_sync(self, host: str, rank_offsets: dict[str, int], world_size: int,
                          backend: str, timeout_s: float, group_id: str, barrier_port: int) -> Optional[int]:
         """Join the trainer's weight-sync group (``CollectiveReceiver.join``)."""
         with self._busy_section():
-            return self.collective.join(host, port, rank_offsets, world_size, backend, timeout_s, group_id,
-                                        barrier_port)
+            return self.collective.join(host, rank_offsets, world_size, backend, timeout_s, group_id, barrier_port)
 
     def receive_weights(self, target: str, buckets: list, version: int, group_id: str) -> Optional[int]:
         """Receive a refit broadcast in the group (``CollectiveReceiver.receive``)."""

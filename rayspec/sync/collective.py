@@ -24,7 +24,8 @@ before joining would hold the others' engines that long (10 minutes by
 default). So members first check in at a barrier in Python
 (``JoinBarrier``), where rank 0, watching that every member is still
 alive, can tell them to give up; the rendezvous starts only once all are
-in, and the group is formed again from the live replicas. (Rank 0 asks
+in, on a port rank 0 picks then and sends with its go (bound at once), and
+the group is formed again from the live replicas. (Rank 0 asks
 Serve's controller how many replicas run: a replica answers one call at a
 time, and each is in its join.)
 
@@ -212,19 +213,23 @@ class CollectiveSender(WeightSender):
             offsets[m["replica_id"]] = world
             world += m["num_workers"]
         host, group_id = ray.util.get_node_ip_address(), uuid.uuid4().hex
-        # the barrier's store binds its port first: with VLLM_PORT set, open_port returns the first
-        # free port from it, which was the barrier's too when both were picked before either bound
         barrier = JoinBarrier(host, len(offsets), self.timeout_s)
-        port = engine_access.open_port()
-        where = (f"the weight-sync group at {host}:{port} ({self.backend}, {world} ranks: rank 0 and replicas "
+        where = (f"the weight-sync group at {host} ({self.backend}, {world} ranks: rank 0 and replicas "
                  f"{offsets} at their first rank)")
-        joining = self._start(self.replicas.join_weight_sync, host, port, offsets, world, self.backend,
+        joining = self._start(self.replicas.join_weight_sync, host, offsets, world, self.backend,
                               self.timeout_s, group_id, barrier.port)
         try:
             barrier.wait(lambda: self._alive(ids), where)
         except BaseException:
             joining.result()  # the members have given up (and released their engines)
             raise
+        # The group's port is picked only now and sent with the go, then bound at once by the
+        # rendezvous below: one picked before the check-in stayed unbound while members came in (a
+        # rollout's length in async mode), for any socket on the host to take; and with VLLM_PORT
+        # set, open_port returns the first free port from it, the barrier's own had it not bound yet.
+        port = engine_access.open_port()
+        where = where.replace(f"at {host} ", f"at {host}:{port} ", 1)
+        barrier.go(port)
         try:
             pg = engine_access.stateless_group(host, port, 0, world, self.backend, self.timeout_s)
         except Exception as e:
@@ -333,7 +338,8 @@ class JoinBarrier:
                               timeout=timedelta(seconds=timeout_s))
 
     def wait(self, alive: Callable[[], bool], where: str, poll_s: float = 0.5) -> None:
-        """Return once every member has checked in (and tell them to go on).
+        """Return once every member has checked in (``go`` then tells them
+        the group's port).
 
         Raises:
             ray.exceptions.ActorDiedError: ``alive()`` said a member died
@@ -350,12 +356,15 @@ class JoinBarrier:
                 raise WeightSyncError(f"{where} did not form within {self.timeout_s:.0f} s: {arrived} of "
                                       f"{self.members} replicas checked in")
             time.sleep(poll_s)
-        self.store.set("go", "1")
+
+    def go(self, group_port: int) -> None:
+        """Tell the members that checked in to join the group at ``group_port``."""
+        self.store.set("go", str(group_port))
 
 
-def check_in(host: str, port: int, timeout_s: float, replica_id: str, poll_s: float = 0.05) -> None:
+def check_in(host: str, port: int, timeout_s: float, replica_id: str, poll_s: float = 0.05) -> int:
     """A member's side of ``JoinBarrier``: check in, then wait for rank 0's
-    ``go``.
+    ``go``. Returns the group's port it names.
 
     Raises:
         WeightSyncError: rank 0 said to give up (a member died, or not all
@@ -376,6 +385,7 @@ def check_in(host: str, port: int, timeout_s: float, replica_id: str, poll_s: fl
                 raise WeightSyncError(f"replica {replica_id}: no word from the trainer at {host}:{port} "
                                       f"within {timeout_s:.0f} s")
             time.sleep(poll_s)
+        return int(store.get("go"))
     except WeightSyncError:
         raise
     except Exception as e:  # rank 0 (the store's server) is gone
@@ -406,11 +416,12 @@ class CollectiveReceiver(WeightReceiver):
         """{"replica_id", "group_id", "num_workers" (ranks it takes)}."""
         return {"replica_id": self.host.replica_id, "group_id": self.group_id, "num_workers": num_workers}
 
-    def join(self, host: str, port: int, rank_offsets: dict[str, int], world_size: int, backend: str,
+    def join(self, host: str, rank_offsets: dict[str, int], world_size: int, backend: str,
              timeout_s: float, group_id: str, barrier_port: int) -> Optional[int]:
         """Check in at rank 0's ``JoinBarrier`` (``barrier_port``), then every
-        worker joins the group at ``host:port`` (``backend`` nccl | gloo)
-        from rank ``rank_offsets[replica_id]`` (run under the engine's
+        worker joins the group at ``host`` on the port the barrier's go
+        names (``backend`` nccl | gloo) from rank
+        ``rank_offsets[replica_id]`` (run under the engine's
         lock). Returns that rank, or None where this replica is not in
         ``rank_offsets`` (it started after the trainer counted the replicas;
         it catches up and joins the next group).
@@ -425,7 +436,7 @@ class CollectiveReceiver(WeightReceiver):
         if offset is None:
             return None
         self.group_id = None
-        check_in(host, barrier_port, timeout_s, self.host.replica_id)
+        port = check_in(host, barrier_port, timeout_s, self.host.replica_id)
         try:
             self.host.llm.collective_rpc(RefitExtension.rayspec_join_weight_sync.__name__,
                                          args=(host, port, offset, world_size, backend, timeout_s))
