@@ -188,6 +188,36 @@ def test_host_memory_at_start_counts_the_mapped_checkpoint_once_and_copies_per_r
     assert set(start("draft.enabled=false")) == {mapped}
 
 
+def test_a_split_sync_refit_sends_rank_0s_own_weights_and_an_async_one_its_host_copy():
+    """Split over NCCL in sync mode (``DeviceGather``): the Train rank's
+    states stay on the device through the refit, a copy only where the
+    serving dtype differs, and rank 0 keeps no host copy; in async mode it
+    gathers to host and keeps that copy. A CPU sync run's rank 0 makes no
+    copy either."""
+    split = ["scheduler.layout=split", "rollout.num_replicas=4", "train.num_workers=4",
+             "rollout.num_gpus_per_replica=1", "train.gpus_per_worker=1", "draft.num_gpus=0"]
+
+    def refit_and_host(*overrides):
+        plan = _plan("h100", *split, *overrides)
+        train = next(d for d in plan.devices if d.name == "train GPU")
+        return {t.what for t in train.phases["refit"]}, {t.what for t in plan.host}
+
+    # with offload_states the states leave the device after the gather, unless the refit reads it
+    sync_refit, sync_host = refit_and_host("train.offload_states=true")
+    assert "model states (ZeRO-2)" in sync_refit and "rank 0: the newest refit (host copy)" not in sync_host
+    fp32_refit, _ = refit_and_host("train.offload_states=true", "model.dtype=float32")
+    assert fp32_refit - sync_refit == {"rank 0: the policy in the serving dtype"}
+    async_refit, async_host = refit_and_host("train.offload_states=true", "scheduler.mode=async")
+    assert "model states (ZeRO-2)" not in async_refit and "rank 0: the newest refit (host copy)" in async_host
+
+    def cpu_refit(*overrides):
+        plan = memory.cpu_plan(_cpu_cfg(*overrides), _bench_shape(1e9), 24 * memory.GIB)
+        return {t.what for t in plan.devices[0].phases["refit"]}
+
+    assert "rank 0: the gathered weights" not in cpu_refit()
+    assert "rank 0: the gathered weights" in cpu_refit("rollout.weight_sync.transport=object_store")
+
+
 BENCH = "docs/benchmarks"
 
 

@@ -319,7 +319,10 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
     replica_refit = [Term("replica", "weights (woken)", weights), Term("replica", "CUDA context", CUDA_CONTEXT)]
     transport = [Term("weight sync", "bucket", float(ro.weight_sync.packed_buffer_size_bytes))]
     module_bytes = 2 if (ds.get("bf16") or {}).get("enabled") else 4
-    if ro.weight_sync.transport == "cuda_ipc":
+    ws = ro.weight_sync  # split sync runs send over NCCL from rank 0's device (rayspec.sync.make_source)
+    device_gather = (not colocated and ws.transport in ("auto", "collective") and ws.backend in ("auto", "nccl")
+                     and stage < 3 and cfg.scheduler.mode == "sync")
+    if ws.transport == "cuda_ipc":
         # the replicas read each rank's own weights (rayspec.sync.ipc): its states stay on the device
         # until the refit landed; the export is a copy where the serving dtype is not the module's, and
         # under ZeRO-3 (each parameter is gathered in turn and freed after: full_parameters)
@@ -349,9 +352,7 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
             "refit": replica_awake + transport}))
         phases = {"rollout": train_released, "policy update": train_resident + train_peak,
                   "draft training": train_released, "refit": train_refit + transport}
-        ws = ro.weight_sync
-        if ws.transport in ("auto", "collective") and ws.backend in ("auto", "nccl") and stage < 3 \
-                and cfg.scheduler.mode == "sync":
+        if device_gather:
             # NCCL broadcasts rank 0's weights from its device (rayspec.sync.DeviceGather): its states
             # stay there through the refit, with a copy where the serving dtype is not the module's (on
             # every train GPU: the plan's kinds do not single out rank 0's, an upper bound)
@@ -380,9 +381,9 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
     if stage != 3 and load_bytes != shape.checkpoint_dtype_bytes:
         host.append(Term("Train workers", f"policy loaded in {'bf16' if load_bytes == 2 else 'fp32'} (start)",
                          per_node_ranks * load_bytes * p))
-    host += [Term("Ray", "object store", float(cfg.ray.object_store_memory)),
-            # the sender keeps the newest policy for replicas that catch up (rayspec.sync)
-            Term("Train workers", "rank 0: the newest refit (host copy)", weights)]
+    host.append(Term("Ray", "object store", float(cfg.ray.object_store_memory)))
+    if not device_gather:  # the sender keeps the newest policy for replicas that catch up (rayspec.sync)
+        host.append(Term("Train workers", "rank 0: the newest refit (host copy)", weights))
     if dr.enabled and cfg.rollout.speculative_config.method == "eagle3" and not cfg.rollout.speculative_config.model:
         # a new head reads only these (rayspec.draft.eagle3.head_init_tensors), fp32
         host.append(Term("driver", "policy tensors a new draft head starts from (start)",
@@ -472,9 +473,12 @@ def cpu_plan(cfg, shape: ModelShape, host_bytes: float, nodes: int = 1,
                Term("replicas", "process (measured)", replicas * VLLM_CPU_RUNTIME)]
     transport = "collective" if ro.weight_sync.transport == "auto" else ro.weight_sync.transport
     refit = [Term("replicas", f"loading a refit ({transport}, measured)",
-                  replicas * refit_host_bytes(transport, refit_bytes, ro.weight_sync.packed_buffer_size_bytes)),
-             Term("Train workers", "rank 0: the export (shared memory)" if transport == "cuda_ipc"
-                  else "rank 0: the gathered weights", refit_bytes)]
+                  replicas * refit_host_bytes(transport, refit_bytes, ro.weight_sync.packed_buffer_size_bytes))]
+    # the collective in sync mode sends rank 0's own weights (rayspec.sync.DeviceGather): a copy only
+    # where the serving dtype is not the training one
+    if not (transport == "collective" and stage < 3 and cfg.scheduler.mode == "sync" and rdt == wb):
+        refit.append(Term("Train workers", "rank 0: the export (shared memory)" if transport == "cuda_ipc"
+                          else "rank 0: the gathered weights", refit_bytes))
     common = [Term("Ray", "object store", float(cfg.ray.object_store_memory)),
               Term("Ray", "Ray's processes, driver, reward workers", RAY_CPU_PROCESSES)]
     draft, draft_training = [], []
