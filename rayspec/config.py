@@ -1207,6 +1207,29 @@ def _default(d: dict, key: str, value: Any) -> None:
         d[key] = value
 
 
+def collective_backend(ws: "WeightSyncConfig", trainer_has_gpu: bool, replicas_have_gpu: bool,
+                       shared_gpus: bool) -> str:
+    """The collective transport's backend: ``ws.backend``, or for ``auto``
+    nccl where both ends compute on GPUs they do not share, else gloo."""
+    if ws.backend != "auto":
+        return ws.backend
+    return "nccl" if trainer_has_gpu and replicas_have_gpu and not shared_gpus else "gloo"
+
+
+def refit_from_trainer_memory(cfg: RunConfig) -> bool:
+    """Whether rank 0's policy refits send its weights where they are, with
+    no gather to host (``rayspec.sync.DeviceGather``): the collective in
+    sync mode under ZeRO 0-2, over NCCL from a GPU or from CPU ranks' host
+    memory. Async runs and ZeRO-3 gather to host (``HostGather``)."""
+    ws = cfg.rollout.weight_sync
+    trainer_gpu = cfg.train.gpus_per_worker > 0
+    backend = collective_backend(ws, trainer_gpu, cfg.rollout.num_gpus_per_replica > 0,
+                                 cfg.scheduler.layout == "colocate")
+    stage = int((cfg.train.deepspeed.get("zero_optimization") or {}).get("stage", 0))
+    return (ws.transport in ("auto", "collective") and (backend == "nccl" or not trainer_gpu) and stage < 3
+            and cfg.scheduler.mode == "sync")
+
+
 def draft_online(cfg: RunConfig) -> bool:
     """Online draft training runs for EAGLE-3 when enabled."""
     return cfg.draft.enabled and cfg.rollout.speculative_config.method == "eagle3"

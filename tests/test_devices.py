@@ -138,11 +138,32 @@ def test_a_capture_share_puts_a_random_part_of_each_micro_batch_and_updates_on_a
                             capture_rng=torch.Generator().manual_seed(0))
     assert forward_rows == [2, 2, 2, 2] and len(refs) == len(puts) == 4
     assert all(len(v) == 1 for chunk in puts for v in chunk.values())
-    assert set(copied_from) == {"meta"}
+    assert set(copied_from) == {"meta"} and all(_on_host(chunk) for chunk in puts)
     assert captured_rows(8, 1.0, None) is None
     draws = [captured_rows(8, 0.3, g).tolist() for g in [torch.Generator().manual_seed(1)] * 8]
     assert all(len(d) == 2 and d == sorted(set(d)) for d in draws) and len({tuple(d) for d in draws}) > 1
     assert captured_rows(3, 0.01, torch.Generator()).numel() == 1
+
+
+def test_rank_0s_device_weights_go_out_as_they_are_and_catch_up_as_host_copies(copied_from, monkeypatch):
+    """``DeviceGather`` hands the collective rank 0's weights on its device
+    (the broadcast reads them there); a replica that catches up gets them
+    through the object store as host copies, never device tensors."""
+    from rayspec.sync import CollectiveSender, DeviceGather
+    from rayspec.sync.interfaces import resident
+    from rayspec.train.ranks import Ranks
+
+    live = {"model.embed_tokens.weight": torch.empty(8, 4, device=META),
+            "model.norm.weight": torch.empty(4, device=META)}
+    weights = DeviceGather(Ranks()).collect(resident(live), torch.float32)
+    assert all(t.is_meta for t in weights.values()) and not copied_from
+    puts = []
+    monkeypatch.setattr(ray, "put", lambda obj: puts.append(obj) or "ref")
+    sender = CollectiveSender(None, "gloo", 1 << 20, timeout_s=1)
+    sender.latest["policy"], sender._weights["policy"] = (2, None), weights
+    assert sender.catch_up({"policy": (1, None)}) == {"policy": (2, "ref")}
+    assert len(puts) == 1 and _on_host(puts[0]) and copied_from == ["meta", "meta"]
+    sender.close()
 
 
 def test_draft_trainer_trains_on_its_device_and_returns_host_tensors(head_dir, copied_from, monkeypatch):

@@ -68,6 +68,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from rayspec.config import draft_online, refit_from_trainer_memory
 from rayspec.perfmodel.shapes import ModelShape
 
 GIB = 2**30
@@ -318,11 +319,10 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
     replica_asleep = [Term("replica", "CUDA context", CUDA_CONTEXT)]
     replica_refit = [Term("replica", "weights (woken)", weights), Term("replica", "CUDA context", CUDA_CONTEXT)]
     transport = [Term("weight sync", "bucket", float(ro.weight_sync.packed_buffer_size_bytes))]
+    # the module's weights, as loaded and trained (rayspec.train.loop.training_load_dtype)
     module_bytes = 2 if (ds.get("bf16") or {}).get("enabled") else 4
-    ws = ro.weight_sync  # split sync runs send over NCCL from rank 0's device (rayspec.sync.make_source)
-    device_gather = (not colocated and ws.transport in ("auto", "collective") and ws.backend in ("auto", "nccl")
-                     and stage < 3 and cfg.scheduler.mode == "sync")
-    if ws.transport == "cuda_ipc":
+    device_gather = refit_from_trainer_memory(cfg)  # split sync runs: over NCCL from rank 0's device
+    if ro.weight_sync.transport == "cuda_ipc":
         # the replicas read each rank's own weights (rayspec.sync.ipc): its states stay on the device
         # until the refit landed; the export is a copy where the serving dtype is not the module's, and
         # under ZeRO-3 (each parameter is gathered in turn and freed after: full_parameters)
@@ -372,19 +372,18 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
 
     per_node_replicas = max(1, round(ro.num_replicas / nodes))
     per_node_ranks = max(1, round(ranks / nodes))
-    load_bytes = 2 if (ds.get("bf16") or {}).get("enabled") else 4  # rayspec.train.loop.training_load_dtype
     # transformers memory-maps the checkpoint: loaded in its own dtype, the weights are the mapped
     # file, pages every rank on the node shares; in another dtype each rank copies them. ZeRO-3 builds
     # each rank's partition on its device (rayspec.train.policy.zero3_init), reading the mapped file
     host = [Term("Train workers", "policy checkpoint, memory-mapped (start, shared)",
                  shape.checkpoint_dtype_bytes * p)]
-    if stage != 3 and load_bytes != shape.checkpoint_dtype_bytes:
-        host.append(Term("Train workers", f"policy loaded in {'bf16' if load_bytes == 2 else 'fp32'} (start)",
-                         per_node_ranks * load_bytes * p))
+    if stage != 3 and module_bytes != shape.checkpoint_dtype_bytes:
+        host.append(Term("Train workers", f"policy loaded in {'bf16' if module_bytes == 2 else 'fp32'} (start)",
+                         per_node_ranks * module_bytes * p))
     host.append(Term("Ray", "object store", float(cfg.ray.object_store_memory)))
     if not device_gather:  # the sender keeps the newest policy for replicas that catch up (rayspec.sync)
         host.append(Term("Train workers", "rank 0: the newest refit (host copy)", weights))
-    if dr.enabled and cfg.rollout.speculative_config.method == "eagle3" and not cfg.rollout.speculative_config.model:
+    if draft_online(cfg) and not cfg.rollout.speculative_config.model:
         # a new head reads only these (rayspec.draft.eagle3.head_init_tensors), fp32
         host.append(Term("driver", "policy tensors a new draft head starts from (start)",
                          4 * (v * h + h * h + 3 * h * shape.intermediate_size)))
@@ -476,7 +475,7 @@ def cpu_plan(cfg, shape: ModelShape, host_bytes: float, nodes: int = 1,
                   replicas * refit_host_bytes(transport, refit_bytes, ro.weight_sync.packed_buffer_size_bytes))]
     # the collective in sync mode sends rank 0's own weights (rayspec.sync.DeviceGather): a copy only
     # where the serving dtype is not the training one
-    if not (transport == "collective" and stage < 3 and cfg.scheduler.mode == "sync" and rdt == wb):
+    if not (refit_from_trainer_memory(cfg) and rdt == wb):
         refit.append(Term("Train workers", "rank 0: the export (shared memory)" if transport == "cuda_ipc"
                           else "rank 0: the gathered weights", refit_bytes))
     common = [Term("Ray", "object store", float(cfg.ray.object_store_memory)),

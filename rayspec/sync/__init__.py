@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from rayspec.config import collective_backend, refit_from_trainer_memory
 from rayspec.sync.buckets import bucket_nbytes, pack_bucket, plan_buckets, state_dict_nbytes, unpack_bucket
 from rayspec.sync.collective import CollectiveReceiver, CollectiveSender, DeviceGather
 from rayspec.sync.interfaces import HostGather, Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError
@@ -19,7 +20,7 @@ from rayspec.sync.shared_memory import SharedMemoryReceiver, SharedMemorySender
 __all__ = ["CollectiveReceiver", "CollectiveSender", "CudaIpcReceiver", "CudaIpcSender", "DeviceExport",
            "DeviceGather", "HostGather", "IpcWeights", "ObjectStoreReceiver", "ObjectStoreSender", "Refit", "RefitHost",
            "SharedMemoryReceiver", "SharedMemorySender", "WeightReceiver", "WeightSender", "WeightSyncError",
-           "bucket_nbytes", "collective_backend", "make_sender", "make_source", "pack_bucket", "plan_buckets",
+           "bucket_nbytes", "make_sender", "make_source", "pack_bucket", "plan_buckets",
            "state_dict_nbytes", "unpack_bucket"]
 
 
@@ -48,29 +49,12 @@ def make_sender(ws, replicas, trainer_has_gpu: bool, replicas_have_gpu: bool, sh
                             fallback=object_store if ws.transport == "auto" else None)
 
 
-def collective_backend(ws, trainer_has_gpu: bool, replicas_have_gpu: bool, shared_gpus: bool) -> str:
-    """The collective transport's backend: ``ws.backend``, or for ``auto``
-    nccl where both ends compute on GPUs they do not share, else gloo."""
-    if ws.backend != "auto":
-        return ws.backend
-    return "nccl" if trainer_has_gpu and replicas_have_gpu and not shared_gpus else "gloo"
-
-
 def make_source(cfg, ranks, device: torch.device | str = "cpu") -> HostGather | DeviceExport | DeviceGather:
     """Every Train rank's weight source for ``cfg``'s (a RunConfig) transport:
     ``DeviceExport`` (cuda_ipc: this rank's copy on ``device``, its
-    device); ``DeviceGather`` (the collective over nccl, or on CPUs over
-    gloo, the same code: rank 0's weights where they are) in sync mode,
-    except under ZeRO-3, whose gathered parameters would all be copied on
-    the device; else ``HostGather`` (rank 0's host copies)."""
-    ws = cfg.rollout.weight_sync
-    if ws.transport == "cuda_ipc":
+    device); ``DeviceGather`` (rank 0's weights where they are:
+    ``rayspec.config.refit_from_trainer_memory``); else ``HostGather``
+    (rank 0's host copies)."""
+    if cfg.rollout.weight_sync.transport == "cuda_ipc":
         return DeviceExport(ranks, torch.device(device))
-    stage = int((cfg.train.deepspeed.get("zero_optimization") or {}).get("stage", 0))
-    device = torch.device(device)
-    backend = collective_backend(ws, device.type == "cuda", cfg.rollout.num_gpus_per_replica > 0,
-                                 cfg.scheduler.layout == "colocate")
-    on_device = backend == "nccl" or device.type == "cpu"
-    if ws.transport in ("collective", "auto") and on_device and stage < 3 and cfg.scheduler.mode == "sync":
-        return DeviceGather(ranks)
-    return HostGather(ranks)
+    return DeviceGather(ranks) if refit_from_trainer_memory(cfg) else HostGather(ranks)

@@ -50,7 +50,7 @@ import torch
 from rayspec.devices import to_host
 from rayspec.rollout.vllm import engine_access
 from rayspec.sync.buckets import pack_bucket, plan_buckets, state_dict_nbytes
-from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError
+from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError, copy_weights
 from rayspec.sync.object_store import ObjectStoreSender
 
 log = logging.getLogger(__name__)
@@ -299,20 +299,11 @@ class DeviceGather:
         persistent is freed after it is iterated, so it is copied; iterated
         on every rank) in ``dtype`` (floating point ones) on rank 0, on its
         device; None elsewhere. Tied tensors stay one (sent once)."""
-        out, copies = ({}, {}) if self.ranks.is_driver else (None, None)
-        for name, t, persistent in weights:
-            if out is None:
-                continue
+        def own_or_copy(t: torch.Tensor, persistent: bool) -> torch.Tensor:
             want = dtype if t.is_floating_point() else t.dtype
-            if persistent and t.dtype == want:
-                out[name] = t.detach()
-            elif persistent and t.data_ptr() in copies:
-                out[name] = copies[t.data_ptr()]
-            else:
-                out[name] = t.detach().to(want, copy=True)
-                if persistent:
-                    copies[t.data_ptr()] = out[name]
-        return out
+            return t.detach() if persistent and t.dtype == want else t.detach().to(want, copy=True)
+
+        return copy_weights(weights, own_or_copy, self.ranks.is_driver)
 
     def done(self) -> None:
         """Nothing to drop: the sender owns what it sends."""

@@ -136,25 +136,34 @@ def resident(state_dict: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.T
     return ((name, t, True) for name, t in state_dict.items())
 
 
+def copy_weights(weights: Iterable[tuple[str, torch.Tensor, bool]],
+                 copy: Callable[[torch.Tensor, bool], torch.Tensor],
+                 keep: bool = True) -> dict[str, torch.Tensor] | None:
+    """{name: copy(tensor, persistent)} of ``weights`` ((name, tensor,
+    persistent), e.g. ``rayspec.train.policy.full_parameters``, iterated to
+    the end: a collective under ZeRO-3); persistent tensors that are one
+    (tied embeddings) are copied once and stay one. None where not
+    ``keep`` (nothing copied)."""
+    out, copies = {}, {}
+    for name, t, persistent in weights:
+        if not keep:
+            continue
+        if persistent and t.data_ptr() and t.data_ptr() in copies:
+            out[name] = copies[t.data_ptr()]
+            continue
+        out[name] = copy(t, persistent)
+        if persistent:
+            copies[t.data_ptr()] = out[name]
+    return out if keep else None
+
+
 def host_copies(weights: Iterable[tuple[str, torch.Tensor, bool]], dtype: torch.dtype | None,
                 keep: bool = True) -> dict[str, torch.Tensor] | None:
-    """Host copies of ``weights`` ((name, tensor, persistent), e.g.
-    ``rayspec.train.policy.full_parameters``, iterated to the end: a
-    collective under ZeRO-3) in ``dtype`` (floating point only; None: each
-    tensor's own); None where not ``keep``. Persistent tensors that are one
-    (tied embeddings) are copied once, as ``to_host`` does."""
+    """Host copies of ``weights`` (``copy_weights``) in ``dtype`` (floating
+    point only; None: each tensor's own); None where not ``keep``."""
     from rayspec.devices import to_host
 
-    out, copies = ({}, {}) if keep else (None, None)
-    for name, t, persistent in weights:
-        if keep:
-            if persistent and t.data_ptr() and t.data_ptr() in copies:
-                out[name] = copies[t.data_ptr()]
-                continue
-            out[name] = to_host({name: t}, dtype)[name]
-            if persistent:
-                copies[t.data_ptr()] = out[name]
-    return out
+    return copy_weights(weights, lambda t, _: to_host({"w": t}, dtype)["w"], keep)
 
 
 class HostGather:
