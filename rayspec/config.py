@@ -1235,6 +1235,16 @@ def draft_online(cfg: RunConfig) -> bool:
     return cfg.draft.enabled and cfg.rollout.speculative_config.method == "eagle3"
 
 
+def target_temperatures(cfg: RunConfig) -> tuple[float, ...]:
+    """The temperatures the Train ranks take the verifier's normalisers at
+    for draft training (``rayspec.draft.loss.verifier_normalizers``): 1, the
+    loss's, and the rollouts' where the replicas sample their drafts (the
+    DraftTrainer's acceptance replay, ``loss.draft_overlap``)."""
+    method = cfg.rollout.speculative_config.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD
+    t = cfg.grpo.temperature
+    return (1.0,) if method != "probabilistic" or t <= 0 or t == 1.0 else (1.0, float(t))
+
+
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
     """Plain nested dict of a RunConfig (for logging and Ray payloads)."""
     return dataclasses.asdict(cfg)

@@ -72,9 +72,13 @@ def _meta_policy(model_dir):
 
 @pytest.fixture
 def copied_from(monkeypatch):
-    """Meta-aware stand-ins for reading values: ``.item()`` is 0.0 and
-    ``to_host`` returns zeros of each tensor's shape. Yields the device type
-    of every tensor copied to the host."""
+    """Meta-aware stand-ins for reading values: ``.item()`` is 0.0,
+    ``nonzero`` takes every element as nonzero (the draft targets'
+    normalisers index the masked positions), and ``to_host`` returns zeros
+    of each tensor's shape. Yields the device type of every tensor copied
+    to the host."""
+    import torch.fx.experimental._config as fx_config
+
     devices: list[str] = []
     item = torch.Tensor.item
     monkeypatch.setattr(torch.Tensor, "item", lambda t: 0.0 if t.is_meta else item(t))
@@ -85,7 +89,8 @@ def copied_from(monkeypatch):
 
     for mod in (devices_mod, policy_mod, trainer_mod, eagle3_mod):
         monkeypatch.setattr(mod, "to_host", to_host)
-    return devices
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True):  # torch's config, not an attribute
+        yield devices
 
 
 def _on_host(obj) -> bool:
@@ -107,6 +112,8 @@ def test_policy_update_computes_on_the_engine_device_and_puts_host_tensors(
 
     assert len(refs) == len(puts) == 2  # one feature chunk per micro-batch
     assert all(_on_host(chunk) for chunk in puts)
+    assert all(c["target_lse"].shape == (*c["input_ids"].shape, 1) and c["target_top"].shape == c["input_ids"].shape
+               for c in puts)  # the verifier's normalisers at T = 1, taken on the device
     assert set(copied_from) == {"meta"}  # computed on the device, copied once
     assert {"loss", "kl", "token_mult_prob_error"} <= set(metrics)
     grads = [p.grad for p in policy.parameters()]
@@ -169,10 +176,10 @@ def test_rank_0s_device_weights_go_out_as_they_are_and_catch_up_as_host_copies(c
 def test_draft_trainer_trains_on_its_device_and_returns_host_tensors(head_dir, copied_from, monkeypatch):
     loss_inputs: list[str] = []
 
-    def eagle3_loss(head, *args, targets=None, tv_weight=0.0):
+    def eagle3_loss(head, f, *args, targets=None, tv_weight=0.0):
         # the real loss indexes by the mask's values (data-dependent shapes),
         # which meta tensors lack; what matters here is where its inputs are
-        loss_inputs.extend(a.device.type for a in args[:-1] + tuple(targets or ()))
+        loss_inputs.extend(a.device.type for a in [*f.values(), *args[:-1], *(targets or ())])
         return sum(p.sum() for p in head.parameters() if p.requires_grad) * 0.0, [0.0]
 
     monkeypatch.setattr(trainer_mod, "eagle3_loss", eagle3_loss)
@@ -183,7 +190,9 @@ def test_draft_trainer_trains_on_its_device_and_returns_host_tensors(head_dir, c
     draft.submit_features([{"input_ids": torch.zeros(2, 5, dtype=torch.long),
                             "aux_hidden": torch.zeros(2, 5, 3 * H, dtype=torch.bfloat16),
                             "final_hidden": torch.zeros(2, 5, H, dtype=torch.bfloat16),
-                            "loss_mask": torch.zeros(2, 4)}])
+                            "loss_mask": torch.zeros(2, 4), "target_lse": torch.zeros(2, 5, 1),
+                            "target_top": torch.zeros(2, 5, dtype=torch.long),
+                            "target_temperatures": torch.ones(1)}])
     out = draft.train({"embed": torch.zeros(V, H, dtype=torch.bfloat16),
                        "lm_head": torch.zeros(V, H, dtype=torch.bfloat16)}, steps=2, expect=1)
 

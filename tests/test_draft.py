@@ -13,7 +13,7 @@ from rayspec.draft import trainer as trainer_mod
 from rayspec.config import ConfigError
 from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, head_init_tensors, init_head, load_head,
                                   save_head, vllm_state_dict)
-from rayspec.draft.loss import draft_top1, replay_drafting
+from rayspec.draft.loss import draft_top1, replay_drafting, verifier_normalizers
 from rayspec.draft.trainer import DraftTrainer, TrainingCadence, online_lr, recorded_acceptance_length
 from rayspec.models import load_policy, load_tokenizer
 from rayspec.rollout.spec_stats import SpecStats
@@ -105,9 +105,16 @@ def _features(policy, batch: RolloutBatch, pad_id: int, chunk: int = 4, aux_ids=
         t = part.to_padded(pad_id)
         with torch.no_grad(), capture_eagle3_features(policy, list(aux_ids)) as f:
             policy(input_ids=t["input_ids"], attention_mask=t["attention_mask"])
-        feats.append({"input_ids": t["input_ids"], "aux_hidden": f["aux_hidden"].bfloat16(),
-                      "final_hidden": f["final_hidden"].bfloat16(), "loss_mask": t["response_mask"]})
+        feats.append(_feature_dict(policy, t["input_ids"], f, t["response_mask"]))
     return feats
+
+
+def _feature_dict(policy, input_ids, captured, loss_mask, temperatures=(1.0,)) -> dict:
+    """Features as a Train rank ships them (``policy_update``): bf16 hidden
+    states and the verifier's normalisers."""
+    return {"input_ids": input_ids, "aux_hidden": captured["aux_hidden"].bfloat16(),
+            "final_hidden": captured["final_hidden"].bfloat16(), "loss_mask": loss_mask,
+            **verifier_normalizers(captured["final_hidden"], loss_mask, policy.lm_head.weight, temperatures)}
 
 
 def _verifier(policy):
@@ -349,6 +356,14 @@ def test_draft_trainer_state_roundtrips_through_checkpoint_files(tiny_policy, tm
     assert outs[0]["draft_version"] == outs[1]["draft_version"] == 3
     for (k, a), b in zip(original.head.state_dict().items(), restored.head.state_dict().values()):
         assert torch.equal(a, b), k
+    # a checkpoint from before features carried the normalisers: its replay chunks are dropped,
+    # the rest restored, and the next step trains on its new chunks alone
+    tensors, meta = original.get_state()
+    old = trainer()
+    assert old.set_state({k: v for k, v in tensors.items() if ".target_" not in k}, meta) == 3
+    assert [len(step) for step in old._buffer] == [0, 0]
+    old.submit_features(_features(tiny_policy, batches[0], 0, chunk=2))
+    assert old.train(verifier, 3, expect=2)["draft_version"] == 4
 
 
 def test_draft_trainer_reset_starts_over_as_a_new_one(tiny_policy, tmp_path):
@@ -575,22 +590,34 @@ def test_drafted_share_counts_the_tokens_of_steps_that_carried_a_draft():
     assert SpecStats(output_tokens=64).drafted_share == 0.0 and SpecStats().drafted_share == 0.0
 
 
-def test_verifier_targets_cast_the_bf16_output_layer_a_block_of_rows_at_a_time():
-    """The DraftTrainer keeps the verifier's layers in bf16, as rank 0 sends
-    them; the targets cast ``rows`` rows of the output layer at a time to
-    the head's fp32 and equal those of a whole fp32 copy: the same logits,
-    probabilities over the draft vocabulary and argmax."""
+def test_verifier_targets_from_the_draft_rows_and_the_train_ranks_normalisers_are_the_whole_softmax():
+    """The Train rank takes the log-normaliser and the argmax over all V
+    tokens a block of rows at a time (``verifier_normalizers``); from them
+    and the draft vocabulary's rows alone the DraftTrainer's targets are the
+    softmax over the whole bf16 output layer at each temperature, restricted
+    to the draft tokens and not renormalised, with the whole argmax. A
+    temperature the features lack is refused, naming those they carry."""
     from rayspec.draft.loss import verifier_targets
 
     torch.manual_seed(0)
-    hidden, weight = torch.randn(2, 5, 16), torch.randn(37, 16).to(torch.bfloat16)
-    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 0, 0, 0]])
+    hidden, weight = torch.randn(2, 5, 16), torch.randn(37, 16)
+    loss_mask = torch.tensor([[0., 1, 1, 0], [1, 1, 0, 0]])
     ids = torch.tensor([0, 3, 5, 36])
-    whole = verifier_targets(hidden, mask, weight.float(), ids, torch.float32, 0.7, rows=10**6)
-    blocks = verifier_targets(hidden, mask, weight, ids, torch.float32, 0.7, rows=8)
-    assert torch.equal(whole[0], blocks[0]) and torch.equal(whole[2], blocks[2])
-    assert blocks[1].dtype == torch.float32 and torch.allclose(whole[1], blocks[1], rtol=1e-5, atol=0)
-    assert blocks[1].shape == (5, 4)
+    f = {"final_hidden": hidden.bfloat16(), "loss_mask": loss_mask,
+         **verifier_normalizers(hidden, loss_mask, weight, (1.0, 0.7), rows=8)}
+    assert f["target_lse"].shape == (2, 5, 2) and f["target_top"].dtype == torch.int64
+    logits = hidden.bfloat16().float() @ weight.bfloat16().float().T  # [2, 5, 37]
+    where = torch.tensor([[0, 1, 1, 0, 0], [1, 1, 0, 0, 0]]).bool()
+    for temperature in (1.0, 0.7):
+        position, p, top = verifier_targets(f, weight.bfloat16()[ids], torch.float32, temperature, rows=3)
+        whole = torch.softmax(logits[where] / temperature, -1)
+        assert position.tolist() == [1, 2, 0, 1] and p.dtype == torch.float32 and p.shape == (4, 4)
+        assert torch.allclose(p, whole[:, ids], rtol=1e-5, atol=1e-7)
+        assert torch.equal(top, logits[where].argmax(-1))
+    all_rows = verifier_targets(f, weight.bfloat16(), torch.float32)[1]
+    assert torch.allclose(all_rows.sum(-1), torch.ones(4))  # every token's share: the whole distribution
+    with pytest.raises(ValueError, match=r"normalisers at temperatures \[1.0, 0.699.*\], not at 0.5"):
+        verifier_targets(f, weight.bfloat16()[ids], torch.float32, 0.5)
 
 
 def test_draft_vocabulary_by_frequency():
@@ -627,10 +654,13 @@ def test_reduced_vocab_head_roundtrips_and_drafts_in_policy_ids(tiny_policy, tmp
     # a sequence of draft-vocabulary tokens: agreement counts drafts mapped back to policy ids
     seq = torch.tensor([[3, 42, 7, 900, 2, 3, 42, 1000]])
     with torch.no_grad(), capture_eagle3_features(tiny_policy, [1, 3, 4]) as f:
-        logits = tiny_policy(input_ids=seq).logits
+        tiny_policy(input_ids=seq)
+    # the verifier's argmax of the shipped (bf16) hidden states and output layer
+    logits = f["final_hidden"].bfloat16().float() @ tiny_policy.lm_head.weight.bfloat16().float().T
     target = logits[0, 1:-1].argmax(-1)
-    loss, agree = eagle3_loss(again, seq, f["aux_hidden"], f["final_hidden"], torch.ones(1, 7),
-                              tiny_policy.model.embed_tokens.weight, tiny_policy.lm_head.weight, 1)
+    feats = _feature_dict(tiny_policy, seq, f, torch.ones(1, 7))
+    loss, agree = eagle3_loss(again, feats, tiny_policy.model.embed_tokens.weight,
+                              again.draft_rows(tiny_policy.lm_head.weight.bfloat16()), 1)
     with torch.no_grad():
         normed, _, _ = again.step(torch.nn.functional.embedding(seq[:, 1:], tiny_policy.model.embed_tokens.weight),
                                again.fc(f["aux_hidden"][:, :-1]), torch.arange(1, 8)[None])
@@ -654,8 +684,8 @@ def test_tv_term_is_the_rejection_probability_of_sampled_drafts(tiny_policy):
     loss_mask[1, 9:] = 0  # padding
     with torch.no_grad(), capture_eagle3_features(tiny_policy, [1, 3, 4]) as f:
         tiny_policy(input_ids=seq)
-    args = (head, seq, f["aux_hidden"], f["final_hidden"], loss_mask,
-            tiny_policy.model.embed_tokens.weight, tiny_policy.lm_head.weight, 3)
+    args = (head, _feature_dict(tiny_policy, seq, f, loss_mask), tiny_policy.model.embed_tokens.weight,
+            head.draft_rows(tiny_policy.lm_head.weight), 3)
     with torch.no_grad():
         ce, _ = eagle3_loss(*args)
         overlap = draft_overlap(*args)
@@ -821,8 +851,9 @@ def _replayed_rates(head, policy, batch: RolloutBatch, k: int, temperature: floa
     t = batch.to_padded(0)
     with torch.no_grad(), capture_eagle3_features(policy, [1, 3, 4]) as f:
         policy(input_ids=t["input_ids"], attention_mask=t["attention_mask"])
-    overlap = draft_overlap(head, t["input_ids"], f["aux_hidden"], f["final_hidden"], t["response_mask"],
-                            policy.model.embed_tokens.weight, policy.lm_head.weight, k, temperature)
+    feats = _feature_dict(policy, t["input_ids"], f, t["response_mask"], (temperature,))
+    overlap = draft_overlap(head, feats, policy.model.embed_tokens.weight, head.draft_rows(policy.lm_head.weight),
+                            k, temperature)
     g = torch.Generator().manual_seed(0)
     drafts, accepted = 0, [0] * k
     for _ in range(draws):

@@ -93,11 +93,18 @@ def test_the_gpu_preset_at_8b_colocated_fits_80_gb_cards_by_giving_the_device_ba
     # offload_states: while the replica rolls out, the Train rank holds its CUDA context alone,
     # and the DraftTrainer its head (the verifier copies are _train's locals)
     assert ("Train rank", "CUDA context") in rollout and not any(w.startswith("model states") for _, w in rollout)
-    assert ("DraftTrainer", "verifier embedding + LM head (bf16)") not in rollout
+    assert ("DraftTrainer", "embedding + draft rows of LM head (bf16)") not in rollout
     assert any(t.what == "states in host memory" for t in plan.host)
     # the policy update holds the states and the DraftTrainer's training beside them
     update = {t.what for t in gpu0.phases["policy update"]}
-    assert {"model states (ZeRO-2)", "logits", "verifier embedding + LM head (bf16)"} <= update
+    assert {"model states (ZeRO-2)", "logits", "embedding + draft rows of LM head (bf16)",
+            "normalisers of all V (fp32 blocks)"} <= update
+    # of the LM head only the draft vocabulary's 8192 rows: the Train ranks take the normalisers
+    # over all V tokens (loss.verifier_normalizers), so the target logits are [tokens, 8192] too
+    shape, draft = ModelShape.from_hf_config("qwen3-8b"), {t.what: t.bytes for t in gpu0.phases["policy update"]
+                                                           if t.role == "DraftTrainer"}
+    assert draft["embedding + draft rows of LM head (bf16)"] == 2 * shape.hidden_size * (shape.vocab_size + 8192)
+    assert draft["target logits, draft vocab (fp32 x2)"] == 8 * 4 * 1280 * 8192
     assert not _plan("h200").problems()
 
 

@@ -381,7 +381,7 @@ def test_a_bf16_engine_is_the_same_from_a_bf16_load(tiny_llama_dir, single_rank_
     assert all(torch.equal(p, q) for p, q in zip(engines[0].module.parameters(), engines[1].module.parameters()))
 
 
-def test_a_zero3_refit_gathers_one_parameter_at_a_time(tiny_llama_dir, single_rank_group):
+def test_a_zero3_refit_gathers_one_parameter_at_a_time(tiny_llama_dir, single_rank_group, monkeypatch):
     """Under ZeRO-3 the policy loads partitioned (``zero3_init``: no rank
     ever holds it whole, and a model loaded after it is whole again, as the
     reference policy must be); ``full_parameters`` gathers each parameter in
@@ -393,7 +393,8 @@ def test_a_zero3_refit_gathers_one_parameter_at_a_time(tiny_llama_dir, single_ra
     from rayspec.train.ranks import Ranks
 
     cfg = load_config(None, ["data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1",
-                             "model.dtype=float32", "train.deepspeed.zero_optimization.stage=3"])
+                             "model.dtype=float32", "train.deepspeed.zero_optimization.stage=3",
+                             "train.deepspeed.optimizer.params.lr=0.01"])
     ds_config = deepspeed_config(cfg, world_size=1)
     with zero3_init(ds_config):
         policy = load_policy(tiny_llama_dir)
@@ -422,6 +423,30 @@ def test_a_zero3_refit_gathers_one_parameter_at_a_time(tiny_llama_dir, single_ra
         assert all(torch.equal(host[n], want[n]) and torch.equal(weights.host()[n], want[n]) for n in names)
     finally:
         export.done()
+
+    # a captured update gathers the output layer for the draft targets' normalisers, taken
+    # before the step, of the weights that made the features (loss.verifier_normalizers)
+    from rayspec.batch import RolloutBatch
+    from rayspec.draft.loss import verifier_normalizers
+
+    puts = []
+    monkeypatch.setattr(ray, "put", lambda obj: puts.append(obj) or len(puts))
+    g = torch.Generator().manual_seed(0)
+    batch = RolloutBatch([torch.randint(0, 200, (5,), generator=g).tolist() for _ in range(4)],
+                         [torch.randint(0, 200, (6,), generator=g).tolist() for _ in range(4)],
+                         [[-1.0] * 6] * 4, [0, 0, 1, 1], advantages=[1.0, -1.0, 1.0, -1.0])
+    policy_update(engine, batch, cfg, 0, [1, 3, 4])
+    [chunk] = puts
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([engine.module.lm_head.weight]):
+        stepped = engine.module.lm_head.weight.detach().clone()
+    assert not torch.equal(stepped, want["lm_head.weight"])
+    before = verifier_normalizers(chunk["final_hidden"], chunk["loss_mask"], want["lm_head.weight"])
+    after = verifier_normalizers(chunk["final_hidden"], chunk["loss_mask"], stepped)
+    assert torch.equal(chunk["target_top"], before["target_top"]) and chunk["target_lse"].shape == (4, 11, 1)
+    assert torch.allclose(chunk["target_lse"], before["target_lse"], rtol=1e-6)
+    assert not torch.allclose(chunk["target_lse"], after["target_lse"], rtol=1e-6)
 
 
 @pytest.mark.slow

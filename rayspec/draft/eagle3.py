@@ -192,12 +192,18 @@ class Eagle3Head(nn.Module):
             self.t2d.zero_()
             self.t2d[ids] = True
 
-    def set_output_from_verifier(self, lm_head_weight: torch.Tensor) -> None:
-        """Copy the verifier's output layer [V, H] (its draft-vocabulary rows)
-        into ``lm_head``."""
+    def draft_rows(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The rows [N, H] of the verifier's output layer [V, H] that the
+        draft vocabulary's tokens take (``draft_ids``, in draft order; the
+        layer itself without a reduced vocabulary), on its device."""
         ids = self.draft_ids
+        return lm_head_weight if ids is None else lm_head_weight[ids.to(lm_head_weight.device)]
+
+    def set_output_rows(self, rows: torch.Tensor) -> None:
+        """Copy the verifier's output-layer rows of the draft vocabulary
+        [N, H] (``draft_rows``) into ``lm_head``."""
         with torch.no_grad():
-            self.lm_head.weight.copy_(lm_head_weight if ids is None else lm_head_weight[ids.to(lm_head_weight.device)])
+            self.lm_head.weight.copy_(rows)
 
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
              chain: Optional[list] = None):
@@ -306,7 +312,7 @@ def init_head(policy, aux_layer_ids: Optional[list[int]] = None, seed: int = 0,
     if draft_vocab is not None and head.d2t is not None:
         head.set_draft_vocab(draft_vocab)
     last = policy.model.layers[-1]
-    head.set_output_from_verifier(policy.lm_head.weight)
+    head.set_output_rows(head.draft_rows(policy.lm_head.weight))
     with torch.no_grad():
         head.norm.weight.copy_(policy.model.norm.weight)
         for name in ("gate_proj", "up_proj", "down_proj"):

@@ -55,25 +55,25 @@ def _shift(x: torch.Tensor, j: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, j:], pad], dim=1)
 
 
-def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
-                final_hidden: torch.Tensor, loss_mask: torch.Tensor,
-                embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                ttt_steps: int, targets: tuple | None = None,
+def eagle3_loss(head: Eagle3Head, f: dict[str, torch.Tensor], embed_weight: torch.Tensor,
+                out_weight: torch.Tensor, ttt_steps: int, targets: tuple | None = None,
                 tv_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
     """Soft cross-entropy of the unrolled head against the verifier, plus
     ``tv_weight`` times the total-variation distance (module docstring).
 
     Args:
         head: the draft head (fp32 parameters).
-        input_ids: [B, L] int64 tokens of prompt + response.
-        aux_hidden: [B, L, 3H] verifier hidden states at the aux layers.
-        final_hidden: [B, L, H] verifier's final (post-norm) hidden states;
-            target distribution at position s is softmax(final_hidden[s] @ lm_head_weight.T).
-        loss_mask: [B, L-1] float, 1 where token s+1 is a response token (s indexes
-            the target position).
+        f: features (``FEATURE_KEYS``): input_ids [B, L] int64 tokens of
+            prompt + response, aux_hidden [B, L, 3H] the verifier's hidden
+            states at the aux layers, final_hidden [B, L, H] its final
+            (post-norm) ones, loss_mask [B, L-1] float (1 where token s+1 is
+            a response token: s indexes the target position) and the
+            ``verifier_normalizers`` of its whole vocabulary.
         embed_weight: [V, H] verifier input embedding (the head shares it).
-        lm_head_weight: [V, H] verifier output layer (the whole vocabulary:
-            the target distribution is the verifier's).
+        out_weight: [N, H] the verifier's output-layer rows of the head's
+            draft vocabulary (``Eagle3Head.draft_rows``): the target
+            distribution at position s is softmax(final_hidden[s] @ W.T) over
+            all V tokens, whose normaliser ``f`` carries.
         ttt_steps: draft steps unrolled (1 = plain EAGLE training).
         targets: ``verifier_targets`` of these features at T = 1 where the
             caller has them already (None: computed here).
@@ -85,13 +85,15 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Ten
         (scalar loss averaged over steps and masked positions, per-step top-1
         agreement of draft and verifier argmax, both as policy token ids, on
         masked positions).
+
+    Raises:
+        ValueError: ``f`` carries no normaliser at T = 1.
     """
-    dtype = head.fc.weight.dtype
-    mask = target_mask(loss_mask)
     ids = head.draft_ids
-    position, target, target_top = targets or verifier_targets(final_hidden, mask, lm_head_weight, ids, dtype)
+    mask = target_mask(f["loss_mask"])
+    position, target, target_top = targets or verifier_targets(f, out_weight, head.fc.weight.dtype)
     total, agree = 0.0, []
-    for j, normed in unroll(head, input_ids, aux_hidden, embed_weight, ttt_steps):
+    for j, normed in unroll(head, f["input_ids"], f["aux_hidden"], embed_weight, ttt_steps):
         m = _shift(mask, 1 + j).bool()
         if not m.any():
             break
@@ -112,27 +114,91 @@ def target_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([loss_mask, loss_mask.new_zeros(loss_mask.shape[0], 1)], 1)
 
 
-# rows of the verifier's output layer cast to the head's dtype at a time
-# (verifier_targets): 8192 x 4096 fp32 is 128 MiB, where the whole layer of a
-# 128k vocabulary would be 2 GiB on top of its bf16 copy
+# rows of the verifier's output layer cast to fp32 at a time (verifier_targets,
+# verifier_normalizers): 8192 x 4096 fp32 is 128 MiB, where the whole layer of
+# a 128k vocabulary would be 2 GiB on top of its bf16 copy
 TARGET_ROWS = 8192
+
+# the dtype features and the verifier's layers cross the object store in:
+# the normalisers are taken of these roundings, the ones the DraftTrainer sees
+SHIPPED_DTYPE = torch.bfloat16
+
+# a feature chunk's tensors (policy_update, warmstart.features); "group" [B]
+# int64 (GRPO group ids) is optional
+FEATURE_KEYS = ("input_ids", "aux_hidden", "final_hidden", "loss_mask",
+                "target_lse", "target_top", "target_temperatures")
 
 
 @torch.no_grad()
-def verifier_targets(final_hidden: torch.Tensor, mask: torch.Tensor, lm_head_weight: torch.Tensor,
-                     draft_ids: torch.Tensor | None, dtype: torch.dtype,
+def verifier_normalizers(final_hidden: torch.Tensor, loss_mask: torch.Tensor, lm_head_weight: torch.Tensor,
+                         temperatures: tuple[float, ...] = (1.0,),
+                         rows: int = TARGET_ROWS) -> dict[str, torch.Tensor]:
+    """What the draft head's targets need of the verifier's whole
+    vocabulary, computed where its whole output layer is (a Train rank, or
+    warm start's policy): the log-normaliser and the argmax at every masked
+    position. With them the DraftTrainer computes the verifier's
+    probabilities of the draft vocabulary's tokens from those rows of the
+    output layer alone (``verifier_targets``): at a 152k vocabulary and 32k
+    draft tokens it holds a fifth of the layer and of the [n, V] fp32 logits.
+
+    The logits are z = fp32(bf16(final_hidden)) @ fp32(bf16(W)).T, the
+    roundings the DraftTrainer gets (``SHIPPED_DTYPE``), so its
+    probabilities over all V tokens sum to 1 up to fp32 rounding.
+
+    Args:
+        final_hidden: [B, L, H] the verifier's final hidden states (any
+            float dtype, any device).
+        loss_mask: [B, L-1] (``eagle3_loss``'s).
+        lm_head_weight: [V, H] the verifier's whole output layer, on
+            final_hidden's device.
+        temperatures: each T > 0 the targets are wanted at (1 for the loss;
+            the rollout's for sampled drafts, ``draft_overlap``).
+        rows: rows of the output layer cast to fp32 at a time: the most
+            memory this takes is [n, rows] fp32 with n masked positions.
+
+    Returns:
+        {"target_lse": [B, L, len(temperatures)] fp32, log sum_v exp(z_v / T)
+        over all V at each masked position (0 elsewhere); "target_top":
+        [B, L] int64, argmax_v z_v (the first of ties; 0 elsewhere);
+        "target_temperatures": [len(temperatures)] fp32}, on final_hidden's
+        device.
+    """
+    b, position = target_mask(loss_mask).bool().nonzero(as_tuple=True)
+    x = final_hidden[b, position].to(SHIPPED_DTYPE).float()  # [n, H]
+    n, device = x.shape[0], x.device
+    lse = x.new_full((n, len(temperatures)), -math.inf)
+    best = x.new_full((n,), -math.inf)
+    top = torch.zeros(n, dtype=torch.int64, device=device)
+    for v in range(0, lm_head_weight.shape[0], rows):
+        z = x @ lm_head_weight[v:v + rows].to(SHIPPED_DTYPE).float().T  # [n, rows]
+        for c, temperature in enumerate(temperatures):
+            lse[:, c] = torch.logaddexp(lse[:, c], torch.logsumexp(z / temperature, -1))
+        value, index = z.max(-1)
+        better = value > best  # strict: an earlier block keeps a tie, as argmax does
+        best, top = torch.where(better, value, best), torch.where(better, index + v, top)
+    B, L = final_hidden.shape[:2]
+    out_lse = torch.zeros(B, L, len(temperatures), device=device)
+    out_top = torch.zeros(B, L, dtype=torch.int64, device=device)
+    out_lse[b, position], out_top[b, position] = lse, top
+    return {"target_lse": out_lse, "target_top": out_top,
+            "target_temperatures": torch.tensor(temperatures, dtype=torch.float32, device=device)}
+
+
+@torch.no_grad()
+def verifier_targets(f: dict[str, torch.Tensor], out_weight: torch.Tensor, dtype: torch.dtype,
                      temperature: float = 1.0,
                      rows: int = TARGET_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The verifier's next-token distribution at every masked position, once
     for all draft steps: step j from chain start t targets position t + 1 + j,
-    so the steps share these rows, and the [n, V] output layer, the largest
+    so the steps share these rows, and the [n, N] output layer, the largest
     cost of a training step, runs once instead of once per step.
 
     Args:
-        final_hidden: [B, L, H]; mask: [B, L], 1 where token s + 1 is a
-            response token; lm_head_weight: [V, H], bf16 as the DraftTrainer
-            gets it (it keeps no fp32 copy);
-            draft_ids: [N] policy ids of the draft vocabulary or None (all V).
+        f: features (``eagle3_loss``'s) with the ``verifier_normalizers``
+            of the verifier's whole vocabulary at ``temperature``.
+        out_weight: [N, H] the verifier's output-layer rows of the draft
+            vocabulary (all V rows without one), bf16 as the DraftTrainer
+            gets them (it keeps no fp32 copy).
         dtype: the logits' (the head's: fp32); ``rows`` rows of the output
             layer at a time are cast to it.
         temperature: > 0, divides the logits.
@@ -141,15 +207,31 @@ def verifier_targets(final_hidden: torch.Tensor, mask: torch.Tensor, lm_head_wei
         (position s of each row [n] int64, in (b, s) order; the probabilities
         of the draft vocabulary's tokens [n, N] in ``dtype``, not
         renormalised over it; the argmax over all V tokens [n] int64).
+
+    Raises:
+        ValueError: ``f`` carries no normaliser at ``temperature``.
     """
-    b, position = mask.bool().nonzero(as_tuple=True)
-    x = final_hidden[b, position].to(dtype)
-    logits = torch.empty(x.shape[0], lm_head_weight.shape[0], dtype=dtype, device=x.device)  # [n, V]
-    for v in range(0, lm_head_weight.shape[0], rows):
-        torch.matmul(x, lm_head_weight[v:v + rows].to(dtype).T, out=logits[:, v:v + rows])
-    logits /= temperature
-    lse = torch.logsumexp(logits, -1, keepdim=True)
-    return position, ((logits if draft_ids is None else logits[:, draft_ids]) - lse).exp(), logits.argmax(-1)
+    b, position = target_mask(f["loss_mask"]).bool().nonzero(as_tuple=True)
+    x = f["final_hidden"][b, position].to(dtype)
+    logits = torch.empty(x.shape[0], out_weight.shape[0], dtype=dtype, device=x.device)  # [n, N]
+    for v in range(0, out_weight.shape[0], rows):
+        torch.matmul(x, out_weight[v:v + rows].to(dtype).T, out=logits[:, v:v + rows])
+    lse = f["target_lse"][b, position, _temperature_column(f, temperature)].to(dtype)
+    return position, (logits / temperature - lse[:, None]).exp(), f["target_top"][b, position]
+
+
+def _temperature_column(f: dict[str, torch.Tensor], temperature: float) -> int:
+    """The column of ``f["target_lse"]`` taken at ``temperature``.
+
+    Raises:
+        ValueError: there is none.
+    """
+    have = f["target_temperatures"].tolist()
+    for c, t in enumerate(have):
+        if math.isclose(t, temperature, rel_tol=1e-6):
+            return c
+    raise ValueError(f"the features carry the verifier's normalisers at temperatures {have}, not at "
+                     f"{temperature} (verifier_normalizers' temperatures)")
 
 
 def unroll(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
@@ -195,9 +277,8 @@ def draft_top1(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tens
 
 
 @torch.no_grad()
-def draft_overlap(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
-                  final_hidden: torch.Tensor, loss_mask: torch.Tensor, embed_weight: torch.Tensor,
-                  lm_head_weight: torch.Tensor, steps: int, temperature: float = 1.0,
+def draft_overlap(head: Eagle3Head, f: dict[str, torch.Tensor], embed_weight: torch.Tensor,
+                  out_weight: torch.Tensor, steps: int, temperature: float = 1.0,
                   targets: tuple | None = None) -> torch.Tensor:
     """[B, L, steps] float32 (on the host): sum_v min(p(v), q(v)) for the
     head's step j from chain start t (the distributions of token t + 2 + j
@@ -213,21 +294,23 @@ def draft_overlap(head: Eagle3Head, input_ids: torch.Tensor, aux_hidden: torch.T
     fed the sequence's tokens, where a replica feeds the accepted drafts.
 
     Args:
-        input_ids: [B, L] int64; aux_hidden: [B, L, 3H]; final_hidden:
-            [B, L, H]; loss_mask: [B, L-1] (``eagle3_loss``'s);
-            embed_weight / lm_head_weight: [V, H] the verifier's.
+        f: features (``eagle3_loss``'s) with the normalisers at
+            ``temperature``; embed_weight: [V, H] the verifier's input
+            embedding; out_weight: [N, H] its output-layer rows of the draft
+            vocabulary (``Eagle3Head.draft_rows``).
         steps: draft steps; temperature: > 0, the rollout's (both p and q
             are taken at it, as vLLM's proposer and sampler do).
         targets: ``verifier_targets`` of these features at ``temperature``
             where the caller has them already (None: computed here).
+
+    Raises:
+        ValueError: ``f`` carries no normaliser at ``temperature``.
     """
-    B, L = input_ids.shape
-    dtype = head.fc.weight.dtype
-    ids = head.draft_ids
-    mask = target_mask(loss_mask)
-    position, p, _ = targets or verifier_targets(final_hidden, mask, lm_head_weight, ids, dtype, temperature)
+    B, L = f["input_ids"].shape
+    mask = target_mask(f["loss_mask"])
+    position, p, _ = targets or verifier_targets(f, out_weight, head.fc.weight.dtype, temperature)
     out = torch.zeros(B, L, steps)
-    for j, normed in unroll(head, input_ids, aux_hidden, embed_weight, steps):
+    for j, normed in unroll(head, f["input_ids"], f["aux_hidden"], embed_weight, steps):
         m = _shift(mask, 1 + j).bool()  # token t + 2 + j is a response token
         q = torch.softmax(head.lm_head(normed[m]) / temperature, -1)  # [n, N]
         out[..., j][m.cpu()] = torch.minimum(p[position >= 1 + j], q).sum(-1).float().cpu()

@@ -31,7 +31,7 @@ from rayspec.devices import to_device, to_host, trim_host_heap
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
 from rayspec.draft.loss import (acceptance_by_share, acceptance_length_se, draft_overlap, draft_top1,
                                 drafting_clusters, drafting_counts, eagle3_loss, greedy_hits, replay_chains,
-                                sampled_hits, target_mask, verifier_targets)
+                                sampled_hits, verifier_targets)
 from rayspec.models.acceptance import ACCEPTANCE_FILE, acceptance_record, read_acceptance
 from rayspec.rollout.adaptive import expected_tokens, extrapolate_rates
 from rayspec.draft.state import load_draft_state, save_draft_state
@@ -191,9 +191,11 @@ class DraftTrainer:
         Args:
             feature_refs: ObjectRefs (or dicts) of features, each a dict with
                 input_ids [B, L], aux_hidden [B, L, 3H], final_hidden [B, L, H],
-                loss_mask [B, L-1] (see ``eagle3_loss``), and optionally
-                group [B] int64 (GRPO group ids: the clusters of the
-                estimate's standard error). Passing them through
+                loss_mask [B, L-1] (see ``eagle3_loss``), the verifier's
+                normalisers at T = 1 and, with sampled drafts, at
+                ``temperature`` (``loss.verifier_normalizers``), and
+                optionally group [B] int64 (GRPO group ids: the clusters of
+                the estimate's standard error). Passing them through
                 an actor call keeps Ray's ownership tracking intact.
             indices: each chunk's place in the RL step's order (micro-batch *
                 world size + rank): ``train`` uses the chunks in this order,
@@ -210,7 +212,9 @@ class DraftTrainer:
 
         Args:
             verifier_ref: ObjectRef (or dict) with ``embed`` and ``lm_head``
-                weights [V, H] of the verifier that produced the features.
+                weights [V, H] of the verifier that produced the features;
+                only the draft vocabulary's rows of ``lm_head`` go to
+                ``device``.
             steps: optimizer steps, one feature chunk (micro-batch) each: this
                 step's chunks first, in arrival order, then replayed ones
                 (older steps' shuffled, then this step's), cycling.
@@ -262,11 +266,14 @@ class DraftTrainer:
         if expect < 1:
             raise RuntimeError("DraftTrainer.train: no features submitted")
         ver = ray.get(verifier_ref) if isinstance(verifier_ref, ray.ObjectRef) else verifier_ref
-        # bf16, as rank 0 sends them (verifier_output_weights): no fp32 copies
-        # of two [V, H] layers; the loss casts rows to the head's fp32 as it uses them
+        # bf16, as rank 0 sends them (verifier_output_weights): no fp32 copies;
+        # the loss casts rows to the head's fp32 as it uses them. Of the output
+        # layer only the draft vocabulary's rows: the Train ranks computed the
+        # rest's share of the targets (loss.verifier_normalizers)
         embed = ver["embed"].to(self.device)
-        lm_head = ver["lm_head"].to(self.device)
-        self.head.set_output_from_verifier(lm_head)
+        out_rows = self.head.draft_rows(ver["lm_head"]).to(self.device)
+        self.head.set_output_rows(out_rows)
+        del ver
         chunks = _StepChunks(pending, timeout_s)
         newest: list = []
         older = [f for step in self._buffer for f in step]
@@ -274,7 +281,7 @@ class DraftTrainer:
         # the replicas' head: later chunks must not be judged by a head
         # trained on their GRPO siblings in earlier chunks
         replay = _DraftingReplay(self.head, embed, self.num_speculative_tokens,
-                                 (lm_head, self.temperature, self._rng.getrandbits(63)) if self.sampled_drafts else None)
+                                 (out_rows, self.temperature, self._rng.getrandbits(63)) if self.sampled_drafts else None)
         self.head.train()
         losses, agree = [], []
         for i in range(steps):
@@ -288,8 +295,7 @@ class DraftTrainer:
                 targets = None
             with self._lock:
                 _check_current(pending, self._pending)
-                loss, acc = eagle3_loss(self.head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
-                                        f["loss_mask"], embed, lm_head, self.ttt_steps, targets=targets,
+                loss, acc = eagle3_loss(self.head, f, embed, out_rows, self.ttt_steps, targets=targets,
                                         tv_weight=self.tv_loss_weight)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -346,7 +352,9 @@ class DraftTrainer:
         """Restore ``get_state``'s output (a run resuming from a checkpoint,
         or Train workers restarted after a failure). Features queued and a
         ``train`` call still waiting for them (from the failed attempt) are
-        dropped. Returns the draft version."""
+        dropped, and so are replay chunks without the verifier's normalisers
+        (checkpoints from before features carried them). Returns the draft
+        version."""
         with self._lock:
             self._abandon_pending()
             self.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
@@ -355,8 +363,11 @@ class DraftTrainer:
             self.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
             self._buffer.clear()
             for si, n in enumerate(meta["buffer"]):
-                self._buffer.append([{k.split(".", 3)[3]: v for k, v in tensors.items()
-                                      if k.startswith(f"buffer.{si}.{ci}.")} for ci in range(n)])
+                step = [{k.split(".", 3)[3]: v for k, v in tensors.items()
+                         if k.startswith(f"buffer.{si}.{ci}.")} for ci in range(n)]
+                # a checkpoint from before the Train ranks sent the normalisers:
+                # its chunks cannot be replayed from the draft rows alone
+                self._buffer.append([c for c in step if "target_lse" in c])
             self._rng.setstate(meta["rng"])
             self.version = int(meta["version"])
             self._adopted = True
@@ -536,13 +547,14 @@ class TrainingCadence:
 class _DraftingReplay:
     """The replicas' drafting replayed on an RL step's chunks
     (``loss.replay_chains``) with a copy of ``head`` as it is now; k None:
-    nothing (the rates are empty). ``sampled``: (verifier lm_head [V, H],
-    temperature, seed) where the replicas sample their drafts."""
+    nothing (the rates are empty). ``sampled``: (the verifier's output-layer
+    rows of the draft vocabulary [N, H], temperature, seed) where the
+    replicas sample their drafts."""
 
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, k: int | None,
                  sampled: tuple[torch.Tensor, float, int] | None = None):
         # the output layer is frozen within a train call (set from the verifier
-        # at its start): shared, not copied ([V, H] with the whole vocabulary)
+        # at its start): shared, not copied ([N, H])
         out = head.lm_head.weight
         self.head = copy.deepcopy(head, memo={id(out): out}).eval() if k else None
         self.embed, self.k, self.sampled = embed, k, sampled
@@ -560,11 +572,9 @@ class _DraftingReplay:
         f = to_device(f, self.embed.device)
         targets = None
         if self.sampled:
-            lm_head, temperature, _ = self.sampled
-            targets = verifier_targets(f["final_hidden"], target_mask(f["loss_mask"]), lm_head, self.head.draft_ids,
-                                       self.head.fc.weight.dtype, temperature)
-            hits = sampled_hits(draft_overlap(self.head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
-                                              f["loss_mask"], self.embed, lm_head, self.k, temperature,
+            out_rows, temperature, _ = self.sampled
+            targets = verifier_targets(f, out_rows, self.head.fc.weight.dtype, temperature)
+            hits = sampled_hits(draft_overlap(self.head, f, self.embed, out_rows, self.k, temperature,
                                               targets=targets), self.generator)
         else:
             hits = greedy_hits(draft_top1(self.head, f["input_ids"], f["aux_hidden"], self.embed, self.k),

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from rayspec.batch import RolloutBatch
 from rayspec.config import DEFAULT_DRAFT_LR, DEFAULT_DRAFT_SAMPLE_METHOD
 from rayspec.draft.eagle3 import Eagle3Head, aux_layer_ids, init_head, load_head, save_head, vllm_state_dict
-from rayspec.draft.loss import eagle3_loss
+from rayspec.draft.loss import SHIPPED_DTYPE, eagle3_loss, verifier_normalizers
 from rayspec.models.acceptance import acceptance_record
 from rayspec.train.capture import capture_eagle3_features
 
@@ -77,7 +77,8 @@ def features(policy, samples: list[tuple[list[int], list[int]]], aux_layer_ids: 
     Returns:
         dict as the DraftTrainer takes it: input_ids [B, L] int64,
         aux_hidden [B, L, 3H] and final_hidden [B, L, H] (bf16, as shipped
-        online), loss_mask [B, L-1] float (response tokens).
+        online), loss_mask [B, L-1] float (response tokens), and the
+        verifier's normalisers at T = 1 (``loss.verifier_normalizers``).
     """
     n = len(samples)
     batch = RolloutBatch([p for p, _ in samples], [r for _, r in samples],
@@ -85,9 +86,9 @@ def features(policy, samples: list[tuple[list[int], list[int]]], aux_layer_ids: 
     t = batch.to_padded(pad_id)
     with torch.no_grad(), capture_eagle3_features(policy, aux_layer_ids) as feats:
         policy(input_ids=t["input_ids"], attention_mask=t["attention_mask"])
-    return {"input_ids": t["input_ids"], "aux_hidden": feats["aux_hidden"].to(torch.bfloat16),
-            "final_hidden": feats["final_hidden"].to(torch.bfloat16),
-            "loss_mask": t["response_mask"]}
+    return {"input_ids": t["input_ids"], "aux_hidden": feats["aux_hidden"].to(SHIPPED_DTYPE),
+            "final_hidden": feats["final_hidden"].to(SHIPPED_DTYPE), "loss_mask": t["response_mask"],
+            **verifier_normalizers(feats["final_hidden"], t["response_mask"], policy.lm_head.weight)}
 
 
 def _save_state(head: Eagle3Head, opt: torch.optim.Optimizer, step: int, out: Path) -> None:
@@ -178,13 +179,14 @@ def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str 
     """
     out = Path(out_dir)
     head: Eagle3Head = load_head(out / HEAD)
-    head.set_output_from_verifier(policy.lm_head.weight)  # frozen, as online
+    # bf16 rows, frozen, as online (the DraftTrainer gets rank 0's bf16 layers)
+    out_rows = head.draft_rows(policy.lm_head.weight.detach().to(SHIPPED_DTYPE))
+    head.set_output_rows(out_rows)
     head.lm_head.weight.requires_grad_(False)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     done = _load_state(head, opt, out)
     ids = aux_layer_ids(head.cfg, policy.config.num_hidden_layers)
     embed = policy.model.embed_tokens.weight.detach().float()
-    lm_head = policy.lm_head.weight.detach().float()
     order = list(range(len(samples)))
     random.Random(seed).shuffle(order)
     chunks = [order[i:i + micro_batch] for i in range(0, len(order), micro_batch)]
@@ -201,8 +203,7 @@ def train_head(policy, samples: list[tuple[list[int], list[int]]], out_dir: str 
             cache[c], cached = f, cached + size
         for g in opt.param_groups:
             g["lr"] = lr_at(step, lr, schedule_steps)
-        loss, acc = eagle3_loss(head, f["input_ids"], f["aux_hidden"], f["final_hidden"],
-                                f["loss_mask"], embed, lm_head, ttt_steps, tv_weight=tv_weight)
+        loss, acc = eagle3_loss(head, f, embed, out_rows, ttt_steps, tv_weight=tv_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

@@ -39,10 +39,14 @@ the accounting and its sources:
 - **DraftTrainer**: the head's trainable weights at 16 bytes a parameter
   (fp32 weight, gradient, two Adam moments) and its LM head over the draft
   vocabulary; while it trains (during the policy update and after the
-  refit) also the verifier's embedding and LM head in bf16, as rank 0
-  sends them (``rayspec/draft/trainer.py``; the loss casts 8192 rows at a
-  time to fp32, ``loss.TARGET_ROWS``) and the target logits of a batch
-  (tokens x V, fp32, twice: logits and softmax), given back after.
+  refit) also the verifier's embedding in bf16, as rank 0 sends it, and
+  the draft vocabulary's N rows of its LM head (``rayspec/draft/
+  trainer.py``; the loss casts 8192 rows at a time to fp32,
+  ``loss.TARGET_ROWS``), and the target logits of a batch (tokens x N,
+  fp32, twice: logits and softmax), given back after. The Train ranks
+  take the normalisers over all V tokens (``loss.verifier_normalizers``):
+  [tokens, 8192] fp32 blocks beside the update's logits, and under ZeRO-3
+  the gathered LM head.
 - **Per process**: ``CUDA_CONTEXT`` (CUDA context, cuBLAS workspace, NCCL's
   buffers).
 
@@ -69,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rayspec.config import draft_online, refit_from_trainer_memory
+from rayspec.draft.loss import TARGET_ROWS
 from rayspec.perfmodel.shapes import ModelShape
 
 GIB = 2**30
@@ -237,6 +242,20 @@ def model_states(total_params: int, largest_module_params: int, stage: int, rank
     raise ValueError(f"train.deepspeed.zero_optimization.stage={stage}: must be 0, 1, 2 or 3")
 
 
+def _draft_logits(head: ModelShape, h: int, tokens: int) -> list[Term]:
+    """The DraftTrainer's target logits over the draft vocabulary's N tokens
+    (fp32, twice: logits and probabilities, ``loss.verifier_targets``)."""
+    return [Term("DraftTrainer", "target logits, draft vocab (fp32 x2)",
+                 8 * tokens * head.lm_head_params // h)]
+
+
+def _normalizer_blocks(h: int, tokens: int) -> Term:
+    """A Train rank's fp32 memory for ``loss.verifier_normalizers``: the
+    masked hidden states and two [tokens, TARGET_ROWS] blocks (the logits
+    and their scaled copy)."""
+    return Term("Train rank", "normalisers of all V (fp32 blocks)", 4 * tokens * (h + 2 * TARGET_ROWS))
+
+
 def _dtype_bytes(dtype: str) -> int:
     return 4 if str(dtype) in ("float32", "fp32") else 2
 
@@ -301,9 +320,9 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
     draft_resident = [Term("DraftTrainer", "head, gradient, Adam (fp32)", 16 * trainable),
                       Term("DraftTrainer", "draft LM head (fp32)", 4 * head.lm_head_params),
                       Term("DraftTrainer", "CUDA context", CUDA_CONTEXT)]
-    # _train's locals, freed with torch's cache when it returns
-    draft_training = [Term("DraftTrainer", "verifier embedding + LM head (bf16)", 2 * 2 * v * h),
-                      Term("DraftTrainer", "target logits (fp32 x2)", 8 * tokens * v)]
+    # _train's locals, freed with torch's cache when it returns: only the draft rows go to the device
+    draft_training = [Term("DraftTrainer", "embedding + draft rows of LM head (bf16)",
+                           2 * (v * h + head.lm_head_params))] + _draft_logits(head, h, tokens)
 
     offload = bool(tr.offload_states)
     train_resident = [Term("Train rank", f"model states (ZeRO-{stage})", dev_states),
@@ -312,6 +331,10 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
         train_resident.append(Term("Train rank", "DeepSpeed buckets", buckets))
     train_peak = [Term("Train rank", "activations" + (" (checkpointed)" if ckpt else ""), acts),
                   Term("Train rank", "logits", logits)]
+    if draft_online(cfg):
+        train_peak.append(_normalizer_blocks(h, tokens))
+        if stage == 3:
+            train_peak.append(Term("Train rank", "LM head gathered for the normalisers", 2 * v * h))
     # after the gather for the refit (PolicyWorker.release): offload_states, or torch's cache emptied
     train_released = [Term("Train rank", "CUDA context", CUDA_CONTEXT)] if offload else train_resident
     replica_awake = [Term("replica", "weights", weights), Term("replica", "activations", region * ACTIVATION_SHARE),
@@ -488,8 +511,13 @@ def cpu_plan(cfg, shape: ModelShape, host_bytes: float, nodes: int = 1,
                  Term("DraftTrainer", "draft LM head (fp32)", 4 * head.lm_head_params),
                  Term("DraftTrainer", "process (measured)", DRAFT_CPU_RUNTIME),
                  Term("replicas", "draft head", replicas * rdt * head.total_params)]
-        draft_training = [Term("DraftTrainer", "verifier embedding + LM head (bf16)", 2 * 2 * v * h),
-                          Term("DraftTrainer", "target logits (fp32 x2)", 8 * tokens * v)]
+        # a CPU DraftTrainer fetches both layers whole into its heap, trimmed when train returns
+        draft_training = [Term("DraftTrainer", "verifier embedding + LM head (bf16, fetched)", 2 * 2 * v * h)]
+        if head.lm_head_params < v * h:
+            draft_training.append(Term("DraftTrainer", "draft rows of the LM head (bf16)", 2 * head.lm_head_params))
+        draft_training += _draft_logits(head, h, tokens)
+        update.append(Term("Train workers", "normalisers of all V (fp32 blocks)",
+                           ranks * _normalizer_blocks(h, tokens).bytes))
     base = common + replica + train + draft
     phases = {"rollout": base, "policy update": base + update + draft_training,
               "draft training": base + draft_training, "refit": base + refit}

@@ -13,7 +13,9 @@ import ray
 import torch
 
 from rayspec.batch import RolloutBatch
+from rayspec.config import target_temperatures
 from rayspec.devices import to_host
+from rayspec.draft.loss import verifier_normalizers
 from rayspec.sync.interfaces import HostGather, host_copies, resident
 from rayspec.train.capture import capture_eagle3_features
 from rayspec.train.grpo import grpo_loss, token_logprobs, token_mult_prob_error
@@ -139,7 +141,9 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
 
     Returns:
         (metrics averaged over micro-batches, list of ObjectRefs of feature
-        dicts, one per micro-batch; empty without capture).
+        dicts (``rayspec.draft.loss.FEATURE_KEYS`` and ``group``, the
+        normalisers at ``rayspec.config.target_temperatures``), one per
+        micro-batch; empty without capture).
     """
     micro = engine.train_micro_batch_size_per_gpu()
     engine.train()
@@ -154,6 +158,13 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
         with (capture_eagle3_features(engine.module, aux_layer_ids) if aux_layer_ids
               else contextlib.nullcontext({})) as feats:
             logits = engine(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits
+        if aux_layer_ids:  # before the step: the normalisers are of the weights that made the features
+            rows = captured_rows(len(part), cfg.draft.capture_share, capture_rng)
+            pick = (lambda x: x) if rows is None else (lambda x: x[rows.to(x.device)])  # noqa: E731
+            head = engine.module.lm_head.weight
+            with _gathered(engine, [head]):
+                normalizers = verifier_normalizers(pick(feats["final_hidden"]), pick(t["response_mask"]), head,
+                                                   target_temperatures(cfg))
         logprobs = token_logprobs(logits, t["input_ids"], cfg.grpo.temperature)
         ref_lp = None
         if ref_model is not None and cfg.grpo.kl_coef > 0:
@@ -172,10 +183,9 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
             sums[k] = sums.get(k, 0.0) + v
         n_micro += 1
         if aux_layer_ids:
-            rows = captured_rows(len(part), cfg.draft.capture_share, capture_rng)
-            pick = (lambda x: x) if rows is None else (lambda x: x[rows.to(x.device)])  # noqa: E731
             feature_refs.append(ray.put({
-                **to_host({"input_ids": pick(t["input_ids"]), "loss_mask": pick(t["response_mask"])}),
+                **to_host({"input_ids": pick(t["input_ids"]), "loss_mask": pick(t["response_mask"]),
+                           **normalizers}),
                 "group": pick(torch.tensor(part.group)),  # [B] GRPO group ids: the estimate's clusters
                 **to_host({"aux_hidden": pick(feats["aux_hidden"]), "final_hidden": pick(feats["final_hidden"])},
                           torch.bfloat16),
@@ -215,24 +225,25 @@ def full_state_dict(engine, dtype: torch.dtype, rank: int) -> dict[str, torch.Te
     return host_copies(full_parameters(engine), dtype, keep=rank == 0)
 
 
+def _gathered(engine, params: list[torch.Tensor]):
+    """A context in which ``params`` are whole on this rank's device:
+    gathered under ZeRO-3 (a collective: every rank enters it), as they are
+    under stages 0-2."""
+    if engine.zero_optimization_stage() != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
 def verifier_output_weights(engine, rank: int) -> dict[str, torch.Tensor] | None:
     """The verifier's embedding and output layer [V, H] (bf16, host copies) on
     rank 0, for draft training (the head shares the embedding and learns the
     verifier's next-token distribution). Collective under ZeRO-3."""
     module = engine.module
     params = [module.model.embed_tokens.weight, module.lm_head.weight]
-
-    def take():
-        if rank != 0:
-            return None
-        return to_host({"embed": params[0], "lm_head": params[1]}, torch.bfloat16)
-
-    if engine.zero_optimization_stage() == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return take()
-    return take()
+    with _gathered(engine, params):
+        return to_host({"embed": params[0], "lm_head": params[1]}, torch.bfloat16) if rank == 0 else None
 
 
 class PolicyWorker:
