@@ -81,30 +81,44 @@ def test_a_group_that_cannot_form_names_the_address_and_the_replica():
     transport.close()
 
 
-def test_the_group_port_is_picked_once_every_member_checked_in_and_sent_with_the_go(monkeypatch):
-    """Rank 0 picks the group's port after the check-in and sends it with
-    the go: a port picked before stayed unbound while members came in, for
-    any socket on the host to take. With ``VLLM_PORT`` set (vLLM's
-    ``get_open_port`` then returns the first free port from it) it is not
-    the barrier's (they were one, and the members joined the barrier's
-    store as the group's)."""
+def test_the_group_port_is_bound_before_the_go_names_it_and_a_failed_bind_aborts_the_barrier(monkeypatch):
+    """Rank 0 binds the group's port once every member checked in, before the
+    go names it, and the group's store takes that socket over: a member
+    connects at once, whenever rank 0's rendezvous starts (a port picked
+    free and bound later stayed open for any socket on the host to take).
+    With ``VLLM_PORT`` set it is not the barrier's (vLLM's ``get_open_port``
+    gave both the first free port from it). A bind that fails aborts the
+    barrier: the member gives up at once, not after ``timeout_s``."""
     import socket
     import time
 
     from rayspec.rollout.client import LocalReplicas
     from rayspec.rollout.vllm import engine_access
+    from rayspec.sync import collective
     from rayspec.sync.collective import check_in
 
-    checked_in, picked, arrived = [], [], []
+    connected, refused = [], []
 
-    class Replica(_Replica):  # checks in, never joins: rank 0's rendezvous times out
+    class Replica(_Replica):  # checks in and connects, never joins: rank 0's rendezvous times out
         def join_weight_sync(self, host, offsets, world, backend, timeout_s, group_id, barrier_port):
-            arrived.append(time.monotonic())
-            checked_in.append((barrier_port, check_in(host, barrier_port, timeout_s, "replica-a")))
+            try:
+                port = check_in(host, barrier_port, timeout_s, "replica-a")
+            except WeightSyncError as e:
+                refused.append((time.monotonic(), str(e)))
+                return e
+            with socket.create_connection((host, port), timeout=5):  # refused were it not listening
+                connected.append((barrier_port, port))
             return 1
 
-    open_port = engine_access.open_port
-    monkeypatch.setattr(engine_access, "open_port", lambda: picked.append(time.monotonic()) or open_port())
+    form = engine_access.stateless_group
+
+    def late(*args, **kwargs):  # rank 0's rendezvous starts only once the member has connected
+        deadline = time.monotonic() + 10
+        while not connected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return form(*args, **kwargs)
+
+    monkeypatch.setattr(engine_access, "stateless_group", late)
     with socket.socket() as s:
         s.bind(("", 0))
         monkeypatch.setenv("VLLM_PORT", str(s.getsockname()[1] + 1))
@@ -112,9 +126,39 @@ def test_the_group_port_is_picked_once_every_member_checked_in_and_sent_with_the
     with pytest.raises(WeightSyncError, match=r"group at [\d.]+:\d+ \(gloo"):
         transport.send("policy", _state_dict(), 1).results()
     transport.close()
-    (barrier_port, group_port), = checked_in
+    (barrier_port, group_port), = connected
     assert group_port != barrier_port
-    assert picked[-1] > arrived[0]  # the group's port: picked while the member waited for the go
+
+    binds = []
+
+    def bind(host):  # the barrier's port binds, the group's does not
+        binds.append(host)
+        if len(binds) == 2:
+            raise OSError(98, "Address already in use")
+        return listening_socket(host)
+
+    listening_socket = collective.listening_socket
+    monkeypatch.setattr(collective, "listening_socket", bind)
+    transport = CollectiveSender(RolloutClient(LocalReplicas([Replica()]), 1), "gloo", 1 << 20, timeout_s=60)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="rank 0 could not bind a port .* Address already in use"):
+        transport.send("policy", _state_dict(), 1).results()
+    transport.close()
+    (when, said), = refused
+    assert when - start < 10 and "abandoned (rank 0 could not bind" in said
+
+
+def test_a_vllm_whose_group_constructor_takes_no_listen_socket_is_refused_by_name(monkeypatch):
+    from rayspec.rollout.vllm import engine_access
+    from rayspec.rollout.vllm import touchpoints as tp
+
+    def older(host, port, rank, world_size, backend, group_name=None, return_store=False, timeout=None):
+        raise AssertionError("called")
+
+    monkeypatch.setattr(tp.TouchPoint, "load", lambda self: older)
+    with pytest.raises(tp.VllmInternalsError, match=r"stateless_init_torch_distributed_process_group takes no "
+                                                    r"listen_socket in vLLM \d"):
+        engine_access.stateless_group("127.0.0.1", 1, 0, 2, "gloo", 1, listen_socket=object())
 
 
 def test_auto_falls_back_to_the_object_store_when_the_group_cannot_form():
@@ -359,13 +403,16 @@ def test_a_gloo_weight_sync_group_binds_to_the_interface_that_reaches_the_traine
     if host is None:
         pytest.skip("this machine has no non-loopback IPv4 interface to bind to")
     assert engine_access.route_interface(host) is not None and engine_access.route_interface("127.0.0.1") == "lo"
-    port = engine_access.open_port()
+    from rayspec.sync.collective import listening_socket
+
+    listener = listening_socket(host)
+    port = listener.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     child = ctx.Process(target=_join_as_rank_1, args=(host, port, out))
     child.start()
     try:
-        pg = engine_access.stateless_group(host, port, 0, 2, "gloo", 60)
+        pg = engine_access.stateless_group(host, port, 0, 2, "gloo", 60, listen_socket=listener)
         pg.broadcast(torch.arange(4.0), 0).wait()
         assert out.get(timeout=60) == [0.0, 1.0, 2.0, 3.0]
         pg.barrier().wait()

@@ -24,8 +24,9 @@ before joining would hold the others' engines that long (10 minutes by
 default). So members first check in at a barrier in Python
 (``JoinBarrier``), where rank 0, watching that every member is still
 alive, can tell them to give up; the rendezvous starts only once all are
-in, on a port rank 0 picks then and sends with its go (bound at once), and
-the group is formed again from the live replicas. (Rank 0 asks
+in, on a port rank 0 binds then, before its go names it (a bind that
+fails aborts the barrier), and the group is formed again from the live
+replicas. (Rank 0 asks
 Serve's controller how many replicas run: a replica answers one call at a
 time, and each is in its join.)
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import socket
 import time
 import uuid
 from datetime import timedelta
@@ -223,16 +225,25 @@ class CollectiveSender(WeightSender):
         except BaseException:
             joining.result()  # the members have given up (and released their engines)
             raise
-        # The group's port is picked only now and sent with the go, then bound at once by the
-        # rendezvous below: one picked before the check-in stayed unbound while members came in (a
-        # rollout's length in async mode), for any socket on the host to take; and with VLLM_PORT
-        # set, open_port returns the first free port from it, the barrier's own had it not bound yet.
-        port = engine_access.open_port()
+        # The group's port is bound (listening) before the go names it, and its store takes the
+        # socket over: a port picked free and bound later stayed open for any socket on the host
+        # to take (for a rollout, in async mode, where it was picked before the check-in), and
+        # with VLLM_PORT set vLLM's get_open_port gave the barrier's own. Binding fails before
+        # the go, which the members then hear as an abort, not after 600 s of connecting.
+        try:
+            listener = listening_socket(host)
+        except OSError as e:
+            barrier.abort(f"rank 0 could not bind a port on {host}: {e}")
+            joining.result()
+            raise WeightSyncError(f"{where}: rank 0 could not bind a port on {host}: {e}") from e
+        port = listener.getsockname()[1]
         where = where.replace(f"at {host} ", f"at {host}:{port} ", 1)
         barrier.go(port)
         try:
-            pg = engine_access.stateless_group(host, port, 0, world, self.backend, self.timeout_s)
+            pg = engine_access.stateless_group(host, port, 0, world, self.backend, self.timeout_s,
+                                               listen_socket=listener)
         except Exception as e:
+            listener.close()  # where the store did not take it over
             raise WeightSyncError(f"{where} did not form within {self.timeout_s:.0f} s ({type(e).__name__}: {e}); "
                                   f"the replicas said: {joining.result()}") from e
         _raise_first(joining.result())
@@ -324,9 +335,15 @@ class JoinBarrier:
     def __init__(self, host: str, members: int, timeout_s: float):
         from torch.distributed import TCPStore
 
-        self.port, self.members, self.timeout_s = engine_access.open_port(), members, timeout_s
-        self.store = TCPStore(host, self.port, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=timeout_s))
+        listener = listening_socket(host)
+        self.port, self.members, self.timeout_s = listener.getsockname()[1], members, timeout_s
+        fd = listener.detach()
+        try:
+            self.store = TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
+        except BaseException:
+            socket.close(fd)
+            raise
 
     def wait(self, alive: Callable[[], bool], where: str, poll_s: float = 0.5) -> None:
         """Return once every member has checked in (``go`` then tells them
@@ -340,10 +357,10 @@ class JoinBarrier:
         deadline = time.monotonic() + self.timeout_s
         while (arrived := self.store.add("arrived", 0)) < self.members:
             if not alive():
-                self.store.set("abort", "a member died")
+                self.abort("a member died")
                 raise ray.exceptions.ActorDiedError()
             if time.monotonic() > deadline:
-                self.store.set("abort", "timeout")
+                self.abort("timeout")
                 raise WeightSyncError(f"{where} did not form within {self.timeout_s:.0f} s: {arrived} of "
                                       f"{self.members} replicas checked in")
             time.sleep(poll_s)
@@ -351,6 +368,30 @@ class JoinBarrier:
     def go(self, group_port: int) -> None:
         """Tell the members that checked in to join the group at ``group_port``."""
         self.store.set("go", str(group_port))
+
+    def abort(self, why: str) -> None:
+        """Tell the members to give up (``check_in`` raises, naming ``why``)."""
+        self.store.set("abort", why)
+
+
+def listening_socket(host: str) -> socket.socket:
+    """A TCP socket bound to a free port of ``host`` and listening, as vLLM
+    binds its DP group's (``ParallelConfig._pick_stateless_dp_port``): the
+    port is held from the moment it is picked, so no other socket can take
+    it before the store does (``JoinBarrier``, ``engine_access.stateless_group``);
+    connections made meanwhile wait in its backlog.
+
+    Raises:
+        OSError: no port could be bound.
+    """
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((host, 0))
+        s.listen()
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def check_in(host: str, port: int, timeout_s: float, replica_id: str, poll_s: float = 0.05) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
 import time
 from datetime import timedelta
 
@@ -35,13 +36,31 @@ def shutdown(llm) -> None:
     tp.require(llm.llm_engine, "engine_core", tp.ENGINE).shutdown()
 
 
-def stateless_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):
+def stateless_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
+                    listen_socket=None):
     """vLLM's stateless torch process group (no global ``init_process_group``):
     the weight-sync group as vLLM's RLHF examples form it, a gloo group on
     the interface that reaches ``host`` (``gloo_interface``). Blocks until
-    all ``world_size`` ranks have joined, at most ``timeout_s`` seconds."""
+    all ``world_size`` ranks have joined, at most ``timeout_s`` seconds.
+
+    Args:
+        listen_socket: rank 0's socket, already bound to ``port`` and
+            listening (``rayspec.sync.collective.listening_socket``), which
+            the group's store takes over; None: the store binds ``port``
+            itself.
+
+    Raises:
+        VllmInternalsError: ``listen_socket`` given to a vLLM whose function
+            takes none (vLLM 0.32 does: its DP groups bind theirs the same way).
+    """
+    form = tp.STATELESS_GROUP.load()
+    kwargs = {"timeout": timedelta(seconds=timeout_s)}
+    if listen_socket is not None:
+        if "listen_socket" not in inspect.signature(form).parameters:
+            raise tp.internals_error(tp.STATELESS_GROUP.hook, f"{tp.STATELESS_GROUP.symbol} takes no listen_socket")
+        kwargs["listen_socket"] = listen_socket
     with gloo_interface(host, backend):
-        return tp.STATELESS_GROUP.load()(host, port, rank, world_size, backend, timeout=timedelta(seconds=timeout_s))
+        return form(host, port, rank, world_size, backend, **kwargs)
 
 
 def route_interface(host: str) -> str | None:
@@ -86,11 +105,6 @@ def gloo_interface(host: str, backend: str):
         yield
     finally:
         os.environ.pop("GLOO_SOCKET_IFNAME", None)
-
-
-def open_port() -> int:
-    """A free TCP port on this host (the weight-sync group's rendezvous)."""
-    return tp.OPEN_PORT.load()()
 
 
 def cpu_linear(layer):

@@ -323,7 +323,6 @@ STATELESS_GROUP = _tp(
     "vllm.distributed.utils:stateless_init_torch_distributed_process_group", "called", WEIGHT_SYNC,
     "the weight-sync group of the trainer's rank 0 and every vLLM worker, without a global "
     "init_process_group (as vLLM's RLHF examples form it)")
-OPEN_PORT = _tp("vllm.utils.network_utils:get_open_port", "called", WEIGHT_SYNC, "the group's rendezvous port")
 VLLM_CONFIG = _tp(
     "vllm.v1.engine.llm_engine:LLMEngine.vllm_config", "read", ENGINE,
     "max_num_seqs (adaptive k's largest batch) and the replica's worker count (weight-sync ranks)",
@@ -340,7 +339,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     SAMPLE_FROM_LOGITS, PROBABILISTIC_DRAFTS, HETEROGENEOUS_VOCAB, DRAFT_ID_TO_TARGET_ID, CPU_GEMM_DISPATCH,
     PROPOSER_GET_MODEL, *ONEDNN, ENGINE_CORE, SCHEDULE_LOOKUP, SCHEDULER_SPEC_TOKENS, BUILD_SCHEDULE, PROPOSE,
     SUFFIX_PROPOSE, SUFFIX_K, RUNNER_SAMPLE, RUNNER_ASYNC, RUNNER_DRAFTER, GET_DRAFT_MODEL, RELOAD_WEIGHTS,
-    SET_CURRENT_CONFIG, TIE_WEIGHTS, REPACK_LM_HEAD, STATELESS_GROUP, OPEN_PORT, VLLM_CONFIG,
+    SET_CURRENT_CONFIG, TIE_WEIGHTS, REPACK_LM_HEAD, STATELESS_GROUP, VLLM_CONFIG,
     ENGINE_CORE_CLIENT, *RUNNER_TIMED)
 
 
