@@ -86,7 +86,7 @@ import time
 import traceback
 from pathlib import Path
 
-CHECKS = ("versions", "refit", "adaptive_k", "suffix", "rl_colocate", "rl_split", "zero3")
+CHECKS = ("versions", "draft_targets", "refit", "adaptive_k", "suffix", "rl_colocate", "rl_split", "zero3")
 ERROR_BOUND = 1e-3  # token_mult_prob_error after a refit, fp32
 MIN_SYNC_GBPS = 1.0  # a refit's floor, host memory to a replica on one node
 CUDA_RUNNERS = ("vllm.v1.worker.gpu.model_runner.GPUModelRunner",  # V2
@@ -562,6 +562,45 @@ def check_zero3_load(report: Report, models: dict[str, Path]) -> None:
                f"{'equal' if equal else 'differ from'} the checkpoint's ({len(names)} tensors)")
 
 
+def check_draft_targets(report: Report) -> None:
+    """The draft targets' logits on the GPU (``loss.shipped_logits``:
+    cuBLAS's bf16 GEMM with fp32 output) at Qwen3-8B's output layer: the
+    Train ranks' normalisers against an fp64 reference (log-normaliser
+    within 1e-3, argmax equal but for near-ties), and their time within 4x
+    the bf16 GEMM of the same shape (an fp32 GEMM on the CUDA cores takes
+    about 15x)."""
+    import torch
+
+    from rayspec.draft.loss import verifier_normalizers
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, H, V = 2048, 4096, 151936
+    hidden = torch.randn(1, n + 1, H, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(V, H, device="cuda", generator=g) * 0.05).bfloat16()
+    mask = torch.ones(1, n, device="cuda")
+    got = verifier_normalizers(hidden, mask, weight)
+    z = hidden[0, :n].double() @ weight.double().T  # exact products, fp64 sums
+    lse_err = (got["target_lse"][0, :n, 0].double() - torch.logsumexp(z, -1)).abs().max().item()
+    top_share = (got["target_top"][0, :n] == z.argmax(-1)).float().mean().item()
+    del z
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / 3
+
+    ours = timed(lambda: verifier_normalizers(hidden, mask, weight))
+    bf16 = timed(lambda: hidden[0, :n] @ weight.T)
+    report.add("draft targets", lse_err < 1e-3 and top_share >= 0.999 and ours <= 4 * bf16,
+               f"normalisers of {n} positions over {V} tokens: |lse - fp64| <= {lse_err:.1e}, argmax equal "
+               f"at {top_share:.2%}; {ours * 1e3:.1f} ms, {ours / bf16:.1f}x the bf16 GEMM's {bf16 * 1e3:.1f} ms",
+               lse_error=lse_err, top_share=top_share, seconds=ours, bf16_gemm_seconds=bf16)
+
+
 def _finish(report: Report, out: str, t0: float) -> int:
     failed = [c["name"] for c in report.checks if not c["ok"]]
     print(f"{len(report.checks) - len(failed)}/{len(report.checks)} passed in {time.perf_counter() - t0:.0f} s"
@@ -608,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if "versions" in args.only:
         report.run("versions", check_versions)
+    if "draft_targets" in args.only:
+        report.run("draft targets", check_draft_targets)
     setup: dict = {}
     report.run("setup", _setup, setup, work, args.cache_dir)
     if "models" not in setup:

@@ -141,9 +141,9 @@ def verifier_normalizers(final_hidden: torch.Tensor, loss_mask: torch.Tensor, lm
     output layer alone (``verifier_targets``): at a 152k vocabulary and 32k
     draft tokens it holds a fifth of the layer and of the [n, V] fp32 logits.
 
-    The logits are z = fp32(bf16(final_hidden)) @ fp32(bf16(W)).T, the
-    roundings the DraftTrainer gets (``SHIPPED_DTYPE``), so its
-    probabilities over all V tokens sum to 1 up to fp32 rounding.
+    The logits are ``shipped_logits``: of the roundings the DraftTrainer
+    gets (``SHIPPED_DTYPE``), as it computes them, so its probabilities over
+    all V tokens sum to 1 up to fp32 rounding.
 
     Args:
         final_hidden: [B, L, H] the verifier's final hidden states (any
@@ -164,15 +164,15 @@ def verifier_normalizers(final_hidden: torch.Tensor, loss_mask: torch.Tensor, lm
         device.
     """
     b, position = target_mask(loss_mask).bool().nonzero(as_tuple=True)
-    x = final_hidden[b, position].to(SHIPPED_DTYPE).float()  # [n, H]
+    x = final_hidden[b, position]  # [n, H]
     n, device = x.shape[0], x.device
-    lse = x.new_full((n, len(temperatures)), -math.inf)
-    best = x.new_full((n,), -math.inf)
+    lse = torch.full((n, len(temperatures)), -math.inf, device=device)
+    best = torch.full((n,), -math.inf, device=device)
     top = torch.zeros(n, dtype=torch.int64, device=device)
     for v in range(0, lm_head_weight.shape[0], rows):
-        z = x @ lm_head_weight[v:v + rows].to(SHIPPED_DTYPE).float().T  # [n, rows]
+        z = shipped_logits(x, lm_head_weight[v:v + rows])  # [n, rows] fp32
         for c, temperature in enumerate(temperatures):
-            lse[:, c] = torch.logaddexp(lse[:, c], torch.logsumexp(z / temperature, -1))
+            lse[:, c] = torch.logaddexp(lse[:, c], torch.logsumexp(z if temperature == 1 else z / temperature, -1))
         value, index = z.max(-1)
         better = value > best  # strict: an earlier block keeps a tie, as argmax does
         best, top = torch.where(better, value, best), torch.where(better, index + v, top)
@@ -199,8 +199,8 @@ def verifier_targets(f: dict[str, torch.Tensor], out_weight: torch.Tensor, dtype
         out_weight: [N, H] the verifier's output-layer rows of the draft
             vocabulary (all V rows without one), bf16 as the DraftTrainer
             gets them (it keeps no fp32 copy).
-        dtype: the logits' (the head's: fp32); ``rows`` rows of the output
-            layer at a time are cast to it.
+        dtype: the probabilities' (the head's: fp32); ``rows`` rows of the
+            output layer at a time go through ``shipped_logits``.
         temperature: > 0, divides the logits.
 
     Returns:
@@ -212,12 +212,32 @@ def verifier_targets(f: dict[str, torch.Tensor], out_weight: torch.Tensor, dtype
         ValueError: ``f`` carries no normaliser at ``temperature``.
     """
     b, position = target_mask(f["loss_mask"]).bool().nonzero(as_tuple=True)
-    x = f["final_hidden"][b, position].to(dtype)
+    x = f["final_hidden"][b, position]
     logits = torch.empty(x.shape[0], out_weight.shape[0], dtype=dtype, device=x.device)  # [n, N]
     for v in range(0, out_weight.shape[0], rows):
-        torch.matmul(x, out_weight[v:v + rows].to(dtype).T, out=logits[:, v:v + rows])
+        logits[:, v:v + rows] = shipped_logits(x, out_weight[v:v + rows])
     lse = f["target_lse"][b, position, _temperature_column(f, temperature)].to(dtype)
     return position, (logits / temperature - lse[:, None]).exp(), f["target_top"][b, position]
+
+
+def shipped_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[n, r] fp32 logits z = fp32(bf16(x)) @ fp32(bf16(w)).T of hidden
+    states x [n, H] and output-layer rows w [r, H], as they ship
+    (``SHIPPED_DTYPE``), the same on the Train ranks (the normalisers) and
+    the DraftTrainer (the draft rows' logits).
+
+    The products of two bf16 values are exact in fp32, so off the CPU this
+    is cuBLAS's bf16 GEMM with fp32 accumulation and output
+    (``torch.mm(..., out_dtype=torch.float32)``, torch >= 2.8 on CUDA and
+    XPU; its meta kernel checks it in CI): the fp32 GEMM's values up to
+    summation order, on tensor cores, where an fp32 GEMM without TF32 runs
+    on the CUDA cores (an H100's 67 dense TFLOPS against 989). A CPU has no
+    such kernel (torch 2.13): there it is the fp32 GEMM of the upcast values.
+    """
+    x, w = x.to(SHIPPED_DTYPE), w.to(SHIPPED_DTYPE)
+    if x.device.type == "cpu":
+        return x.float() @ w.float().T
+    return torch.mm(x, w.T, out_dtype=torch.float32)
 
 
 def _temperature_column(f: dict[str, torch.Tensor], temperature: float) -> int:
