@@ -29,7 +29,7 @@ import torch
 from rayspec.config import DEFAULT_DRAFT_LR, DEFAULT_DRAFT_SAMPLE_METHOD
 from rayspec.devices import to_device, to_host, trim_host_heap
 from rayspec.draft.eagle3 import Eagle3Head, load_head, save_head, vllm_state_dict
-from rayspec.draft.loss import (acceptance_by_share, acceptance_length_se, draft_overlap, draft_top1,
+from rayspec.draft.loss import (FEATURE_KEYS, acceptance_by_share, acceptance_length_se, draft_overlap, draft_top1,
                                 drafting_clusters, drafting_counts, eagle3_loss, greedy_hits, replay_chains,
                                 sampled_hits, verifier_targets)
 from rayspec.models.acceptance import ACCEPTANCE_FILE, acceptance_record, read_acceptance
@@ -367,7 +367,7 @@ class DraftTrainer:
                          if k.startswith(f"buffer.{si}.{ci}.")} for ci in range(n)]
                 # a checkpoint from before the Train ranks sent the normalisers:
                 # its chunks cannot be replayed from the draft rows alone
-                self._buffer.append([c for c in step if "target_lse" in c])
+                self._buffer.append([c for c in step if all(k in c for k in FEATURE_KEYS)])
             self._rng.setstate(meta["rng"])
             self.version = int(meta["version"])
             self._adopted = True

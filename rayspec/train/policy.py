@@ -161,10 +161,10 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
         if aux_layer_ids:  # before the step: the normalisers are of the weights that made the features
             rows = captured_rows(len(part), cfg.draft.capture_share, capture_rng)
             pick = (lambda x: x) if rows is None else (lambda x: x[rows.to(x.device)])  # noqa: E731
-            head = engine.module.lm_head.weight
-            with _gathered(engine, [head]):
-                normalizers = verifier_normalizers(pick(feats["final_hidden"]), pick(t["response_mask"]), head,
-                                                   target_temperatures(cfg))
+            out_layer = engine.module.lm_head.weight
+            with _gathered(engine, [out_layer]):
+                normalizers = verifier_normalizers(pick(feats["final_hidden"]), pick(t["response_mask"]),
+                                                   out_layer, target_temperatures(cfg))
         logprobs = token_logprobs(logits, t["input_ids"], cfg.grpo.temperature)
         ref_lp = None
         if ref_model is not None and cfg.grpo.kl_coef > 0:
