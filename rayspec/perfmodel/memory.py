@@ -249,11 +249,14 @@ def _draft_logits(head: ModelShape, h: int, tokens: int) -> list[Term]:
                  8 * tokens * head.lm_head_params // h)]
 
 
-def _normalizer_blocks(h: int, tokens: int) -> Term:
+NORMALIZERS = "normalisers of all V (fp32 blocks)"
+
+
+def _normalizer_bytes(h: int, tokens: int) -> int:
     """A Train rank's fp32 memory for ``loss.verifier_normalizers``: the
     masked hidden states and two [tokens, TARGET_ROWS] blocks (the logits
     and their scaled copy)."""
-    return Term("Train rank", "normalisers of all V (fp32 blocks)", 4 * tokens * (h + 2 * TARGET_ROWS))
+    return 4 * tokens * (h + 2 * TARGET_ROWS)
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -332,7 +335,7 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
     train_peak = [Term("Train rank", "activations" + (" (checkpointed)" if ckpt else ""), acts),
                   Term("Train rank", "logits", logits)]
     if draft_online(cfg):
-        train_peak.append(_normalizer_blocks(h, tokens))
+        train_peak.append(Term("Train rank", NORMALIZERS, _normalizer_bytes(h, tokens)))
         if stage == 3:
             train_peak.append(Term("Train rank", "LM head gathered for the normalisers", 2 * v * h))
     # after the gather for the refit (PolicyWorker.release): offload_states, or torch's cache emptied
@@ -516,8 +519,7 @@ def cpu_plan(cfg, shape: ModelShape, host_bytes: float, nodes: int = 1,
         if head.lm_head_params < v * h:
             draft_training.append(Term("DraftTrainer", "draft rows of the LM head (bf16)", 2 * head.lm_head_params))
         draft_training += _draft_logits(head, h, tokens)
-        update.append(Term("Train workers", "normalisers of all V (fp32 blocks)",
-                           ranks * _normalizer_blocks(h, tokens).bytes))
+        update.append(Term("Train workers", NORMALIZERS, ranks * _normalizer_bytes(h, tokens)))
     base = common + replica + train + draft
     phases = {"rollout": base, "policy update": base + update + draft_training,
               "draft training": base + draft_training, "refit": base + refit}
