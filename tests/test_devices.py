@@ -120,7 +120,12 @@ def test_policy_update_computes_on_the_engine_device_and_puts_host_tensors(
     assert all(g is not None and g.is_meta for g in grads)  # the backward ran on the device
 
     assert _on_host(full_state_dict(engine, torch.bfloat16, rank=0))
-    assert _on_host(verifier_output_weights(engine, rank=0))
+    rows = torch.tensor([4, 1, 7])
+    sent = verifier_output_weights(engine, rank=0, rows=rows)
+    assert _on_host(sent) and set(sent) == {"embed"}  # tied: the output layer is the embedding, sent once
+    policy.lm_head.weight = torch.nn.Parameter(torch.empty_like(policy.lm_head.weight))  # untied
+    sent = verifier_output_weights(engine, rank=0, rows=rows)
+    assert _on_host(sent) and sent["lm_head_rows"].shape == (3, policy.config.hidden_size)
 
 
 def test_a_capture_share_puts_a_random_part_of_each_micro_batch_and_updates_on_all_of_it(
@@ -194,7 +199,7 @@ def test_draft_trainer_trains_on_its_device_and_returns_host_tensors(head_dir, c
                             "target_top": torch.zeros(2, 5, dtype=torch.long),
                             "target_temperatures": torch.ones(1)}])
     out = draft.train({"embed": torch.zeros(V, H, dtype=torch.bfloat16),
-                       "lm_head": torch.zeros(V, H, dtype=torch.bfloat16)}, steps=2, expect=1)
+                       "lm_head_rows": torch.zeros(V, H, dtype=torch.bfloat16)}, steps=2, expect=1)
 
     assert out["draft_version"] == 1
     assert loss_inputs and set(loss_inputs) == {"meta"}

@@ -117,9 +117,11 @@ def _feature_dict(policy, input_ids, captured, loss_mask, temperatures=(1.0,)) -
             **verifier_normalizers(captured["final_hidden"], loss_mask, policy.lm_head.weight, temperatures)}
 
 
-def _verifier(policy):
+def _verifier(policy, rows=None):
+    """What rank 0 sends the DraftTrainer (``verifier_output_weights``)."""
+    out = policy.lm_head.weight.detach().bfloat16()
     return {"embed": policy.model.embed_tokens.weight.detach().bfloat16(),
-            "lm_head": policy.lm_head.weight.detach().bfloat16()}
+            "lm_head_rows": out if rows is None else out[rows]}
 
 
 
@@ -292,7 +294,7 @@ def test_draft_trainer_trains_on_features_as_they_arrive(tiny_policy, tmp_path):
     chunks = _features(tiny_policy, batch, 0, chunk=2)
     trainer = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=2, num_threads=1)
     verifier = _verifier(tiny_policy)
-    verifier["lm_head"] = verifier["lm_head"] * 0.5  # the verifier's output layer moved
+    verifier["lm_head_rows"] = verifier["lm_head_rows"] * 0.5  # the verifier's output layer moved
     out = {}
     worker = threading.Thread(target=lambda: out.update(r=trainer.train(verifier, 3, expect=2)))
     worker.start()
@@ -302,9 +304,33 @@ def test_draft_trainer_trains_on_features_as_they_arrive(tiny_policy, tmp_path):
         trainer.submit_features([c])
     worker.join(timeout=120)
     assert out["r"]["draft_version"] == 1 and len(out["r"]["draft_top1_per_step"]) == 2
-    assert torch.equal(trainer.head.lm_head.weight, verifier["lm_head"].float())
+    assert torch.equal(trainer.head.lm_head.weight, verifier["lm_head_rows"].float())
     with pytest.raises(RuntimeError, match="no features arrived within 0 s"):
         trainer.train(verifier, 1, expect=1, timeout_s=0.1)
+
+
+def test_a_reduced_vocab_draft_trainer_takes_only_its_rows_of_the_output_layer(tiny_policy, tmp_path):
+    """Rank 0 sends the rows of ``draft_ids()`` (``verifier_output_weights``),
+    which become the head's output layer, or, with tied embeddings, only the
+    embedding they are taken from; the whole layer is refused, naming both
+    shapes."""
+    ids = torch.tensor([900, 3, 42, 7, 1000, 2])
+    save_head(init_head(tiny_policy, draft_vocab=ids), tmp_path / "head")
+    trainer = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=1, num_threads=1)
+    rows = trainer.draft_ids()
+    assert rows.device.type == "cpu" and rows.tolist() == sorted(ids.tolist())
+    batch = RolloutBatch([[5, 6, 7]] * 2, [[8, 9, 10, 11]] * 2, [[0.0] * 4] * 2, [0, 0])
+    trainer.submit_features(_features(tiny_policy, batch, 0, chunk=2))
+    V, H = tiny_policy.config.vocab_size, tiny_policy.config.hidden_size
+    with pytest.raises(ValueError, match=rf"lm_head_rows is \({V}, {H}\), this head's output layer \(6, {H}\)"):
+        trainer.train(_verifier(tiny_policy), 1)
+    verifier = _verifier(tiny_policy, rows)
+    assert trainer.train(verifier, 1)["draft_version"] == 1
+    assert torch.equal(trainer.head.lm_head.weight, verifier["lm_head_rows"].float())
+    trainer.submit_features(_features(tiny_policy, batch, 0, chunk=2))
+    tied = {"embed": verifier["embed"] * 0.5}  # tiny_policy ties them
+    assert trainer.train(tied, 1)["draft_version"] == 2
+    assert torch.equal(trainer.head.lm_head.weight, tied["embed"][rows].float())
 
 
 def test_draft_trainer_state_roundtrips_through_checkpoint_files(tiny_policy, tmp_path):
@@ -791,7 +817,7 @@ def test_trained_head_raises_replica_acceptance(tiny_policy, tiny_llama_dir, tmp
     trainer = DraftTrainer(str(tmp_path / "head"), lr=1e-3, ttt_steps=3, num_threads=2)
     aux = aux_layer_ids(trainer.head.cfg, tiny_policy.config.num_hidden_layers)
     trainer.submit_features(_features(tiny_policy, before_batch, tok.pad_token_id, aux_ids=aux))
-    trainer.train(_verifier(tiny_policy), 80)
+    trainer.train(_verifier(tiny_policy, trainer.draft_ids()), 80)
     # the trained head through the collective transport (gloo; this engine's worker
     # is rank 1 in this process), then the same head through the object store
     transport = CollectiveSender(RolloutClient(LocalReplicas([eng]), 1), "gloo", packed_buffer_size_bytes=1 << 20, timeout_s=120)

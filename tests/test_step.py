@@ -117,7 +117,8 @@ class FakePolicy:
     def refit_sent(self):
         pass
 
-    def output_weights(self):
+    def output_weights(self, rows=None):
+        self.calls.append(("output_weights", None if rows is None else rows.tolist()))
         return {"embed": torch.zeros(1)}
 
     def barrier(self, refs):
@@ -172,6 +173,9 @@ class FakeDraftTrainer:
     def vllm_weights(self):
         return {"fc.weight": torch.full((1,), float(self.version))}
 
+    def draft_ids(self):
+        return torch.tensor([3, 5, 8])
+
     def reset(self):
         return 0
 
@@ -221,7 +225,9 @@ def test_steps_run_their_phases_in_order_with_the_draft_beside_the_policy(ray_se
     step = ["generate", "sleep", "update", "release", "refit policy v{}", "refit draft v{}"]
     want = ["generate"] * 2 + [p.format(1) for p in step] + [p.format(2) for p in step] + ["generate"] * 2 + \
         ["checkpoint"] + [p.format(3) for p in step] + ["generate"] * 2 + ["checkpoint"]
-    assert [k for k in kinds if k != "report"] == want
+    assert [k for k in kinds if k not in ("report", "output_weights")] == want
+    # rank 0 takes of the output layer only the head's draft vocabulary's rows, each step it trains
+    assert [c for c in calls if c[0] == "output_weights"] == [("output_weights", [3, 5, 8])] * 3
     assert ("report", 1) in calls and ("report", 3) not in calls  # step 3 (the last) checkpoints instead
     assert {c for c in calls if c[0] == "sleep"} == {("sleep", 2)}  # a policy refit ends each sleep
     # each rollout samples the newest policy and draft, and carries the draft's estimate from step 2 on

@@ -54,6 +54,21 @@ class NullDraft:
     def start(self, policy, shard) -> Optional[FeatureSink]:
         return None
 
+    def _draft_ids(self):
+        """Rank 0: the head's draft vocabulary (``DraftTrainer.draft_ids``),
+        the output-layer rows it trains with; asked once, since it is
+        ``head_dir``'s for the whole run, restarts and restores included.
+        None elsewhere, or where the DraftTrainer died before answering
+        (the step's ``train`` call then fails alike, and ``finish`` says so)."""
+        if not self.ranks.is_driver:
+            return None
+        if self._ids is None:
+            try:
+                self._ids = (ray.get(self.actor.draft_ids.remote()),)
+            except ray.exceptions.RayActorError:
+                return None
+        return self._ids[0]
+
     def finish(self) -> dict[str, Any]:
         return {}
 
@@ -132,6 +147,7 @@ class DraftClient(NullDraft):
         self._training = False  # this step trains the head
         self._alive_at_start = True  # rank 0: the DraftTrainer was alive when the step began
         self._call = None  # rank 0: the step's DraftTrainer.train call
+        self._ids = None  # rank 0: (DraftTrainer.draft_ids(),) once asked
 
     def connect(self) -> None:
         """Rank 0, as the Train workers start: note the DraftTrainer's
@@ -228,7 +244,7 @@ class DraftClient(NullDraft):
         features go, or None where the head does not train this step."""
         if not self._training:
             return None
-        verifier = policy.output_weights()
+        verifier = policy.output_weights(self._draft_ids())
         if self.ranks.is_driver:
             self._call = self.actor.train.remote(ray.put(verifier), self.steps_per_rl_step,
                                                  expect=policy.feature_chunks(shard))

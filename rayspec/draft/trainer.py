@@ -185,6 +185,13 @@ class DraftTrainer:
             self._adopted = True
         return self.version
 
+    def draft_ids(self) -> torch.Tensor | None:
+        """[N] int64 token ids of the head's draft vocabulary, in draft order
+        (host memory; None: the policy's whole vocabulary): the output
+        layer's rows ``train`` takes (``lm_head_rows``)."""
+        ids = self.head.draft_ids
+        return None if ids is None else ids.cpu()
+
     def submit_features(self, feature_refs: list, indices: list[int] | None = None) -> int:
         """Queue features for the (running or next) ``train`` call; returns the queue length.
 
@@ -211,10 +218,12 @@ class DraftTrainer:
         """Run ``steps`` optimizer steps on this RL step's features, then replay.
 
         Args:
-            verifier_ref: ObjectRef (or dict) with ``embed`` and ``lm_head``
-                weights [V, H] of the verifier that produced the features;
-                only the draft vocabulary's rows of ``lm_head`` go to
-                ``device``.
+            verifier_ref: ObjectRef (or dict) of the verifier that produced
+                the features (``rayspec.train.policy.verifier_output_weights``):
+                ``embed`` [V, H] and ``lm_head_rows`` [N, H], its output
+                layer's rows of this head's draft vocabulary
+                (``draft_ids``), bf16; without ``lm_head_rows`` (tied
+                embeddings) the rows are taken from ``embed``.
             steps: optimizer steps, one feature chunk (micro-batch) each: this
                 step's chunks first, in arrival order, then replayed ones
                 (older steps' shuffled, then this step's), cycling.
@@ -249,6 +258,7 @@ class DraftTrainer:
         Raises:
             RuntimeError: no features were submitted, or an expected chunk
                 did not arrive within ``timeout_s``.
+            ValueError: ``lm_head_rows`` is not [N, H] of this head.
         """
         result = self._train(verifier_ref, steps, expect, timeout_s)
         trim_host_heap()  # here, once _train's locals (verifier layers, activations) are freed
@@ -270,8 +280,12 @@ class DraftTrainer:
         # the loss casts rows to the head's fp32 as it uses them. Of the output
         # layer only the draft vocabulary's rows: the Train ranks computed the
         # rest's share of the targets (loss.verifier_normalizers)
+        rows = ver["lm_head_rows"] if "lm_head_rows" in ver else self.head.draft_rows(ver["embed"])
+        if rows.shape != self.head.lm_head.weight.shape:
+            raise ValueError(f"DraftTrainer.train: lm_head_rows is {tuple(rows.shape)}, this head's "
+                             f"output layer {tuple(self.head.lm_head.weight.shape)} (the rows of draft_ids())")
         embed = ver["embed"].to(self.device)
-        out_rows = self.head.draft_rows(ver["lm_head"]).to(self.device)
+        out_rows = rows.to(self.device)
         self.head.set_output_rows(out_rows)
         del ver
         chunks = _StepChunks(pending, timeout_s)

@@ -39,8 +39,8 @@ the accounting and its sources:
 - **DraftTrainer**: the head's trainable weights at 16 bytes a parameter
   (fp32 weight, gradient, two Adam moments) and its LM head over the draft
   vocabulary; while it trains (during the policy update and after the
-  refit) also the verifier's embedding in bf16, as rank 0 sends it, and
-  the draft vocabulary's N rows of its LM head (``rayspec/draft/
+  refit) also the verifier's embedding in bf16 and the draft
+  vocabulary's N rows of its LM head, as rank 0 sends them (``rayspec/draft/
   trainer.py``; the loss casts 8192 rows at a time to fp32,
   ``loss.TARGET_ROWS``), and the target logits of a batch (tokens x N,
   fp32, twice: logits and softmax), given back after. The Train ranks
@@ -54,7 +54,9 @@ Host memory is summed as if everything were held at once (the policy's
 load at start: the memory-mapped checkpoint, shared by a node's ranks,
 and a copy per rank where they train in another dtype, but under ZeRO-3;
 and the driver's read of the tensors a new draft head starts from; all
-over before states are offloaded): an upper bound.
+over before states are offloaded; rank 0's host copy of what the
+DraftTrainer takes of the verifier, and the DraftTrainer's fetched one):
+an upper bound.
 
 **CPU roles** (``cpu_plan``): every role lives in host memory, so the plan
 is one node's host memory per phase. The terms are the same byte counts
@@ -252,6 +254,14 @@ def _draft_logits(head: ModelShape, h: int, tokens: int) -> list[Term]:
 NORMALIZERS = "normalisers of all V (fp32 blocks)"
 
 
+def _verifier_sent(shape: ModelShape, head: ModelShape) -> float:
+    """Bytes rank 0 sends the DraftTrainer each step it trains
+    (``rayspec.train.policy.verifier_output_weights``): the embedding and
+    the draft rows of the LM head in bf16; tied, the embedding alone."""
+    h = shape.hidden_size
+    return 2 * (shape.vocab_size * h + (0 if shape.tied_embeddings else head.lm_head_params))
+
+
 def _normalizer_bytes(h: int, tokens: int) -> int:
     """A Train rank's fp32 memory for ``loss.verifier_normalizers``: the
     masked hidden states and two [tokens, TARGET_ROWS] blocks (the logits
@@ -409,6 +419,9 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
     host.append(Term("Ray", "object store", float(cfg.ray.object_store_memory)))
     if not device_gather:  # the sender keeps the newest policy for replicas that catch up (rayspec.sync)
         host.append(Term("Train workers", "rank 0: the newest refit (host copy)", weights))
+    if draft_online(cfg):  # rank 0's host copy, put; the DraftTrainer's, fetched
+        host.append(Term("DraftTrainer", "what rank 0 sends of the verifier (bf16, x2)",
+                         2 * _verifier_sent(shape, head)))
     if draft_online(cfg) and not cfg.rollout.speculative_config.model:
         # a new head reads only these (rayspec.draft.eagle3.head_init_tensors), fp32
         host.append(Term("driver", "policy tensors a new draft head starts from (start)",
@@ -514,11 +527,9 @@ def cpu_plan(cfg, shape: ModelShape, host_bytes: float, nodes: int = 1,
                  Term("DraftTrainer", "draft LM head (fp32)", 4 * head.lm_head_params),
                  Term("DraftTrainer", "process (measured)", DRAFT_CPU_RUNTIME),
                  Term("replicas", "draft head", replicas * rdt * head.total_params)]
-        # a CPU DraftTrainer fetches both layers whole into its heap, trimmed when train returns
-        draft_training = [Term("DraftTrainer", "verifier embedding + LM head (bf16, fetched)", 2 * 2 * v * h)]
-        if head.lm_head_params < v * h:
-            draft_training.append(Term("DraftTrainer", "draft rows of the LM head (bf16)", 2 * head.lm_head_params))
-        draft_training += _draft_logits(head, h, tokens)
+        # a CPU DraftTrainer fetches them into its heap, trimmed when train returns
+        draft_training = [Term("DraftTrainer", "verifier embedding + draft rows of LM head (bf16, fetched)",
+                               2 * (v * h + head.lm_head_params))] + _draft_logits(head, h, tokens)
         update.append(Term("Train workers", NORMALIZERS, ranks * _normalizer_bytes(h, tokens)))
     base = common + replica + train + draft
     phases = {"rollout": base, "policy update": base + update + draft_training,

@@ -236,14 +236,25 @@ def _gathered(engine, params: list[torch.Tensor]):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
-def verifier_output_weights(engine, rank: int) -> dict[str, torch.Tensor] | None:
-    """The verifier's embedding and output layer [V, H] (bf16, host copies) on
-    rank 0, for draft training (the head shares the embedding and learns the
-    verifier's next-token distribution). Collective under ZeRO-3."""
+def verifier_output_weights(engine, rank: int, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
+    """What the DraftTrainer needs of the verifier, on rank 0 (None on the
+    others): ``embed``, its embedding [V, H] (the head embeds any token),
+    and ``lm_head_rows``, the rows ``rows`` [N] (int64 token ids, the draft
+    vocabulary in draft order: ``Eagle3Head.draft_ids``) of its output layer,
+    [N, H] (the whole layer [V, H] where ``rows`` is None); bf16 host
+    copies. Only the draft rows cross: the Train ranks already took the
+    whole vocabulary's share of the targets (``loss.verifier_normalizers``).
+    With tied embeddings the output layer is ``embed``, already sent: no
+    ``lm_head_rows``. Collective under ZeRO-3."""
     module = engine.module
     params = [module.model.embed_tokens.weight, module.lm_head.weight]
     with _gathered(engine, params):
-        return to_host({"embed": params[0], "lm_head": params[1]}, torch.bfloat16) if rank == 0 else None
+        if rank != 0:
+            return None
+        out = {"embed": params[0]}
+        if params[1] is not params[0]:
+            out["lm_head_rows"] = params[1] if rows is None else params[1][rows.to(params[1].device)]
+        return to_host(out, torch.bfloat16)
 
 
 class PolicyWorker:
@@ -351,10 +362,11 @@ class PolicyWorker:
         self.source.done()
         self.release()
 
-    def output_weights(self) -> dict[str, torch.Tensor] | None:
-        """The verifier's embedding and output layer on rank 0 (collective under ZeRO-3)."""
+    def output_weights(self, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
+        """``verifier_output_weights``: the embedding and the output layer's
+        ``rows`` on rank 0 (collective under ZeRO-3)."""
         self._reload()
-        return verifier_output_weights(self.engine, self.ranks.rank)
+        return verifier_output_weights(self.engine, self.ranks.rank, rows)
 
     def barrier(self, refs: list) -> None:
         """Wait for every rank; ``refs`` (this rank's feature ObjectRefs, owned
