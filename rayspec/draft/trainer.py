@@ -224,9 +224,10 @@ class DraftTrainer:
                 layer's rows of this head's draft vocabulary
                 (``draft_ids``), bf16; without ``lm_head_rows`` (tied
                 embeddings) the rows are taken from ``embed``.
-            steps: optimizer steps, one feature chunk (micro-batch) each: this
-                step's chunks first, in arrival order, then replayed ones
-                (older steps' shuffled, then this step's), cycling.
+            steps: optimizer steps, one feature chunk (micro-batch) each:
+                this step's chunks first, in the step's order (the indices
+                of ``submit_features``), then replayed ones (older steps'
+                shuffled, then this step's), cycling.
             expect: chunks this RL step delivers (all ranks' micro-batches);
                 the call waits for them as they arrive, so it can start before
                 the policy update. None: the chunks queued so far.
