@@ -54,21 +54,6 @@ class NullDraft:
     def start(self, policy, shard) -> Optional[FeatureSink]:
         return None
 
-    def _draft_ids(self):
-        """Rank 0: the head's draft vocabulary (``DraftTrainer.draft_ids``),
-        the output-layer rows it trains with; asked once, since it is
-        ``head_dir``'s for the whole run, restarts and restores included.
-        None elsewhere, or where the DraftTrainer died before answering
-        (the step's ``train`` call then fails alike, and ``finish`` says so)."""
-        if not self.ranks.is_driver:
-            return None
-        if self._ids is None:
-            try:
-                self._ids = (ray.get(self.actor.draft_ids.remote()),)
-            except ray.exceptions.RayActorError:
-                return None
-        return self._ids[0]
-
     def finish(self) -> dict[str, Any]:
         return {}
 
@@ -147,7 +132,7 @@ class DraftClient(NullDraft):
         self._training = False  # this step trains the head
         self._alive_at_start = True  # rank 0: the DraftTrainer was alive when the step began
         self._call = None  # rank 0: the step's DraftTrainer.train call
-        self._ids = None  # rank 0: (DraftTrainer.draft_ids(),) once asked
+        self._ids = None  # rank 0: (DraftTrainer.draft_ids(),) once asked (_check_incarnation)
 
     def connect(self) -> None:
         """Rank 0, as the Train workers start: note the DraftTrainer's
@@ -182,6 +167,9 @@ class DraftClient(NullDraft):
                 try:
                     incarnation, _ = ray.get(self.actor.incarnation.remote(),
                                              timeout=max(0.1, deadline - time.monotonic()))
+                    if self._ids is None:  # head_dir's vocabulary: the same after a restart
+                        self._ids = (ray.get(self.actor.draft_ids.remote(),
+                                             timeout=max(0.1, deadline - time.monotonic())),)
                     break
                 except ray.exceptions.ActorUnavailableError:  # restarting
                     if time.monotonic() > deadline:
@@ -249,6 +237,13 @@ class DraftClient(NullDraft):
             self._call = self.actor.train.remote(ray.put(verifier), self.steps_per_rl_step,
                                                  expect=policy.feature_chunks(shard))
         return FeatureSink(self.actor, self.aux_layer_ids)
+
+    def _draft_ids(self):
+        """Rank 0: the head's draft vocabulary (``DraftTrainer.draft_ids``),
+        the output-layer rows it trains with, asked with its incarnation at
+        the first step that reached it (a step trains only then); None on
+        the other ranks."""
+        return self._ids[0] if self.ranks.is_driver else None
 
     def finish(self) -> dict[str, Any]:
         """Rank 0: wait for the step's training; returns its result ({} where
