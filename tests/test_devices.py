@@ -192,17 +192,21 @@ def test_draft_trainer_trains_on_its_device_and_returns_host_tensors(head_dir, c
                          device="meta")
     assert all(p.is_meta for p in draft.head.parameters())
     H, V = draft.head.cfg["hidden_size"], draft.head.cfg["vocab_size"]
-    draft.submit_features([{"input_ids": torch.zeros(2, 5, dtype=torch.long),
-                            "aux_hidden": torch.zeros(2, 5, 3 * H, dtype=torch.bfloat16),
-                            "final_hidden": torch.zeros(2, 5, H, dtype=torch.bfloat16),
-                            "loss_mask": torch.zeros(2, 4), "target_lse": torch.zeros(2, 5, 1),
-                            "target_top": torch.zeros(2, 5, dtype=torch.long),
-                            "target_temperatures": torch.ones(1)}])
+    chunk = {"input_ids": torch.zeros(2, 5, dtype=torch.long),
+             "aux_hidden": torch.zeros(2, 5, 3 * H, dtype=torch.bfloat16),
+             "final_hidden": torch.zeros(2, 5, H, dtype=torch.bfloat16),
+             "loss_mask": torch.zeros(2, 4), "target_lse": torch.zeros(2, 5, 1),
+             "target_top": torch.zeros(2, 5, dtype=torch.long), "target_temperatures": torch.ones(1)}
+    draft.submit_features([chunk])
     out = draft.train({"embed": torch.zeros(V, H, dtype=torch.bfloat16),
                        "lm_head_rows": torch.zeros(V, H, dtype=torch.bfloat16)}, steps=2, expect=1)
 
     assert out["draft_version"] == 1
     assert loss_inputs and set(loss_inputs) == {"meta"}
+    draft.submit_features([chunk])  # tied embeddings: the rows come from the embedding, on the device
+    loss_inputs.clear()
+    assert draft.train({"embed": torch.zeros(V, H, dtype=torch.bfloat16)}, steps=1, expect=1)["draft_version"] == 2
+    assert loss_inputs and set(loss_inputs) == {"meta"} and draft.head.lm_head.weight.is_meta
     assert _on_host(draft.vllm_weights())
     tensors, _ = draft.get_state()
     assert _on_host(tensors) and any(k.startswith("opt.") for k in tensors)

@@ -232,18 +232,12 @@ class DraftClient(NullDraft):
         features go, or None where the head does not train this step."""
         if not self._training:
             return None
-        verifier = policy.output_weights(self._draft_ids())
+        # rank 0: the draft vocabulary's rows (asked with the incarnation, _check_incarnation)
+        verifier = policy.output_weights(self._ids[0] if self.ranks.is_driver else None)
         if self.ranks.is_driver:
             self._call = self.actor.train.remote(ray.put(verifier), self.steps_per_rl_step,
                                                  expect=policy.feature_chunks(shard))
         return FeatureSink(self.actor, self.aux_layer_ids)
-
-    def _draft_ids(self):
-        """Rank 0: the head's draft vocabulary (``DraftTrainer.draft_ids``),
-        the output-layer rows it trains with, asked with its incarnation at
-        the first step that reached it (a step trains only then); None on
-        the other ranks."""
-        return self._ids[0] if self.ranks.is_driver else None
 
     def finish(self) -> dict[str, Any]:
         """Rank 0: wait for the step's training; returns its result ({} where

@@ -281,12 +281,12 @@ class DraftTrainer:
         # the loss casts rows to the head's fp32 as it uses them. Of the output
         # layer only the draft vocabulary's rows: the Train ranks computed the
         # rest's share of the targets (loss.verifier_normalizers)
-        rows = ver["lm_head_rows"] if "lm_head_rows" in ver else self.head.draft_rows(ver["embed"])
-        if rows.shape != self.head.lm_head.weight.shape:
-            raise ValueError(f"DraftTrainer.train: lm_head_rows is {tuple(rows.shape)}, this head's "
-                             f"output layer {tuple(self.head.lm_head.weight.shape)} (the rows of draft_ids())")
         embed = ver["embed"].to(self.device)
-        out_rows = rows.to(self.device)
+        # tied embeddings: the output layer is the embedding, sent once; its rows are taken on the device
+        out_rows = ver["lm_head_rows"].to(self.device) if "lm_head_rows" in ver else self.head.draft_rows(embed)
+        if out_rows.shape != self.head.lm_head.weight.shape:
+            raise ValueError(f"DraftTrainer.train: lm_head_rows is {tuple(out_rows.shape)}, this head's "
+                             f"output layer {tuple(self.head.lm_head.weight.shape)} (the rows of draft_ids())")
         self.head.set_output_rows(out_rows)
         del ver
         chunks = _StepChunks(pending, timeout_s)
