@@ -145,7 +145,7 @@ def estimate_pairs(records: list[dict]) -> list[dict]:
     replay by share of the rollout in flight): the estimate over the batch
     sizes where the step's schedule drafted, as the controller weighs it
     (``AdaptiveK.rates_where``)."""
-    from rayspec.rollout.adaptive import AdaptiveK, StepCost
+    from rayspec.rollout.adaptive import AdaptiveK
 
     out = []
     for r in records:
@@ -156,8 +156,8 @@ def estimate_pairs(records: list[dict]) -> list[dict]:
             reps = list(r.get("replicas", {}).values())
             if r.get("draft_acceptance_by_share") and len(reps) == 1 and reps[0].get("k_schedule"):
                 lens = r["response_lens"]
-                # the step cost is not read: only the rates and the rollout's shape
-                ctl = AdaptiveK(len(est), len(lens), StepCost([1], [1.0], [1.0], len(est)))
+                # no step cost: only the rates and the rollout's shape are read
+                ctl = AdaptiveK(len(est), len(lens))
                 ctl.observe(lens)
                 ctl.draft_estimated(est, r["draft_acceptance_by_share"])
                 pair["estimated_where_drafted"] = ctl.rates_where([tuple(x) for x in reps[0]["k_schedule"]])[:n]

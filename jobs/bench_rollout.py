@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                      "enable_prefix_caching": False}
     env = cpu_engine_env(args.kv_cache_gib, "all")
     rounds: list[list[dict]] = []
-    costs: dict = {}  # (method, temperature) -> calibrated step cost (adaptive), once per engine
+    costs: dict = {}  # (method, temperature) -> the step costs adaptive rollouts measured
     k_best: dict = {}  # (method, draft, temperature) -> the rollout's fixed k, chosen in round 1
     t_start = time.time()
     for r in range(args.repeats):
@@ -605,13 +605,20 @@ def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_se
         out.append(_record(method, draft, k, n, t, cell, "rollout"))
         # a fresh controller, given this draft's acceptance at this temperature
         # and the rollout's shape from the fixed-k rollout just run (rates=[]:
-        # not the warm head's recorded held-out rates)
-        costs[method, t] = engine.enable_adaptive(margin=args.adaptive_margin, cost=costs.get((method, t)),
-                                                  rates=[], temperature=t)
+        # not the warm head's recorded held-out rates), and the step costs of
+        # this method's earlier rollouts; where it lacks some, its own untimed
+        # rollouts measure them first (AdaptiveK.schedule)
+        engine.enable_adaptive(margin=args.adaptive_margin, cost=costs.get((method, t)), rates=[], temperature=t)
         engine.adaptive.update(cell.stats.accepted_per_pos, cell.stats.num_drafts, k,
                                cell.stats.output_tokens - cell.stats.num_accepted_tokens)
         engine.adaptive.observe(cell.response_lens)
-        engine.set_k_schedule(engine.adaptive.schedule())
+        for _ in range(2):
+            engine.set_k_schedule(engine.adaptive.schedule())
+            if "measuring" not in engine.adaptive.reason:
+                break
+            engine.generate(rollout_prompts, temperature=t, max_tokens=args.rollout_max_tokens)
+            engine.adaptive.observe(cell.response_lens)
+        costs[method, t] = engine.adaptive.cost
         out.append(_record("adaptive", draft, engine.adaptive.k_max, n, t,
                            _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False), "rollout",
                            k_schedule=format_schedule(engine.k_schedule), rates_used=engine.adaptive.rates[:]))

@@ -410,7 +410,7 @@ def check_adaptive_k(report: Report, models: dict[str, Path], async_scheduling: 
                                                   "model": str(models["tiny_head"])},
                             dtype="bfloat16",
                             engine_kwargs={**_engine_kwargs(0.3), "async_scheduling": async_scheduling},
-                            adaptive_k={"calibration_tokens": 8})
+                            adaptive_k={})
     try:
         prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
         got = []
@@ -441,7 +441,7 @@ def check_suffix(report: Report, models: dict[str, Path]) -> None:
     finally:
         plain.shutdown()
     engine = SpecVLLMEngine(str(models["tiny"]), {"method": "suffix", "num_speculative_tokens": 8},
-                            dtype="float32", engine_kwargs=_engine_kwargs(0.3), adaptive_k={"calibration_tokens": 8})
+                            dtype="float32", engine_kwargs=_engine_kwargs(0.3), adaptive_k={})
     try:
         got, same = [], True
         for k in (8, 2, 0):

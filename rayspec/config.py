@@ -300,40 +300,28 @@ class AdaptiveKConfig:
             where there are some.
         margin: speculate only where the predicted throughput beats plain
             decoding by this factor.
-        calibration_tokens: new tokens per calibration run when a replica
-            starts (it times plain and k-draft steps at batch sizes 1, 4,
-            16, ... up to the smaller of max_num_seqs and the most sequences
-            one rollout or evaluation gives a replica,
-            ``rollout.serve.largest_shard``).
-        calibration_rounds: timings per step kind and batch size, of which
-            the calibration takes the median (one timing let a noisy start
-            draft where drafting loses; each round took 50 s with
-            SmolLM2-135M, max_num_seqs 64, on 2 CPU cores).
         probe_every: while no k pays, a draft refit is tried at one
             sequence in flight every this many refits (each try keeps the
             drafter's KV in sync for a whole rollout); not where the
             DraftTrainer estimates each refit's acceptance (online EAGLE-3),
             which decides instead.
-        cache_calibration: keep the calibrated step costs in
-            ``<model.cache_dir>/calibration``, keyed by the machine, the
-            model's and the draft's shapes, the dtype and the engine
-            settings, so a later run with the same key starts without
-            calibrating (false: every replica calibrates).
+        cache_step_costs: keep the step costs each replica measures in its
+            rollouts in ``<model.cache_dir>/step_costs``, keyed by the
+            machine, the model's and the draft's shapes, the dtype, the
+            engine settings and the temperature, so a later run with the
+            same key starts from them instead of measuring them in its first
+            rollouts (false: every replica starts without).
     """
 
     enabled: bool = False
     margin: float = 1.05
-    calibration_tokens: int = 16
-    calibration_rounds: int = 3
     probe_every: int = 4
-    cache_calibration: bool = True
+    cache_step_costs: bool = True
 
     def validate(self, key: str = "rollout.adaptive_k") -> None:
         if not self.enabled:
             return
         _check(self.margin > 0, f"{key}.margin", self.margin, "must be > 0")
-        _check(self.calibration_tokens >= 2, f"{key}.calibration_tokens", self.calibration_tokens, "must be >= 2")
-        _check(self.calibration_rounds >= 1, f"{key}.calibration_rounds", self.calibration_rounds, "must be >= 1")
         _check(self.probe_every >= 1, f"{key}.probe_every", self.probe_every, "must be >= 1")
 
 

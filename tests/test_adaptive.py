@@ -3,6 +3,7 @@ step cost, and switching k in a running vLLM engine."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -10,14 +11,21 @@ import pytest
 from rayspec.draft.eagle3 import init_head, save_head
 from rayspec.models import load_policy
 from rayspec.models.acceptance import read_acceptance, write_acceptance
-from rayspec.rollout.adaptive import (AdaptiveK, StepCost, expected_tokens, format_schedule, geometric_rate,
-                                      parse_schedule, physical_limit, uniform)
+from rayspec.rollout.adaptive import (AdaptiveK, StepCost, StepTimes, expected_tokens, format_schedule,
+                                      geometric_rate, parse_schedule, physical_limit, uniform)
 from tests.conftest import copy_model_dir, engine_kwargs
+
+
+def grid(bs, k, plain=None, spec=None, sync=None, spec1=None) -> StepCost:
+    """A StepCost measured at batch sizes ``bs``: plain steps, k-draft steps,
+    sync steps and 1-draft steps (None: not measured)."""
+    kinds = {"plain": plain, str(k): spec, "sync": sync, "1": spec1}
+    return StepCost(k, {kind: [[b, t] for b, t in zip(bs, ts)] for kind, ts in kinds.items() if ts})
+
 
 # Step seconds shaped like SmolLM2 on 2 CPU cores (DESIGN.md): a k=3 step costs
 # ~1.45x a plain one at 1 sequence and ~3x at 64.
-CPU_COST = StepCost(concurrency=[1, 8, 64], plain_s=[0.020, 0.030, 0.100],
-                    spec_s=[0.029, 0.075, 0.300], k=3)
+CPU_COST = grid([1, 8, 64], 3, plain=[0.020, 0.030, 0.100], spec=[0.029, 0.075, 0.300])
 
 
 def test_adaptive_engines_get_a_schedule_the_v1_runner_and_no_async_scheduling_unless_asked():
@@ -48,14 +56,46 @@ def test_step_cost_interpolates_in_log_batch_and_linearly_in_k():
     assert CPU_COST.seconds(1, 0) == pytest.approx(0.020)
     assert CPU_COST.seconds(8, 3) == pytest.approx(0.075)
     assert CPU_COST.seconds(8, 1) == pytest.approx(0.030 + 0.045 / 3)
-    assert 0.030 < CPU_COST.seconds(20, 0) < 0.100
+    assert CPU_COST.seconds(16, 0) == pytest.approx(0.030 + 0.070 / 3)  # a third of the way from 8 to 64 in log b
     assert CPU_COST.seconds(128, 0) == pytest.approx(0.200)  # past the last point: per sequence
     assert CPU_COST.cost_ratio(1) == pytest.approx(0.15)
-    # with a k = 1 calibration: linear from plain to it, then from it to k = K
-    kinked = StepCost(CPU_COST.concurrency, CPU_COST.plain_s, CPU_COST.spec_s, 3, spec1_s=[0.024, 0.050, 0.200])
+    # with 1-draft steps measured: linear from plain to them, then from them to k = K
+    kinked = grid([1, 8, 64], 3, plain=[0.020, 0.030, 0.100], spec=[0.029, 0.075, 0.300],
+                  spec1=[0.024, 0.050, 0.200])
     assert kinked.seconds(8, 0) == pytest.approx(0.030) and kinked.seconds(8, 1) == pytest.approx(0.050)
     assert kinked.seconds(8, 2) == pytest.approx(0.0625) and kinked.seconds(8, 3) == pytest.approx(0.075)
-    assert StepCost([1], [0.02], [0.03], 1, spec1_s=[0.05]).seconds(1, 1) == pytest.approx(0.03)  # K = 1: spec_s
+    # only 1-draft steps measured: k = 3 on the line from plain through them
+    low = grid([1, 8], 3, plain=[0.02, 0.03], spec1=[0.03, 0.05])
+    assert low.known(3) and low.seconds(8, 3) == pytest.approx(0.03 + 3 * 0.02)
+    # no plain steps yet: only the k measured is known; no drafting steps: only k = 0
+    assert not grid([1], 3, spec=[0.03]).known(0) and grid([1], 3, spec=[0.03]).known(3)
+    assert not grid([1], 3, spec=[0.03]).known(1)
+    assert not grid([1], 3, plain=[0.03]).known(2) and not StepCost(3).known(0)
+    with pytest.raises(KeyError):
+        grid([1], 3, plain=[0.03]).seconds(1, 2)
+    # a sync step not yet measured: plain plus half a draft's extra cost per draft
+    assert CPU_COST.sync_seconds(1) == pytest.approx(0.020 + 0.009 / 6)
+
+
+def test_step_times_keep_medians_per_kind_and_batch_bucket():
+    """Each rollout's decode steps land in power-of-two buckets of batch
+    size per kind; the cost is the median of each bucket (a slow step does
+    not move it), the window keeps the newest, and a prior (an earlier run's
+    costs) counts as one step per point."""
+    times = StepTimes(3, window=4)
+    for b, t in [(31, 0.10), (30, 0.09), (28, 0.50), (17, 0.08), (1, 0.02), (1, 0.021)]:
+        times.add("plain", b, t)
+    times.add("3", 2, 0.05)
+    cost = times.cost()
+    assert cost.curves["plain"] == [[1, pytest.approx(0.0205)], [29, pytest.approx(0.095)]]
+    assert cost.curves["3"] == [[2, 0.05]] and len(times) == 7
+    for _ in range(4):  # the window: the 4 newest of a bucket
+        times.add("3", 3, 0.07)
+    assert times.cost().curves["3"] == [[3, 0.07]]
+    again = StepTimes(3, prior=cost)
+    assert again.cost() == cost
+    again.add("plain", 1, 0.03)
+    assert again.cost().curves["plain"][0] == [1, pytest.approx((0.0205 + 0.03) / 2)]
 
 
 def test_good_draft_speculates_in_the_tail_only_and_bad_draft_never():
@@ -77,8 +117,9 @@ def test_good_draft_speculates_in_the_tail_only_and_bad_draft_never():
 
 def test_a_match_drafter_is_judged_by_the_share_of_steps_it_drafts_on():
     """n-gram and suffix draft only where their match does: a step then emits
-    1 + f (E(k) - 1) tokens and costs t(b, 0) + f (t(b, k) - t(b, 0)), so
-    the fixed margin over plain decoding takes more per draft when f is small."""
+    1 + f (E(k) - 1) tokens for its measured cost t(b, k) (that of the
+    drafts the matches made), so the fixed margin over plain decoding takes
+    more per draft when f is small."""
     every = AdaptiveK(k_max=3, max_num_seqs=64, cost=CPU_COST, match_drafter=True)
     every.update([600, 400, 250], num_drafts=1000, positions=3, sequence_steps=1000)
     assert every.draft_fraction == 1.0 and format_schedule(every.schedule()) == "1:3 2:2 3-8:1 9-64:0"
@@ -89,12 +130,11 @@ def test_a_match_drafter_is_judged_by_the_share_of_steps_it_drafts_on():
     rare.update([600, 400, 250], num_drafts=1000, positions=3, sequence_steps=10000)
     assert rare.draft_fraction == pytest.approx(0.1)  # the first measurement, not averaged with the prior 1
     sched = {b: rare.best_k(b) for b in range(1, 65)}
-    assert sched[1] == 3 and sched[8] == 0  # at 8 sequences 1 + 0.1 * 0.6 tokens no longer repay the margin
+    assert sched[8] == 0 and sum(sched.values()) < sum(every.best_k(b) for b in range(1, 65))
     f, t = rare.draft_fraction, CPU_COST.seconds
     for b, k in sched.items():
         if k:
-            gain = (1 + f * (expected_tokens(rare.rates, k) - 1)) / (t(b, 0) + f * (t(b, k) - t(b, 0)))
-            assert gain >= rare.margin / t(b, 0)
+            assert (1 + f * (expected_tokens(rare.rates, k) - 1)) / t(b, k) >= rare.margin / t(b, 0)
     rare.update([600, 400, 250], num_drafts=1000, positions=3, sequence_steps=5000)
     assert rare.draft_fraction == pytest.approx(0.5 * 0.1 + 0.5 * 0.2)
     rare.observe([100] * 15 + [512])  # 16 sequences for 100 tokens, then 1 for 412
@@ -129,8 +169,8 @@ def test_rollout_shape_decides_whether_a_tail_schedule_pays():
     """Drafting in the tail keeps the drafter in sync at every batch size:
     kept when the rollout spends long enough in the tail, dropped when the
     tail is too short to repay the sync cost of the full batch."""
-    cost = StepCost(CPU_COST.concurrency, CPU_COST.plain_s, CPU_COST.spec_s, 3,
-                    sync_s=[0.022, 0.032, 0.104])
+    cost = grid([1, 8, 64], 3, plain=[0.020, 0.030, 0.100], spec=[0.029, 0.075, 0.300],
+                sync=[0.022, 0.032, 0.104])
     ctl = AdaptiveK(k_max=3, max_num_seqs=64, cost=cost)
     ctl.update([600, 400, 250], num_drafts=1000, positions=3)
     tail = ctl.schedule()
@@ -154,8 +194,8 @@ def test_a_sync_step_timed_below_a_plain_one_does_not_keep_a_tail_schedule():
     16 sequences. Taken as measured, the shape rule kept drafting at 1-3
     sequences in a rollout whose 16 sequences all but 3 ran to 128 tokens:
     no tail to draft in, only the sync forward to pay."""
-    cost = StepCost([1, 4, 16], plain_s=[0.0694, 0.0763, 0.1130], spec_s=[0.0995, 0.1399, 0.2701], k=3,
-                    sync_s=[0.0722, 0.0730, 0.1039], spec1_s=[0.0821, 0.1117, 0.1652])
+    cost = grid([1, 4, 16], 3, plain=[0.0694, 0.0763, 0.1130], spec=[0.0995, 0.1399, 0.2701],
+                sync=[0.0722, 0.0730, 0.1039], spec1=[0.0821, 0.1117, 0.1652])
     assert cost.sync_seconds(16) == cost.seconds(16, 0)  # at least a plain step
     assert cost.sync_seconds(1) == pytest.approx(0.0722)  # above it: as measured
     ctl = AdaptiveK(k_max=3, max_num_seqs=64, cost=cost, rates=[0.482, 0.247, 0.125])
@@ -257,126 +297,80 @@ def test_a_rollout_weighs_by_its_drafts():
     assert many.rates == pytest.approx([0.35, 0.135, 0.0575])  # from 16 drafts on: ema
 
 
-def test_calibration_prefills_every_timed_run_from_an_empty_prefix_cache():
-    """A step's seconds are (long run - 1-token run) / steps, so both runs
-    must pay the same prefill: with the prefix cache on, the calibration
-    prompt repeats and every run after the first would hit the cache, so the
-    subtraction took a prefill off steps that never paid it (SmolLM2 on 2
-    CPU cores: plain steps of 21 and 23 ms at 1 and 4 sequences, where 26
-    and 29 ms were timed on distinct prompts). Each configuration runs once
-    untimed first."""
+def test_the_controller_measures_what_it_lacks_first_and_says_why():
+    """No step is timed before the rollouts: with no acceptance rates, or no
+    k_max-draft step measured, a rollout drafts k_max everywhere; with no
+    plain step measured, nothing; then it chooses, and ``reason`` says why
+    in the step line's words."""
+    ctl = AdaptiveK(k_max=3, max_num_seqs=64)
+    assert ctl.schedule() == uniform(3, 64) and ctl.reason == "k 3: measuring the draft's acceptance"
+    ctl.update([600, 400, 250], num_drafts=1000, positions=3)
+    assert ctl.schedule() == uniform(3, 64) and ctl.reason == "k 3: measuring a 3-draft step's cost"
+    ctl.cost = grid([1, 8, 64], 3, spec=[0.029, 0.075, 0.300])
+    assert ctl.schedule() == uniform(0, 64) and ctl.reason == "k 0: measuring a plain step's cost"
+    ctl.cost = CPU_COST
+    assert format_schedule(ctl.schedule()) == "1:3 2:2 3-8:1 9-64:0"
+    # the widest range that drafts: a 1-draft step at 8 sequences costs 1.5x plain for 1.6 tokens
+    assert ctl.reason == "k 1 at 3-8 seqs: a step costs 1.50x plain; draft 1.60 tok/step > 1.58"
+    ctl.update([0, 0, 0], num_drafts=100000, positions=3)
+    ctl.rates = [0.1, 0.02, 0.0]
+    assert ctl.schedule() == uniform(0, 64)
+    # at one sequence the best k is 1: 1.1 tokens for 0.020 + 0.003 s
+    assert ctl.reason == "k 0: at 1 seq a 1-draft step costs 1.15x plain; draft 1.10 tok/step < 1.21"
+    ctl.probe = True
+    assert ctl.schedule() == [(1, 1, 3), (2, 64, 0)] and ctl.reason.startswith("k 3 at 1 seq: probing the new draft")
+
+
+def test_a_replica_times_its_rollouts_decode_steps_by_kind_and_keeps_them_by_key(tmp_path, tiny_llama_dir):
+    """After each ``generate`` at the rollouts' temperature the replica folds
+    vLLM's per-step stats into its step costs: decode steps only, each of
+    the kind its batch size's k made it, with its share of the call's time
+    outside the timed model execution; the costs are kept under a key
+    (machine, shapes, dtype, engine settings, temperature) that a later
+    engine with the same key starts from."""
     import threading
 
     from rayspec.rollout.engine import SpecVLLMEngine
-
-    calls = []
-
-    class LLM:
-        def reset_prefix_cache(self):
-            calls.append("reset")
-
-        def generate(self, prompts, params, use_tqdm):
-            calls.append((len(prompts), params.max_tokens))
-            sampled.append((params.temperature, params.logprobs))
-
-        def get_metrics(self):
-            return []
-
-    eng = object.__new__(SpecVLLMEngine)
-    eng.__dict__.update(llm=LLM(), max_num_seqs=4, _asleep=set(), _discarded=False, _lock=threading.Lock(), _busy=[],
-                        _busy_since=None)
-    schedules = []
-    eng.set_k_schedule = lambda schedule, drafter_idle=None: schedules.append((schedule[0][2], drafter_idle))
-    sampled = []
-    cost = eng.calibrate(3, concurrencies=[1, 4], tokens=8, temperature=0.7, rounds=1)
-    # timed as rollouts sample: at their temperature, with logprobs (vLLM's
-    # random rejection path and logprobs over every verified position)
-    assert set(sampled) == {(0.7, 0)}
-    assert schedules == [(0, None), (0, False), (1, None), (3, None)] * 3
-    runs = [c for c in calls if c != "reset"]
-    assert runs == [(1, 8)] * 4 + [(1, 1), (1, 8)] * 4 + [(4, 1), (4, 8)] * 4
-    assert calls == [x for r in runs for x in ("reset", r)]  # a reset before every run
-    assert cost.concurrency == [1, 4] and len(cost.plain_s) == len(cost.spec1_s) == 2
-    eng.__dict__.pop("llm")
-
-
-def test_calibration_keeps_the_median_of_rounds_in_alternating_order(monkeypatch):
-    """Each step kind is timed ``rounds`` times at each batch size, the kinds
-    in reverse order every other round, and the median is kept: a timing
-    slowed by another process (here 10x, the second round's k = 3 run at 4
-    sequences) does not move the cost, where a single timing or a mean
-    would have put k = 3 at 4 sequences at 3.2x or 4x its cost."""
-    import threading
-    from types import SimpleNamespace
-
-    from rayspec.rollout import engine as engine_mod
-    from rayspec.rollout.engine import SpecVLLMEngine
-
-    step_s = {(0, None): 0.010, (0, False): 0.011, (1, None): 0.015, (3, None): 0.025}
-    clock, state, timed = [0.0], {}, []
-
-    class LLM:
-        def reset_prefix_cache(self):
-            pass
-
-        def get_metrics(self):
-            return []
-
-        def generate(self, prompts, params, use_tqdm):
-            b, n, kind = len(prompts), params.max_tokens, (state["k"], state["idle"])
-            if n > 1:
-                timed.append((b, kind))
-            slow = 10.0 if n > 1 and (b, kind) == (4, (3, None)) and timed.count((4, (3, None))) == 2 else 1.0
-            clock[0] += 0.1 * b + (n - 1) * step_s[kind] * slow  # prefill, then the steps
-
-    monkeypatch.setattr(engine_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0], time=lambda: 0.0))
-    eng = object.__new__(SpecVLLMEngine)
-    eng.__dict__.update(llm=LLM(), max_num_seqs=4, _asleep=set(), _discarded=False, _lock=threading.Lock(), _busy=[],
-                        _busy_since=None)
-    eng.set_k_schedule = lambda schedule, drafter_idle=None: state.update(k=schedule[0][2], idle=drafter_idle)
-    cost = eng.calibrate(3, concurrencies=[1, 4], tokens=8, rounds=3)
-    kinds = list(step_s)
-    assert [kind for b, kind in timed[4:]] == kinds + kinds + kinds[::-1] * 2 + kinds * 2  # after the warm-up
-    assert cost.plain_s == pytest.approx([0.010] * 2) and cost.sync_s == pytest.approx([0.011] * 2)
-    assert cost.spec1_s == pytest.approx([0.015] * 2) and cost.spec_s == pytest.approx([0.025] * 2)
-    with pytest.raises(ValueError, match="rounds must be >= 1"):
-        eng.calibrate(3, rounds=0)
-    eng.__dict__.pop("llm")
-
-
-def test_calibration_is_kept_by_its_key_and_read_back_instead_of_timed_again(tmp_path, tiny_llama_dir, monkeypatch):
-    """``enable_adaptive(calibration_cache=DIR)`` times the steps once per
-    key (machine, model and draft shapes, dtype, engine settings, the
-    calibration's arguments), keeps them in DIR, and an engine with the same
-    key reads them back; another dtype or another calibration is timed anew."""
-    import threading
-
-    from rayspec.rollout.engine import SpecVLLMEngine
-
-    timed = []
+    from rayspec.rollout.vllm.step_timer import EngineStep, StepTimer
 
     def engine(dtype="float32"):
         eng = object.__new__(SpecVLLMEngine)
         eng.__dict__.update(max_num_seqs=4, _model=str(tiny_llama_dir), _dtype=dtype, _threads="0-1",
-                            _engine_kwargs={"max_num_seqs": 4}, _lock=threading.Lock(),
+                            _engine_kwargs={"max_num_seqs": 4}, _lock=threading.Lock(), _step_timer=StepTimer(),
                             speculative_config={"method": "eagle3", "num_speculative_tokens": 3})
-        eng.set_k_schedule = lambda schedule, drafter_idle=None: None
-        eng.calibrate = lambda k, **kw: timed.append(kw) or StepCost(kw["concurrencies"], [0.01, 0.02],
-                                                                      [0.02, 0.05], k)
+        eng.set_k_schedule = lambda schedule, drafter_idle=None: setattr(eng, "k_schedule", schedule)
+        eng.enable_adaptive(rates=[0.5], temperature=1.0, cost_cache=str(tmp_path))
         return eng
 
-    first = engine().enable_adaptive(rates=[0.5], calibration_cache=str(tmp_path), max_batch=4)
-    assert len(timed) == 1 and first.concurrency == [1, 4] and len(list(tmp_path.glob("*.json"))) == 1
-    assert engine().enable_adaptive(rates=[0.5], calibration_cache=str(tmp_path), max_batch=4) == first
-    assert len(timed) == 1  # read back, not timed
-    engine("bfloat16").enable_adaptive(rates=[0.5], calibration_cache=str(tmp_path), max_batch=4)
-    engine().enable_adaptive(rates=[0.5], calibration_cache=str(tmp_path), max_batch=4, calibration_rounds=1)
-    engine().enable_adaptive(rates=[0.5], max_batch=4)  # no cache: always timed
-    assert len(timed) == 4 and len(list(tmp_path.glob("*.json"))) == 3
-    for f in tmp_path.glob("*.json"):
-        f.write_text("{not json")
-    engine().enable_adaptive(rates=[0.5], calibration_cache=str(tmp_path), max_batch=4)
-    assert len(timed) == 5  # an unreadable file is timed again, and replaced
+    eng = engine()
+    assert eng.k_schedule == uniform(3, 4) and not eng.adaptive.cost.known(3)
+    schedule = [(1, 2, 3), (3, 4, 0)]
+    steps = [EngineStep(4, 40, 0, 0, 0.2),  # the prefill: not a decode step
+             EngineStep(0, 0, 4, 4, 0.05), EngineStep(0, 0, 3, 3, 0.04), EngineStep(0, 0, 2, 8, 0.06),
+             EngineStep(0, 0, 1, 4, 0.03)]
+    for st in steps:
+        eng._step_timer.record(type("S", (), {"iteration_details": type("D", (), {
+            "num_ctx_requests": st.prefill_requests, "num_ctx_tokens": st.prefill_tokens,
+            "num_generation_requests": st.decode_requests, "num_generation_tokens": st.decode_tokens,
+            "elapsed_ms": st.seconds * 1000, "is_dummy": False})()})(), None)
+    eng._time_steps(schedule, 1.0, wall_s=0.38 + 0.05)  # 0.01 s a step outside the timed execution
+    cost = eng.adaptive.cost
+    # k = 0 steps where the schedule drafts elsewhere keep the drafter in sync
+    assert cost.curves == {"sync": [[3, pytest.approx(0.05)], [4, pytest.approx(0.06)]],
+                           "3": [[1, pytest.approx(0.04)], [2, pytest.approx(0.07)]]}
+    assert eng._step_timer.take() == []
+    kept = list(tmp_path.glob("*.json"))
+    assert len(kept) == 1 and StepCost(**json.loads(kept[0].read_text())) == cost
+    assert engine().adaptive.cost == cost  # the same key starts from them
+    assert engine("bfloat16").adaptive.cost == StepCost(3)  # another dtype: measured anew
+    greedy = engine()
+    greedy._step_timer.record(type("S", (), {"iteration_details": type("D", (), {
+        "num_ctx_requests": 0, "num_ctx_tokens": 0, "num_generation_requests": 1, "num_generation_tokens": 1,
+        "elapsed_ms": 99.0, "is_dummy": False})()})(), None)
+    greedy._time_steps(uniform(0, 4), 0.0, wall_s=0.1)  # not the rollouts' temperature: not timed
+    assert greedy.adaptive.cost == cost
+    kept[0].write_text("{not json")
+    assert engine().adaptive.cost == StepCost(3)  # unreadable: measured anew
 
 
 def test_acceptance_record_round_trips_and_bad_ones_name_the_file(tmp_path):
@@ -515,12 +509,19 @@ def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head, in_
     eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "eagle3", "num_speculative_tokens": 3,
                                               "model": str(tiny_head)},
                          dtype="float32", engine_kwargs=engine_kwargs(max_num_seqs=8),
-                         env=cpu_engine_env(1, "all"), adaptive_k={"calibration_tokens": 4, "max_batch": 6})
+                         env=cpu_engine_env(1, "all"), adaptive_k={"temperature": 1.0})
     try:
-        cost = eng.adaptive.cost
-        assert cost.concurrency == [1, 4, 6] and cost.k == 3  # up to max_batch, not max_num_seqs
-        assert len(cost.sync_s) == len(cost.spec1_s) == 3
-        assert all(s > 0 for s in cost.plain_s + cost.spec_s + cost.sync_s + cost.spec1_s)
+        # nothing timed at the start: the first rollout measures acceptance and a 3-draft step
+        assert eng.adaptive.cost == StepCost(3) and eng.k_schedule == [(1, 8, 3)]
+        eng.generate([[1, 2, 3, 4, 5, 6]], n=4, max_tokens=12)
+        assert eng.adaptive.cost.known(3) and not eng.adaptive.cost.known(0)
+        assert all(b in (1, 2, 3, 4) and 0 < t < 5 for b, t in eng.adaptive.cost.curves["3"])
+        assert eng.k_schedule == [(1, 8, 0)]  # then a plain step's cost
+        eng.generate([[1, 2, 3, 4, 5, 6]], n=4, max_tokens=12)
+        assert eng.adaptive.cost.known(0) and "plain" in eng.adaptive.cost.curves
+        measured = eng.adaptive.cost
+        eng.generate([[1, 2, 3, 4, 5, 6]] * 4, max_tokens=12, temperature=0.0)  # greedy: not timed
+        assert eng.adaptive.cost == measured
         prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
         rejection_calls = []
         forward = RejectionSampler.forward
@@ -537,8 +538,9 @@ def test_engine_switches_k_at_run_time_and_adapts(tiny_llama_dir, tiny_head, in_
             # the engine core runs in this process: in_process_engine_core)
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
                 assert (len(rejection_calls) > 0) == (k > 0), (k, len(rejection_calls))
-        # an untrained head accepts (almost) nothing: drafting costs more than it gives
-        eng.adaptive.cost = StepCost([1, 8], [0.01, 0.02], [0.02, 0.06], 3)
+        # an untrained head accepts (almost) nothing: drafting costs more than it
+        # gives (from here on the step costs are the test's: no call is timed)
+        eng.adaptive.cost, eng._cost_temperature = grid([1, 8], 3, plain=[0.01, 0.02], spec=[0.02, 0.06]), None
         eng.adaptive.rates = []
         eng.set_k_schedule(eng.adaptive.schedule())
         _, stats = eng.generate(prompts, n=2, max_tokens=12)

@@ -221,10 +221,6 @@ def test_draft_model_with_existing_dir(tmp_path):
      "rollout.speculative_config.model", "/nonexistent/draft"),
     (["train.num_workers=3"], "train.num_workers", "3"),  # 3 does not divide 4 * 4
     (["data.name=squad"], "data.name", "squad"),
-    (["rollout.adaptive_k.enabled=true", "rollout.adaptive_k.calibration_tokens=1"],
-     "rollout.adaptive_k.calibration_tokens", "1"),
-    (["rollout.adaptive_k.enabled=true", "rollout.adaptive_k.calibration_rounds=0"],
-     "rollout.adaptive_k.calibration_rounds", "0"),
     (["rollout.adaptive_k.enabled=true", "rollout.adaptive_k.probe_every=0"],
      "rollout.adaptive_k.probe_every", "0"),
     (["rollout.speculative_config.draft_sample_method=top1"],
@@ -252,8 +248,7 @@ def test_draft_model_with_existing_dir(tmp_path):
     (["draft.capture_share=0"], "draft.capture_share", "0"),
 ], ids=["unknown-key", "k<1", "unknown-method", "missing-model", "group-size-1", "greedy", "wrong-type",
         "draft-model-no-path", "draft-model-missing-dir", "num-workers-not-dividing",
-        "unknown-dataset", "adaptive-calibration-too-short", "adaptive-calibration-rounds-0",
-        "adaptive-probe-every-0",
+        "unknown-dataset", "adaptive-probe-every-0",
         "bad-draft-sample-method", "micro-batch-not-int", "zero-section-not-a-map", "unknown-section",
         "eval-every-negative", "eval-samples-0", "eval-problems-0", "max-operand-1", "mapping-for-a-list",
         "suffix-key-without-suffix", "suffix-min-prob-above-1", "idle-train-every-negative", "idle-train-max-every-below-it",
@@ -369,15 +364,3 @@ def test_replica_env_puts_engine_env_over_the_cpu_backend_settings():
     env = replica_env(cfg.rollout)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["NUMBA_THREADING_LAYER"] == "workqueue"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
-
-
-def test_largest_shard_is_a_rollout_or_an_evaluation_on_one_replica():
-    from rayspec.rollout.serve import largest_shard
-
-    gsm8k = CONFIG_DIR / "gsm8k.yaml"
-    # 64 held-out problems, 1 sample each, outgrow 4 prompts x 4 samples
-    assert largest_shard(load_config(gsm8k)) == 64
-    assert largest_shard(load_config(gsm8k, ["trainer.eval_every=0"])) == 16
-    # prompts split over replicas as rollout.submit splits them: 1, 2 and 1 of 4
-    assert largest_shard(load_config(gsm8k, ["trainer.eval_every=0", "rollout.num_replicas=3"])) == 8
-    assert largest_shard(load_config(gsm8k, ["rollout.num_replicas=3", "trainer.eval_samples=2"])) == 44

@@ -37,7 +37,7 @@ def _greedy_from_config(model_dir, method: str, k: int, prompts: list[list[int]]
                              f"rollout.speculative_config.num_speculative_tokens={k}"])
     spec = speculative_config_for_vllm(vars(cfg.rollout.speculative_config))
     assert spec == {"method": method, "num_speculative_tokens": k}  # no draft directory
-    adaptive = None if k_per_call == (None,) else {"calibration_tokens": 4}  # an adaptive replica
+    adaptive = None if k_per_call == (None,) else {}  # an adaptive replica
     eng = SpecVLLMEngine(str(model_dir), spec, dtype=cfg.model.dtype, engine_kwargs=engine_kwargs(max_num_seqs=4),
                          env=cpu_engine_env(1, "all"), adaptive_k=adaptive)
     calls = []

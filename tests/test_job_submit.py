@@ -118,7 +118,8 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
                     # so a step whose rollout drafts nothing skips its training
                     "draft.min_acceptance_gain=100 draft.idle_train_every=2 "
                     # no evaluation: the first generate is then step 1's rollout, with k=3 everywhere
-                    "trainer.eval_every=0 rollout.adaptive_k.enabled=true"),
+                    "trainer.eval_every=0 rollout.adaptive_k.enabled=true "
+                    f"model.cache_dir={tmp_path / 'cache'}"),
         runtime_env={"working_dir": str(REPO), "excludes": [".venv", ".git", "runs", "*.egg-info"]},
     )
     seen: dict[str, list[str]] = {}  # the latest export of each metric
@@ -159,9 +160,13 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
     replica_err = "".join(text for p in logs_dir.glob("worker-*.err")
                           if "rayspec.rollout.engine: replica " in (text := p.read_text()))
     assert re.search(r"rayspec.rollout.engine: replica \S+: vLLM 0\.\d+", replica_err), replica_err[-2000:]
-    # calibrated up to the largest rollout shard, 2 prompts x 4 samples (not max_num_seqs 64)
-    assert "rayspec.rollout.engine: adaptive k: calibrated step seconds StepCost(concurrency=[1, 4, 8]," \
-        in replica_err, replica_err[-2000:]
+    # adaptive k timed nothing before the first rollout: step 1's rollout measured the
+    # acceptance and a 3-draft step's cost, step 2's a plain step's, then it chose;
+    # the step costs are kept for the next run on this machine
+    reasons = [list(r["replicas"].values())[0]["k_reason"] for r in recs]
+    assert reasons[:2] == ["k 3: measuring the draft's acceptance", "k 0: measuring a plain step's cost"], reasons
+    assert "measuring" not in reasons[2] and reasons[2] in logs
+    assert len(list((tmp_path / "cache" / "step_costs").glob("*.json"))) == 1
 
     # the dashboard's metrics: the per-step gauges, tagged with run, method and replica
     assert set(GAUGES) <= seen.keys(), sorted(seen)

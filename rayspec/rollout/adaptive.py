@@ -42,15 +42,18 @@ draft would never be tried again; the probe costs the drafter's sync for one
 rollout and the steps run with one sequence left, where a draft token costs
 least, and it measures every position at once (a 1-token probe left the
 later positions at their old rates, which a schedule drafting fewer tokens
-never measures again). t(b, k) comes from a
-calibration on the engine itself (plain, k = 0 with the drafter in sync,
-k = 1 and k = K steps at a few concurrencies, linear in k between them,
-log-linear in b; the first draft brings the rejection sampler into the
-step, so t(b, 1) sits well above the line from plain to k = K); the rates
-are updated after every rollout. They start from the draft's held-out
-rates where ``jobs.warmstart_draft`` recorded them beside the head
-(``acceptance.json``); without them the first rollout drafts k_max at every
-batch size to measure them.
+never measures again). t(b, k) is measured on the replica's own rollouts,
+not timed before them: vLLM reports every engine step's batch and seconds
+(``rayspec.rollout.vllm.step_timer``), and ``StepTimes`` keeps the decode
+steps by kind (plain, k = 0 with the drafter in sync, k drafts) and batch
+size; between the k measured, t is linear in k. Until a choice can rest on
+measurements the controller schedules the rollout that measures what it
+lacks (``schedule``): a replica's first rollout drafts k_max everywhere
+(it measures the acceptance and a drafting step's cost), the next one
+drafts nothing (a plain step's cost). The rates are updated after every
+rollout. They start from the draft's held-out rates where
+``jobs.warmstart_draft`` recorded them beside the head
+(``acceptance.json``).
 
 A draft trained online comes with the DraftTrainer's estimate of its rates
 (``draft_estimated``): the replicas' drafting replayed on the RL step's
@@ -76,9 +79,9 @@ plugin passes it the scheduled k (``_suffix_at_scheduled_k``): the long
 tail of a rollout (few sequences left, verification nearly free) gets the
 largest budget and a full batch none where drafting does not pay there. The
 controller measures f, the share of sequence-steps that carried a draft
-where k > 0 (``draft_fraction``), and predicts a step's tokens and cost
-with it (``best_k``). Its calibration times full k-token drafts, so for
-suffix it errs towards k = 0. Their drafts are the policy's own text, so
+where k > 0 (``draft_fraction``), and predicts a step's tokens with it
+(``best_k``); the step's cost is measured with the drafts the matches
+made. Their drafts are the policy's own text, so
 for them a policy refit counts as a draft refit (``probe``).
 
 Model runners: the idle drafter and the plain sampler wrap vLLM 0.32's V1
@@ -98,6 +101,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from dataclasses import dataclass, field
 
 MATCH_DRAFTERS = ("ngram", "suffix")  # vLLM methods that draft only where their match does
@@ -153,70 +157,152 @@ def physical_limit(a: float, k: int, c: float, draft_fraction: float = 1.0) -> f
     return (1.0 + draft_fraction * (e - 1.0)) / (1.0 + k * c)
 
 
+PLAIN, SYNC = "plain", "sync"  # k = 0 steps: the drafter idle / its forward keeping its KV in sync
+
+
+def step_kind(k: int, drafter_idle: bool) -> str:
+    """The ``StepCost`` curve a decode step with k drafts per sequence
+    belongs to: ``plain`` or ``sync`` at k = 0, else k as a string."""
+    return str(k) if k > 0 else (PLAIN if drafter_idle else SYNC)
+
+
 @dataclass
 class StepCost:
-    """Measured seconds of one engine step at b sequences in flight.
+    """t(b, k): seconds of one engine decode step at b sequences in flight
+    with k drafts each, as measured on the replica's own rollouts
+    (``StepTimes.cost``).
 
     Attributes:
-        concurrency: calibrated batch sizes b, ascending.
-        plain_s: seconds of a plain decode step at each b (drafter idle).
-        spec_s: seconds of a step with k = ``k`` drafts at each b.
-        k: the speculative k calibrated.
-        sync_s: seconds of a k = 0 step whose drafter keeps its KV in sync,
-            as it must while the schedule drafts at any batch size (empty:
-            as ``plain_s``).
-        spec1_s: seconds of a step with 1 draft at each b (empty: on the
-            line from ``plain_s`` to ``spec_s``). The first draft costs more
-            than the next ones: it brings the rejection sampler and a second
-            query token per sequence into every step (measured on 2 CPU
-            cores, suffix drafts at 16 sequences: k = 1 +33% over plain,
-            k = 8 +54%, ``jobs.bench_step``).
+        k: the largest k (the engine's num_speculative_tokens).
+        curves: {kind: [[b, seconds], ...] ascending in b}; kind ``plain``
+            (k = 0, drafter idle), ``sync`` (k = 0, the drafter's forward
+            keeping its KV in sync, as it runs wherever the schedule drafts
+            at some batch size) or k as a string (``"1"`` .. ``"K"``).
+            Between two points t is linear in log b; below the first it
+            is the first; past the last it grows per sequence (the last
+            point's seconds x b / its b).
     """
 
-    concurrency: list[int]
-    plain_s: list[float]
-    spec_s: list[float]
     k: int
-    sync_s: list[float] = field(default_factory=list)
-    spec1_s: list[float] = field(default_factory=list)
+    curves: dict[str, list[list[float]]] = field(default_factory=dict)
 
-    def _interp(self, ys: list[float], b: int) -> float:
-        xs = self.concurrency
-        if b <= xs[0]:
-            return ys[0]
-        if b >= xs[-1]:  # per-sequence cost of the largest batch calibrated
-            return ys[-1] * b / xs[-1]
-        j = bisect.bisect_left(xs, b)
-        w = (math.log(b) - math.log(xs[j - 1])) / (math.log(xs[j]) - math.log(xs[j - 1]))
-        return ys[j - 1] + w * (ys[j] - ys[j - 1])
+    def _at(self, kind: str, b: int) -> float:
+        pts = self.curves[kind]
+        if b <= pts[0][0]:
+            return pts[0][1]
+        if b >= pts[-1][0]:
+            return pts[-1][1] * b / pts[-1][0]
+        j = bisect.bisect_left([x for x, _ in pts], b)
+        (b0, t0), (b1, t1) = pts[j - 1], pts[j]
+        return t0 + (t1 - t0) * math.log(b / b0) / math.log(b1 / b0)
+
+    def _drafted(self) -> list[int]:
+        return sorted(int(kind) for kind, pts in self.curves.items() if kind.isdigit() and pts)
+
+    def known(self, k: int) -> bool:
+        """Whether t(b, k) rests on measurements (``seconds``): k = 0 on
+        plain (or sync) steps; k > 0 on steps of k drafts, or on plain steps
+        and steps of some other k to interpolate or extrapolate from."""
+        plain = bool(self.curves.get(PLAIN) or self.curves.get(SYNC))
+        drafted = self._drafted()
+        return plain if k == 0 else k in drafted or (plain and bool(drafted))
 
     def seconds(self, b: int, k: int) -> float:
-        """t(b, k): linear in k between the calibrated plain, k = 1 and
-        k = K steps (plain to K without a k = 1 calibration)."""
-        t0, tk = self._interp(self.plain_s, b), self._interp(self.spec_s, b)
-        if not self.spec1_s or self.k == 1 or k == 0:
-            return t0 + (tk - t0) * k / self.k
-        t1 = self._interp(self.spec1_s, b)
-        return t1 + (tk - t1) * (k - 1) / (self.k - 1)
+        """t(b, k). k = 0: a plain step (a sync one where no plain step was
+        measured). k > 0: as measured, else linear in k between the nearest
+        measured k below (0: t(b, 0)) and above, or past the largest
+        measured one on the line from t(b, 0) through it. The first draft
+        costs more than the next ones (it brings the rejection sampler into
+        the step: measured on 2 CPU cores at 16 sequences, k = 1 +33% over
+        plain, k = 8 +54%, ``jobs.bench_step``), which the line from t(b, 0)
+        misses until a 1-draft step is measured.
+
+        Raises:
+            KeyError: t(b, k) rests on nothing measured (``known``).
+        """
+        if k == 0:
+            return self._at(PLAIN if self.curves.get(PLAIN) else SYNC, b)
+        drafted = self._drafted()
+        if k in drafted:
+            return self._at(str(k), b)
+        lo = max((m for m in drafted if m < k), default=0)
+        hi = min((m for m in drafted if m > k), default=None)
+        t0 = self.seconds(b, 0)
+        t_lo = self._at(str(lo), b) if lo else t0
+        if hi is not None:
+            return t_lo + (self._at(str(hi), b) - t_lo) * (k - lo) / (hi - lo)
+        if not lo:
+            raise KeyError(f"no step with drafts measured (k = {k})")
+        return t0 + (t_lo - t0) * k / lo
 
     def sync_seconds(self, b: int) -> float:
         """t(b, 0) with the drafter kept in sync, never below t(b, 0): the
         step runs the plain step's target forward and the drafter's forward
-        besides, so a calibration that timed it faster is noise. Taken as
-        measured, it made keeping the drafter in sync look cheaper than
-        idling it: an RL run's calibration put it at 0.104 s against 0.113 s
-        plain at 16 sequences, and the shape rule kept a schedule drafting
-        at 1-3 sequences, in rollouts whose 16 sequences mostly ran to the
-        token limit together, for a predicted 8% it did not get; its
-        rollouts ran 0.85x of plain decoding's (docs/benchmarks.md, "Adaptive
-        k's calibration")."""
+        besides, so a sync step timed faster is noise. Taken as measured, it
+        made keeping the drafter in sync look cheaper than idling it: an RL
+        run's calibration put it at 0.104 s against 0.113 s plain at 16
+        sequences, and the shape rule kept a schedule drafting at 1-3
+        sequences, in rollouts whose 16 sequences mostly ran to the token
+        limit together, for a predicted 8% it did not get; its rollouts ran
+        0.85x of plain decoding's (docs/benchmarks.md, "Adaptive k's
+        calibration"). Before a sync step is measured: t(b, 0) plus half of
+        the smallest measured m-draft step's extra cost per draft (the
+        drafter's forward without the verification), (t(b, m) - t(b, 0)) / 2m."""
         plain = self.seconds(b, 0)
-        return max(self._interp(self.sync_s, b), plain) if self.sync_s else plain
+        if self.curves.get(SYNC):
+            return max(self._at(SYNC, b), plain)
+        drafted = self._drafted()
+        return plain + max(0.0, self._at(str(drafted[0]), b) - plain) / (2 * drafted[0]) if drafted else plain
 
     def cost_ratio(self, b: int) -> float:
         """c(b): extra cost of one draft token (drafting it and verifying it)
         in plain steps, (t(b, K) / t(b, 0) - 1) / K."""
         return (self.seconds(b, self.k) / self.seconds(b, 0) - 1.0) / self.k
+
+
+class StepTimes:
+    """The engine's decode steps as the replica's rollouts ran them: each
+    step's seconds by kind (``step_kind``) and batch size, kept per kind and
+    power-of-two bucket of batch sizes (1, 2-3, 4-7, ...), the ``window``
+    most recent in each; ``cost`` summarises them as a ``StepCost`` (per
+    bucket, the medians of its batch sizes and seconds).
+
+    One rollout of 32 sequences of up to 48 tokens runs about 48 decode
+    steps over every batch size from 32 down to 1, so a kind a rollout used
+    is measured at every batch size it passed through; the medians take out
+    single slow steps (a 2-core host also runs the trainer's and Ray's
+    threads).
+
+    Args:
+        k: the largest k.
+        window: steps kept per kind and bucket.
+        prior: step costs to start from (``StepCost``, e.g. an earlier run's
+            on this machine), one step per point, replaced as the window fills.
+    """
+
+    def __init__(self, k: int, window: int = 64, prior: StepCost | None = None):
+        self.k, self.window = k, window
+        self._steps: dict[tuple[str, int], list[tuple[int, float]]] = {}
+        for kind, pts in (prior.curves if prior else {}).items():
+            for b, s in pts:
+                self.add(kind, max(1, round(b)), s)
+
+    def add(self, kind: str, b: int, seconds: float) -> None:
+        """One decode step of ``kind`` at b sequences took ``seconds``."""
+        steps = self._steps.setdefault((kind, b.bit_length()), [])
+        steps.append((b, seconds))
+        del steps[:-self.window]
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._steps.values())
+
+    def cost(self) -> StepCost:
+        """The ``StepCost`` of the steps kept."""
+        curves: dict[str, list[list[float]]] = {}
+        for (kind, _), steps in sorted(self._steps.items()):
+            curves.setdefault(kind, []).append([statistics.median(b for b, _ in steps),
+                                                statistics.median(s for _, s in steps)])
+        return StepCost(self.k, curves)
 
 
 @dataclass
@@ -226,7 +312,8 @@ class AdaptiveK:
     Args:
         k_max: the engine's num_speculative_tokens (k never exceeds it).
         max_num_seqs: the engine's largest batch.
-        cost: calibrated step costs.
+        cost: measured step costs (``StepTimes.cost``; the engine replaces
+            it after every rollout; empty: nothing measured yet).
         margin: a speculative k is chosen only if its predicted throughput is
             at least ``margin`` times plain decoding's (1.0: any gain).
         ema: weight of the newest rollout in the acceptance rates (and the
@@ -247,7 +334,8 @@ class AdaptiveK:
             where k > 0: 1 for a model drafter (it drafts at every step);
             measured for a ``match_drafter`` (``update``'s
             ``sequence_steps``). A step then emits 1 + f (E(k) - 1) tokens
-            per sequence and costs t(b, 0) + f (t(b, k) - t(b, 0)).
+            per sequence; its measured cost t(b, k) is that of the drafts
+            the matches made.
         match_drafter: the drafter drafts only where its match does
             (``MATCH_DRAFTERS``: n-gram, suffix), from the policy's own text:
             f is measured, and a policy refit counts as a draft refit.
@@ -258,11 +346,13 @@ class AdaptiveK:
             ``rates`` are overall rates; at batch size b the controller
             drafts by ``rates_at(b)``.
         sequences: sequences of the last rollout (``observe``; 0: none yet).
+        reason: a few words on why the last ``schedule`` drafts what it does
+            (the step line's; ``explain``).
     """
 
     k_max: int
     max_num_seqs: int
-    cost: StepCost
+    cost: StepCost | None = None
     margin: float = 1.05
     ema: float = 0.5
     min_drafts: int = 16
@@ -275,8 +365,13 @@ class AdaptiveK:
     match_drafter: bool = False
     share_scale: dict[int, list[float]] = field(default_factory=dict)
     sequences: int = 0
+    reason: str = ""
     _refits: int = field(default=0, init=False, repr=False)  # since the last probe
     _estimate: list[float] | None = field(default=None, init=False, repr=False)  # not yet measured
+
+    def __post_init__(self):
+        if self.cost is None:
+            self.cost = StepCost(self.k_max)
 
     def draft_changed(self) -> None:
         """A draft refit: probe again every ``probe_every`` of them."""
@@ -368,26 +463,21 @@ class AdaptiveK:
 
     def rollout_seconds(self, schedule: list[tuple[int, int, int]]) -> float:
         """Predicted seconds of the last rollout's shape under ``schedule``:
-        sum over b of positions(b) / (1 + f (E(k_b) - 1)) * step(b, k_b), a
-        drafting step t(b, 0) + f (t(b, k_b) - t(b, 0)) and a k = 0 step
-        t_sync(b) unless k is 0 at every batch size (f: ``draft_fraction``)."""
+        sum over b of positions(b) / (1 + f (E(k_b) - 1)) * t(b, k_b), a
+        k = 0 step costing t_sync(b) unless k is 0 at every batch size (f:
+        ``draft_fraction``)."""
         ks = {b: k for lo, hi, k in schedule for b in range(lo, hi + 1)}
         idle = drafts_nowhere(schedule)
         total = 0.0
         for b, n in self.positions.items():
             k = ks.get(b, 0)
-            step = self._step(b, k) if k or idle else self.cost.sync_seconds(b)
+            step = self.cost.seconds(b, k) if k or idle else self.cost.sync_seconds(b)
             total += n / self._tokens(b, k) * step
         return total
 
     def _tokens(self, b: int, k: int) -> float:
         """Tokens per sequence-step at b sequences and k: 1 + f (E_b(k) - 1)."""
         return 1.0 + self.draft_fraction * (expected_tokens(self.rates_at(b), k) - 1.0)
-
-    def _step(self, b: int, k: int) -> float:
-        """Seconds of a step at b sequences and k: t(b, 0) + f (t(b, k) - t(b, 0))."""
-        t0 = self.cost.seconds(b, 0)
-        return t0 + self.draft_fraction * (self.cost.seconds(b, k) - t0)
 
     def update(self, accepted_per_pos: list[int], num_drafts: int, positions: int,
                sequence_steps: int | None = None, schedule: list | None = None) -> None:
@@ -432,33 +522,70 @@ class AdaptiveK:
             self.rates[i] = (1 - w) * self.rates[i] + w * r
 
     def best_k(self, b: int) -> int:
-        """argmax_k b * (1 + f (E(k) - 1)) / (t(b, 0) + f (t(b, k) - t(b, 0))),
-        k = 0 unless it beats plain by ``margin``."""
+        """argmax_k b * (1 + f (E(k) - 1)) / t(b, k), k = 0 unless it beats
+        plain decoding by ``margin``."""
         plain = 1.0 / self.cost.seconds(b, 0)
         best, best_tp = 0, plain * self.margin
         for k in range(1, self.k_max + 1):
-            tp = self._tokens(b, k) / self._step(b, k)
+            tp = self._tokens(b, k) / self.cost.seconds(b, k)
             if tp > best_tp:
                 best, best_tp = k, tp
         return best
 
     def schedule(self) -> list[tuple[int, int, int]]:
-        """[(lo, hi, k)] covering 1..max_num_seqs, adjacent equal k merged.
-        Before any acceptance is measured: k_max everywhere (to measure it).
-        A schedule that drafts somewhere keeps the drafter in sync at the
-        batch sizes where it does not; it is kept only if the last rollout's
-        shape (``observe``) would run ``margin`` faster with it than with
-        k = 0 everywhere."""
-        if not self.rates:
-            return uniform(self.k_max, self.max_num_seqs)
-        out = merge_schedule([self.best_k(b) for b in range(1, self.max_num_seqs + 1)])
+        """[(lo, hi, k)] covering 1..max_num_seqs, adjacent equal k merged;
+        ``reason`` says why (``explain``).
+
+        Until it is measured, what a choice needs is measured first: with no
+        acceptance rates, or no step of k_max drafts timed, k_max at every
+        batch size (the rollout measures both); then, with no plain step
+        timed, k = 0 everywhere. A schedule that drafts somewhere keeps the
+        drafter in sync at the batch sizes where it does not; it is kept
+        only if the last rollout's shape (``observe``) would run ``margin``
+        faster with it than with k = 0 everywhere."""
         zero = uniform(0, self.max_num_seqs)
+        if not self.rates or not self.cost.known(self.k_max):
+            self.reason = (f"k {self.k_max}: measuring "
+                           + ("the draft's acceptance" if not self.rates else f"a {self.k_max}-draft step's cost"))
+            return uniform(self.k_max, self.max_num_seqs)
+        if not self.cost.known(0):
+            self.reason = "k 0: measuring a plain step's cost"
+            return zero
+        per_b = merge_schedule([self.best_k(b) for b in range(1, self.max_num_seqs + 1)])
+        out = per_b
         if (self.positions and out != zero
                 and self.rollout_seconds(out) * self.margin > self.rollout_seconds(zero)):
             out = zero
+        self.reason = self.explain(out, vetoed=out != per_b)
         if self.probe and out == zero:
             out = [(1, 1, self.k_max)] + ([(2, self.max_num_seqs, 0)] if self.max_num_seqs > 1 else [])
+            self.reason = f"k {self.k_max} at 1 seq: probing the new draft; " + self.reason
         return out
+
+    def explain(self, schedule: list[tuple[int, int, int]], vetoed: bool = False) -> str:
+        """Why ``schedule`` drafts what it does, in a few words: for the
+        batch sizes where it drafts (or, where it drafts nowhere, one
+        sequence in flight, where a draft token costs least), the tokens a
+        step emits against what the step costs in plain steps, t(b, k) /
+        t(b, 0), times ``margin`` (a k is chosen where tokens > that).
+        ``vetoed``: per batch size some k paid, but over the last rollout's
+        shape the drafter's sync forward would cost more than it saves.
+        E.g. ``k 0: at 1 seq a 3-draft step costs 1.41x plain; draft 1.20 tok/step < 1.48``."""
+        drafting = [r for r in schedule if r[2] > 0]
+        if vetoed:
+            return "k 0: drafting in the tail would save less than the drafter's sync costs over the rollout"
+        if not drafting:
+            ks = range(1, self.k_max + 1)
+            k = max(ks, key=lambda k: self._tokens(1, k) / self.cost.seconds(1, k))
+            lo = hi = 1
+        else:
+            lo, hi, k = max(drafting, key=lambda r: r[1] - r[0])
+        ratio = self.cost.seconds(hi, k) / self.cost.seconds(hi, 0)
+        tokens = self._tokens(hi, k)
+        where = f"{lo} seq" if lo == hi == 1 else f"{lo}-{hi} seqs" if lo != hi else f"{lo} seqs"
+        cmp = "<" if not drafting else ">"
+        head = f"k 0: at {where} a {k}-draft step" if not drafting else f"k {k} at {where}: a step"
+        return f"{head} costs {ratio:.2f}x plain; draft {tokens:.2f} tok/step {cmp} {ratio * self.margin:.2f}"
 
 
 def merge_schedule(ks: list[int]) -> list[tuple[int, int, int]]:

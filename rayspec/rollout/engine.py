@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from rayspec.models.acceptance import read_acceptance
 from rayspec.rollout import adaptive as adaptive_k_mod
 from rayspec.rollout.spec_stats import SpecStats, diff_counters, read_counters
 from rayspec.rollout.vllm import engine_access, require_vllm, vllm_version
+from rayspec.rollout.vllm import step_timer
 from rayspec.rollout.vllm.spec_schedule import set_schedule
 from rayspec.rollout.vllm.touchpoints import internals_error
 from rayspec.rollout.vllm.worker_ext import WORKER_EXTENSION, RefitExtension
@@ -152,20 +152,15 @@ def adaptive_engine_settings(spec: dict[str, Any], engine_kwargs: dict[str, Any]
                  "async_scheduling=true to try it)")
 
 
-def calibration_batch_sizes(largest: int) -> list[int]:
-    """The batch sizes ``SpecVLLMEngine.calibrate`` times up to ``largest``
-    sequences: 1, 4, 16, ... below it, and ``largest`` itself."""
-    return sorted({*(4 ** i for i in range(8) if 4 ** i < largest), largest})
-
-
 def _read_step_cost(path: Optional[Path]) -> Optional[adaptive_k_mod.StepCost]:
-    """Step costs kept by an earlier calibration, or None (none kept, or unreadable)."""
+    """Step costs an earlier replica measured (``enable_adaptive``'s
+    ``cost_cache``), or None (none kept, or unreadable)."""
     if path is None or not path.is_file():
         return None
     try:
         return adaptive_k_mod.StepCost(**json.loads(path.read_text()))
     except (ValueError, TypeError) as e:
-        log.warning("adaptive k: %s is not a calibration (%s); timing the steps again", path, e)
+        log.warning("adaptive k: %s holds no step costs (%s); measuring them in the rollouts", path, e)
         return None
 
 
@@ -231,11 +226,10 @@ class SpecVLLMEngine:
             the rollout role; the replica binds vLLM's CPU threads to its
             node's set (VLLM_CPU_OMP_THREADS_BIND). None: ``env`` as given.
         adaptive_k: adaptive speculation (``rayspec.rollout.adaptive``):
-            {"margin", "calibration_tokens", "calibration_rounds", "probe_every",
-            "temperature", "max_batch", "calibration_cache"}
-            (``enable_adaptive``'s arguments); the engine is calibrated once
-            here (or reads an earlier calibration of the same key) and
-            re-chooses k per batch size after every ``generate``.
+            {"margin", "probe_every", "temperature", "cost_cache"}
+            (``enable_adaptive``'s arguments); the engine re-chooses k per
+            batch size after every ``generate``, from the acceptance and the
+            step costs its rollouts measured.
             Runs on vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``
             unless ``env`` says otherwise). None: k as configured.
         log_level: in a Ray Serve replica, the level of rayspec's records,
@@ -280,6 +274,8 @@ class SpecVLLMEngine:
         # they must be of the sampling distribution (after temperature), as
         # the trainer's log_softmax(logits / T) is; vLLM defaults to raw logits.
         kwargs.setdefault("logprobs_mode", "processed_logprobs")
+        if spec is not None:  # each engine step's batch and seconds, for adaptive k (step_timer)
+            kwargs.update(step_timer.ENGINE_KWARGS)
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode")) and current_platform.is_sleep_mode_available()
         if not self.sleep_mode:
             kwargs.pop("enable_sleep_mode", None)
@@ -301,6 +297,7 @@ class SpecVLLMEngine:
                            speculative_config=self.speculative_config,
                            worker_extension_cls=WORKER_EXTENSION,
                            disable_log_stats=False, **kwargs)
+        self._step_timer = step_timer.attach(self.llm) if spec is not None else None
         self.model_runner = self.llm.collective_rpc(RefitExtension.rayspec_model_runner.__name__)[0]
         log.info("replica %s: vLLM %s, model runner %s", self.replica_id, vllm_version(), self.model_runner)
         self.policy_version = 0
@@ -324,37 +321,31 @@ class SpecVLLMEngine:
         if adaptive_k is not None and spec is not None:
             self.enable_adaptive(**adaptive_k)
 
-    def enable_adaptive(self, margin: float = 1.05, calibration_tokens: int = 16,
+    def enable_adaptive(self, margin: float = 1.05, probe_every: int = 1,
+                        rates: Optional[list[float]] = None, temperature: float = 0.0,
                         cost: Optional[adaptive_k_mod.StepCost] = None,
-                        probe_every: int = 1,
-                        rates: Optional[list[float]] = None,
-                        temperature: float = 0.0, calibration_rounds: int = 3,
-                        max_batch: Optional[int] = None,
-                        calibration_cache: Optional[str] = None) -> adaptive_k_mod.StepCost:
-        """Turn on adaptive speculation: calibrate the step cost (unless
-        ``cost`` is given) and choose k per batch size from acceptance rates
-        per draft position ``rates``; probe a draft that does not pay every
-        ``probe_every`` draft refits. Returns the step cost.
+                        cost_cache: Optional[str] = None) -> None:
+        """Turn on adaptive speculation: choose k per batch size from
+        acceptance rates per draft position ``rates`` and the engine's step
+        costs, both measured on its own rollouts; probe a draft that does
+        not pay every ``probe_every`` draft refits.
 
         ``rates`` None: the draft's held-out rates where
         ``jobs.warmstart_draft`` recorded them beside it with drafts of this
         engine's ``draft_sample_method`` (``models.acceptance.read_acceptance``).
         With no rates (None and no record, or []) the first rollout drafts
         num_speculative_tokens at every batch size to measure them.
-        ``temperature``: the rollouts', at which the steps are timed;
-        ``calibration_tokens`` / ``calibration_rounds``: ``calibrate``'s
-        ``tokens`` / ``rounds``. ``max_batch``: the most sequences one
-        ``generate`` call gives this replica (``serve.largest_shard``); the
-        calibration times batch sizes up to it (None: up to max_num_seqs),
-        and a larger batch costs the largest calibrated one's seconds per
-        sequence (``StepCost``). On 2 CPU cores the 64-sequence timings
-        were 40% of each calibration round of a replica whose GSM8K
-        rollouts hold 16 sequences. ``calibration_cache``: a directory where
-        the step costs are kept, keyed by everything they depend on
-        (``calibration_key``: the machine, the model's and the draft's
-        shapes, dtype, engine settings and the calibration's own); a later
-        engine with the same key reads them instead of calibrating again
-        (None: always calibrate).
+        ``temperature``: the rollouts'; the step costs are measured on the
+        ``generate`` calls at it (at T = 0 vLLM's rejection sampler takes
+        its cheaper greedy path). ``cost``: step costs to start from (e.g.
+        another engine's, ``adaptive.cost``); None: ``cost_cache``'s, or
+        none. ``cost_cache``: a directory where the step costs measured are
+        kept after each rollout, keyed by everything they depend on
+        (``cost_key``: the machine, the model's and the draft's shapes,
+        dtype, engine settings, temperature), so a later engine with the
+        same key starts from them (None: nothing kept). Without step costs
+        the controller's first rollouts measure them (``AdaptiveK.schedule``):
+        nothing is timed before the first rollout.
 
         Raises:
             RuntimeError: no speculative_config, or built without a schedule.
@@ -370,44 +361,31 @@ class SpecVLLMEngine:
             if rates:
                 log.info("adaptive k: starting from the draft's recorded acceptance rates %s",
                          [round(r, 3) for r in rates])
+        self._cost_file = Path(cost_cache) / f"{self.cost_key(temperature)}.json" if cost_cache else None
         if cost is None:
-            sizes = calibration_batch_sizes(min(max_batch or self.max_num_seqs, self.max_num_seqs))
-            calibrate = {"concurrencies": sizes, "tokens": calibration_tokens, "temperature": temperature,
-                         "rounds": calibration_rounds}
-            cached = Path(calibration_cache) / f"{self.calibration_key(calibrate)}.json" \
-                if calibration_cache else None
-            cost = _read_step_cost(cached)
-            if cost is None:
-                log.info("adaptive k: timing engine steps at batch sizes %s, %d rounds (minutes on a CPU; "
-                         "%s)", ",".join(map(str, sizes)), calibration_rounds,
-                         f"kept in {cached} for later runs" if cached else "not cached")
-                cost = self.calibrate(k, **calibrate)
-                if cached is not None:
-                    cached.parent.mkdir(parents=True, exist_ok=True)
-                    write_text_atomic(cached, json.dumps(dataclasses.asdict(cost)))
-            else:
-                log.info("adaptive k: step costs measured earlier on this machine for this model and engine, "
-                         "from %s (delete it to time them again)", cached)
-        self.adaptive = adaptive_k_mod.AdaptiveK(k, self.max_num_seqs, cost, margin=margin,
+            cost = _read_step_cost(self._cost_file)
+            if cost is not None:
+                log.info("adaptive k: starting from step costs measured earlier on this machine for this model "
+                         "and engine (%s; the rollouts keep measuring them)", self._cost_file)
+        self._cost_temperature = temperature
+        self.step_times = adaptive_k_mod.StepTimes(k, prior=cost)
+        self.adaptive = adaptive_k_mod.AdaptiveK(k, self.max_num_seqs, self.step_times.cost(), margin=margin,
                                                  probe_every=probe_every,
                                                  rates=adaptive_k_mod.extrapolate_rates(rates or [], k),
                                                  match_drafter=self.speculative_config["method"]
                                                  in adaptive_k_mod.MATCH_DRAFTERS)
         self.set_k_schedule(self.adaptive.schedule())
-        log.info("adaptive k: calibrated step seconds %s", cost)
-        return cost
 
-    def calibration_key(self, calibrate: dict[str, Any]) -> str:
-        """What the calibrated step costs depend on, hashed: the vLLM
-        release, this host's CPU (or GPU) and the cores vLLM's threads are
-        bound to, the policy's and the draft's config (shapes, not weights),
-        the serving dtype, the engine's settings and ``calibrate``'s
-        arguments (``calibrate``)."""
+    def cost_key(self, temperature: float) -> str:
+        """What the step costs depend on, hashed: the vLLM release, this
+        host's CPU (or GPU) and the cores vLLM's threads are bound to, the
+        policy's and the draft's config (shapes, not weights), the serving
+        dtype, the engine's settings and the rollouts' temperature."""
         spec = dict(self.speculative_config or {})
         draft = spec.pop("model", None)
         key = {"vllm": vllm_version(), "host": _host_hardware(), "threads": self._threads,
                "model": _config_digest(self._model), "draft": _config_digest(draft), "dtype": self._dtype,
-               "speculative_config": spec, "engine": self._engine_kwargs, "calibrate": calibrate}
+               "speculative_config": spec, "engine": self._engine_kwargs, "temperature": temperature}
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
     def set_k_schedule(self, schedule: list[tuple[int, int, int]],
@@ -423,80 +401,30 @@ class SpecVLLMEngine:
         set_schedule(self.llm, schedule, drafter_idle)
         self.k_schedule = [tuple(r) for r in schedule]
 
-    def calibrate(self, k: int, concurrencies: Optional[list[int]] = None,
-                  tokens: int = 16, temperature: float = 0.0, rounds: int = 3) -> adaptive_k_mod.StepCost:
-        """Measure the seconds of one engine step at several batch sizes
-        (default ``calibration_batch_sizes(max_num_seqs)``): plain (k = 0, drafter
-        idle), k = 0 with the drafter kept in sync, 1 draft (if k > 1) and k
-        drafts; each the median of ``rounds`` timings, the configurations
-        in reverse order every other round. Timed once each, the boundary
-        where drafting stops paying came out at 5 sequences in some starts
-        of the same replica and at 16 in another (RL on 2 CPU cores); five
-        back-to-back calibrations of one engine put single timings of a
-        1-draft step at one sequence at 49.6-60.9 ms (docs/benchmarks.md).
-
-        Steps sample as ``generate`` does: at ``temperature`` (the
-        rollouts') with the sampled token's logprob. At T > 0 vLLM's
-        rejection sampler leaves its greedy path for target softmax, uniform
-        draws and recovered-token sampling over [b (k + 1), V], and the
-        logprobs cover every verified position: on 2 CPU cores at 16
-        sequences a 1-draft step cost 1.37x a plain one timed greedily
-        without logprobs, 1.66-1.77x timed at T = 1 with them, and 1.69-1.96x
-        in T = 1 rollouts of GSM8K prompts (docs/benchmarks.md). Timed
-        greedily, the controller drafted where it lost.
-
-        Each batch size runs b copies of a 32-token periodic prompt for
-        ``tokens`` new tokens (ignore_eos; the repetition gives n-gram and
-        suffix drafters something to propose, as a model drafter always
-        has), minus a 1-token run (the prefill); each
-        sequence then takes tokens - 1 - accepted / b steps (accepted: vLLM's
-        accepted-draft count). Every run starts from an empty prefix cache:
-        the 1-token run must pay the prefill the longer run pays, or the
-        subtraction takes a prefill the longer run skipped off its steps
-        (SmolLM2 on 2 CPU cores: plain steps of 21 and 23 ms at 1 and 4
-        sequences against 26 and 29 ms timed on distinct prompts; 26-28 and
-        24 ms with the reset). One untimed run per configuration first, so no
-        timed run pays a first call's allocations. Leaves the schedule at k.
-
-        Raises:
-            RuntimeError: the engine was built without a schedule.
-            ValueError: ``rounds`` < 1.
-        """
-        from vllm import SamplingParams, TokensPrompt
-
-        if rounds < 1:
-            raise ValueError(f"calibrate: rounds must be >= 1, got {rounds}")
-
-        bs = concurrencies or calibration_batch_sizes(self.max_num_seqs)
-        prompt = TokensPrompt(prompt_token_ids=list(range(100, 108)) * 4)
-
-        def run(b: int, n_tok: int) -> tuple[float, int]:
-            params = SamplingParams(temperature=temperature, max_tokens=n_tok, ignore_eos=True, logprobs=0)
-            self.llm.reset_prefix_cache()
-            before = read_counters(self.llm.get_metrics())
-            t0 = time.perf_counter()
-            self.llm.generate([prompt] * b, params, use_tqdm=False)
-            wall = time.perf_counter() - t0
-            return wall, read_counters(self.llm.get_metrics())["num_accepted_tokens"] - before["num_accepted_tokens"]
-
-        runs = [(0, None), (0, False)] + ([(1, None)] if k > 1 else []) + [(k, None)]
-        timed: dict[tuple[int, int], list[float]] = {(b, i): [] for b in bs for i in range(len(runs))}
-        with self._busy_section():
-            self._wake()
-            for kk, idle in runs:
-                self.set_k_schedule(adaptive_k_mod.uniform(kk, self.max_num_seqs), drafter_idle=idle)
-                run(bs[0], tokens)
-            for r in range(rounds):
-                for b in bs:
-                    for i in (range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))):
-                        kk, idle = runs[i]
-                        self.set_k_schedule(adaptive_k_mod.uniform(kk, self.max_num_seqs), drafter_idle=idle)
-                        prefill, _ = run(b, 1)
-                        wall, accepted = run(b, tokens)
-                        steps = tokens - 1 - accepted / b
-                        timed[b, i].append(max(wall - prefill, 1e-6) / max(steps, 1.0))
-        plain, sync, *spec = ([statistics.median(timed[b, i]) for b in bs] for i in range(len(runs)))
-        return adaptive_k_mod.StepCost(bs, plain, spec[-1], k, sync_s=sync, spec1_s=spec[0] if k > 1 else [])
+    def _time_steps(self, schedule: list, temperature: float, wall_s: float) -> None:
+        """Fold the engine steps of the last ``generate`` (run with
+        ``schedule`` at ``temperature``, ``wall_s`` seconds) into the step
+        costs, and keep them (``enable_adaptive``'s ``cost_cache``). Decode
+        steps only (no prompt tokens in the step), each of the kind the
+        schedule gave its batch size (``adaptive.step_kind``), with its share
+        of what the call spent outside the engine's timed model execution
+        (scheduling, detokenising: wall seconds less the steps' seconds,
+        over the steps). Calls at another temperature than the rollouts'
+        are not timed (greedy evaluation)."""
+        steps = self._step_timer.take()
+        if self.adaptive is None or temperature != self._cost_temperature or not steps:
+            return
+        overhead = max(0.0, wall_s - sum(st.seconds for st in steps)) / len(steps)
+        ks = {b: k for lo, hi, k in schedule for b in range(lo, hi + 1)}
+        idle = adaptive_k_mod.drafts_nowhere(schedule)
+        for st in steps:
+            if st.prefill_requests == 0 and st.decode_requests > 0:
+                kind = adaptive_k_mod.step_kind(ks.get(st.decode_requests, 0), idle)
+                self.step_times.add(kind, st.decode_requests, st.seconds + overhead)
+        self.adaptive.cost = self.step_times.cost()
+        if self._cost_file is not None:
+            self._cost_file.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self._cost_file, json.dumps(dataclasses.asdict(self.adaptive.cost)))
 
     def generate(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, max_tokens: int = 128, group_offset: int = 0,
@@ -559,7 +487,9 @@ class SpecVLLMEngine:
             self._wake()
             if seed is not None:
                 self.llm.collective_rpc(RefitExtension.rayspec_seed.__name__, args=(seed,))
-            schedule = list(self.k_schedule)
+            schedule, reason = list(self.k_schedule), self.adaptive.reason if self.adaptive else ""
+            if self._step_timer is not None:
+                self._step_timer.take()  # steps of calls before this one (e.g. a refit's): not this rollout's
             before = read_counters(self.llm.get_metrics())
             t0 = time.perf_counter()
             # vLLM's progress bar where someone watches (an in-process engine,
@@ -569,6 +499,8 @@ class SpecVLLMEngine:
             wall = time.perf_counter() - t0
             stats_after = read_counters(self.llm.get_metrics())
             version = self.policy_version  # a refit waiting on the lock may land next
+            if self._step_timer is not None:
+                self._time_steps(schedule, temperature, wall)
         batch = RolloutBatch([], [], [], [], policy_version=version)
         for i, out in enumerate(outs):
             for c in out.outputs:
@@ -581,6 +513,7 @@ class SpecVLLMEngine:
         n_tok = sum(len(r) for r in batch.response_ids)
         stats = diff_counters(before, stats_after, n_tok, wall)
         stats.k_schedule = schedule if self.adaptive is not None else []
+        stats.k_reason = reason
         stats.draft_stale_repairs = repairs
         if self.adaptive is not None:
             self._adapt(stats, schedule, [len(r) for r in batch.response_ids])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from ray import serve
@@ -53,11 +52,9 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
         **opts,
     )
     ak = cfg.rollout.adaptive_k
-    adaptive = ({"margin": ak.margin, "calibration_tokens": ak.calibration_tokens,
-                 "calibration_rounds": ak.calibration_rounds, "probe_every": ak.probe_every,
-                 "temperature": cfg.grpo.temperature, "max_batch": largest_shard(cfg),
-                 "calibration_cache": str(Path(cfg.model.cache_dir).expanduser() / "calibration")
-                 if ak.cache_calibration else None} if ak.enabled else None)
+    adaptive = ({"margin": ak.margin, "probe_every": ak.probe_every, "temperature": cfg.grpo.temperature,
+                 "cost_cache": str(Path(cfg.model.cache_dir).expanduser() / "step_costs")
+                 if ak.cache_step_costs else None} if ak.enabled else None)
     # the rollout app is reached through handles only: no HTTP proxy (no-op
     # where Serve already runs)
     serve.start(proxy_location="Disabled")
@@ -65,21 +62,6 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
                           engine_kwargs=engine_kwargs, env=env, cpu_cores_by_node=cores,
                           adaptive_k=adaptive, log_level=cfg.logging.level)
     return serve.run(app, name=APP_NAME, route_prefix=None)
-
-
-def largest_shard(cfg) -> int:
-    """The most sequences one ``generate`` call gives a replica in a run of
-    ``cfg`` (RunConfig): a step's rollout shard (``RolloutClient.submit``: the prompts
-    split over ``rollout.num_replicas``, ``grpo.group_size`` samples each)
-    or, with ``trainer.eval_every``, an evaluation's (``trainer.eval_samples``
-    samples of ``data.eval_num_problems``). A replica runs one call at a
-    time (``max_ongoing_requests=1``), so no batch exceeds it."""
-    def shard(prompts: int, n: int) -> int:
-        return math.ceil(prompts / cfg.rollout.num_replicas) * n
-
-    evaluation = (shard(cfg.data.eval_num_problems, cfg.trainer.eval_samples)
-                  if cfg.trainer.eval_every else 0)
-    return max(shard(cfg.data.prompts_per_step, cfg.grpo.group_size), evaluation)
 
 
 def rollout_client(num_replicas: int):

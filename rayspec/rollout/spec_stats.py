@@ -20,6 +20,8 @@ class SpecStats:
             of stats keeps every replica's entry, summed per replica).
         k_schedule: the [(lo, hi, k)] batch-size schedule the engine drafted
             with (adaptive speculation); empty when k was fixed.
+        k_reason: why the adaptive controller chose that schedule, in a few
+            words (``AdaptiveK.reason``); empty when k was fixed.
         draft_stale_repairs: times a replica found the draft weights it
             held were not those of its last refit (lost in a sleep / wake
             or a refit) and loaded them again before generating.
@@ -34,6 +36,7 @@ class SpecStats:
     replicas: dict[str, "SpecStats"] = field(default_factory=dict)
     k_schedule: list = field(default_factory=list)
     draft_stale_repairs: int = 0
+    k_reason: str = ""
 
     @property
     def acceptance_length(self) -> float:
@@ -63,6 +66,7 @@ class SpecStats:
                "output_tokens": self.output_tokens, "tokens_per_s": self.tokens_per_s}
         if self.k_schedule:
             out["k_schedule"] = [list(r) for r in self.k_schedule]
+            out["k_reason"] = self.k_reason
         return out
 
     def then(self, other: "SpecStats") -> "SpecStats":
@@ -89,6 +93,7 @@ class SpecStats:
              for k in {**self.replicas, **other.replicas}},
             self.k_schedule or other.k_schedule,
             self.draft_stale_repairs + other.draft_stale_repairs,
+            self.k_reason or other.k_reason,
         )
 
 

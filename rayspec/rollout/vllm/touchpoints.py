@@ -330,6 +330,13 @@ VLLM_CONFIG = _tp(
 ENGINE_CORE_CLIENT = _tp(
     "vllm.v1.engine.llm_engine:LLMEngine.engine_core", "read", ENGINE,
     "call_utility for the schedule utility, shutdown() to stop the engine-core process", instance=True)
+LOGGER_MANAGER = _tp(
+    "vllm.v1.engine.llm_engine:LLMEngine.logger_manager", "read", ADAPTIVE,
+    "adaptive k's step costs come from vLLM's per-iteration stats, which reach stat loggers only; "
+    "vllm.LLM takes no custom stat logger (AsyncLLM does: stat_loggers=)", instance=True)
+STAT_LOGGERS = _tp(
+    "vllm.v1.metrics.loggers:StatLoggerManager.stat_loggers", "added", ADAPTIVE,
+    "rayspec's step timer joins the engine's stat loggers", instance=True)
 RUNNER_TIMED = tuple(_tp(f"{_RUNNER}.{name}", "wrapped", BENCH, "timed per decode step")
                      for name in ("execute_model", "_model_forward", "sample_tokens"))
 # fmt: on
@@ -340,7 +347,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     PROPOSER_GET_MODEL, *ONEDNN, ENGINE_CORE, SCHEDULE_LOOKUP, SCHEDULER_SPEC_TOKENS, BUILD_SCHEDULE, PROPOSE,
     SUFFIX_PROPOSE, SUFFIX_K, RUNNER_SAMPLE, RUNNER_ASYNC, RUNNER_DRAFTER, GET_DRAFT_MODEL, RELOAD_WEIGHTS,
     SET_CURRENT_CONFIG, TIE_WEIGHTS, REPACK_LM_HEAD, STATELESS_GROUP, VLLM_CONFIG,
-    ENGINE_CORE_CLIENT, *RUNNER_TIMED)
+    ENGINE_CORE_CLIENT, LOGGER_MANAGER, STAT_LOGGERS, *RUNNER_TIMED)
 
 
 def platform_is_cpu() -> bool:
