@@ -48,12 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s: %(message)s")
     from rayspec.rollout.vllm import VllmInternalsError
     from rayspec.scheduler import ClusterFitError, run
+    from rayspec.train.ranks import RunAborted
 
     try:
         run_dir = run(cfg, resume=bool(resume))
     except (ConfigError, ClusterFitError, VllmInternalsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunAborted as e:  # a bad input met during the run: what was written before it stays
+        print(f"error: the run stopped: {e}", file=sys.stderr)
+        return 1
     print(f"done: {run_dir / 'metrics.jsonl'}")
     return 0
 

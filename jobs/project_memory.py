@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--prompt-tokens", type=int, default=memory.PROMPT_TOKENS, help="a prompt's length in tokens")
     ap.add_argument("--out", help="write the plan as JSON here")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # presets, overrides and options in any order
     cpu = args.hardware == "cpu"
     if not cpu and args.gpus is None:
         ap.error(f"--hardware {args.hardware} needs --gpus")

@@ -151,16 +151,21 @@ def format_step_line(m: dict[str, Any]) -> str:
     if "sampling_rounds" in m:
         reward += f" | dropped {m['groups_dropped']} groups, {m['sampling_rounds']} rounds"
     line = (f"step {m['step']:>4} | {reward} | "
-            f"accept_len {m['acceptance_length']:.2f} | accept/pos [{rates}] | "
-            f"rollout {m['rollout_tokens_per_s']:.0f} tok/s | "
-            f"t rollout {m['time_rollout_s']:.1f}s policy {m['time_policy_s']:.1f}s "
-            + (f"draft {m['time_draft_s']:.1f}s " if m.get("draft_trained", 1) else "draft idle ")
-            + f"sync {m['time_sync_s']:.1f}s")
-    # adaptive speculation: k per batch-size range, each distinct schedule once
-    schedules = {str(r["k_schedule"]): r["k_schedule"] for r in m.get("replicas", {}).values()
-                 if r.get("k_schedule")}
+            f"accept_len {m['acceptance_length']:.2f} | accept/pos [{rates}] | ")
+    if m.get("draft_acceptance_length_estimate") is not None:  # the DraftTrainer's, carried while idle
+        age = m["draft_estimate_age"]
+        line += (f"draft est {m['draft_acceptance_length_estimate']:.2f}"
+                 + (f" ({age} step{'s' * (age > 1)} old)" if age else "") + " | ")
+    line += (f"rollout {m['rollout_tokens_per_s']:.0f} tok/s | "
+             f"t rollout {m['time_rollout_s']:.1f}s policy {m['time_policy_s']:.1f}s "
+             + (f"draft {m['time_draft_s']:.1f}s " if m.get("draft_trained", 1) else "draft idle ")
+             + f"sync {m['time_sync_s']:.1f}s")
+    # adaptive speculation: k per batch-size range and why, each distinct schedule once
+    schedules = {str(r["k_schedule"]): r for r in m.get("replicas", {}).values() if r.get("k_schedule")}
     if schedules:
-        line += " | k " + " / ".join(format_schedule(s) for s in schedules.values())
+        line += " | k " + " / ".join(format_schedule(r["k_schedule"])
+                                     + (f" ({r['k_reason']})" if r.get("k_reason") else "")
+                                     for r in schedules.values())
     if "layout" in m:
         idle = " ".join(f"{role} {m[f'idle_{role}_s']:.1f}s" for role in ("rollout", "train", "draft")
                         if f"idle_{role}_s" in m)
@@ -183,7 +188,10 @@ class MetricsLog:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        # tensorboardX writes events from a queue on its own thread; flush()
+        # does not wait for it, so TensorBoard would lag by up to flush_secs
+        # (120 s by default); close() writes everything
+        self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), flush_secs=5)
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -208,6 +216,10 @@ class MetricsLog:
                 if isinstance(v, (int, float)) and k != "policy_version":
                     self.tb.add_scalar(f"eval/{k}", v, ev["policy_version"])
         self.tb.flush()
+
+    def close(self) -> None:
+        """Write out every TensorBoard event (the end of the run)."""
+        self.tb.close()
 
     def discard_after(self, step: int) -> int:
         """Move the records of steps after ``step`` (an attempt that failed
@@ -333,7 +345,8 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def plot_run(run_dir: str | os.PathLike) -> Path:
-    """Draw acceptance length, rollout throughput, reward (training samples,
+    """Draw acceptance length (measured in the rollouts that drafted, and
+    the DraftTrainer's estimate every step), rollout throughput, reward (training samples,
     and the held-out evaluations where the run has them), policy drift and
     phase seconds per step into ``<run_dir>/curves.png``; returns its path.
 
@@ -350,7 +363,14 @@ def plot_run(run_dir: str | os.PathLike) -> Path:
     steps = [r["step"] for r in recs]
     evals = [e for r in recs for e in r.get("evals", [])]
     fig, ax = plt.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
-    ax[0, 0].plot(steps, [r["acceptance_length"] for r in recs], "o-")
+    drafted = [(s, r["acceptance_length"]) for s, r in zip(steps, recs) if r.get("num_drafts", 1) > 0]
+    if drafted:  # a rollout that drafted nothing measured no acceptance
+        ax[0, 0].plot(*zip(*drafted), "o-", label="measured (rollouts that drafted)")
+    est = [(s, r["draft_acceptance_length_estimate"]) for s, r in zip(steps, recs)
+           if r.get("draft_acceptance_length_estimate") is not None]
+    if est:  # the DraftTrainer's replay, every step (carried where the head did not train)
+        ax[0, 0].plot(*zip(*est), "^--", label="draft head, estimated")
+        ax[0, 0].legend()
     ax[0, 0].set(title="acceptance length (tokens / verify step)", xlabel="RL step")
     ax[0, 1].plot(steps, [r["rollout_tokens_per_s"] for r in recs], "o-")
     ax[0, 1].set(title="rollout output tokens/s", xlabel="RL step")

@@ -109,3 +109,23 @@ def test_project_speedup_writes_under_runs_by_default():
     from jobs.project_speedup import parse_args
 
     assert Path(parse_args([]).out).parts[0] == "runs"
+
+
+def test_jobs_take_presets_overrides_and_options_in_any_order(capsys):
+    """``jobs.project_memory PRESET key=value --model ...`` and every other
+    order give the same plan (argparse's ``parse_args`` refused an override
+    after an option); every job with a list of overrides parses them so."""
+    from jobs import project_memory
+
+    preset, override = str(REPO / "jobs" / "configs" / "gpu.yaml"), "grpo.max_new_tokens=2048"
+    options = ["--model", "qwen3-8b", "--hardware", "h100", "--gpus", "8"]
+    plans = []
+    for argv in ([preset, override, *options], [preset, *options[:2], override, *options[2:]],
+                 [*options, preset, override]):
+        assert project_memory.main(argv) == 0
+        plans.append(capsys.readouterr().out)
+    assert plans[0] == plans[1] == plans[2] and "2048 response" in plans[0]
+    for job in (REPO / "jobs").glob("*.py"):
+        src = job.read_text()
+        if 'nargs="*"' in src:
+            assert "parse_intermixed_args(argv)" in src and ".parse_args(argv)" not in src, job.name

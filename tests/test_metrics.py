@@ -111,12 +111,31 @@ def test_read_metrics_names_the_bad_line(tmp_path):
         read_metrics(tmp_path)
 
 
-def test_step_line_shows_the_adaptive_k_schedule_once_per_distinct_schedule():
+def test_step_line_shows_the_adaptive_k_schedule_and_why_once_per_distinct_schedule():
     rec = _record(1)
-    rec["replicas"] = {"a": {"k_schedule": [[1, 6, 3], [7, 64, 0]]},
-                       "b": {"k_schedule": [[1, 6, 3], [7, 64, 0]]}}
-    assert format_step_line(rec).count("| k 1-6:3 7-64:0 |") == 1
+    why = "k 3 at 1-6 seqs: a step costs 1.45x plain; draft 2.10 tok/step > 1.52"
+    rec["replicas"] = {"a": {"k_schedule": [[1, 6, 3], [7, 64, 0]], "k_reason": why},
+                       "b": {"k_schedule": [[1, 6, 3], [7, 64, 0]], "k_reason": why}}
+    assert format_step_line(rec).count(f"| k 1-6:3 7-64:0 ({why}) |") == 1
     assert "| k " not in format_step_line(_record(1))
+
+
+def test_the_draft_estimate_is_on_every_step_line_and_plotted_against_the_measured_length(tmp_path):
+    """The DraftTrainer's estimate of the head's acceptance length shows on
+    the step line, with its age where the head did not train this step, and
+    in curves.png beside the acceptance measured in rollouts that drafted;
+    TensorBoard gets it as a scalar."""
+    rec = {**_record(2), "draft_acceptance_length_estimate": 1.234, "draft_estimate_age": 0}
+    assert "| draft est 1.23 | rollout" in format_step_line(rec)
+    assert "| draft est 1.23 (1 step old) |" in format_step_line({**rec, "draft_estimate_age": 1})
+    assert "(3 steps old)" in format_step_line({**rec, "draft_estimate_age": 3})
+    assert "draft est" not in format_step_line(_record(2))
+    log = MetricsLog(tmp_path)
+    log.write({**_record(1), "num_drafts": 0})  # measured nothing: not plotted as 1.0
+    log.write(rec)
+    log.close()
+    plot_run(tmp_path)
+    assert _scalars(tmp_path / "tensorboard")["draft_acceptance_length_estimate"] == [(2, pytest.approx(1.234))]
 
 
 def test_discard_after_moves_later_steps_aside(tmp_path):

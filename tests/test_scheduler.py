@@ -272,6 +272,7 @@ def test_simulated_gpus_report_no_memory_so_the_plan_is_not_checked(gpu_cluster)
     assert gpu_memory_by_node(nodes) == {n.node_id: None for n in nodes}  # no nvidia-smi on any node here
 
 
+@pytest.mark.slow  # Serve, a DraftTrainer and Ray Train placed twice on a 3-node cluster: 50 s
 def test_simulated_gpu_nodes_hold_what_the_layout_promises(gpu_cluster, tmp_path):
     """Colocated on 1 node x 4 GPUs and on 2 nodes x 2 GPUs, each device
     holds exactly one replica and one Train rank (the DraftTrainer joins one

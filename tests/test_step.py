@@ -29,7 +29,7 @@ from rayspec.sync import ObjectStoreSender
 from rayspec.train.coordinator import Coordinator
 from rayspec.train.loop import resume as loop_resume
 from rayspec.train.loop import run_steps, start_over
-from rayspec.train.ranks import Ranks
+from rayspec.train.ranks import Ranks, RunAborted, report_aborts
 from tests.conftest import STEP_RECORD_KEYS
 
 
@@ -371,10 +371,11 @@ def test_a_reward_function_that_fails_stops_the_run_naming_it_and_keeps_what_was
     (tmp_path / "my_rewards.py").write_text(REWARDS)
     functions = f"reward.functions=[{tmp_path}/my_rewards.py:fails_late,last_number]"
     records: list = []
-    with pytest.raises(RewardError, match=r"my_rewards.py:fails_late raised RuntimeError: late completion on "
-                                          r"sample 1 of the batch \(row \d+ of arithmetic"):
+    with pytest.raises(RunAborted, match=r"^RewardError: .*my_rewards.py:fails_late raised RuntimeError: late "
+                                         r"completion on sample 1 of the batch \(row \d+ of arithmetic") as e:
         _run(tmp_path / "raise", draft_online=False, overrides=(functions, "reward.weights=[2.0,1.0]",
                                                                "trainer.eval_every=0"), records=records)
+    assert isinstance(e.value.__cause__, RewardError)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["rewards"]["fails_late"] == 0.5 and r["reward_errors"] == 0 for r in records)
     assert all(r["reward_mean"] == pytest.approx(1.0 + r["rewards"]["last_number"]) for r in records)
@@ -445,3 +446,38 @@ def test_an_acceptance_collapse_on_one_replica_is_reported_only_with_an_unchange
     assert watch.observe(stats({"a": 0.6, "b": 0.1}), draft_version=2) == []
     # a replica that drafted nothing (adaptive k idle) is not a collapse
     assert watch.observe(SpecStats(replicas={"a": SpecStats(), "b": SpecStats()}), draft_version=2) == []
+
+
+def test_a_bad_input_on_rank_0_stops_every_train_worker_once_without_a_restart(ray_session, tmp_path):
+    """Rank 0 meets a RewardError inside ``stop_on``: both ranks of a real
+    Ray Train worker group (gloo) agree and end without a failure
+    (``report_aborts``), so Ray Train does not restart them (max_failures
+    1: one attempt per rank), and the result's return value is the message
+    the driver raises."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    def aborting_loop(config):  # defined here: Ray pickles it by value (tests/ is not importable by workers)
+        import os
+
+        import ray.train
+
+        from rayspec.reward.pool import RewardError
+        from rayspec.train.ranks import Ranks
+
+        ranks = Ranks(ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size())
+        with open(os.path.join(config["dir"], f"attempts.{ranks.rank}"), "a") as f:
+            f.write("x")
+        for step in (1, 2):  # rank 0 meets a bad input at the second step
+            with ranks.stop_on((RewardError,)):
+                if ranks.is_driver and step == 2:
+                    raise RewardError("reward function f raised ValueError: bad row")
+            ray.train.report({"step": step})
+
+    trainer = TorchTrainer(report_aborts(aborting_loop), train_loop_config={"dir": str(tmp_path)},
+                           scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                           run_config=RunConfig(name="abort", storage_path=str(tmp_path / "train"),
+                                                failure_config=FailureConfig(max_failures=1)))
+    result = trainer.fit()
+    assert result.return_value == "RewardError: reward function f raised ValueError: bad row"
+    assert [(tmp_path / f"attempts.{r}").read_text() for r in (0, 1)] == ["x", "x"]

@@ -115,6 +115,10 @@ class DraftClient(NullDraft):
         restarts: restarts taken over in the run.
         versions_lost: head updates those restarts lost (trained after the
             checkpoint each was restored from).
+        estimate: (the DraftTrainer's last estimate of the head's acceptance
+            length on a step's rollouts, steps since it was made), carried
+            through the steps where the head does not train; None before the
+            first.
     """
 
     def __init__(self, actor, ranks, aux_layer_ids: list[int], steps_per_rl_step: int,
@@ -126,6 +130,7 @@ class DraftClient(NullDraft):
         self.version = 0
         self.acceptance = None
         self.restarts = self.versions_lost = 0
+        self.estimate: Optional[tuple[float, int]] = None
         self._incarnation = None  # rank 0: the DraftTrainer start this client works with
         self._given_up = False  # Ray will not restart it again
         self._resend = False  # rank 0: a restored head the replicas have yet to get
@@ -274,11 +279,21 @@ class DraftClient(NullDraft):
     def record(self, result: dict[str, Any], start: float, end: float) -> dict[str, Any]:
         """The step record's lifecycle fields: ``draft_alive``,
         ``draft_restarts`` and ``draft_versions_lost`` (so far in the run),
-        and where the DraftTrainer was alive at the step's start
-        ``draft_trained`` and ``idle_draft_s`` (seconds of [start, end] it
-        was not training)."""
+        ``draft_acceptance_length_estimate`` and ``draft_estimate_age`` (the
+        last estimate of the head's acceptance length, 1 + the sum of its
+        per-position rates, and the steps since: 0 where this step made it;
+        absent before the first), and where the DraftTrainer was alive at
+        the step's start ``draft_trained`` and ``idle_draft_s`` (seconds of
+        [start, end] it was not training)."""
+        rates = result.get("draft_acceptance_estimate")
+        if rates:
+            self.estimate = (1.0 + sum(rates), 0)
+        elif self.estimate is not None:
+            self.estimate = (self.estimate[0], self.estimate[1] + 1)
         out = {"draft_alive": int(self.alive), "draft_restarts": self.restarts,
                "draft_versions_lost": self.versions_lost}
+        if self.estimate is not None:
+            out.update(draft_acceptance_length_estimate=self.estimate[0], draft_estimate_age=self.estimate[1])
         if self._alive_at_start:
             busy = max(0.0, min(result["end_time"], end) - max(result["start_time"], start)) if result else 0.0
             out.update(draft_trained=int(self._training), idle_draft_s=max(0.0, (end - start) - busy))
@@ -338,12 +353,15 @@ class DraftClient(NullDraft):
 
     def state_dict(self) -> dict[str, Any]:
         return {"draft_version": self.version, "draft_cadence": self.cadence.state_dict(),
-                "draft_restarts": self.restarts, "draft_versions_lost": self.versions_lost}
+                "draft_restarts": self.restarts, "draft_versions_lost": self.versions_lost,
+                "draft_estimate": self.estimate}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = state.get("draft_version", 0)
         self.restarts = state.get("draft_restarts", 0)
         self.versions_lost = state.get("draft_versions_lost", 0)
+        estimate = state.get("draft_estimate")  # absent from checkpoints before it was carried
+        self.estimate = tuple(estimate) if estimate else None
         if "draft_cadence" in state:  # absent from checkpoints written before the cadence
             self.cadence.load_state_dict(state["draft_cadence"])
 

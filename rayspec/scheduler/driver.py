@@ -396,6 +396,10 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
             (``check_resume``).
         ClusterFitError: the layout does not fit the cluster.
         All before any role is started.
+        RunAborted: the Train workers met a bad input a restart would meet
+            again (a reward function that raised, a data file's bad row;
+            ``rayspec.train.ranks.RunAborted``); the records and
+            checkpoints written before it stay.
     """
     from ray import serve
     from ray.train import CheckpointConfig, FailureConfig
@@ -406,6 +410,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     from rayspec.rollout.serve import APP_NAME as ROLLOUT_APP, deploy_rollout
     from rayspec.draft.client import DRAFT_TRAINER_NAME
     from rayspec.train.loop import rl_worker_loop
+    from rayspec.train.ranks import RunAborted
 
     cfg = _absolute(cfg)
     check_resume(cfg, resume)
@@ -460,7 +465,9 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.trainer.num_to_keep),
                 failure_config=FailureConfig(max_failures=cfg.trainer.max_failures)),
         )
-        trainer.fit()
+        aborted = trainer.fit().return_value  # the workers stopped on a bad input (rl_worker_loop)
+        if aborted:
+            raise RunAborted(aborted)
         if draft is not None:
             save_draft_head(draft, first_start, run_dir / "draft_head")
     finally:

@@ -320,10 +320,12 @@ class Coordinator:
         self.pipeline.wait_refits()
 
     def close(self) -> None:
-        """End of run: drop the batches generated ahead, stop the sender and the reward workers."""
+        """End of run: drop the batches generated ahead, stop the sender and
+        the reward workers, write out the TensorBoard events."""
         self.pipeline.close()
         self.sender.close()
         self.rewards.close()
+        self.log.close()
 
 
 class Follower:

@@ -21,19 +21,25 @@ from typing import Any
 import ray
 import torch
 
-from rayspec.config import RunConfig
+from rayspec.config import ConfigError, RunConfig
+from rayspec.data.files import DataFileError
 from rayspec.devices import assigned_gpu
 from rayspec.draft.client import DraftClient, NullDraft, find_draft_trainer
 from rayspec.draft.trainer import TrainingCadence
 from rayspec.metrics import PhaseTimer, plot_run
+from rayspec.reward.functions import RewardFunctionError
+from rayspec.reward.pool import RewardError
 from rayspec.scheduler.driver import checkpoints
 from rayspec.scheduler.placement import ClusterFitError, check_device_sharing
 from rayspec.sync import make_source
 from rayspec.train.coordinator import Coordinator, Follower
 from rayspec.train.policy import PolicyWorker, build_engine, deepspeed_config, zero3_init
-from rayspec.train.ranks import Ranks
+from rayspec.train.ranks import Ranks, RunAborted, report_aborts
 
 log = logging.getLogger(__name__)
+
+# what rank 0 may meet that a restart of the workers would meet again: the run stops (RunAborted)
+USER_ERRORS = (ConfigError, DataFileError, RewardError, RewardFunctionError)
 
 
 def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: PolicyWorker,
@@ -43,9 +49,10 @@ def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: Poli
     training beside it -> refit. Returns rank 0's record (None elsewhere)."""
     timer, start = PhaseTimer(), time.time()
     with timer("rollout"):
-        rollout = coord.next_rollout(version)  # generated ahead of this step in async mode
-        coord.reward(rollout)
-        coord.advantages(rollout)
+        with policy.ranks.stop_on(USER_ERRORS):  # a reward function that raises stops every rank
+            rollout = coord.next_rollout(version)  # generated ahead of this step in async mode
+            coord.reward(rollout)
+            coord.advantages(rollout)
         coord.release_replicas()  # colocated: replicas sleep while the policy trains
         draft.begin(rollout)
         shard = policy.share(rollout)
@@ -75,7 +82,8 @@ def run_steps(cfg: RunConfig, coord, policy: PolicyWorker, draft, version: int) 
     for step in range(version + 1, cfg.trainer.steps + 1):
         record = rl_step(step, version, coord, policy, draft)
         version += 1
-        coord.finish_step(version, record)
+        with policy.ranks.stop_on(USER_ERRORS):  # held-out evaluation scores with the reward functions
+            coord.finish_step(version, record)
         metrics = {k: v for k, v in (record or {"step": step}).items() if isinstance(v, (int, float))}
         every = cfg.trainer.save_steps
         if step == cfg.trainer.steps or (every and step % every == 0):
@@ -87,8 +95,10 @@ def run_steps(cfg: RunConfig, coord, policy: PolicyWorker, draft, version: int) 
             policy.report(metrics)
 
 
+@report_aborts
 def rl_worker_loop(config: dict) -> None:
-    """``train_loop_per_worker`` of the TorchTrainer.
+    """``train_loop_per_worker`` of the TorchTrainer (a ``RunAborted`` ends
+    it without a failure: ``report_aborts``).
 
     Args:
         config: {"cfg": RunConfig, "model_dir": str, "aux_layer_ids": list | None,
@@ -120,8 +130,9 @@ def rl_worker_loop(config: dict) -> None:
     gpu_index = ray.train.torch.get_device().index if cfg.train.gpus_per_worker > 0 else None
     device = torch.device("cuda", gpu_index) if gpu_index is not None else torch.device("cpu")
     draft = open_draft(cfg, ranks, config["aux_layer_ids"], config.get("draft_prior"))
-    coord = Coordinator.start(cfg, tokenizer, device, lambda: draft.acceptance) if ranks.is_driver \
-        else Follower()
+    with ranks.stop_on(USER_ERRORS):  # the dataset and the reward functions load on rank 0
+        coord = Coordinator.start(cfg, tokenizer, device, lambda: draft.acceptance) if ranks.is_driver \
+            else Follower()
     coord.release_replicas(refit_next=False)  # before DeepSpeed allocates on their devices (the ranks wait below)
     check_devices(cfg, coord, draft, ranks, gpu_index)
     ds_config = deepspeed_config(cfg, ranks.world)
@@ -184,8 +195,9 @@ def check_devices(cfg: RunConfig, coord, draft, ranks: Ranks, gpu_index: int | N
     """Collective, before DeepSpeed allocates: the GPU each Train rank uses
     (entry ``gpu_index`` of its CUDA_VISIBLE_DEVICES), each replica's and the
     DraftTrainer's, checked against the layout (``check_device_sharing``);
-    rank 0 logs the device table. Raises ClusterFitError on every rank where
-    a device holds what the layout does not allow."""
+    rank 0 logs the device table. Raises RunAborted (naming the
+    ClusterFitError) on every rank where a device holds what the layout
+    does not allow."""
     gpu = assigned_gpu(gpu_index) if gpu_index is not None else None
     train = ranks.all_gather((ray.get_runtime_context().get_node_id(), gpu))
     error = None
@@ -198,8 +210,8 @@ def check_devices(cfg: RunConfig, coord, draft, ranks: Ranks, gpu_index: int | N
         except ClusterFitError as e:
             error = str(e)
     error = ranks.broadcast(error)
-    if error:
-        raise ClusterFitError(error)
+    if error:  # on every rank; a restart would place the roles the same way
+        raise RunAborted(f"ClusterFitError: {error}")
 
 
 def resume(checkpoint, policy: PolicyWorker, coord, draft) -> int:
@@ -249,8 +261,9 @@ def start_over(policy: PolicyWorker, coord, draft) -> None:
             coord.wait_refits()
         del weights
         policy.refit_sent()
-    if policy.ranks.is_driver:
-        coord.evaluate(0)
+    with policy.ranks.stop_on(USER_ERRORS):
+        if policy.ranks.is_driver:
+            coord.evaluate(0)
 
 
 def save_policy(policy: PolicyWorker, tokenizer, out: Path) -> None:

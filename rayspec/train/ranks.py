@@ -3,8 +3,35 @@ the few collectives the step needs (objects from rank 0, a barrier)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
+
+
+class RunAborted(RuntimeError):
+    """The run stops on every Train rank, on an error a restart would meet
+    again (a bad input: a reward function that raises, a data file's bad
+    row), found on rank 0 (``Ranks.stop_on``). ``rl_worker_loop`` ends the
+    workers without a failure, so Ray Train does not restart them to fail
+    the same way, and the driver raises it with the message. The message
+    starts with the original error's type."""
+
+
+def report_aborts(loop):
+    """Wrap a Ray Train ``train_loop_per_worker`` (returning nothing): a
+    ``RunAborted`` (raised on every rank alike, ``Ranks.stop_on``) ends the
+    worker without a failure, returning its message, so Ray Train neither
+    restarts the workers (``FailureConfig.max_failures``) nor prints the
+    error per attempt; the driver reads rank 0's from ``Result.return_value``."""
+    @functools.wraps(loop)
+    def wrapped(config):
+        try:
+            loop(config)
+        except RunAborted as e:
+            return str(e)
+
+    return wrapped
 
 
 @dataclass(frozen=True)
@@ -52,3 +79,24 @@ class Ranks:
             import torch.distributed as dist
 
             dist.barrier()
+
+    @contextlib.contextmanager
+    def stop_on(self, errors: tuple[type[BaseException], ...]):
+        """Run a block of rank 0's work (a no-op on the other ranks), then
+        agree (a broadcast): where it raised one of ``errors`` on rank 0,
+        every rank raises ``RunAborted`` naming it. Other errors propagate
+        as they are (Ray Train restarts the workers for those).
+
+        Raises:
+            RunAborted: on every rank, "<error type>: <message>".
+        """
+        caught = None
+        try:
+            yield
+        except errors as e:
+            if not self.is_driver:
+                raise
+            caught = e
+        message = self.broadcast(f"{type(caught).__name__}: {caught}" if caught is not None else None)
+        if message is not None:
+            raise RunAborted(message) from caught
