@@ -8,6 +8,7 @@ overrides) from its latest checkpoint.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ USAGE = """usage: python -m jobs.grpo [PRESET.yaml] [KEY=VALUE ...] [resume=RUN_
 GRPO post-training with speculative rollouts on Ray (vLLM replicas on Ray
 Serve, DeepSpeed ZeRO policy updates in Ray Train, online EAGLE-3 draft
 training). Without arguments: the offline default preset (SmolLM2-135M on a
-built-in arithmetic task, 30 steps, about 30 minutes on 2 CPU cores).
+built-in arithmetic task, 15 steps, 10-20 minutes on 2 CPU cores).
 
 examples:
   python -m jobs.grpo trainer.steps=3 trainer.run_dir=runs/try
@@ -46,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s: %(message)s")
+    if cfg.ray.address is None and not os.environ.get("RAY_ADDRESS"):
+        # a new local cluster: Ray 2.60 protects it with a token (~/.ray/auth_token) and, unless
+        # RAY_AUTH_MODE says so, warns that it did, which was the first line a newcomer read. Said
+        # before Ray loads (its processes read the mode once): the same protection, no warning.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     from rayspec.rollout.vllm import VllmInternalsError
     from rayspec.scheduler import ClusterFitError, run
     from rayspec.train.ranks import RunAborted

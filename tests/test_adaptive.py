@@ -71,6 +71,12 @@ def test_step_cost_interpolates_in_log_batch_and_linearly_in_k():
     assert not grid([1], 3, spec=[0.03]).known(0) and grid([1], 3, spec=[0.03]).known(3)
     assert not grid([1], 3, spec=[0.03]).known(1)
     assert not grid([1], 3, plain=[0.03]).known(2) and not StepCost(3).known(0)
+    assert not grid([1], 3, sync=[0.03]).known(0)  # a sync step is not a plain one
+    # past the last batch size measured, a drafting step keeps its ratio to a plain step there
+    tail_only = grid([1, 8, 64], 3, plain=[0.020, 0.030, 0.100])
+    tail_only.curves["3"] = [[1, 0.029], [8, 0.075]]
+    assert tail_only.seconds(64, 3) == pytest.approx(0.100 * 0.075 / 0.030)
+    assert tail_only.seconds(128, 0) == pytest.approx(0.200)  # a plain one grows per sequence
     with pytest.raises(KeyError):
         grid([1], 3, plain=[0.03]).seconds(1, 2)
     # a sync step not yet measured: plain plus half a draft's extra cost per draft
@@ -100,7 +106,7 @@ def test_step_times_keep_medians_per_kind_and_batch_bucket():
 
 def test_good_draft_speculates_in_the_tail_only_and_bad_draft_never():
     ctl = AdaptiveK(k_max=3, max_num_seqs=64, cost=CPU_COST)
-    assert ctl.schedule() == uniform(3, 64)  # nothing measured yet: measure at k_max
+    assert ctl.schedule() == [(1, 8, 3), (9, 64, 0)]  # nothing measured yet: measure at k_max, in the tail
     ctl.update([600, 400, 250], num_drafts=1000, positions=3)
     sched = ctl.schedule()
     # k falls as the batch grows and drafting costs more (worked by hand from CPU_COST)
@@ -299,14 +305,17 @@ def test_a_rollout_weighs_by_its_drafts():
 
 def test_the_controller_measures_what_it_lacks_first_and_says_why():
     """No step is timed before the rollouts: with no acceptance rates, or no
-    k_max-draft step measured, a rollout drafts k_max everywhere; with no
-    plain step measured, nothing; then it chooses, and ``reason`` says why
+    k_max-draft step measured, a rollout drafts k_max in its tail (up to 8
+    sequences, where drafts cost least); with no plain step measured (sync
+    steps do not count), nothing; then it chooses, and ``reason`` says why
     in the step line's words."""
     ctl = AdaptiveK(k_max=3, max_num_seqs=64)
-    assert ctl.schedule() == uniform(3, 64) and ctl.reason == "k 3: measuring the draft's acceptance"
+    tail = [(1, 8, 3), (9, 64, 0)]
+    assert ctl.schedule() == tail and ctl.reason == "k 3 at 1-8 seqs: measuring the draft's acceptance"
+    assert AdaptiveK(k_max=2, max_num_seqs=4).schedule() == [(1, 4, 2)]
     ctl.update([600, 400, 250], num_drafts=1000, positions=3)
-    assert ctl.schedule() == uniform(3, 64) and ctl.reason == "k 3: measuring a 3-draft step's cost"
-    ctl.cost = grid([1, 8, 64], 3, spec=[0.029, 0.075, 0.300])
+    assert ctl.schedule() == tail and ctl.reason == "k 3 at 1-8 seqs: measuring a 3-draft step's cost"
+    ctl.cost = grid([1, 8], 3, spec=[0.029, 0.075], sync=[0.021, 0.031])
     assert ctl.schedule() == uniform(0, 64) and ctl.reason == "k 0: measuring a plain step's cost"
     ctl.cost = CPU_COST
     assert format_schedule(ctl.schedule()) == "1:3 2:2 3-8:1 9-64:0"

@@ -79,7 +79,8 @@ def test_a_run_dir_that_cannot_be_written_is_refused_naming_the_key(where, capsy
 
 
 @pytest.mark.parametrize("job", ["bench_pipeline", "bench_refit", "bench_rl", "bench_serve", "warmstart_draft", "serve",
-                                 "project_speedup", "bench_rollout", "bench_step", "check_lossless", "check_vllm"])
+                                 "project_speedup", "bench_rollout", "bench_step", "bench_step_costs", "check_lossless",
+                                 "check_vllm"])
 def test_every_jobs_help_describes_it_in_whole_sentences(job):
     out = subprocess.run([sys.executable, "-m", f"jobs.{job}", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=120)

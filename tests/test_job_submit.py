@@ -130,10 +130,10 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
     assert f"done: {run_dir / 'metrics.jsonl'}" in logs
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3]
-    # adaptive k: the first rollout drafts k=3 at every batch size (nothing
-    # measured yet); each step reports the schedule its rollout used
+    # adaptive k: the first rollout drafts k=3 in its tail, up to 8 sequences
+    # (nothing measured yet); each step reports the schedule its rollout used
     assert recs[0]["num_drafts"] > 0
-    assert list(recs[0]["replicas"].values())[0]["k_schedule"] == [[1, 64, 3]]  # max_num_seqs 64
+    assert list(recs[0]["replicas"].values())[0]["k_schedule"] == [[1, 8, 3], [9, 64, 0]]  # max_num_seqs 64
     for r in recs:
         assert STEP_RECORD_KEYS <= r.keys()
         assert list(r["replicas"].values())[0]["k_schedule"][0][0] == 1
@@ -164,7 +164,8 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
     # acceptance and a 3-draft step's cost, step 2's a plain step's, then it chose;
     # the step costs are kept for the next run on this machine
     reasons = [list(r["replicas"].values())[0]["k_reason"] for r in recs]
-    assert reasons[:2] == ["k 3: measuring the draft's acceptance", "k 0: measuring a plain step's cost"], reasons
+    assert reasons[:2] == ["k 3 at 1-8 seqs: measuring the draft's acceptance",
+                           "k 0: measuring a plain step's cost"], reasons
     assert "measuring" not in reasons[2] and reasons[2] in logs
     assert len(list((tmp_path / "cache" / "step_costs").glob("*.json"))) == 1
 

@@ -48,10 +48,11 @@ not timed before them: vLLM reports every engine step's batch and seconds
 steps by kind (plain, k = 0 with the drafter in sync, k drafts) and batch
 size; between the k measured, t is linear in k. Until a choice can rest on
 measurements the controller schedules the rollout that measures what it
-lacks (``schedule``): a replica's first rollout drafts k_max everywhere
-(it measures the acceptance and a drafting step's cost), the next one
-drafts nothing (a plain step's cost). The rates are updated after every
-rollout. They start from the draft's held-out rates where
+lacks (``schedule``): a replica's first rollout drafts k_max in its tail
+(it measures the acceptance, a drafting step's cost, and a sync step's
+above the tail), the next one drafts nothing (a plain step's cost); costs
+past the batch sizes measured keep their ratio to a plain step. The rates
+are updated after every rollout. They start from the draft's held-out rates where
 ``jobs.warmstart_draft`` recorded them beside the head
 (``acceptance.json``).
 
@@ -105,6 +106,10 @@ import statistics
 from dataclasses import dataclass, field
 
 MATCH_DRAFTERS = ("ngram", "suffix")  # vLLM methods that draft only where their match does
+# a rollout that measures the acceptance or a drafting step's cost drafts up to this many sequences in
+# flight: its tail, where a draft costs least (on 2 CPU cores a 3-draft step at 64 sequences cost 3x a
+# plain one, at one 1.45x); the rest of it runs sync steps, measured too
+MEASURE_TAIL = 8
 
 
 def uniform(k: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
@@ -179,8 +184,12 @@ class StepCost:
             keeping its KV in sync, as it runs wherever the schedule drafts
             at some batch size) or k as a string (``"1"`` .. ``"K"``).
             Between two points t is linear in log b; below the first it
-            is the first; past the last it grows per sequence (the last
-            point's seconds x b / its b).
+            is the first; past the last it keeps its ratio to a plain step
+            there (a plain step past its own last point grows per
+            sequence). A drafting kind measured only in a rollout's tail
+            is so extrapolated to full batches optimistically on a CPU,
+            where a draft's cost ratio grows with the batch: the
+            controller then drafts there, which measures it.
     """
 
     k: int
@@ -191,7 +200,10 @@ class StepCost:
         if b <= pts[0][0]:
             return pts[0][1]
         if b >= pts[-1][0]:
-            return pts[-1][1] * b / pts[-1][0]
+            last, t_last = pts[-1]
+            if kind != PLAIN and self.curves.get(PLAIN):
+                return t_last * self._at(PLAIN, b) / self._at(PLAIN, last)
+            return t_last * b / last
         j = bisect.bisect_left([x for x, _ in pts], b)
         (b0, t0), (b1, t1) = pts[j - 1], pts[j]
         return t0 + (t1 - t0) * math.log(b / b0) / math.log(b1 / b0)
@@ -201,15 +213,14 @@ class StepCost:
 
     def known(self, k: int) -> bool:
         """Whether t(b, k) rests on measurements (``seconds``): k = 0 on
-        plain (or sync) steps; k > 0 on steps of k drafts, or on plain steps
-        and steps of some other k to interpolate or extrapolate from."""
-        plain = bool(self.curves.get(PLAIN) or self.curves.get(SYNC))
+        plain steps; k > 0 on steps of k drafts, or on plain steps and steps
+        of some other k to interpolate or extrapolate from."""
+        plain = bool(self.curves.get(PLAIN))
         drafted = self._drafted()
         return plain if k == 0 else k in drafted or (plain and bool(drafted))
 
     def seconds(self, b: int, k: int) -> float:
-        """t(b, k). k = 0: a plain step (a sync one where no plain step was
-        measured). k > 0: as measured, else linear in k between the nearest
+        """t(b, k). k = 0: a plain step. k > 0: as measured, else linear in k between the nearest
         measured k below (0: t(b, 0)) and above, or past the largest
         measured one on the line from t(b, 0) through it. The first draft
         costs more than the next ones (it brings the rejection sampler into
@@ -221,7 +232,7 @@ class StepCost:
             KeyError: t(b, k) rests on nothing measured (``known``).
         """
         if k == 0:
-            return self._at(PLAIN if self.curves.get(PLAIN) else SYNC, b)
+            return self._at(PLAIN, b)
         drafted = self._drafted()
         if k in drafted:
             return self._at(str(k), b)
@@ -292,6 +303,10 @@ class StepTimes:
         steps = self._steps.setdefault((kind, b.bit_length()), [])
         steps.append((b, seconds))
         del steps[:-self.window]
+
+    def steps(self) -> list[tuple[str, int, float]]:
+        """The steps kept: [(kind, b, seconds)]."""
+        return [(kind, b, t) for (kind, _), steps in self._steps.items() for b, t in steps]
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._steps.values())
@@ -537,17 +552,19 @@ class AdaptiveK:
         ``reason`` says why (``explain``).
 
         Until it is measured, what a choice needs is measured first: with no
-        acceptance rates, or no step of k_max drafts timed, k_max at every
-        batch size (the rollout measures both); then, with no plain step
-        timed, k = 0 everywhere. A schedule that drafts somewhere keeps the
+        acceptance rates, or no step of k_max drafts timed, k_max in the
+        rollout's tail, up to ``MEASURE_TAIL`` sequences in flight, where a
+        draft costs least (the rollout measures both, and sync steps above
+        it); then, with no plain step timed, k = 0 everywhere. A schedule that drafts somewhere keeps the
         drafter in sync at the batch sizes where it does not; it is kept
         only if the last rollout's shape (``observe``) would run ``margin``
         faster with it than with k = 0 everywhere."""
         zero = uniform(0, self.max_num_seqs)
         if not self.rates or not self.cost.known(self.k_max):
-            self.reason = (f"k {self.k_max}: measuring "
+            tail = min(MEASURE_TAIL, self.max_num_seqs)
+            self.reason = (f"k {self.k_max} at 1-{tail} seqs: measuring "
                            + ("the draft's acceptance" if not self.rates else f"a {self.k_max}-draft step's cost"))
-            return uniform(self.k_max, self.max_num_seqs)
+            return merge_schedule([self.k_max] * tail + [0] * (self.max_num_seqs - tail))
         if not self.cost.known(0):
             self.reason = "k 0: measuring a plain step's cost"
             return zero

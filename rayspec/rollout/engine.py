@@ -334,7 +334,7 @@ class SpecVLLMEngine:
         ``jobs.warmstart_draft`` recorded them beside it with drafts of this
         engine's ``draft_sample_method`` (``models.acceptance.read_acceptance``).
         With no rates (None and no record, or []) the first rollout drafts
-        num_speculative_tokens at every batch size to measure them.
+        num_speculative_tokens in its tail to measure them (``AdaptiveK.schedule``).
         ``temperature``: the rollouts'; the step costs are measured on the
         ``generate`` calls at it (at T = 0 vLLM's rejection sampler takes
         its cheaper greedy path). ``cost``: step costs to start from (e.g.

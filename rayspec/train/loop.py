@@ -38,6 +38,7 @@ from rayspec.train.ranks import Ranks, RunAborted, report_aborts
 
 log = logging.getLogger(__name__)
 
+REPORTED = ("step", "policy_version", "reward_mean", "acceptance_length", "time_step_s")
 # what rank 0 may meet that a restart of the workers would meet again: the run stops (RunAborted)
 USER_ERRORS = (ConfigError, DataFileError, RewardError, RewardFunctionError)
 
@@ -84,7 +85,8 @@ def run_steps(cfg: RunConfig, coord, policy: PolicyWorker, draft, version: int) 
         version += 1
         with policy.ranks.stop_on(USER_ERRORS):  # held-out evaluation scores with the reward functions
             coord.finish_step(version, record)
-        metrics = {k: v for k, v in (record or {"step": step}).items() if isinstance(v, (int, float))}
+        # what Ray Train keeps with each report (it logs each whole, on every rank; the rest is in metrics.jsonl)
+        metrics = {k: v for k, v in (record or {"step": step}).items() if k in REPORTED}
         every = cfg.trainer.save_steps
         if step == cfg.trainer.steps or (every and step % every == 0):
             policy.checkpoint(metrics, coord.trainer_state(step, version, draft.state_dict())
