@@ -52,7 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--calibration-rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4, help="arithmetic prompts per rollout (default 4)")
     ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (default 8)")
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=96,
+                    help="response cap (default 96: most responses of the initial policy end before it, so the "
+                         "rollouts have a tail)")
     ap.add_argument("--kv-cache-gib", type=int, default=2)
     ap.add_argument("--work-dir", default="/tmp/rayspec-bench-rollout", help="where the untrained head is made")
     ap.add_argument("--out", default="runs/bench_step_costs.json")
@@ -104,8 +106,8 @@ def calibrate(engine, k: int, batch_sizes: list[int], tokens: int, rounds: int) 
 def rollout_costs(engine, k: int, prompts: list[list[int]], args, pooled) -> dict[str, dict[int, float]]:
     """One plain and one k-draft rollout, each folded into a fresh
     ``StepTimes`` as a replica folds its rollouts (and into ``pooled``);
-    returns {kind: {b: seconds}} at the ``args.batch_sizes`` the rollout
-    reached."""
+    returns {kind: {b: seconds}} at the ``args.batch_sizes`` whose bucket
+    the rollout ran steps in."""
     from rayspec.rollout.adaptive import StepTimes, uniform
 
     out = {}
@@ -116,8 +118,8 @@ def rollout_costs(engine, k: int, prompts: list[list[int]], args, pooled) -> dic
         for step in engine.step_times.steps():
             pooled.add(*step)
         cost = engine.step_times.cost()
-        reached = max(b for b, _ in cost.curves[kind])
-        out[kind] = {b: cost.seconds(b, kk) for b in args.batch_sizes if b <= reached}
+        buckets = {b.bit_length() for kd, b, _ in engine.step_times.steps() if kd == kind}
+        out[kind] = {b: cost.seconds(b, kk) for b in args.batch_sizes if b.bit_length() in buckets}
     return out
 
 

@@ -334,7 +334,7 @@ def test_a_replica_times_its_rollouts_decode_steps_by_kind_and_keeps_them_by_key
     """After each ``generate`` at the rollouts' temperature the replica folds
     vLLM's per-step stats into its step costs: decode steps only, each of
     the kind its batch size's k made it, with its share of the call's time
-    outside the timed model execution; the costs are kept under a key
+    outside the timed model execution by its requests; the costs are kept under a key
     (machine, shapes, dtype, engine settings, temperature) that a later
     engine with the same key starts from."""
     import threading
@@ -362,11 +362,11 @@ def test_a_replica_times_its_rollouts_decode_steps_by_kind_and_keeps_them_by_key
             "num_ctx_requests": st.prefill_requests, "num_ctx_tokens": st.prefill_tokens,
             "num_generation_requests": st.decode_requests, "num_generation_tokens": st.decode_tokens,
             "elapsed_ms": st.seconds * 1000, "is_dummy": False})()})(), None)
-    eng._time_steps(schedule, 1.0, wall_s=0.38 + 0.05)  # 0.01 s a step outside the timed execution
+    eng._time_steps(schedule, 1.0, wall_s=0.38 + 0.07)  # 5 ms a request outside the timed execution
     cost = eng.adaptive.cost
     # k = 0 steps where the schedule drafts elsewhere keep the drafter in sync
-    assert cost.curves == {"sync": [[3, pytest.approx(0.05)], [4, pytest.approx(0.06)]],
-                           "3": [[1, pytest.approx(0.04)], [2, pytest.approx(0.07)]]}
+    assert cost.curves == {"sync": [[3, pytest.approx(0.055)], [4, pytest.approx(0.07)]],
+                           "3": [[1, pytest.approx(0.035)], [2, pytest.approx(0.07)]]}
     assert eng._step_timer.take() == []
     kept = list(tmp_path.glob("*.json"))
     assert len(kept) == 1 and StepCost(**json.loads(kept[0].read_text())) == cost
@@ -598,3 +598,37 @@ def test_engine_without_schedule_refuses_to_switch(tiny_llama_dir, tiny_head, in
             eng.set_k_schedule(uniform(0, 4))
     finally:
         eng.shutdown()
+
+
+def test_drafting_reaches_past_the_batch_sizes_measured_one_bucket_at_a_time():
+    """A k-draft step measured only in a rollout's tail (1-8 sequences) is
+    drafted with up to twice that, even where its ratio to a plain step,
+    carried past the last measurement, says it pays at 64 (on a CPU the
+    ratio grows with the batch: a fresh run drafted at 4-64 sequences on a
+    ratio of 1.06x from 1-8, and paid 2.8x at 29). The rollout that drafts
+    there measures the next bucket, and drafting reaches further."""
+    import math
+
+    cost = StepCost(3, {"plain": [[1, 0.020], [8, 0.030], [64, 0.100]], "3": [[1, 0.022], [8, 0.033]]})
+    assert cost.reach(3) == cost.reach(1) == 16 and cost.reach(0) == math.inf
+    assert cost.seconds(64, 3) == pytest.approx(0.100 * 0.033 / 0.030)  # carried: it would pay there
+    ctl = AdaptiveK(k_max=3, max_num_seqs=64, cost=cost, rates=[0.6, 0.4, 0.2])
+    assert ctl.schedule() == [(1, 16, 3), (17, 64, 0)]
+    cost.curves["3"].append([16, 0.05])
+    assert cost.reach(3) == 32 and ctl.schedule() == [(1, 32, 3), (33, 64, 0)]
+
+
+def test_a_rollout_without_a_tail_measures_where_it_runs_and_costs_outside_keep_their_ratio():
+    """Where the last rollout's sequences all ran to the end together (no
+    batch size at or below the measuring tail), the measuring rollout
+    drafts at every batch size, or it would never measure a drafting step.
+    Outside the batch sizes a kind was measured at, its cost keeps the
+    nearest point's ratio to a plain step: a tail never measured costs the
+    full batch's ratio, not the full batch's seconds."""
+    ctl = AdaptiveK(k_max=3, max_num_seqs=32)
+    ctl.observe([48] * 32)
+    assert ctl.positions == {32: 48} and ctl.schedule() == [(1, 32, 3)]
+    assert ctl.reason == "k 3 at 1-32 seqs: measuring the draft's acceptance"
+    cost = StepCost(3, {"plain": [[1, 0.047], [16, 0.080]], "3": [[16, 0.228]]})
+    assert cost.seconds(1, 3) == pytest.approx(0.047 * 0.228 / 0.080)
+    assert StepCost(3, {"plain": [[16, 0.080]]}).seconds(1, 0) == pytest.approx(0.080)  # plain: the nearest

@@ -545,3 +545,23 @@ def test_a_shared_memory_refit_lands_through_mapped_files_and_leaves_none(spec_e
     finally:
         transport.close()
     assert not transport.directory.exists()
+
+
+def test_deepspeed_builds_its_ops_with_the_venvs_ninja(monkeypatch):
+    """DeepSpeed's CPU ops are built by the first ``ninja`` on PATH, and a
+    ninja of another version counts them as changed (1.13 hashes a command
+    otherwise than 1.11): the venv's bin goes first, where the install
+    built them, once, whatever PATH the run was started with."""
+    import os
+    import shutil
+    import sys
+
+    from rayspec.train.policy import use_venv_ninja
+
+    bin_dir = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    use_venv_ninja()
+    use_venv_ninja()
+    assert os.environ["PATH"] == f"{bin_dir}:/usr/bin:/bin"
+    if os.path.exists(os.path.join(bin_dir, "ninja")):  # DeepSpeed's dependency
+        assert shutil.which("ninja") == os.path.join(bin_dir, "ninja")

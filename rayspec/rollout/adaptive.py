@@ -183,13 +183,14 @@ class StepCost:
             (k = 0, drafter idle), ``sync`` (k = 0, the drafter's forward
             keeping its KV in sync, as it runs wherever the schedule drafts
             at some batch size) or k as a string (``"1"`` .. ``"K"``).
-            Between two points t is linear in log b; below the first it
-            is the first; past the last it keeps its ratio to a plain step
-            there (a plain step past its own last point grows per
-            sequence). A drafting kind measured only in a rollout's tail
-            is so extrapolated to full batches optimistically on a CPU,
-            where a draft's cost ratio grows with the batch: the
-            controller then drafts there, which measures it.
+            Between two points t is linear in log b; outside them it
+            keeps its nearest point's ratio to a plain step (a plain step
+            below its first point costs that point's seconds, past its
+            last it grows per sequence). On a CPU a draft's cost ratio
+            grows with the batch, so a drafting kind carried past its
+            last point looks cheaper than it is (``reach`` bounds where
+            the controller drafts on that), and below its first point
+            dearer.
     """
 
     k: int
@@ -197,13 +198,11 @@ class StepCost:
 
     def _at(self, kind: str, b: int) -> float:
         pts = self.curves[kind]
-        if b <= pts[0][0]:
-            return pts[0][1]
-        if b >= pts[-1][0]:
-            last, t_last = pts[-1]
+        if b <= pts[0][0] or b >= pts[-1][0]:  # outside what was measured: its nearest point's ratio to plain
+            near, t_near = pts[0] if b <= pts[0][0] else pts[-1]
             if kind != PLAIN and self.curves.get(PLAIN):
-                return t_last * self._at(PLAIN, b) / self._at(PLAIN, last)
-            return t_last * b / last
+                return t_near * self._at(PLAIN, b) / self._at(PLAIN, near)
+            return t_near if b <= near else t_near * b / near
         j = bisect.bisect_left([x for x, _ in pts], b)
         (b0, t0), (b1, t1) = pts[j - 1], pts[j]
         return t0 + (t1 - t0) * math.log(b / b0) / math.log(b1 / b0)
@@ -219,6 +218,30 @@ class StepCost:
         drafted = self._drafted()
         return plain if k == 0 else k in drafted or (plain and bool(drafted))
 
+    def _rests_on(self, k: int) -> tuple[int, int | None]:
+        """(lo, hi): the measured drafting kinds t(b, k) is interpolated
+        between (lo 0: the plain step), or extrapolated from (hi None)."""
+        drafted = self._drafted()
+        if k in drafted:
+            return k, k
+        return max((m for m in drafted if m < k), default=0), min((m for m in drafted if m > k), default=None)
+
+    def reach(self, k: int) -> float:
+        """The largest batch size where t(b, k) is close enough to a
+        measurement to draft on: twice the largest batch size its drafting
+        kinds were measured at (``_rests_on``); unbounded for k = 0.
+
+        Past the batch sizes measured t(b, k) keeps its ratio to a plain
+        step, which on a CPU understates a large batch's (the ratio grows
+        with the batch: a fresh run drafted at 4-64 sequences on a ratio
+        from 1-8 of 1.06x, and paid 2.8x at 29); within twice them, a
+        schedule drafts one bucket past what was measured, its rollout
+        measures that, and drafting reaches large batches bucket by bucket
+        where it pays there (a GPU's), or stops where it does not."""
+        if k == 0:
+            return math.inf
+        return 2 * min(self.curves[str(m)][-1][0] for m in self._rests_on(k) if m)
+
     def seconds(self, b: int, k: int) -> float:
         """t(b, k). k = 0: a plain step. k > 0: as measured, else linear in k between the nearest
         measured k below (0: t(b, 0)) and above, or past the largest
@@ -233,11 +256,9 @@ class StepCost:
         """
         if k == 0:
             return self._at(PLAIN, b)
-        drafted = self._drafted()
-        if k in drafted:
+        lo, hi = self._rests_on(k)
+        if lo == k:
             return self._at(str(k), b)
-        lo = max((m for m in drafted if m < k), default=0)
-        hi = min((m for m in drafted if m > k), default=None)
         t0 = self.seconds(b, 0)
         t_lo = self._at(str(lo), b) if lo else t0
         if hi is not None:
@@ -537,11 +558,14 @@ class AdaptiveK:
             self.rates[i] = (1 - w) * self.rates[i] + w * r
 
     def best_k(self, b: int) -> int:
-        """argmax_k b * (1 + f (E(k) - 1)) / t(b, k), k = 0 unless it beats
-        plain decoding by ``margin``."""
+        """argmax_k b * (1 + f (E(k) - 1)) / t(b, k) over the k whose cost
+        reaches b (``StepCost.reach``), k = 0 unless it beats plain decoding
+        by ``margin``."""
         plain = 1.0 / self.cost.seconds(b, 0)
         best, best_tp = 0, plain * self.margin
         for k in range(1, self.k_max + 1):
+            if b > self.cost.reach(k):
+                continue
             tp = self._tokens(b, k) / self.cost.seconds(b, k)
             if tp > best_tp:
                 best, best_tp = k, tp
@@ -555,13 +579,17 @@ class AdaptiveK:
         acceptance rates, or no step of k_max drafts timed, k_max in the
         rollout's tail, up to ``MEASURE_TAIL`` sequences in flight, where a
         draft costs least (the rollout measures both, and sync steps above
-        it); then, with no plain step timed, k = 0 everywhere. A schedule that drafts somewhere keeps the
+        it; where the last rollout had no tail, its sequences all running
+        to the end together, at every batch size); then, with no plain step
+        timed, k = 0 everywhere. A schedule that drafts somewhere keeps the
         drafter in sync at the batch sizes where it does not; it is kept
         only if the last rollout's shape (``observe``) would run ``margin``
         faster with it than with k = 0 everywhere."""
         zero = uniform(0, self.max_num_seqs)
         if not self.rates or not self.cost.known(self.k_max):
             tail = min(MEASURE_TAIL, self.max_num_seqs)
+            if self.positions and min(self.positions) > tail:  # the last rollout had no tail: where it ran
+                tail = self.max_num_seqs
             self.reason = (f"k {self.k_max} at 1-{tail} seqs: measuring "
                            + ("the draft's acceptance" if not self.rates else f"a {self.k_max}-draft step's cost"))
             return merge_schedule([self.k_max] * tail + [0] * (self.max_num_seqs - tail))

@@ -408,19 +408,21 @@ class SpecVLLMEngine:
         steps only (no prompt tokens in the step), each of the kind the
         schedule gave its batch size (``adaptive.step_kind``), with its share
         of what the call spent outside the engine's timed model execution
-        (scheduling, detokenising: wall seconds less the steps' seconds,
-        over the steps). Calls at another temperature than the rollouts'
-        are not timed (greedy evaluation)."""
+        (wall seconds less the steps' seconds: scheduling each request,
+        processing and detokenising its output), by its requests. Calls at
+        another temperature than the rollouts' are not timed (greedy
+        evaluation)."""
         steps = self._step_timer.take()
         if self.adaptive is None or temperature != self._cost_temperature or not steps:
             return
-        overhead = max(0.0, wall_s - sum(st.seconds for st in steps)) / len(steps)
+        requests = sum(st.prefill_requests + st.decode_requests for st in steps)
+        per_request = max(0.0, wall_s - sum(st.seconds for st in steps)) / max(requests, 1)
         ks = {b: k for lo, hi, k in schedule for b in range(lo, hi + 1)}
         idle = adaptive_k_mod.drafts_nowhere(schedule)
         for st in steps:
             if st.prefill_requests == 0 and st.decode_requests > 0:
                 kind = adaptive_k_mod.step_kind(ks.get(st.decode_requests, 0), idle)
-                self.step_times.add(kind, st.decode_requests, st.seconds + overhead)
+                self.step_times.add(kind, st.decode_requests, st.seconds + per_request * st.decode_requests)
         self.adaptive.cost = self.step_times.cost()
         if self._cost_file is not None:
             self._cost_file.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import sys
 from types import SimpleNamespace
 from typing import Any, Iterator
 
@@ -36,6 +37,27 @@ def deepspeed_config(cfg, world_size: int) -> dict[str, Any]:
     return ds
 
 
+def use_venv_ninja() -> None:
+    """Put this Python's own bin directory (the venv's, which holds the
+    ``ninja`` DeepSpeed depends on) first on this process's PATH, before
+    DeepSpeed JIT-builds its CPU ops (FusedAdam, the shared-memory
+    all-reduce) with the first ``ninja`` on PATH.
+
+    Why: ninja's build log hashes each command, and ninja 1.13 hashes them
+    differently from 1.11, so ops built by one count as changed for the
+    other and are built again. ``cluster/install_node.sh`` builds them with
+    the venv first on PATH (DeepSpeed's ninja, 1.13), while a run started as
+    ``.venv/bin/python -m jobs.grpo`` finds the system's (Debian's 1.11): on a
+    fresh 2-core host every first run built both ops again, 75 s before
+    step 1. Ray starts its workers with the driver's Python, so this is the
+    venv wherever the run was started from. Called where DeepSpeed starts
+    (``zero3_init``, ``build_engine``)."""
+    bin_dir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[:1] != [bin_dir]:
+        os.environ["PATH"] = bin_dir + os.pathsep + path
+
+
 def build_engine(model, ds_config: dict, device_rank: int | None = None):
     """deepspeed.initialize over an already initialised torch.distributed group.
 
@@ -43,6 +65,7 @@ def build_engine(model, ds_config: dict, device_rank: int | None = None):
         device_rank: the accelerator index the engine computes on (None:
             DeepSpeed's own choice, ``LOCAL_RANK``).
     """
+    use_venv_ninja()
     import deepspeed
 
     args = SimpleNamespace(device_rank=device_rank) if device_rank is not None else None
@@ -76,6 +99,7 @@ def zero3_init(ds_config: dict, device_rank: int | None = None) -> Iterator[None
     if (ds_config.get("zero_optimization") or {}).get("stage") != 3:
         yield
         return
+    use_venv_ninja()
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
