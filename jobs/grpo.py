@@ -47,10 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s: %(message)s")
-    if cfg.ray.address is None and not os.environ.get("RAY_ADDRESS"):
+    if cfg.ray.address is None and not os.environ.get("RAY_ADDRESS") and "ray" not in sys.modules:
         # a new local cluster: Ray 2.60 protects it with a token (~/.ray/auth_token) and, unless
         # RAY_AUTH_MODE says so, warns that it did, which was the first line a newcomer read. Said
-        # before Ray loads (its processes read the mode once): the same protection, no warning.
+        # before Ray loads, as it reads the mode once per process (set later, this process would
+        # keep "disabled" while the cluster it starts wants the token): the same protection, no warning.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     from rayspec.rollout.vllm import VllmInternalsError
     from rayspec.scheduler import ClusterFitError, run

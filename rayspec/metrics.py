@@ -345,8 +345,9 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def plot_run(run_dir: str | os.PathLike) -> Path:
-    """Draw acceptance length (measured in the rollouts that drafted, and
-    the DraftTrainer's estimate every step), rollout throughput, reward (training samples,
+    """Draw acceptance length (measured in the rollouts and held-out
+    passes that drafted, and the DraftTrainer's estimate every step),
+    rollout throughput, response length, reward (training samples,
     and the held-out evaluations where the run has them), policy drift and
     phase seconds per step into ``<run_dir>/curves.png``; returns its path.
 
@@ -370,6 +371,10 @@ def plot_run(run_dir: str | os.PathLike) -> Path:
            if r.get("draft_acceptance_length_estimate") is not None]
     if est:  # the DraftTrainer's replay, every step (carried where the head did not train)
         ax[0, 0].plot(*zip(*est), "^--", label="draft head, estimated")
+    held = [(e["policy_version"], e["acceptance_length"]) for e in evals if e.get("num_drafts", 1) > 0]
+    if held:  # the held-out sampled pass, where it drafted
+        ax[0, 0].plot(*zip(*held), "s", label="held-out (sampled pass)")
+    if drafted or est or held:
         ax[0, 0].legend()
     ax[0, 0].set(title="acceptance length (tokens / verify step)", xlabel="RL step")
     ax[0, 1].plot(steps, [r["rollout_tokens_per_s"] for r in recs], "o-")
@@ -399,9 +404,14 @@ def plot_run(run_dir: str | os.PathLike) -> Path:
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax[1, 1].set(title="seconds per step, by phase", xlabel="RL step")
     ax[1, 1].legend()
+    ax[1, 2].plot(steps, [r.get("response_len_mean", float("nan")) for r in recs], "o-", label="training samples")
     if evals:
-        ax[1, 2].plot(versions, [e["acceptance_length"] for e in evals], "s-")
-    ax[1, 2].set(title="held-out acceptance length (sampled, fixed seed)", xlabel="RL step")
+        ax[1, 2].plot(versions, [e.get("response_len_greedy", float("nan")) for e in evals], "s-",
+                      label="held-out, greedy")
+        ax[1, 2].plot(versions, [e.get("response_len_sampled", float("nan")) for e in evals], "^-",
+                      label="held-out, sampled")
+        ax[1, 2].legend()
+    ax[1, 2].set(title="response length (tokens)", xlabel="RL step")
     for a in ax.flat:
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
     out = Path(run_dir) / "curves.png"

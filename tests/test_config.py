@@ -53,7 +53,9 @@ def test_default_preset():
     assert cfg.model.dtype == "float32"
     assert cfg.train.deepspeed["optimizer"]["params"]["lr"] == 2e-5
     assert (cfg.data.max_operand, cfg.grpo.group_size, cfg.grpo.kl_coef) == (10, 8, 0.04)
-    assert (cfg.trainer.steps, cfg.trainer.eval_every) == (30, 5)
+    # the first run: 15 steps, 10-20 minutes on 2 cores, evaluations included (docs/benchmarks.md)
+    assert (cfg.trainer.steps, cfg.trainer.eval_every, cfg.trainer.eval_samples) == (15, 5, 2)
+    assert cfg.data.eval_num_problems == 32
     assert cfg.trainer.run_dir == "runs/default"
 
 

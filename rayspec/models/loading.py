@@ -78,7 +78,11 @@ def materialize_bundled_model(cache_dir: str | os.PathLike) -> Path:
     try:
         model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process put it there first (a directory is not replaced when it is not empty)
+            if not (out / "model.safetensors").is_file():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

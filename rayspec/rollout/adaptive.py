@@ -272,12 +272,11 @@ class StepCost:
         step runs the plain step's target forward and the drafter's forward
         besides, so a sync step timed faster is noise. Taken as measured, it
         made keeping the drafter in sync look cheaper than idling it: an RL
-        run's calibration put it at 0.104 s against 0.113 s plain at 16
-        sequences, and the shape rule kept a schedule drafting at 1-3
+        run's start-up calibration put it at 0.104 s against 0.113 s plain
+        at 16 sequences, and the shape rule kept a schedule drafting at 1-3
         sequences, in rollouts whose 16 sequences mostly ran to the token
         limit together, for a predicted 8% it did not get; its rollouts ran
-        0.85x of plain decoding's (docs/benchmarks.md, "Adaptive k's
-        calibration"). Before a sync step is measured: t(b, 0) plus half of
+        0.85x of plain decoding's (2026-11). Before a sync step is measured: t(b, 0) plus half of
         the smallest measured m-draft step's extra cost per draft (the
         drafter's forward without the verification), (t(b, m) - t(b, 0)) / 2m."""
         plain = self.seconds(b, 0)

@@ -50,7 +50,8 @@ def score_eval(problems: list[Problem], greedy: RolloutBatch, sampled: RolloutBa
     Returns:
         {"policy_version", "reward_greedy", "reward_sampled" (mean reward), "response_len_greedy", "response_len_sampled" (mean tokens),
         "acceptance_length" (tokens per verification step of the sampled
-        pass), and "greedy_changed" (fraction of problems whose greedy
+        pass), "num_drafts" (its verification steps that carried a draft:
+        0 where adaptive k drafted nothing), and "greedy_changed" (fraction of problems whose greedy
         response differs from the baseline's; absent without a baseline)}.
 
     Raises:
@@ -61,7 +62,7 @@ def score_eval(problems: list[Problem], greedy: RolloutBatch, sampled: RolloutBa
            "reward_sampled": mean(reward_sampled),
            "response_len_greedy": mean([len(r) for r in greedy.response_ids]),
            "response_len_sampled": mean([len(r) for r in sampled.response_ids]),
-           "acceptance_length": stats.acceptance_length}
+           "acceptance_length": stats.acceptance_length, "num_drafts": stats.num_drafts}
     if baseline is not None:
         if len(baseline) != len(greedy.response_ids):
             raise ValueError(f"{BASELINE_FILE} holds {len(baseline)} greedy responses, the held-out set "
