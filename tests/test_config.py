@@ -55,7 +55,7 @@ def test_default_preset():
     assert (cfg.data.max_operand, cfg.grpo.group_size, cfg.grpo.kl_coef) == (10, 8, 0.04)
     # the first run: 15 steps, 10-20 minutes on 2 cores, evaluations included (docs/benchmarks.md)
     assert (cfg.trainer.steps, cfg.trainer.eval_every, cfg.trainer.eval_samples) == (15, 5, 2)
-    assert cfg.data.eval_num_problems == 32
+    assert cfg.data.eval_num_problems == 40
     assert cfg.trainer.run_dir == "runs/default"
 
 
