@@ -371,6 +371,10 @@ class WeightSyncConfig:
         _check(self.timeout_s > 0, f"{key}.timeout_s", self.timeout_s, "must be > 0")
 
 
+MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+MODEL_RUNNERS = {"v1": "0", "v2": "1"}  # rollout.model_runner -> MODEL_RUNNER_ENV
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """vLLM replicas behind a Ray Serve deployment.
@@ -397,6 +401,11 @@ class RolloutConfig:
             with ``engine_kwargs.distributed_executor_backend: uni`` runs the
             engine core in the replica's process: rollouts then repeat
             exactly for a given seed, see docs/faults.md).
+        model_runner: vLLM's model runner on GPUs (``VLLM_USE_V2_MODEL_RUNNER``):
+            ``v1``, the runner vLLM's own CI runs for speculative decoding
+            and the CPU runner subclasses (adaptive k's hooks wrap it), or
+            ``v2``, which vLLM 0.32 picks for EAGLE on CUDA when left to
+            itself (``engine_env`` may not set the variable as well).
         adaptive_k: see AdaptiveKConfig.
         weight_sync: see WeightSyncConfig.
         sleep_level: vLLM's sleep level for colocated GPU replicas while the
@@ -420,6 +429,7 @@ class RolloutConfig:
     cpu_kvcache_space_gib: int = 1
     cpu_omp_threads_bind: str = "all"
     engine_env: dict[str, str] = field(default_factory=dict)
+    model_runner: str = "v1"
     adaptive_k: AdaptiveKConfig = field(default_factory=AdaptiveKConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     sleep_level: int = 2
@@ -427,6 +437,13 @@ class RolloutConfig:
     def validate(self, key: str = "rollout") -> None:
         _check(self.num_replicas >= 1, f"{key}.num_replicas", self.num_replicas, "must be >= 1")
         _check(self.sleep_level in (1, 2), f"{key}.sleep_level", self.sleep_level, "expected 1 or 2 (vLLM's levels)")
+        _check(self.model_runner in MODEL_RUNNERS, f"{key}.model_runner", self.model_runner,
+               f"expected one of {sorted(MODEL_RUNNERS)}")
+        _check(MODEL_RUNNER_ENV not in self.engine_env, f"{key}.engine_env.{MODEL_RUNNER_ENV}",
+               self.engine_env.get(MODEL_RUNNER_ENV), f"set {key}.model_runner instead (v1 or v2)")
+        _check(self.model_runner == "v1" or not self.adaptive_k.enabled, f"{key}.model_runner", self.model_runner,
+               f"adaptive k's hooks wrap the V1 runner's drafter and sampler: set {key}.adaptive_k.enabled=false "
+               f"for v2")
         for name in ("num_cpus_per_replica", "num_gpus_per_replica"):
             _check(getattr(self, name) >= 0, f"{key}.{name}", getattr(self, name), "must be >= 0")
         extra = self.engine_kwargs.get("additional_config")

@@ -366,3 +366,17 @@ def test_replica_env_puts_engine_env_over_the_cpu_backend_settings():
     env = replica_env(cfg.rollout)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["NUMBA_THREADING_LAYER"] == "workqueue"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # V1 unless asked: the runner vLLM's CI and the CPU run
+
+
+def test_the_v2_model_runner_is_asked_for_by_its_key_only_and_not_with_adaptive_k():
+    from rayspec.rollout.engine import replica_env
+
+    cfg = load_config(None, ["rollout.model_runner=v2"])
+    assert replica_env(cfg.rollout)["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    for overrides, key in ((["rollout.model_runner=v3"], "rollout.model_runner"),
+                           (["rollout.engine_env.VLLM_USE_V2_MODEL_RUNNER=1"],
+                            "rollout.engine_env.VLLM_USE_V2_MODEL_RUNNER"),
+                           (["rollout.model_runner=v2", "rollout.adaptive_k.enabled=true"], "rollout.model_runner")):
+        with pytest.raises(ConfigError, match=re.escape(key)):
+            load_config(None, overrides)

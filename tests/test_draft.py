@@ -87,6 +87,35 @@ def test_checkpoint_is_vllm_eagle3_format_and_roundtrips(tiny_policy, tmp_path):
     assert (out / "model.safetensors").is_file() and not list(tmp_path.glob(".head-*"))
 
 
+def test_both_vllm_model_runners_read_the_aux_layers_the_trainer_captures(tiny_policy, tmp_path):
+    """vLLM 0.32's V1 runner (CPU, and CUDA with adaptive k) and V2 runner
+    (CUDA's default for EAGLE) each read a head's auxiliary layer ids with
+    their own config reader: both return the layers the DraftTrainer
+    captures, for a fresh head and for a published one that names its
+    layers only where V1 looks."""
+    from transformers import LlamaConfig
+    from types import SimpleNamespace
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from rayspec.draft.eagle3 import aux_layer_ids
+
+    def runners(cfg: dict) -> tuple:
+        spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=LlamaConfig(**cfg)))
+        return (GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=spec)),
+                get_eagle3_aux_layers_from_config(spec))
+
+    fresh = json.loads((save_head(init_head(tiny_policy, [1, 2, 5]), tmp_path / "fresh") / "config.json").read_text())
+    assert runners(fresh) == ((1, 2, 5), (1, 2, 5))
+    assert aux_layer_ids(load_head(tmp_path / "fresh").cfg, None) == [1, 2, 5]
+    head = init_head(tiny_policy)
+    v1_only = {**head.cfg, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 4]}}
+    v1_only.pop("eagle_aux_hidden_state_layer_ids")
+    assert runners(v1_only) == ((2, 3, 4), None)  # what a V1-only key does on V2: the model's default layers
+    head.cfg = v1_only
+    saved = json.loads((save_head(head, tmp_path / "published") / "config.json").read_text())
+    assert runners(saved) == ((2, 3, 4), (2, 3, 4)) and aux_layer_ids(saved, None) == [2, 3, 4]
+
+
 def test_capture_matches_hidden_states(tiny_policy):
     ids = torch.randint(0, 1000, (2, 9))
     with torch.no_grad(), capture_eagle3_features(tiny_policy, [1, 3, 4]) as f:

@@ -6,6 +6,7 @@ and ``install_node.sh --dry-run``, which runs those checks and stops:
   LD_LIBRARY_PATH, for vLLM 0.32.0's CUDA 13 wheels;
 - a venv holding the other flavor is refused (torch==2.13.0 is satisfied by
   2.13.0+cpu), read from fake ``*.dist-info`` directories;
+- Python 3.11 or newer (vllm 0.32.0's wheels);
 - compilers and Python.h (Triton builds its launcher at engine start);
 - after a cuda install, torch's CUDA version starts with 13.
 """
@@ -112,6 +113,17 @@ def test_a_venv_holding_the_other_flavor_is_refused(tmp_path, held, asked):
     assert r.returncode == 0, r.stdout + r.stderr  # its own flavor may be re-installed
 
 
+def test_a_python_older_than_3_11_is_refused_naming_the_version_needed(tmp_path):
+    venv = tmp_path / "venv"
+    fake_exe(venv / "bin", "python", "echo 3.10")  # a venv made with Ubuntu 22.04's python3
+    r = dry_run(tmp_path, "cpu", venv, None)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "FAIL python" in r.stderr and "Python 3.10" in r.stderr and "needs Python 3.11 or newer" in r.stderr
+    assert "python3.11-venv" in r.stderr and f"remove {venv}" in r.stderr
+    fake_exe(venv / "bin", "python", "echo 3.12")
+    assert node_check.check_python(str(venv)) == (True, "Python 3.12")
+
+
 def test_flavor_read_from_the_installed_distributions(tmp_path):
     assert node_check.venv_flavor(str(fake_venv(tmp_path / "a", *CPU_VENV)))[0] == "cpu"
     assert node_check.venv_flavor(str(fake_venv(tmp_path / "b", *CUDA_VENV)))[0] == "cuda"
@@ -148,4 +160,4 @@ def test_the_checks_run_with_the_standard_library_alone(tmp_path):
                         "preinstall", "--flavor", "cpu", "--venv", str(tmp_path / "v")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "ok   venv" in r.stdout and "ok   compilers" in r.stdout
+    assert "ok   python" in r.stdout and "ok   venv" in r.stdout and "ok   compilers" in r.stdout

@@ -275,9 +275,8 @@ def head_config(policy_config: dict, aux_layer_ids: Optional[list[int]] = None,
         "tie_word_embeddings": False,
         "hidden_act": "silu",
         "torch_dtype": "bfloat16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
     }
-    return cfg
+    return with_aux_layer_ids(cfg, ids)
 
 
 def head_init_tensors(num_layers: int) -> list[str]:
@@ -329,15 +328,37 @@ def vllm_state_dict(head: Eagle3Head, dtype: torch.dtype = torch.bfloat16) -> di
     return to_host({k: v for k, v in head.state_dict().items() if k != "t2d"}, dtype)
 
 
+# Where vLLM 0.32 reads a head's auxiliary layer ids: V1's runner
+# (GPUModelRunner._get_eagle3_aux_layers_from_config) reads the top level,
+# then eagle_config["eagle_aux_hidden_state_layer_ids"]; V2's
+# (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py,
+# get_eagle3_aux_layers_from_config) the top level, then eagle_config["layer_ids"].
+# A head whose ids only one runner finds is fed the other runner's default
+# layers there, silently: rayspec writes all three.
+AUX_LAYER_KEYS = ("eagle_aux_hidden_state_layer_ids", "eagle_config.eagle_aux_hidden_state_layer_ids",
+                  "eagle_config.layer_ids")
+
+
+def with_aux_layer_ids(head_cfg: dict, ids: list[int]) -> dict:
+    """``head_cfg`` (an EAGLE-3 head's config dict) with ``ids`` under every
+    key of ``AUX_LAYER_KEYS``, so vLLM's V1 and V2 model runners feed the
+    head the verifier layers it was trained on."""
+    ids = [int(i) for i in ids]
+    return {**head_cfg, "eagle_aux_hidden_state_layer_ids": ids,
+            "eagle_config": {**(head_cfg.get("eagle_config") or {}),
+                             "eagle_aux_hidden_state_layer_ids": ids, "layer_ids": ids}}
+
+
 def aux_layer_ids(head_cfg: dict, num_layers: Optional[int]) -> Optional[list[int]]:
     """The verifier layers whose inputs feed the head, as vLLM reads them from
-    its config: ``eagle_aux_hidden_state_layer_ids`` at top level or under
-    ``eagle_config``, else vLLM's default (2, L/2, L-3) for an L-layer
-    verifier (``SupportsEagle3.get_eagle3_default_aux_hidden_state_layers``,
-    vLLM 0.32), which published heads without the key were trained with
-    (None where the config names none and ``num_layers`` is None)."""
-    ids = head_cfg.get("eagle_aux_hidden_state_layer_ids") or \
-        (head_cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    its config (the first of ``AUX_LAYER_KEYS`` set), else vLLM's default
+    (2, L/2, L-3) for an L-layer verifier
+    (``SupportsEagle3.get_eagle3_default_aux_hidden_state_layers``, vLLM
+    0.32), which published heads without the keys were trained with (None
+    where the config names none and ``num_layers`` is None)."""
+    nested = head_cfg.get("eagle_config") or {}
+    ids = (head_cfg.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids")
+           or nested.get("layer_ids"))
     if ids:
         return list(ids)
     return None if num_layers is None else [2, num_layers // 2, num_layers - 3]
@@ -353,7 +374,9 @@ def save_head(head: Eagle3Head, out_dir: str | os.PathLike) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
-        (tmp / "config.json").write_text(json.dumps(head.cfg, indent=2))
+        ids = aux_layer_ids(head.cfg, None)
+        cfg = head.cfg if ids is None else with_aux_layer_ids(head.cfg, ids)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_file(to_host(head.state_dict(), torch.bfloat16), str(tmp / "model.safetensors"))
         old = None
         if out.exists():

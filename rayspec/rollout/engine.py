@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 from unittest import mock
 
 from rayspec.batch import RolloutBatch
-from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD
+from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, MODEL_RUNNER_ENV, MODEL_RUNNERS
 from rayspec.files import write_text_atomic
 from rayspec.models.acceptance import read_acceptance
 from rayspec.rollout import adaptive as adaptive_k_mod
@@ -106,8 +106,10 @@ def _engine_env(env: dict[str, str]):
 
 def replica_env(rollout) -> dict[str, str]:
     """A rollout engine's environment from ``cfg.rollout``: the CPU
-    backend's (``cpu_engine_env``), then the user's ``engine_env`` over it."""
+    backend's (``cpu_engine_env``), the model runner
+    (``rollout.model_runner``), then the user's ``engine_env`` over it."""
     return {**cpu_engine_env(rollout.cpu_kvcache_space_gib, rollout.cpu_omp_threads_bind),
+            MODEL_RUNNER_ENV: MODEL_RUNNERS[rollout.model_runner],
             **{k: str(v) for k, v in rollout.engine_env.items()}}
 
 
@@ -221,7 +223,8 @@ class SpecVLLMEngine:
         env: environment variables set while the engine starts (vLLM CPU
             knobs such as VLLM_CPU_KVCACHE_SPACE); the caller's environment
             is restored afterwards unless the engine core runs in this
-            process (``_engine_env``).
+            process (``_engine_env``). ``VLLM_USE_V2_MODEL_RUNNER`` defaults
+            to 0: vLLM's V1 model runner, as ``rollout.model_runner``.
         cpu_cores_by_node: {Ray node id: core ids} the placement plan gives
             the rollout role; the replica binds vLLM's CPU threads to its
             node's set (VLLM_CPU_OMP_THREADS_BIND). None: ``env`` as given.
@@ -230,8 +233,7 @@ class SpecVLLMEngine:
             (``enable_adaptive``'s arguments); the engine re-chooses k per
             batch size after every ``generate``, from the acceptance and the
             step costs its rollouts measured.
-            Runs on vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``
-            unless ``env`` says otherwise). None: k as configured.
+            Needs vLLM's V1 model runner. None: k as configured.
         log_level: in a Ray Serve replica, the level of rayspec's records,
             which it then prints to its stderr (``_log_to_serve_replica``);
             None (in-process use): logging left as the caller set it up.
@@ -270,6 +272,7 @@ class SpecVLLMEngine:
         spec = self.speculative_config
         if adaptive_k is not None and spec is not None:
             adaptive_engine_settings(spec, kwargs, env)
+        env.setdefault(MODEL_RUNNER_ENV, MODEL_RUNNERS["v1"])  # rollout.model_runner's default
         # Rollout logprobs are the behaviour policy of the importance ratio:
         # they must be of the sampling distribution (after temperature), as
         # the trainer's log_softmax(logits / T) is; vLLM defaults to raw logits.

@@ -80,7 +80,8 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
     spec = cfg.rollout.speculative_config
     if spec.method != "eagle3":
         return spec.model, None
-    from rayspec.draft.eagle3 import aux_layer_ids, head_init_tensors, init_head, load_head, save_head
+    from rayspec.draft.eagle3 import (aux_layer_ids, head_init_tensors, init_head, load_head, save_head,
+                                      with_aux_layer_ids)
 
     head_dir = run_dir / "draft_head"
 
@@ -92,8 +93,7 @@ def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | 
 
     if spec.model is not None:
         head = load_head(spec.model)
-        head.cfg["eagle_config"] = {**head.cfg.get("eagle_config", {}),
-                                    "eagle_aux_hidden_state_layer_ids": aux_ids(head.cfg)}
+        head.cfg = with_aux_layer_ids(head.cfg, aux_ids(head.cfg))
         save_head(head, head_dir)
         record = Path(spec.model) / ACCEPTANCE_FILE  # validated by check_inputs
         if record.is_file():

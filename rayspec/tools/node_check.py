@@ -3,7 +3,11 @@
 Standard library only: ``cluster/install_node.sh`` runs this file with the
 system ``python3`` before the venv exists (``python3 node_check.py
 preinstall --flavor cuda --venv DIR``), and ``jobs.gpu_smoke`` imports it
-for its first lines. Three things, each found missing on a first GPU run:
+for its first lines. Four things, each found missing on a first GPU run:
+
+- **Python 3.11 or newer.** vllm 0.32.0's wheels (CUDA and CPU) require it;
+  the interpreter that builds the venv (``python3``, or the venv's own where
+  it exists) is checked before pip finds out.
 
 - **The NVIDIA driver.** vLLM 0.32.0's CUDA wheel links ``libcudart.so.13``
   and pins ``torch==2.13.0``, which on PyPI is the CUDA 13.0 build. CUDA 13.0
@@ -39,6 +43,7 @@ import sysconfig
 import tempfile
 from typing import Optional
 
+MIN_PYTHON = (3, 11)  # vllm 0.32.0's Requires-Python
 MIN_DRIVER = (580, 65)  # CUDA 13.0's minimum Linux driver (580.65.06)
 CUDA_MAJOR = "13"  # the CUDA that vllm==0.32.0's torch==2.13.0 is built for
 COMPAT_GLOB = "/usr/local/cuda-13*/compat/libcuda.so.*"  # Debian/Ubuntu package cuda-compat-13-0
@@ -108,6 +113,20 @@ def check_driver(version: Optional[str]) -> tuple[bool, str]:
                    f"install the R580 driver or newer (>= {MIN_DRIVER[0]}.{MIN_DRIVER[1]}.06), or, on data-center "
                    f"GPUs, NVIDIA's forward-compatibility package cuda-compat-13-0 with /usr/local/cuda-13.0/compat "
                    f"on LD_LIBRARY_PATH (docs.nvidia.com/deploy/cuda-compatibility)")
+
+
+def check_python(venv: str) -> tuple[bool, str]:
+    """(ok, one line): the venv's interpreter (this one, which builds it,
+    where ``venv`` has none yet) is at least ``MIN_PYTHON``."""
+    exe = os.path.join(venv, "bin", "python")
+    ver = _python_version(exe if os.path.exists(exe) else None)
+    need = "%d.%d" % MIN_PYTHON
+    if tuple(int(x) for x in ver.split(".")) >= MIN_PYTHON:
+        return True, f"Python {ver}"
+    where = exe if os.path.exists(exe) else sys.executable
+    return False, (f"Python {ver} ({where}): vllm 0.32.0 needs Python {need} or newer; install python{need} "
+                   f"(with python{need}-venv and python{need}-dev) and run the install with it on PATH as python3"
+                   + (f", or remove {venv}" if os.path.exists(exe) else ""))
 
 
 def check_compilers(python: Optional[str] = None) -> tuple[bool, str]:
@@ -222,7 +241,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--venv", required=True)
     args = ap.parse_args(argv)
     if args.stage == "preinstall":
-        checks = [("venv", check_venv(args.venv, args.flavor)), ("compilers", check_compilers())]
+        checks = [("python", check_python(args.venv)), ("venv", check_venv(args.venv, args.flavor)),
+                  ("compilers", check_compilers())]
         if args.flavor == "cuda":
             try:
                 version = driver_version()
