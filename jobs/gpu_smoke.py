@@ -256,9 +256,11 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
 
     tok = load_tokenizer(models["1gb"])
     prompts = [tok(p)["input_ids"] for p in ("What is 12 plus 30?", "Name three prime numbers.")]
+    # the collective transport between colocated GPUs: rayspec's gloo weight-transfer engine
     engine = SpecVLLMEngine(str(models["1gb"]), {"method": "eagle3", "num_speculative_tokens": 3,
                                                  "model": str(models["1gb_head"])},
-                            dtype="float32", engine_kwargs=_engine_kwargs(0.5))
+                            dtype="float32",
+                            engine_kwargs={**_engine_kwargs(0.5), "weight_transfer_config": {"backend": "gloo"}})
     try:
         report.add("model runner", engine.model_runner in CUDA_RUNNERS, f"EAGLE-3 engine: {engine.model_runner}",
                    runner=engine.model_runner)
@@ -304,8 +306,6 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
                    bytes=nbytes, seconds=t2 - t0, put_s=t1 - t0, load_s=t2 - t1, collective_s=t4 - t3)
 
         report.run("cuda_ipc refit", check_ipc_refit, engine, policy, prompts)
-        if torch.cuda.device_count() >= 2:
-            report.run("nccl refit", check_nccl_refit, engine, policy, prompts)
 
         head = load_head(models["1gb_head"])
         with torch.no_grad():  # a head the drafter has not seen
@@ -327,6 +327,10 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
                    f"verifier's token_mult_prob_error {err:.2e}; {drafts} drafts", token_mult_prob_error=err)
     finally:
         engine.shutdown()
+    try:
+        if torch.cuda.device_count() >= 2:
+            report.run("nccl refit", check_nccl_refit, models, policy, prompts)
+    finally:
         policy = None
         torch.cuda.empty_cache()  # the split run's replica asks for 90% of the device
 
@@ -368,19 +372,22 @@ def check_ipc_refit(report: Report, engine, policy, prompts: list[list[int]]) ->
                f"included); token_mult_prob_error {err:.2e}", seconds=seconds, token_mult_prob_error=err)
 
 
-def check_nccl_refit(report: Report, engine, policy, prompts: list[list[int]]) -> None:
+def check_nccl_refit(report: Report, models: dict[str, Path], policy, prompts: list[list[int]]) -> None:
     """The collective transport over NCCL, as split runs in sync mode use
-    it: this process plays rank 0 with its weights on GPU 1
-    (``DeviceGather``: packed and broadcast from there, no host copy) into
-    the replica on GPU 0; timed on the second refit (the first forms the
-    group)."""
+    it: vLLM's own ``nccl`` weight-transfer engines, this process playing
+    rank 0 with its weights on GPU 1 (``DeviceGather``: packed and
+    broadcast from there, no host copy) into a replica on GPU 0; timed on
+    the second refit (the first forms the group)."""
     import torch
 
     from rayspec.rollout.client import LocalReplicas, RolloutClient
+    from rayspec.rollout.engine import SpecVLLMEngine
     from rayspec.sync import CollectiveSender, DeviceGather, state_dict_nbytes
     from rayspec.sync.interfaces import resident
     from rayspec.train.ranks import Ranks
 
+    engine = SpecVLLMEngine(str(models["1gb"]), None, dtype="float32",
+                            engine_kwargs={**_engine_kwargs(0.5), "weight_transfer_config": {"backend": "nccl"}})
     transport = CollectiveSender(RolloutClient(LocalReplicas([engine]), 1), "nccl", 256 << 20, timeout_s=600,
                                  device="cuda:1")
     try:
@@ -393,9 +400,10 @@ def check_nccl_refit(report: Report, engine, policy, prompts: list[list[int]]) -
             t0 = time.perf_counter()
             transport.send("policy", sd, version).results()
             seconds = time.perf_counter() - t0
+        err, _ = _prob_error(engine, policy, prompts)
     finally:
         transport.close()
-    err, _ = _prob_error(engine, policy, prompts)
+        engine.shutdown()
     gbps = state_dict_nbytes(sd) / 1e9 / seconds
     report.add("nccl refit", err < ERROR_BOUND and gbps >= MIN_SYNC_GBPS,
                f"GPU 1 -> replica on GPU 0: {seconds:.2f} s ({gbps:.2f} GB/s); token_mult_prob_error {err:.2e}",

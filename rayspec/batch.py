@@ -22,9 +22,15 @@ class RolloutBatch:
         rollout_logprobs: per sample, log p(token) under the rollout engine
             (float, length T_i), used as the behaviour policy in the ratio.
         group: per sample, index of its prompt (GRPO group id).
-        policy_version: version of the policy weights that sampled the batch;
-            of a batch joined from parts sampled by several versions, the
-            oldest (``join_versions``).
+        policy_version: version of the policy weights that sampled the batch:
+            the oldest in ``weight_versions``; of a batch joined from parts
+            sampled by several versions, the oldest (``join_versions``).
+        weight_versions: per sample, the policy versions that sampled its
+            response, as vLLM reports them (``CompletionOutput.weight_versions``):
+            [(version, start, end)], response tokens [start, end) sampled
+            by that version's weights; more than one span where weights
+            changed while the sample was generated. Empty where the engine
+            reported none (a fake, a response of no tokens).
         rewards: per sample scalar reward (set by the reward stage).
         advantages: per sample GRPO advantage (set by ``group_advantages``).
         texts: decoded responses (for logs).
@@ -38,6 +44,7 @@ class RolloutBatch:
     rewards: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    weight_versions: list[list[tuple[int, int, int]]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -50,7 +57,7 @@ class RolloutBatch:
         return replace(self, prompt_ids=self.prompt_ids[sl], response_ids=self.response_ids[sl],
                        rollout_logprobs=self.rollout_logprobs[sl], group=self.group[sl],
                        rewards=pick(self.rewards), advantages=pick(self.advantages),
-                       texts=pick(self.texts))
+                       texts=pick(self.texts), weight_versions=pick(self.weight_versions))
 
     @staticmethod
     def gather(parts: list[tuple["RolloutBatch", list[int]]]) -> "RolloutBatch":
@@ -61,7 +68,8 @@ class RolloutBatch:
         ids: dict[tuple[int, int], int] = {}
         for n, (b, idx) in enumerate(parts):
             for i in idx:
-                for name in ("prompt_ids", "response_ids", "rollout_logprobs", "rewards", "advantages", "texts"):
+                for name in ("prompt_ids", "response_ids", "rollout_logprobs", "rewards", "advantages", "texts",
+                             "weight_versions"):
                     if getattr(b, name):
                         getattr(out, name).append(getattr(b, name)[i])
                 out.group.append(ids.setdefault((n, b.group[i]), len(ids)))
@@ -74,7 +82,7 @@ class RolloutBatch:
         out = RolloutBatch([], [], [], [], policy_version=join_versions(parts))
         for p in parts:
             for name in ("prompt_ids", "response_ids", "rollout_logprobs", "group",
-                         "rewards", "advantages", "texts"):
+                         "rewards", "advantages", "texts", "weight_versions"):
                 getattr(out, name).extend(getattr(p, name))
         return out
 

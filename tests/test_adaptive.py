@@ -158,7 +158,8 @@ def test_a_policy_refit_probes_a_match_drafter_but_not_a_model_one(method, probe
     from rayspec.rollout.engine import SpecVLLMEngine
 
     eng = object.__new__(SpecVLLMEngine)  # the bookkeeping only: no vLLM engine
-    eng.llm = SimpleNamespace(reset_prefix_cache=lambda: None, collective_rpc=lambda method, args=(): [{}])
+    eng.llm = SimpleNamespace(reset_prefix_cache=lambda: None, collective_rpc=lambda method, args=(): [{}],
+                              llm_engine=SimpleNamespace(set_weight_version=lambda version: None))
     eng.speculative_config = {"method": method, "num_speculative_tokens": 3}
     eng.max_num_seqs = 16
     eng.set_k_schedule = lambda schedule: setattr(eng, "k_schedule", schedule)

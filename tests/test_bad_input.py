@@ -50,8 +50,8 @@ def test_draft_that_does_not_match_the_policy_stops_the_run(method, draft, fragm
 
     d = {"head-hidden": lambda: copy_model_dir(head_dir, tmp_path / "h", hidden_size=256, target_hidden_size=256),
          "head-vocab": lambda: copy_model_dir(head_dir, tmp_path / "h", vocab_size=1000),
-         "head-aux-layers": lambda: copy_model_dir(head_dir, tmp_path / "h",
-                                          eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 12]}),
+         "head-aux-layers": lambda: copy_model_dir(head_dir, tmp_path / "h",  # the key vLLM's runners read first
+                                          eagle_aux_hidden_state_layer_ids=[1, 3, 12]),
          "head-bad-acceptance": lambda: write_acceptance(copy_model_dir(head_dir, tmp_path / "h"), [0.3, 1.2]).parent,
          "head-bad-final-lr": lambda: write_acceptance(copy_model_dir(head_dir, tmp_path / "h"), [0.3],
                                                        final_lr=-1e-3).parent,

@@ -75,9 +75,12 @@ def test_padded_batch_aligns_response_tokens_with_logits():
 
 def test_batch_shard_and_concat_roundtrip():
     b = RolloutBatch([[1]] * 4, [[2], [3], [4], [5]], [[0.0]] * 4, [0, 0, 1, 1],
-                     policy_version=3, rewards=[1, 0, 1, 0], advantages=[1, -1, 1, -1], texts=list("abcd"))
+                     policy_version=3, rewards=[1, 0, 1, 0], advantages=[1, -1, 1, -1], texts=list("abcd"),
+                     weight_versions=[[(3, 0, 1)], [(3, 0, 1)], [(4, 0, 1)], [(3, 0, 0), (4, 0, 1)]])
     parts = [b.shard(r, 2) for r in range(2)]
     assert parts[1].response_ids == [[4], [5]] and parts[1].rewards == [1, 0]
+    assert parts[1].weight_versions == [[(4, 0, 1)], [(3, 0, 0), (4, 0, 1)]]
+    assert RolloutBatch.gather([(b, [3])]).weight_versions == [[(3, 0, 0), (4, 0, 1)]]
     assert RolloutBatch.concat(parts) == b
     # a shard retried on a replica with newer weights: the batch counts as its oldest part
     newer = RolloutBatch([[1]], [[6]], [[0.0]], [0], policy_version=4)

@@ -65,6 +65,11 @@ def _sleeping_engine(calls: list, **state):
         def reset_prefix_cache(self):
             calls.append(("reset_prefix_cache",))
 
+        class llm_engine:  # noqa: N801 (vllm.LLM's attribute)
+            @staticmethod
+            def set_weight_version(version):
+                calls.append(("set_weight_version", version))
+
     eng = object.__new__(SpecVLLMEngine)
     eng.__dict__.update({"llm": LLM(), "sleep_mode": True, "_asleep": set(), "_lock": threading.Lock(),
                          "_busy": [], "_busy_since": None, "adaptive": None, "policy_version": 0,
@@ -85,7 +90,7 @@ def test_a_sleeping_replica_wakes_only_its_weights_for_a_refit(tmp_path):
     eng._wake()  # what generate and calibrate do first
     eng._wake()
     assert calls == [("sleep", 1), ("wake_up", ["weights"]), ("rayspec_load",),
-                     ("reset_prefix_cache",), ("wake_up", None)]
+                     ("reset_prefix_cache",), ("set_weight_version", "1"), ("wake_up", None)]
     eng.__dict__.pop("llm")
 
 
@@ -162,6 +167,8 @@ def test_refit_after_deepspeed_step_matches_trainer_greedy(spec_engine, tiny_lla
 
     # one GRPO step through DeepSpeed ZeRO-2 on the engine's own samples
     batch, _ = eng.generate([probe, tok.encode("Say a number:")], n=2, temperature=1.0, max_tokens=12)
+    # the version of each sample's tokens is vLLM's label of the weights that sampled them
+    assert batch.weight_versions == [[(0, 0, len(r))] for r in batch.response_ids] and batch.policy_version == 0
     batch.rewards = [1.0, 0.0, 0.0, 1.0]
     batch.advantages = group_advantages(batch.rewards, batch.group)
     engine = build_engine(policy, deepspeed_config(cfg, world_size=1))
@@ -179,6 +186,8 @@ def test_refit_after_deepspeed_step_matches_trainer_greedy(spec_engine, tiny_lla
     assert after == trainer_greedy
     assert eng.versions()["policy"] == 1
     sampled, _ = eng.generate([probe, tok.encode("Say a number:")], n=4, temperature=1.0, max_tokens=16)
+    assert sampled.weight_versions == [[(1, 0, len(r))] for r in sampled.response_ids]
+    assert sampled.policy_version == 1
     t = sampled.to_padded(tok.pad_token_id)
     with torch.no_grad():
         lp = token_logprobs(engine.module(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits,

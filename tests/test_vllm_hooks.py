@@ -105,7 +105,7 @@ def test_an_instance_attribute_is_checked_in_the_class_source():
 
 class _Worker(RefitExtension):
     def __init__(self, runner):
-        self.model_runner = runner
+        self.model_runner, self.vllm_config = runner, None
 
 
 class _V2Runner:
@@ -124,7 +124,9 @@ class _V2Runner:
 
 def test_draft_refit_reloads_the_v2_runners_draft_model(monkeypatch):
     reloaded = []
-    monkeypatch.setattr(_Worker, "_reload", lambda self, model, path, skip=(): reloaded.append(model))
+    from rayspec.rollout.vllm import worker_ext
+
+    monkeypatch.setattr(worker_ext, "_reload", lambda config, model, verifier, weights, skip=(): reloaded.append(model))
     runner = _V2Runner()
     _Worker(runner).rayspec_load("draft", "unused.safetensors")
     assert reloaded == [runner.draft]
@@ -147,11 +149,11 @@ def test_refit_without_in_place_reload_names_the_version(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload.inplace", None)
-    worker = _Worker(_V2Runner())
-    worker.vllm_config = None
+    from rayspec.rollout.vllm import worker_ext
+
     with pytest.raises(VllmInternalsError, match="refit: vllm.model_executor.model_loader.reload.inplace:"
                                                  "reload_weights is missing"):
-        worker._reload(nn.Linear(2, 2), "unused.safetensors")
+        worker_ext._reload(None, nn.Linear(2, 2), nn.Linear(2, 2), iter(()))
 
 
 def test_retie_without_vllms_lm_head_api_names_the_version():

@@ -100,9 +100,9 @@ def test_the_group_port_is_bound_before_the_go_names_it_and_a_failed_bind_aborts
     connected, refused = [], []
 
     class Replica(_Replica):  # checks in and connects, never joins: rank 0's rendezvous times out
-        def join_weight_sync(self, host, offsets, world, backend, timeout_s, group_id, barrier_port):
+        def join_weight_sync(self, host, offsets, world, timeout_s, group_id, barrier_port):
             try:
-                port = check_in(host, barrier_port, timeout_s, "replica-a")
+                port = check_in(host, barrier_port, timeout_s, "replica-a")["master_port"]
             except WeightSyncError as e:
                 refused.append((time.monotonic(), str(e)))
                 return e
@@ -310,7 +310,7 @@ class _Member:
     def weight_sync_member(self):
         return {"replica_id": self.replica_id, "group_id": None, "num_workers": 1}
 
-    def join_weight_sync(self, host, offsets, world, backend, timeout_s, group_id, barrier_port):
+    def join_weight_sync(self, host, offsets, world, timeout_s, group_id, barrier_port):
         import ray
 
         from rayspec.rollout.vllm import engine_access
@@ -320,17 +320,18 @@ class _Member:
             self.engines.remove(self)
             raise ray.exceptions.ActorDiedError()
         try:
-            port = check_in(host, barrier_port, timeout_s, self.replica_id)
+            info = check_in(host, barrier_port, timeout_s, self.replica_id)
         except WeightSyncError as e:
             self.joins.append(str(e))
             raise
-        self.pg = engine_access.stateless_group(host, port, offsets[self.replica_id], world, backend, timeout_s)
+        self.pg = engine_access.stateless_group(host, info["master_port"], offsets[self.replica_id], world, "gloo",
+                                                timeout_s)
         self.joins.append("joined")
         return offsets[self.replica_id]
 
-    def receive_weights(self, target, buckets, version, group_id):
+    def receive_weights(self, target, update_info, version, group_id):
         self.received = {}
-        for bucket in buckets:
+        for bucket in update_info["buckets"]:  # the gloo engine's update info
             buffer = torch.empty(bucket_nbytes(bucket), dtype=torch.uint8)
             self.pg.broadcast(buffer, 0).wait()
             self.received.update(unpack_bucket(buffer, bucket))

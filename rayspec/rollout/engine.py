@@ -28,7 +28,7 @@ from rayspec.rollout.spec_stats import SpecStats, diff_counters, read_counters
 from rayspec.rollout.vllm import engine_access, require_vllm, vllm_version
 from rayspec.rollout.vllm import step_timer
 from rayspec.rollout.vllm.spec_schedule import set_schedule
-from rayspec.rollout.vllm.touchpoints import internals_error
+from rayspec.rollout.vllm.touchpoints import internals_error, platform_is_cpu
 from rayspec.rollout.vllm.worker_ext import WORKER_EXTENSION, RefitExtension
 from rayspec.sync import CollectiveReceiver, CudaIpcReceiver, ObjectStoreReceiver, SharedMemoryReceiver
 
@@ -295,6 +295,9 @@ class SpecVLLMEngine:
         self._asleep: set[str] = set()  # vLLM memory tags sleep released ("weights", "kv_cache")
         self._model, self._dtype, self._engine_kwargs = str(model), dtype, dict(kwargs)
         self._threads = env.get("VLLM_CPU_OMP_THREADS_BIND")
+        # the collective transport's worker-side engine (rayspec.sync.collective): rayspec's gloo
+        # engine on CPUs, vLLM's nccl on GPUs unless the deployment names another
+        kwargs.setdefault("weight_transfer_config", {"backend": "gloo" if platform_is_cpu() else "nccl"})
         with _engine_env(env):
             self.llm = LLM(model=str(model), dtype=dtype,
                            speculative_config=self.speculative_config,
@@ -302,8 +305,11 @@ class SpecVLLMEngine:
                            disable_log_stats=False, **kwargs)
         self._step_timer = step_timer.attach(self.llm) if spec is not None else None
         self.model_runner = self.llm.collective_rpc(RefitExtension.rayspec_model_runner.__name__)[0]
+        self._draft_shared = tuple(self.llm.collective_rpc(RefitExtension.rayspec_draft_shared.__name__)[0]) \
+            if spec is not None else ()
         log.info("replica %s: vLLM %s, model runner %s", self.replica_id, vllm_version(), self.model_runner)
         self.policy_version = 0
+        engine_access.set_weight_version(self.llm, 0)
         self.draft_version = 0
         # what the drafter held after its last load: compared before each rollout
         self._draft_reference = self._draft_digest()
@@ -506,7 +512,7 @@ class SpecVLLMEngine:
             version = self.policy_version  # a refit waiting on the lock may land next
             if self._step_timer is not None:
                 self._time_steps(schedule, temperature, wall)
-        batch = RolloutBatch([], [], [], [], policy_version=version)
+        batch = RolloutBatch([], [], [], [])
         for i, out in enumerate(outs):
             for c in out.outputs:
                 batch.prompt_ids.append(list(out.prompt_token_ids))
@@ -515,6 +521,10 @@ class SpecVLLMEngine:
                     [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
                 batch.group.append(group_offset + i)
                 batch.texts.append(c.text)
+                batch.weight_versions.append([(int(w.version), w.start, w.end) for w in c.weight_versions or ()])
+        # the versions vLLM labelled the tokens with (the oldest: the batch's lag), else the one
+        # loaded when the call ended (no tokens)
+        batch.policy_version = min((v for spans in batch.weight_versions for v, _, _ in spans), default=version)
         n_tok = sum(len(r) for r in batch.response_ids)
         stats = diff_counters(before, stats_after, n_tok, wall)
         stats.k_schedule = schedule if self.adaptive is not None else []
@@ -687,6 +697,7 @@ class SpecVLLMEngine:
         self._draft_reference = self._draft_digest()
         if target == "policy":
             self.llm.reset_prefix_cache()
+            engine_access.set_weight_version(self.llm, version)
             self.policy_version = version
             self._discarded = False
         else:
@@ -699,17 +710,18 @@ class SpecVLLMEngine:
     def weight_sync_member(self) -> dict[str, Any]:
         """This replica's membership in the collective transport's group
         (``CollectiveReceiver.member``); does not wait for the engine."""
-        return self.collective.member(engine_access.num_workers(self.llm))
+        return self.collective.member(engine_access.num_workers(self.llm), self._draft_shared)
 
-    def join_weight_sync(self, host: str, rank_offsets: dict[str, int], world_size: int,
-                         backend: str, timeout_s: float, group_id: str, barrier_port: int) -> Optional[int]:
+    def join_weight_sync(self, host: str, rank_offsets: dict[str, int], world_size: int, timeout_s: float,
+                         group_id: str, barrier_port: int) -> Optional[int]:
         """Join the trainer's weight-sync group (``CollectiveReceiver.join``)."""
         with self._busy_section():
-            return self.collective.join(host, rank_offsets, world_size, backend, timeout_s, group_id, barrier_port)
+            return self.collective.join(host, rank_offsets, world_size, timeout_s, group_id, barrier_port)
 
-    def receive_weights(self, target: str, buckets: list, version: int, group_id: str) -> Optional[int]:
+    def receive_weights(self, target: str, update_info: dict[str, Any], version: int,
+                        group_id: str) -> Optional[int]:
         """Receive a refit broadcast in the group (``CollectiveReceiver.receive``)."""
-        return self.collective.receive(target, buckets, version, group_id)
+        return self.collective.receive(target, update_info, version, group_id)
 
     def staging_dir(self) -> str:
         """Where the object-store receiver stages refits as files (tmpfs

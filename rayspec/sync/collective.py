@@ -1,44 +1,45 @@
 """The ``collective`` transport: the field's dedicated weight-update group
 (OpenRLHF's ``vllm_worker_wrap``, NeMo-RL's ``collective`` weight sync,
-vLLM's RLHF examples). Rank 0 of the trainer and every vLLM worker of every
-replica join one process group built by vLLM's
-``stateless_init_torch_distributed_process_group`` from a TCP rendezvous on
-rank 0 (no global ``init_process_group`` in the workers). A refit is a
-sequence of packed buckets (``buckets.py``) broadcast from rank 0, each
-unpacked by the workers straight into vLLM's in-place reload
-(``RefitExtension.rayspec_receive_weights``); tensor-parallel workers each
-take their shard through the model's weight loaders. The same code runs
-NCCL on GPUs and gloo on CPUs; only the backend name and the buffers'
-device differ.
-
-Why not vLLM 0.32's own ``weight_transfer`` engines: their dense engine is
-PyNccl only (no gloo, CUDA streams in the packed loop), so none of it could
-run in CI; rayspec uses vLLM's group constructor and bucket layout instead
-and keeps its own receive hook (the draft refit must skip the modules the
-head shares with the verifier).
+vLLM's RLHF examples), driven through vLLM 0.32's weight-transfer
+interface. Rank 0 of the trainer holds a trainer-side engine
+(``WeightTransferTrainerFactory.trainer_init``) and every vLLM worker of
+every replica the worker-side engine its replica was built with
+(``weight_transfer_config``): vLLM's own ``nccl`` engines between GPUs,
+rayspec's ``gloo`` engines (``gloo_engine.py``, registered with vLLM's
+factories) on CPUs and between colocated GPUs. A refit is the trainer
+engine's ``send_weights``: each replica runs ``start_weight_update`` (or
+``start_draft_weight_update``), ``update_weights`` beside rank 0's
+broadcast and ``finish_weight_update`` in one call under its lock, so no
+rollout meets a model half reloaded. A draft refit leaves out the modules
+the drafter shares with the verifier (vLLM gives an EAGLE head the
+verifier's embedding, and its output layer where they were equal at start):
+the policy refit owns those.
 
 Forming a group, each replica joins once its engine is free (in async mode
-after the rollout it is generating), and vLLM's rendezvous then blocks in
+after the rollout it is generating), and the rendezvous then blocks in
 C++ until every rank is in, for up to ``timeout_s``. A member that dies
 before joining would hold the others' engines that long (10 minutes by
 default). So members first check in at a barrier in Python
 (``JoinBarrier``), where rank 0, watching that every member is still
 alive, can tell them to give up; the rendezvous starts only once all are
-in, on a port rank 0 binds then, before its go names it (a bind that
-fails aborts the barrier), and the group is formed again from the live
-replicas. (Rank 0 asks
-Serve's controller how many replicas run: a replica answers one call at a
-time, and each is in its join.)
+in: rank 0 binds the group's port then, and the barrier's go carries the
+worker-side init info the trainer engine built (a bind that fails aborts
+the barrier); each member adds its first rank and calls
+``init_weight_transfer_engine``. The group is formed again from the live
+replicas. (Rank 0 asks Serve's controller how many replicas run: a replica
+answers one call at a time, and each is in its join.)
 
 A replica Serve restarts after a failure is not in the group: it raises
 ``ReplicaBehind`` at its first rollout, the rollout's shard comes back with
 the newest weights as ObjectRefs (``catch_up``: one ``ray.put`` per version,
-only on such faults), and the next refit re-forms the group with it.
+only on such faults; vLLM's interface has no catch-up of its own), and the
+next refit re-forms the group with it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import socket
 import time
@@ -51,7 +52,7 @@ import torch
 
 from rayspec.devices import to_host
 from rayspec.rollout.vllm import engine_access
-from rayspec.sync.buckets import pack_bucket, plan_buckets, state_dict_nbytes
+from rayspec.sync.buckets import plan_buckets, state_dict_nbytes
 from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError, copy_weights
 from rayspec.sync.object_store import ObjectStoreSender
 
@@ -68,9 +69,9 @@ class CollectiveSender(WeightSender):
         replicas: the rollout deployment's handle.
         backend: ``nccl`` | ``gloo``.
         packed_buffer_size_bytes: bucket size (bytes).
-        timeout_s: forming the group, and each bucket (seconds).
-        device: where rank 0's buckets go before the broadcast (its GPU for
-            nccl, ``cpu`` for gloo).
+        timeout_s: forming the group (seconds).
+        device: rank 0's device (the thread that sends makes it current,
+            for nccl).
         fallback: where refits go when the group cannot form (``auto``), or
             None to raise WeightSyncError.
     """
@@ -84,11 +85,19 @@ class CollectiveSender(WeightSender):
         self.device, self._fallback = torch.device(device), fallback
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rayspec-weight-sync")
         self._waiters = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rayspec-weight-sync-wait")
-        self._pg = None
-        self._stream = None  # the sender thread's stream (``_send``)
+        self._engine = None  # the trainer-side weight-transfer engine of the current group
+        self._client: _Members | None = None
+        self._source = RefitSource()
+        self._draft_shared: tuple[str, ...] = ()  # the drafter's modules that are the verifier's (member())
         self._group_id: str | None = None
         self._members: frozenset = frozenset()
         self._fell_back = False  # the group could not form (auto): the object store from then on
+        # vLLM's trainer-side engines, imported now: a first import (seconds) between the members'
+        # check-in and the barrier's go would run down their wait
+        from rayspec.sync import gloo_engine
+        from vllm.distributed.weight_transfer import factory  # noqa: F401
+
+        gloo_engine.register()
 
     def send(self, target: str, weights: dict[str, torch.Tensor], version: int) -> Refit:
         """Queue ``weights`` (host tensors, or with nccl tensors on
@@ -116,8 +125,8 @@ class CollectiveSender(WeightSender):
 
     def _send(self, target: str, weights: dict[str, torch.Tensor], version: int):
         if self.device.type == "cuda" and self.device.index is not None:
-            # a new thread's current device is 0; NCCL's communicator and the
-            # stream below take the current one (Ray Train's may be another)
+            # a new thread's current device is 0; NCCL's communicator and
+            # streams take the current one (Ray Train's may be another)
             torch.cuda.set_device(self.device)
         try:
             self._ensure_group()
@@ -128,40 +137,31 @@ class CollectiveSender(WeightSender):
                         "store from now on", e)
             self._fell_back = True
             return self._fallback.send(target, to_host(weights), version)._wait()
-        if self._pg is None:  # no replica is up: the ones Serve starts catch up
+        if self._engine is None:  # no replica is up: the ones Serve starts catch up
             return [], 0.0, 0.0
-        buckets = plan_buckets(weights, self.bucket_bytes)
+        shared = self._draft_shared if target == "draft" else ()
+        self._source.weights = {k: v for k, v in weights.items() if not any(f"{s}." in k for s in shared)}
+        self._client.round = (target, version, self._group_id)
+        if self.device.type == "cuda":
+            # device weights (DeviceGather) were written on the default stream; vLLM's packed
+            # broadcast reads them on streams of its own without waiting for it
+            torch.cuda.default_stream(self.device).synchronize()
         t0 = time.perf_counter()
-        receiving = self._start(self.replicas.receive_weights, target, buckets, version, self._group_id)
         try:
-            # On a stream of its own: NCCL's wait() makes the *current* stream
-            # wait for the broadcast, which ends only when every replica has
-            # taken the refit (in async mode, after its rollout); on the
-            # default stream that would stall rank 0's next update, then every
-            # rank's. torch.Stream is the same code on a CPU (gloo), a no-op.
-            if self._stream is None:
-                self._stream = torch.Stream(device=self.device)
-            if self.device.type == "cuda":
-                # device weights (DeviceGather) were written on the default stream, which this
-                # thread's is too: the broadcast reads them after every kernel queued there so far
-                self._stream.wait_stream(torch.cuda.default_stream(self.device))
-            with self._stream:
-                for bucket in buckets:
-                    self._pg.broadcast(pack_bucket(weights, bucket).to(self.device), 0).wait()
-                self._stream.synchronize()  # this thread waits; the caller's streams do not
+            self._engine.send_weights()
         except Exception as e:
             # A member died or failed mid-refit: the group is unusable; the
             # next refit forms a new one. A replica that died is replaced by
             # Serve (its replacement catches up); one that failed is behind.
             self._drop_group()
-            outs = receiving.result()
+            outs = self._client.received()
             dead = [o for o in outs if isinstance(o, ray.exceptions.RayActorError)]
             if dead:
                 raise dead[0] from e
             raise WeightSyncError(f"{target} refit to version {version} failed in the weight-sync group: "
                                   f"{e}; replicas: {outs}") from e
-        sent = time.perf_counter()
-        return _raise_first(receiving.result()), sent - t0, time.perf_counter() - sent
+        # the replicas load each bucket as it lands: the broadcast and the load overlap
+        return self._client.received(), time.perf_counter() - t0, 0.0
 
     def _start(self, call, *args) -> concurrent.futures.Future:
         """Start ``call`` (a ``RolloutClient`` broadcast) on the replicas now;
@@ -204,7 +204,7 @@ class CollectiveSender(WeightSender):
     def _form_group(self) -> None:
         members = self.replicas.weight_sync_members()
         ids = frozenset(m["replica_id"] for m in members)
-        if self._pg is not None and ids == self._members and \
+        if self._engine is not None and ids == self._members and \
                 all(m["group_id"] == self._group_id for m in members):
             return
         self._drop_group()
@@ -218,14 +218,14 @@ class CollectiveSender(WeightSender):
         barrier = JoinBarrier(host, len(offsets), self.timeout_s)
         where = (f"the weight-sync group at {host} ({self.backend}, {world} ranks: rank 0 and replicas "
                  f"{offsets} at their first rank)")
-        joining = self._start(self.replicas.join_weight_sync, host, offsets, world, self.backend,
-                              self.timeout_s, group_id, barrier.port)
+        joining = self._start(self.replicas.join_weight_sync, host, offsets, world, self.timeout_s, group_id,
+                              barrier.port)
         try:
             barrier.wait(lambda: self._alive(ids), where)
         except BaseException:
             joining.result()  # the members have given up (and released their engines)
             raise
-        # The group's port is bound (listening) before the go names it, and its store takes the
+        # The group's port is bound (listening) before the go names it, and gloo's store takes the
         # socket over: a port picked free and bound later stayed open for any socket on the host
         # to take (for a rollout, in async mode, where it was picked before the check-in), and
         # with VLLM_PORT set vLLM's get_open_port gave the barrier's own. Binding fails before
@@ -238,16 +238,16 @@ class CollectiveSender(WeightSender):
             raise WeightSyncError(f"{where}: rank 0 could not bind a port on {host}: {e}") from e
         port = listener.getsockname()[1]
         where = where.replace(f"at {host} ", f"at {host}:{port} ", 1)
-        barrier.go(port)
+        client = _Members(self, barrier, joining)
         try:
-            pg = engine_access.stateless_group(host, port, 0, world, self.backend, self.timeout_s,
-                                               listen_socket=listener)
+            engine = trainer_engine(self.backend, host, listener, world, self.bucket_bytes, self.timeout_s,
+                                    client, self._source)
         except Exception as e:
             listener.close()  # where the store did not take it over
             raise WeightSyncError(f"{where} did not form within {self.timeout_s:.0f} s ({type(e).__name__}: {e}); "
                                   f"the replicas said: {joining.result()}") from e
-        _raise_first(joining.result())
-        self._pg, self._group_id, self._members = pg, group_id, ids
+        self._engine, self._client, self._group_id, self._members = engine, client, group_id, ids
+        self._draft_shared = tuple(members[0].get("draft_shared", ()))
         log.info("weight sync: %s group of %d ranks formed at %s:%d (replicas %s)", self.backend, world,
                  host, port, sorted(offsets))
 
@@ -258,10 +258,10 @@ class CollectiveSender(WeightSender):
         return self.replicas.running_replicas() >= len(ids)
 
     def _drop_group(self) -> None:
-        pg, self._pg, self._group_id = self._pg, None, None
-        if pg is not None:
+        engine, self._engine, self._group_id = self._engine, None, None
+        if engine is not None:
             try:
-                pg.shutdown()
+                engine.shutdown()
             except Exception as e:  # a member is gone; nothing to flush
                 log.debug("weight-sync group shutdown: %s", e)
 
@@ -270,6 +270,90 @@ class CollectiveSender(WeightSender):
         self._sender.shutdown(wait=True)
         self._waiters.shutdown(wait=False)
         self._drop_group()
+
+
+class RefitSource:
+    """The refit in flight as vLLM's ``WeightSource`` (what a trainer-side
+    engine sends; the two methods its engines call, without importing vLLM
+    into every Train rank): ``weights`` ({name: tensor}, set before each
+    ``send_weights``) in order, tensors that share storage (tied
+    embeddings) once, under their first name: vLLM ties them itself."""
+
+    def __init__(self):
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def metadata(self) -> list:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self]
+
+    def __iter__(self):
+        names = [name for bucket in plan_buckets(self.weights, 1 << 62) for name, _, _ in bucket]
+        return ((name, self.weights[name]) for name in names)
+
+
+def trainer_engine(backend: str, host: str, listener: socket.socket, world_size: int, bucket_bytes: int,
+                   timeout_s: float, client, source: RefitSource):
+    """Rank 0's trainer-side weight-transfer engine of a new group
+    (``WeightTransferTrainerFactory.trainer_init``, vLLM 0.32): rayspec's
+    ``gloo`` (its store takes ``listener`` over) or vLLM's ``nccl`` (its
+    store binds the port itself, so ``listener`` is closed just before:
+    vLLM's NCCL rendezvous takes no socket). Blocks until the workers have
+    joined (``client.init_weight_transfer_engine``)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from rayspec.sync import gloo_engine
+
+    port = listener.getsockname()[1]
+    if backend == "gloo":
+        info = gloo_engine.GlooTrainerInitInfo(rank=0, master_address=host, master_port=port, world_size=world_size,
+                                               packed_buffer_size_bytes=bucket_bytes, timeout_s=timeout_s,
+                                               listen_socket=listener)
+    else:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        listener.close()
+        info = NCCLTrainerInitInfo(rank=0, master_address=host, master_port=port, world_size=world_size,
+                                   packed=True, packed_buffer_size_bytes=bucket_bytes)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+
+class _Members:
+    """vLLM's ``VLLMWeightSyncClient`` over the group's replicas, for the
+    trainer-side engine: ``init_weight_transfer_engine`` is the barrier's go
+    (each member adds its first rank to the info and joins); each replica
+    runs a refit's start, update and finish in its one ``receive_weights``
+    call (under its lock), so ``update_weights`` carries the round and
+    ``start`` / ``finish`` have nothing left to do.
+
+    Attributes:
+        round: (target, version, group id) of the refit being sent.
+    """
+
+    def __init__(self, sender: CollectiveSender, barrier: "JoinBarrier", joining: concurrent.futures.Future):
+        self.sender, self.barrier, self.joining = sender, barrier, joining
+        self.round: tuple[str, int, str] | None = None
+        self._receiving: concurrent.futures.Future | None = None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.barrier.go(init_info)
+        _raise_first(self.joining.result())
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        target, version, group_id = self.round
+        self._receiving = self.sender._start(self.sender.replicas.receive_weights, target, update_info, version,
+                                             group_id)
+        _raise_first(self._receiving.result())
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass
+
+    def received(self) -> list:
+        """The replicas' results of the last round (exceptions included)."""
+        return [] if self._receiving is None else self._receiving.result()
 
 
 class DeviceGather:
@@ -365,9 +449,11 @@ class JoinBarrier:
                                       f"{self.members} replicas checked in")
             time.sleep(poll_s)
 
-    def go(self, group_port: int) -> None:
-        """Tell the members that checked in to join the group at ``group_port``."""
-        self.store.set("go", str(group_port))
+    def go(self, init_info: dict[str, Any]) -> None:
+        """Tell the members that checked in to join the group: ``init_info``
+        is the worker-side init info of the trainer engine (JSON), each
+        member's first rank still to be added."""
+        self.store.set("go", json.dumps(init_info))
 
     def abort(self, why: str) -> None:
         """Tell the members to give up (``check_in`` raises, naming ``why``)."""
@@ -394,9 +480,9 @@ def listening_socket(host: str) -> socket.socket:
     return s
 
 
-def check_in(host: str, port: int, timeout_s: float, replica_id: str, poll_s: float = 0.05) -> int:
+def check_in(host: str, port: int, timeout_s: float, replica_id: str, poll_s: float = 0.05) -> dict[str, Any]:
     """A member's side of ``JoinBarrier``: check in, then wait for rank 0's
-    ``go``. Returns the group's port it names.
+    ``go``. Returns the worker-side init info it carries.
 
     Raises:
         WeightSyncError: rank 0 said to give up (a member died, or not all
@@ -417,7 +503,7 @@ def check_in(host: str, port: int, timeout_s: float, replica_id: str, poll_s: fl
                 raise WeightSyncError(f"replica {replica_id}: no word from the trainer at {host}:{port} "
                                       f"within {timeout_s:.0f} s")
             time.sleep(poll_s)
-        return int(store.get("go"))
+        return json.loads(store.get("go"))
     except WeightSyncError:
         raise
     except Exception as e:  # rank 0 (the store's server) is gone
@@ -433,8 +519,11 @@ def _raise_first(results: list) -> list:
 
 
 class CollectiveReceiver(WeightReceiver):
-    """A replica's side: its workers join the trainer's weight-sync group and
-    load each refit's buckets as they land.
+    """A replica's side: its workers join the trainer's weight-sync group
+    through vLLM's ``init_weight_transfer_engine`` and load each refit
+    through ``start_weight_update`` / ``start_draft_weight_update``,
+    ``update_weights`` and ``finish_weight_update`` (``collective_rpc``
+    to the workers' methods of vLLM 0.32, ``vllm/v1/worker/gpu_worker.py``).
 
     Attributes:
         group_id: the group this replica's workers are in, or None.
@@ -444,17 +533,19 @@ class CollectiveReceiver(WeightReceiver):
         super().__init__(host)
         self.group_id: Optional[str] = None
 
-    def member(self, num_workers: int) -> dict[str, Any]:
-        """{"replica_id", "group_id", "num_workers" (ranks it takes)}."""
-        return {"replica_id": self.host.replica_id, "group_id": self.group_id, "num_workers": num_workers}
+    def member(self, num_workers: int, draft_shared: tuple[str, ...]) -> dict[str, Any]:
+        """{"replica_id", "group_id", "num_workers" (ranks it takes),
+        "draft_shared" (the drafter's modules that are the verifier's, which
+        a draft refit leaves out)}."""
+        return {"replica_id": self.host.replica_id, "group_id": self.group_id, "num_workers": num_workers,
+                "draft_shared": list(draft_shared)}
 
-    def join(self, host: str, rank_offsets: dict[str, int], world_size: int, backend: str,
-             timeout_s: float, group_id: str, barrier_port: int) -> Optional[int]:
+    def join(self, host: str, rank_offsets: dict[str, int], world_size: int, timeout_s: float, group_id: str,
+             barrier_port: int) -> Optional[int]:
         """Check in at rank 0's ``JoinBarrier`` (``barrier_port``), then every
-        worker joins the group at ``host`` on the port the barrier's go
-        names (``backend`` nccl | gloo) from rank
-        ``rank_offsets[replica_id]`` (run under the engine's
-        lock). Returns that rank, or None where this replica is not in
+        worker joins the group with the init info the barrier's go carries,
+        from rank ``rank_offsets[replica_id]`` (run under the engine's lock).
+        Returns that rank, or None where this replica is not in
         ``rank_offsets`` (it started after the trainer counted the replicas;
         it catches up and joins the next group).
 
@@ -462,42 +553,40 @@ class CollectiveReceiver(WeightReceiver):
             WeightSyncError: the group did not form, or was abandoned
                 (names this replica and the address).
         """
-        from rayspec.rollout.vllm.worker_ext import RefitExtension
-
         offset = rank_offsets.get(self.host.replica_id)
         if offset is None:
             return None
         self.group_id = None
-        port = check_in(host, barrier_port, timeout_s, self.host.replica_id)
+        init_info = {**check_in(host, barrier_port, timeout_s, self.host.replica_id), "rank_offset": offset}
         try:
-            self.host.llm.collective_rpc(RefitExtension.rayspec_join_weight_sync.__name__,
-                                         args=(host, port, offset, world_size, backend, timeout_s))
+            self.host.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
         except Exception as e:
             raise WeightSyncError(f"replica {self.host.replica_id} could not join the weight-sync group at "
-                                  f"{host}:{port} as rank {offset} of {world_size} ({backend}): "
+                                  f"{host}:{init_info.get('master_port')} as rank {offset} of {world_size}: "
                                   f"{type(e).__name__}: {e}") from None
         self.group_id = group_id
         return offset
 
-    def receive(self, target: str, buckets: list, version: int, group_id: str) -> Optional[int]:
-        """Receive ``target``'s weights broadcast in packed ``buckets`` in the
-        group ``group_id``, loading them in place as they arrive. Returns the
-        new version, or None where this replica is not in that group (it
-        started since; it catches up before its first rollout).
+    def receive(self, target: str, update_info: dict[str, Any], version: int, group_id: str) -> Optional[int]:
+        """Receive ``target``'s weights as the trainer engine broadcasts them
+        in the group ``group_id`` (``update_info``: the engine's, e.g. the
+        gloo engine's buckets), loading them in place as they arrive.
+        Returns the new version, or None where this replica is not in that
+        group (it started since; it catches up before its first rollout).
 
         Raises:
             Whatever the broadcast or the loader raised; the replica then
             keeps its old version (and catches up before its next rollout).
         """
-        from rayspec.rollout.vllm.worker_ext import RefitExtension
-
         if group_id != self.group_id:
             return None
+        llm = self.host.llm
 
         def load():
             try:
-                self.host.llm.collective_rpc(RefitExtension.rayspec_receive_weights.__name__,
-                                             args=(target, buckets))
+                llm.collective_rpc("start_draft_weight_update" if target == "draft" else "start_weight_update")
+                llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+                llm.collective_rpc("finish_weight_update")
             except Exception:
                 self.group_id = None  # the group is broken: the next refit forms another
                 raise

@@ -31,6 +31,14 @@ def k_schedule(llm) -> list | None:
     return getattr(spec, "num_speculative_tokens_per_batch_size", None) if spec is not None else None
 
 
+def set_weight_version(llm, version: int) -> None:
+    """Label the weights the engine samples with from now on: vLLM's weight
+    version (``LLMEngine.set_weight_version``, public API of vLLM 0.32),
+    which each output reports back as ``CompletionOutput.weight_versions``
+    spans over its tokens."""
+    llm.llm_engine.set_weight_version(str(version))
+
+
 def shutdown(llm) -> None:
     """Stop the engine-core process (and its workers) now, not at garbage collection."""
     tp.require(llm.llm_engine, "engine_core", tp.ENGINE).shutdown()

@@ -1,15 +1,18 @@
-"""vLLM worker extension: in-place refit of the policy and the draft head.
+"""vLLM worker extension: in-place refit of the policy and the draft head
+by the transports vLLM's weight-transfer engines do not cover.
 
 Loaded by ``vllm.LLM(worker_extension_cls=WORKER_EXTENSION)`` and reached
 with ``llm.collective_rpc`` (the receiving side of ``rayspec.sync``'s
-transports calls it by the methods' own names). Weights arrive either as a
+transports calls it by the methods' own names). Weights arrive as a
 safetensors file (e.g. under /dev/shm; the object-store transport: tensors
-passed as collective_rpc arguments arrive serialized as lists) or as packed
-buckets broadcast by the trainer in the weight-sync process group (the
-collective transport, ``rayspec.sync``), streamed into the loader. Loading goes through
-vLLM's in-place ``reload_weights``, which undoes the CPU backend's weight
-repacking before ``load_weights`` and redoes it after; calling the model's
-``load_weights`` directly fails once weights are repacked.
+passed as collective_rpc arguments arrive serialized as lists), as packed
+files in /dev/shm (shared memory) or as CUDA IPC handles. The collective
+transport goes through vLLM's weight-transfer engines instead
+(``rayspec.sync.collective``); rayspec's gloo engine loads with
+``load_weights`` below. Loading goes through vLLM's in-place
+``reload_weights``, which undoes the CPU backend's weight repacking before
+``load_weights`` and redoes it after; calling the model's ``load_weights``
+directly fails once weights are repacked.
 
 Both of vLLM 0.32's model runners are served: the V1 ``GPUModelRunner``
 (CPU, and CUDA with ``VLLM_USE_V2_MODEL_RUNNER=0``) holds its drafter in
@@ -26,7 +29,6 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from rayspec.rollout.vllm import engine_access
 from rayspec.rollout.vllm import touchpoints as tp
 from rayspec.sync.buckets import bucket_nbytes, unpack_bucket
 
@@ -61,6 +63,19 @@ def _retie_embeddings(model) -> None:
         tp.require(quant, "process_weights_after_loading", tp.REFIT)(model.lm_head)
 
 
+def _shared_modules(drafter_model, verifier) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute name, module) of each outermost module of the
+    drafter that is one of the verifier's."""
+    shared = {id(m) for m in verifier.modules()}
+    out, inside = [], set()
+    for name, module in drafter_model.named_modules():
+        if name and id(module) in shared and not any(name.startswith(f"{p}.") for p in inside):
+            parent_name, _, child = name.rpartition(".")
+            out.append((drafter_model.get_submodule(parent_name), child, module))
+            inside.add(name)
+    return out
+
+
 @contextlib.contextmanager
 def _without_shared_modules(drafter_model, verifier):
     """Detach from the drafter the modules it shares with the verifier for
@@ -77,15 +92,9 @@ def _without_shared_modules(drafter_model, verifier):
     (SmolLM2, fp32: mean |p_vllm/p_policy - 1| of the sampled tokens 6e-6
     before, 3e-2 after one draft refit).
     """
-    shared = {id(m) for m in verifier.modules()}
-    swapped = []
-    for name, module in list(drafter_model.named_modules()):
-        if name and id(module) in shared:
-            parent_name, _, child = name.rpartition(".")
-            parent = drafter_model.get_submodule(parent_name)
-            if getattr(parent, child, None) is module:  # not already under a detached parent
-                swapped.append((parent, child, module))
-                setattr(parent, child, nn.Module())
+    swapped = _shared_modules(drafter_model, verifier)
+    for parent, child, _ in swapped:
+        setattr(parent, child, nn.Module())
     try:
         yield tuple(child for _, child, _ in swapped)
     finally:
@@ -93,20 +102,35 @@ def _without_shared_modules(drafter_model, verifier):
             setattr(parent, child, module)
 
 
+def _reload(vllm_config, model, verifier, weights, skip: tuple[str, ...] = ()) -> None:
+    reload_weights = tp.RELOAD_WEIGHTS.load()
+    weights = iter(weights)
+    with tp.SET_CURRENT_CONFIG.load()(vllm_config):
+        reload_weights(vllm_config, model, weights_iterator=_skipping(weights, skip),
+                       weights_path=None, is_checkpoint_format=True)
+    for _ in weights:  # the rest of a broadcast, had the loader stopped early
+        pass
+    # The EAGLE drafter shares the verifier's embed_tokens module, so
+    # either reload can untie the verifier's output layer.
+    _retie_embeddings(verifier)
+
+
+def load_weights(vllm_config, verifier: nn.Module, draft: nn.Module | None, weights) -> None:
+    """Load a refit in place through vLLM's in-place reload: the policy's
+    weights (HF names) into the ``verifier`` where ``draft`` is None, else
+    the draft's (vLLM checkpoint names) into ``draft``, skipping the modules
+    it shares with the verifier (``_without_shared_modules``). ``weights``:
+    an iterator of (name, tensor), consumed to its end (a broadcast's
+    buckets arrive through it). Used by ``RefitExtension`` and by the
+    weight-transfer engine of ``rayspec.sync.gloo_engine``."""
+    if draft is None:
+        return _reload(vllm_config, verifier, verifier, weights)
+    with _without_shared_modules(draft, verifier) as shared:
+        _reload(vllm_config, draft, verifier, weights, skip=shared)
+
+
 class RefitExtension:
     """Mixed into vLLM's worker; ``self`` is the worker."""
-
-    def _reload(self, model, weights, skip: tuple[str, ...] = ()) -> None:
-        reload_weights = tp.RELOAD_WEIGHTS.load()
-        weights = iter(weights)
-        with tp.SET_CURRENT_CONFIG.load()(self.vllm_config):
-            reload_weights(self.vllm_config, model, weights_iterator=_skipping(weights, skip),
-                           weights_path=None, is_checkpoint_format=True)
-        for _ in weights:  # the rest of a broadcast, had the loader stopped early
-            pass
-        # The EAGLE drafter shares the verifier's embed_tokens module, so
-        # either reload can untie the verifier's output layer.
-        _retie_embeddings(self.model_runner.get_model())
 
     def rayspec_seed(self, seed: int) -> None:
         """Reseed the worker's random streams: torch's generators, which the
@@ -118,6 +142,14 @@ class RefitExtension:
 
         torch.manual_seed(seed)
         np.random.seed(seed % 2**32)
+
+    def rayspec_draft_shared(self) -> list[str]:
+        """Attribute names of the drafter's modules that are the verifier's
+        (``_shared_modules``; e.g. ``embed_tokens``, ``lm_head``): a draft
+        refit's weights under them are left out (the policy refit owns
+        them). Empty without a model-based drafter."""
+        draft = tp.require(self.model_runner, "get_draft_model", tp.REFIT)()
+        return [] if draft is None else [child for _, child, _ in _shared_modules(draft, self.model_runner.get_model())]
 
     def rayspec_model_runner(self) -> str:
         """The worker's model runner class (``module.Class``)."""
@@ -171,13 +203,11 @@ class RefitExtension:
         self._load(target, _iter_file(path))
 
     def _load(self, target: str, weights) -> None:
-        if target == "policy":
-            return self._reload(self.model_runner.get_model(), weights)
-        draft_model = tp.require(self.model_runner, "get_draft_model", tp.REFIT)()
-        if draft_model is None:
+        runner = self.model_runner
+        draft = None if target == "policy" else tp.require(runner, "get_draft_model", tp.REFIT)()
+        if target != "policy" and draft is None:
             raise RuntimeError("this engine has no model-based drafter to update")
-        with _without_shared_modules(draft_model, self.model_runner.get_model()) as shared:
-            self._reload(draft_model, weights, skip=shared)
+        load_weights(self.vllm_config, runner.get_model(), draft, weights)
 
     def rayspec_load_shared(self, target: str, files: list) -> None:
         """Load a refit of ``target`` from files in /dev/shm, [(path,
@@ -202,44 +232,3 @@ class RefitExtension:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")  # vLLM's GPU worker sets its device current
         self._load(target, opened(payload, device, replica))
-
-    def rayspec_join_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int,
-                                 backend: str, timeout_s: float) -> int:
-        """Join the trainer's weight-sync process group (vLLM's stateless
-        group: no global ``init_process_group``), leaving any earlier one.
-        This worker's rank is ``rank_offset`` + its rank in the replica
-        (tensor / pipeline parallel). Returns that rank."""
-        self.rayspec_leave_weight_sync()
-        rank = rank_offset + self.vllm_config.parallel_config.rank
-        self._rayspec_sync = (engine_access.stateless_group(host, port, rank, world_size, backend, timeout_s), backend)
-        return rank
-
-    def rayspec_leave_weight_sync(self) -> None:
-        pg, _ = getattr(self, "_rayspec_sync", (None, None))
-        self._rayspec_sync = (None, None)
-        if pg is not None:
-            with contextlib.suppress(Exception):  # the trainer that formed it may be gone
-                pg.shutdown()
-
-    def rayspec_receive_weights(self, target: str, buckets: list) -> None:
-        """Receive a refit of ``target`` (``policy`` | ``draft``) broadcast
-        from rank 0 in packed buckets (``rayspec.sync.buckets``),
-        loading each bucket as it lands: one fresh buffer per bucket (the
-        in-place reload may hold views until a layer is complete), on this
-        worker's device for nccl, in host memory for gloo.
-
-        Raises:
-            RuntimeError: this worker is in no weight-sync group.
-        """
-        pg, backend = getattr(self, "_rayspec_sync", (None, None))
-        if pg is None:
-            raise RuntimeError("this worker has not joined a weight-sync group")
-        device = self.device if backend == "nccl" else torch.device("cpu")
-
-        def weights():
-            for bucket in buckets:
-                buffer = torch.empty(bucket_nbytes(bucket), dtype=torch.uint8, device=device)
-                pg.broadcast(buffer, 0).wait()
-                yield from unpack_bucket(buffer, bucket)
-
-        self._load(target, weights())
