@@ -4,7 +4,9 @@
     python -m jobs.check_vllm --source /tmp/vllm-0.33.0 --cuda
 
 Every internal rayspec patches, wraps, calls or reads
-(``rayspec.rollout.vllm.touchpoints``) is looked up in the source tree
+(``rayspec.rollout.vllm.touchpoints``), and every call of vLLM's supported
+weight-transfer interface with the parameter names rayspec passes
+(``API_CALLS``), is looked up in the source tree
 (``--source``: a directory holding ``vllm/``, e.g. a release's wheel
 unzipped with ``unzip -q vllm-*.whl 'vllm/*' -d DIR``; default: the installed
 vLLM), without importing it. Prints one line per touch point and exits 1
@@ -32,8 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'ok  ' if why is None else 'FAIL'} {tp.use:<8} {tp.platform:<3} {tp.symbol}"
               + (f"  <- {why}" if why else f"  ({tp.hook})"))
     failed = sum(why is not None for _, why in results)
-    print(f"{len(results) - failed} of {len(results)} touch points hold"
-          f" in {args.source or 'the installed vLLM'}")
+    api = sum(tp.use == "api" for tp, _ in results)
+    print(f"{len(results) - failed} of {len(results)} hold in {args.source or 'the installed vLLM'}: "
+          f"{len(results) - api} touch points of its internals, {api} calls of its supported interface "
+          "with the names rayspec passes")
     return 1 if failed else 0
 
 

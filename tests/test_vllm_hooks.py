@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from rayspec.rollout import adaptive
 from rayspec.rollout.vllm import TOUCH_POINTS, TouchPoint, VllmInternalsError, check_vllm, require_vllm
+from rayspec.rollout.vllm.touchpoints import API_CALLS
 from rayspec.rollout.vllm import cpu_fixes as vllm_patches
 from rayspec.rollout.vllm import spec_schedule
 from rayspec.rollout.vllm.worker_ext import RefitExtension, _retie_embeddings
@@ -26,7 +27,7 @@ def test_every_touch_point_holds_in_the_installed_vllm():
     import vllm
 
     results = check_vllm(cpu=True)
-    assert {tp for tp, _ in results} == set(TOUCH_POINTS) and len(TOUCH_POINTS) >= 30
+    assert {tp for tp, _ in results} == {*TOUCH_POINTS, *API_CALLS} and len(TOUCH_POINTS) >= 30
     print(f"\nvLLM {vllm.__version__}: {len(results)} touch points")
     for tp, why in results:
         print(f"  {'ok  ' if why is None else 'FAIL'} {tp.use:<8} {tp.platform:<3} {tp.symbol}  ({tp.hook})")
@@ -46,7 +47,7 @@ def test_a_release_is_accepted_by_its_touch_points_not_its_number(monkeypatch, t
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
     require_vllm()  # another number, every touch point there: accepted
     installed = Path(importlib.util.find_spec("vllm").origin).parents[1]
-    for module in {tp.symbol.partition(":")[0] for tp in TOUCH_POINTS}:
+    for module in {tp.symbol.partition(":")[0] for tp in (*TOUCH_POINTS, *API_CALLS)}:
         base = Path(*module.split("."))
         src = next(p for p in (installed / base.with_suffix(".py"), installed / base / "__init__.py") if p.is_file())
         (tmp_path / src.relative_to(installed)).parent.mkdir(parents=True, exist_ok=True)
@@ -88,8 +89,29 @@ class _Scheduler:
         self.lookup: list | None = None
 
 
+def _api(update_info, *, version=None):
+    return update_info, version
+
+
+class _Info:
+    backend: str
+
+
 class _Later(_Scheduler):
     pass
+
+
+def test_the_names_rayspec_passes_are_checked_in_the_definition():
+    """An interface entry's parameter names (a function's, a base class's
+    method's) and a class's fields are looked up in the source: a rename
+    behind an unchanged symbol is named."""
+    here, repo = "tests.test_vllm_hooks", Path(__file__).resolve().parents[1]
+    assert TouchPoint(f"{here}:_api", "api", "t", "w", params=("update_info", "version")).check(repo) is None
+    assert TouchPoint(f"{here}:_api", "api", "t", "w", params=("update_infos", "version")).check(repo) == \
+        f"{here}:_api has no update_infos"
+    assert TouchPoint(f"{here}:_Info", "api", "t", "w", params=("backend",)).check(repo) is None
+    assert TouchPoint(f"{here}:_Info", "api", "t", "w", params=("engine",)).check(repo) == f"{here}:_Info has no engine"
+    assert TouchPoint(f"{here}:_Later.__init__", "api", "t", "w", params=("self",)).check(repo) is None  # a base's
 
 
 def test_an_instance_attribute_is_checked_in_the_class_source():

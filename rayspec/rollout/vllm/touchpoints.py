@@ -52,11 +52,15 @@ class TouchPoint:
             (``self.<name> = ...``), which no import can show.
         use: ``replaced`` (rayspec installs its own), ``wrapped`` (rayspec
             calls vLLM's inside its own), ``added`` (rayspec adds a method to
-            the class), ``called`` or ``read``.
+            the class), ``called`` or ``read``; ``api`` for vLLM's
+            supported interface (``API_CALLS``).
         hook: the rayspec feature that needs it (as errors name it).
         why: what rayspec does with it, and why it cannot use public API.
         platform: ``cpu`` where only the CPU platform reaches it, else ``any``.
         instance: ``symbol`` names an instance attribute (see ``symbol``).
+        params: names rayspec passes or reads: the parameters of a function
+            or method, the fields of a (data)class; each must be in its
+            definition (what a rename behind an unchanged symbol breaks).
     """
 
     symbol: str
@@ -65,6 +69,7 @@ class TouchPoint:
     why: str
     platform: str = "any"
     instance: bool = False
+    params: tuple[str, ...] = ()
 
     def load(self) -> Any:
         """The symbol from the installed vLLM (a module-level object, class
@@ -109,7 +114,10 @@ class TouchPoint:
         if self.instance:
             return None if _sets_attribute(body, name, tree) else f"{where} no longer sets self.{name}"
         defined = _class_names(body, tree) if owners else _defined_names(body)
-        return None if name in defined else f"{self.symbol} is missing"
+        if name not in defined:
+            return f"{self.symbol} is missing"
+        missing = [p for p in self.params if p not in _parameters(body, name, tree)]
+        return f"{self.symbol} has no {', '.join(missing)}" if missing else None
 
 
 def _resolve(symbol: str) -> Any:
@@ -182,6 +190,22 @@ def _defined_names(body: list) -> set[str]:
     return names
 
 
+def _parameters(body, name: str, tree: ast.Module) -> set[str]:
+    """The parameter names of function ``name`` in ``body`` (a module body or
+    a class, its same-module bases too), or the fields (annotated names) of
+    class ``name`` and its same-module bases."""
+    for scope in ([body] + _bases(body, tree) if isinstance(body, ast.ClassDef) else [body]):
+        nodes = scope.body if isinstance(scope, ast.ClassDef) else scope
+        for node in _top_level(nodes):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                a = node.args
+                return {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x}
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                return {n.target.id for c in (node, *_bases(node, tree)) for n in c.body
+                        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    return set()
+
+
 def _find_class(body, name: str) -> ast.ClassDef | None:
     if isinstance(body, ast.ClassDef):
         body = body.body
@@ -223,8 +247,8 @@ ENGINE = "rollout engine"
 BENCH = "jobs.bench_step timers"
 
 
-def _tp(symbol, use, hook, why, platform="any", instance=False) -> TouchPoint:
-    return TouchPoint(symbol, use, hook, why, platform, instance)
+def _tp(symbol, use, hook, why, platform="any", instance=False, params=()) -> TouchPoint:
+    return TouchPoint(symbol, use, hook, why, platform, instance, tuple(params))
 
 
 # fmt: off
@@ -339,6 +363,41 @@ STAT_LOGGERS = _tp(
     "rayspec's step timer joins the engine's stat loggers", instance=True)
 RUNNER_TIMED = tuple(_tp(f"{_RUNNER}.{name}", "wrapped", BENCH, "timed per decode step")
                      for name in ("execute_model", "_model_forward", "sample_tokens"))
+
+# vLLM's supported weight-transfer interface as rayspec calls it (use "api"): not internals, but
+# checked the same way, with the parameter names rayspec passes, so a release that renamed one is
+# refused before a refit fails on it (its GPU path, nccl, runs in no CPU test).
+_WORKER = "vllm.v1.worker.gpu_worker:Worker"  # CPUWorker's base: the CPU and GPU workers' RL methods
+_WT = "vllm.distributed.weight_transfer"
+API_CALLS = (
+    _tp(f"{_WORKER}.init_weight_transfer_engine", "api", WEIGHT_SYNC, "a replica's workers join the group",
+        params=("init_info",)),
+    *(_tp(f"{_WORKER}.{m}", "api", WEIGHT_SYNC, "a refit's round on the workers (collective_rpc)")
+      for m in ("start_weight_update", "start_draft_weight_update", "finish_weight_update")),
+    _tp(f"{_WORKER}.update_weights", "api", WEIGHT_SYNC, "a refit's weights", params=("update_info",)),
+    _tp("vllm.config.weight_transfer:WeightTransferConfig", "api", WEIGHT_SYNC,
+        "each replica's worker-side engine (weight_transfer_config)", params=("backend",)),
+    _tp(f"{_WT}.factory:WeightTransferEngineFactory.register_engine", "api", WEIGHT_SYNC,
+        "rayspec's gloo engine, worker side", params=("name", "module_path_or_cls")),
+    _tp(f"{_WT}.factory:WeightTransferTrainerFactory.register_engine", "api", WEIGHT_SYNC,
+        "rayspec's gloo engine, trainer side", params=("name", "module_path_or_cls")),
+    _tp(f"{_WT}.factory:WeightTransferTrainerFactory.trainer_init", "api", WEIGHT_SYNC,
+        "rank 0's trainer-side engine of a new group", params=("init_info", "client", "source")),
+    _tp(f"{_WT}.base:WeightTransferEngine.__init__", "api", WEIGHT_SYNC, "the gloo engine's base",
+        params=("config", "vllm_config", "device", "model")),
+    _tp(f"{_WT}.base:WeightTransferEngine.receive_weights", "api", WEIGHT_SYNC, "the gloo engine overrides it",
+        params=("update_info",)),
+    _tp(f"{_WT}.base:TrainerWeightTransferEngine.__init__", "api", WEIGHT_SYNC, "the gloo trainer engine's base",
+        params=("client", "source", "is_sender")),
+    _tp(f"{_WT}.base:ParamMeta", "api", WEIGHT_SYNC, "RefitSource.metadata", params=("name", "dtype", "shape")),
+    _tp(f"{_WT}.nccl_engine:NCCLTrainerInitInfo", "api", WEIGHT_SYNC, "the nccl group between GPUs",
+        params=("master_address", "master_port", "world_size", "packed", "packed_buffer_size_bytes")),
+    _tp("vllm.v1.engine.llm_engine:LLMEngine.set_weight_version", "api", REFIT,
+        "each policy refit labels the weights", params=("weight_version",)),
+    _tp("vllm.outputs:CompletionOutput", "api", REFIT, "each sample's policy versions", params=("weight_versions",)),
+    _tp("vllm.outputs:WeightVersionSpan", "api", REFIT, "a version's span of a sample's tokens",
+        params=("version", "start", "end")),
+)
 # fmt: on
 
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
@@ -362,7 +421,8 @@ def platform_is_cpu() -> bool:
 
 
 def check_vllm(cpu: bool | None = None, root: Path | None = None) -> list[tuple[TouchPoint, str | None]]:
-    """Check every touch point that applies on this platform against vLLM's
+    """Check every touch point that applies on this platform, and the
+    supported interface rayspec calls (``API_CALLS``), against vLLM's
     source (``TouchPoint.check``); returns [(touch point, None or why it
     failed)].
 
@@ -373,7 +433,7 @@ def check_vllm(cpu: bool | None = None, root: Path | None = None) -> list[tuple[
             another release); None: the installed vLLM.
     """
     cpu = platform_is_cpu() if cpu is None else cpu
-    return [(tp, tp.check(root)) for tp in TOUCH_POINTS if tp.platform == "any" or cpu]
+    return [(tp, tp.check(root)) for tp in (*TOUCH_POINTS, *API_CALLS) if tp.platform == "any" or cpu]
 
 
 def require_vllm(root: Path | None = None) -> None:
