@@ -550,7 +550,12 @@ class SpecVLLMEngine:
         zero). On a mismatch the draft version is marked unknown (-1), so
         the rollout's ``refits`` load the newest draft again first (or, with
         no payload, ``ReplicaBehind`` gets it sent). Returns 1 where it
-        found the draft stale, else 0."""
+        found the draft stale, else 0.
+
+        The digest is rayspec's (``rayspec_weight_sums``), not vLLM's
+        ``compute_weight_checksums``: vLLM 0.32's covers the verifier only
+        (``Worker.compute_weight_checksums`` digests ``get_model()``), and it
+        is the drafter's weights that a wake can lose."""
         # after a level-2 sleep the shared verifier weights are gone until the policy refit,
         # which takes the reference again
         if self._draft_reference is None or self._discarded:
