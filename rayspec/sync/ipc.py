@@ -8,9 +8,11 @@ GPU's UUID) and sends them to every replica, and each vLLM worker opens
 the handles of its own device and streams the tensors into vLLM's in-place
 reload: a copy from device memory to device memory on one GPU. vLLM 0.32's
 ``IPCWeightTransferEngine`` (``weight_transfer/ipc_engine.py``) works the
-same way, as do verl and OpenRLHF. rayspec keeps its own receive hook, as
-for the collective transport (``collective.py``), because the draft refit
-skips the modules the head shares with the verifier.
+same way, as do verl and OpenRLHF. rayspec keeps its own receive hook
+(``worker_ext.RefitExtension.rayspec_load_ipc``) until this transport moves
+onto vLLM's interface as the collective one has (``collective.py``): its
+CPU twin shares tensors through /dev/shm, which vLLM's IPC engine (CUDA
+handles only) cannot open.
 
 On a GPU the handles point at the weights themselves (CUDA IPC maps their
 allocation), where the serving dtype is the training dtype; otherwise, and
