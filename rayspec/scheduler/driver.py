@@ -29,11 +29,11 @@ from rayspec.models import check_draft_matches_policy, load_policy, resolve_mode
 from rayspec.models.acceptance import ACCEPTANCE_FILE, read_acceptance
 from rayspec.rollout.vllm import require_vllm
 from rayspec.scheduler.placement import ClusterFitError, NodeInfo, cluster_nodes, gpu_memory_by_node, plan_placement
+from rayspec.train.checkpoint import TRAIN_NAME, TRAIN_STORAGE, checkpoints
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "rayspec"
-TRAIN_STORAGE, TRAIN_NAME = "ray_train", "train"  # <run_dir>/ray_train/train/checkpoint_*
 
 
 def init_ray(cfg: RunConfig) -> None:
@@ -332,35 +332,6 @@ def save_draft_head(draft, first_start, out: Path) -> bool:
         log.warning("the DraftTrainer %s: %s is not its final head; the last checkpoint with a draft state "
                     "holds the newest one", why, out)
     return why is None
-
-
-def checkpoints(run_dir: str | Path) -> list[Path]:
-    """The checkpoints of a run that Ray Train registered, oldest first.
-
-    Ray Train copies each checkpoint into ``<run_dir>/ray_train/train/``
-    and registers it in ``checkpoint_manager_snapshot.json`` once every rank
-    has reported and the copy is complete (Ray 2.60's Train V2; it restores
-    only those). A directory it has not registered is one being written, or
-    one whose writer was killed mid-copy, so it is never read (a resume, a
-    restarted DraftTrainer). Without a snapshot (Train V1) every directory
-    counts, as before.
-
-    Raises:
-        ValueError: a snapshot that is not Ray Train's JSON (named).
-    """
-    root = Path(run_dir) / TRAIN_STORAGE / TRAIN_NAME
-    found = sorted(p for p in root.glob("checkpoint_*") if p.is_dir())
-    snapshot = root / "checkpoint_manager_snapshot.json"
-    if not snapshot.is_file():
-        return found
-    for attempt in range(3):  # Ray Train rewrites it in place: a read can meet it half-written
-        try:
-            registered = {r["checkpoint_dir_name"] for r in json.loads(snapshot.read_text())["checkpoint_results"]}
-            return [p for p in found if p.name in registered]
-        except (ValueError, KeyError, TypeError) as e:
-            if attempt == 2:
-                raise ValueError(f"{snapshot}: not Ray Train's checkpoint snapshot ({e})") from e
-            time.sleep(0.2)
 
 
 def check_resume(cfg: RunConfig, resume: bool) -> None:

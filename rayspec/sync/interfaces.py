@@ -212,7 +212,10 @@ class RefitHost(Protocol):
 
 class WeightReceiver(abc.ABC):
     """A replica's side of a transport: puts the weights it receives into
-    the vLLM workers through the host's ``load_refit``.
+    the vLLM workers through the host's ``load_refit``. Receivers reach the
+    worker extension's methods (``rayspec.rollout.vllm.worker_ext``) by
+    name through ``collective_rpc``: the worker side imports ``rayspec.sync``
+    (the bucket layout, the CUDA IPC handles), not the reverse.
 
     Args:
         host: the replica's engine.

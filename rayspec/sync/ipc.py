@@ -339,7 +339,5 @@ class CudaIpcReceiver(WeightReceiver):
     def receive(self, target: str, payload: dict[str, Any], version: int) -> int:
         """Load ``target``'s weights from ``payload`` (``IpcWeights.payload``)
         at ``version``; returns the version."""
-        from rayspec.rollout.vllm.worker_ext import RefitExtension
-
         return self.host.load_refit(target, version, lambda: self.host.llm.collective_rpc(
-            RefitExtension.rayspec_load_ipc.__name__, args=(target, payload, self.host.replica_id)))
+            "rayspec_load_ipc", args=(target, payload, self.host.replica_id)))

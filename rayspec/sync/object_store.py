@@ -62,14 +62,12 @@ class ObjectStoreReceiver(WeightReceiver):
     def receive(self, target: str, weights, version: int) -> int:
         """Load ``target``'s weights ({name: host tensor}, or an ObjectRef
         of one) at ``version``; returns the version."""
-        from rayspec.rollout.vllm.worker_ext import RefitExtension
-
         if isinstance(weights, ray.ObjectRef):
             weights = ray.get(weights)
         path = self._write(weights, target)
         try:
             return self.host.load_refit(target, version, lambda: self.host.llm.collective_rpc(
-                RefitExtension.rayspec_load.__name__, args=(target, path)))
+                "rayspec_load", args=(target, path)))
         finally:
             os.unlink(path)
 

@@ -147,12 +147,10 @@ class SharedMemoryReceiver(WeightReceiver):
         Raises:
             WeightSyncError: a file is not on this replica's node (named).
         """
-        from rayspec.rollout.vllm.worker_ext import RefitExtension
-
         missing = [path for path, _ in files if not os.path.exists(path)]
         if missing:
             raise WeightSyncError(f"replica {self.host.replica_id}: {missing[0]} is not on this node: the "
                                   "shared_memory transport needs every replica on the trainer's rank 0's node "
                                   "(rollout.weight_sync.transport=collective serves several nodes)")
         return self.host.load_refit(target, version, lambda: self.host.llm.collective_rpc(
-            RefitExtension.rayspec_load_shared.__name__, args=(target, files)))
+            "rayspec_load_shared", args=(target, files)))

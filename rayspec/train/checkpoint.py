@@ -26,6 +26,7 @@ import json
 import random
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,6 +34,8 @@ import numpy as np
 import torch
 
 from rayspec.files import json_tuples
+
+TRAIN_STORAGE, TRAIN_NAME = "ray_train", "train"  # <run_dir>/ray_train/train/checkpoint_*
 
 POLICY_TAG = "policy"
 TRAINER_STATE = "trainer_state.json"
@@ -128,3 +131,32 @@ def restore_checkpoint(checkpoint, engine, rank: int,
         state = json.loads((d / TRAINER_STATE).read_text())
         draft = restore_draft(d, state) if restore_draft is not None and (d / DRAFT_STATE).is_file() else None
     return state, draft
+
+
+def checkpoints(run_dir: str | Path) -> list[Path]:
+    """The checkpoints of a run that Ray Train registered, oldest first.
+
+    Ray Train copies each checkpoint into ``<run_dir>/ray_train/train/``
+    and registers it in ``checkpoint_manager_snapshot.json`` once every rank
+    has reported and the copy is complete (Ray 2.60's Train V2; it restores
+    only those). A directory it has not registered is one being written, or
+    one whose writer was killed mid-copy, so it is never read (a resume, a
+    restarted DraftTrainer). Without a snapshot (Train V1) every directory
+    counts, as before.
+
+    Raises:
+        ValueError: a snapshot that is not Ray Train's JSON (named).
+    """
+    root = Path(run_dir) / TRAIN_STORAGE / TRAIN_NAME
+    found = sorted(p for p in root.glob("checkpoint_*") if p.is_dir())
+    snapshot = root / "checkpoint_manager_snapshot.json"
+    if not snapshot.is_file():
+        return found
+    for attempt in range(3):  # Ray Train rewrites it in place: a read can meet it half-written
+        try:
+            registered = {r["checkpoint_dir_name"] for r in json.loads(snapshot.read_text())["checkpoint_results"]}
+            return [p for p in found if p.name in registered]
+        except (ValueError, KeyError, TypeError) as e:
+            if attempt == 2:
+                raise ValueError(f"{snapshot}: not Ray Train's checkpoint snapshot ({e})") from e
+            time.sleep(0.2)

@@ -29,7 +29,7 @@ from rayspec.draft.trainer import TrainingCadence
 from rayspec.metrics import PhaseTimer, plot_run
 from rayspec.reward.functions import RewardFunctionError
 from rayspec.reward.pool import RewardError
-from rayspec.scheduler.driver import checkpoints
+from rayspec.train.checkpoint import checkpoints
 from rayspec.scheduler.placement import ClusterFitError, check_device_sharing
 from rayspec.sync import make_source
 from rayspec.train.coordinator import Coordinator, Follower
