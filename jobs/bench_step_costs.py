@@ -115,10 +115,11 @@ def rollout_costs(engine, k: int, prompts: list[list[int]], args, pooled) -> dic
         engine.step_times = StepTimes(k)
         engine.set_k_schedule(uniform(kk, engine.max_num_seqs))
         engine.generate(prompts, n=args.group_size, temperature=1.0, max_tokens=args.max_tokens)
-        for step in engine.step_times.steps():
+        steps = engine.step_times.steps()
+        for step in steps:
             pooled.add(*step)
         cost = engine.step_times.cost()
-        buckets = {b.bit_length() for kd, b, _ in engine.step_times.steps() if kd == kind}
+        buckets = {b.bit_length() for kd, b, _ in steps if kd == kind}
         out[kind] = {b: cost.seconds(b, kk) for b in args.batch_sizes if b.bit_length() in buckets}
     return out
 

@@ -47,6 +47,23 @@ def test_buckets_round_trip_bounded_and_send_tied_weights_once():
             assert t.dtype == sd[name].dtype and torch.equal(t, sd[name]), name
 
 
+def test_a_refit_source_gives_each_tensor_once_on_the_wire_device():
+    """The trainer engine's source: tied tensors once, each tensor on the
+    device the engine's wire reads (rank 0's GPU for nccl, stood in for by
+    the meta device: host weights, such as the draft head's, are moved
+    there as they are sent), metadata as iterated."""
+    from rayspec.sync.collective import RefitSource
+
+    source = RefitSource("meta")
+    source.weights = _state_dict()
+    sent = list(source)
+    assert [n for n, _ in sent] == ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+                                    "model.layers.0.input_layernorm.weight", "model.norm.weight"]
+    assert all(t.device.type == "meta" for _, t in sent)
+    assert [(m.name, m.dtype, m.shape) for m in source.metadata()] == [(n, t.dtype, tuple(t.shape)) for n, t in sent]
+    assert all(t.device.type == "cpu" for t in source.weights.values())  # the sender's copies stay where they are
+
+
 def test_integer_maps_unpack_after_odd_sized_tensors():
     """A draft head's int64 d2t / bool t2d packed after a bf16 tensor whose
     size is not a multiple of 8 bytes still comes back (torch refuses a

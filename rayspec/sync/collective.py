@@ -87,17 +87,18 @@ class CollectiveSender(WeightSender):
         self._waiters = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rayspec-weight-sync-wait")
         self._engine = None  # the trainer-side weight-transfer engine of the current group
         self._client: _Members | None = None
-        self._source = RefitSource()
+        self._source = RefitSource(self.device if backend == "nccl" else "cpu")
         self._draft_shared: tuple[str, ...] = ()  # the drafter's modules that are the verifier's (member())
         self._group_id: str | None = None
         self._members: frozenset = frozenset()
         self._fell_back = False  # the group could not form (auto): the object store from then on
         # vLLM's trainer-side engines, imported now: a first import (seconds) between the members'
         # check-in and the barrier's go would run down their wait
-        from rayspec.sync import gloo_engine
         from vllm.distributed.weight_transfer import factory  # noqa: F401
 
-        gloo_engine.register()
+        from rayspec.sync.gloo_engine import register
+
+        register()
 
     def send(self, target: str, weights: dict[str, torch.Tensor], version: int) -> Refit:
         """Queue ``weights`` (host tensors, or with nccl tensors on
@@ -277,19 +278,29 @@ class RefitSource:
     engine sends; the two methods its engines call, without importing vLLM
     into every Train rank): ``weights`` ({name: tensor}, set before each
     ``send_weights``) in order, tensors that share storage (tied
-    embeddings) once, under their first name: vLLM ties them itself."""
+    embeddings) once, under their first name (vLLM ties them itself), each
+    on ``device``, where the engine's wire reads it: rank 0's GPU for nccl
+    (a host tensor, the draft head's or a host gather's, is copied there as
+    it is sent), host memory for gloo.
 
-    def __init__(self):
+    Args:
+        device: where the engine reads the tensors from.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
         self.weights: dict[str, torch.Tensor] = {}
 
     def metadata(self) -> list:
         from vllm.distributed.weight_transfer.base import ParamMeta
 
-        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self]
+        return [ParamMeta(name, self.weights[name].dtype, tuple(self.weights[name].shape)) for name in self._names()]
 
     def __iter__(self):
-        names = [name for bucket in plan_buckets(self.weights, 1 << 62) for name, _, _ in bucket]
-        return ((name, self.weights[name]) for name in names)
+        return ((name, self.weights[name].to(self.device)) for name in self._names())
+
+    def _names(self) -> list[str]:
+        return [name for bucket in plan_buckets(self.weights, 1 << 62) for name, _, _ in bucket]
 
 
 def trainer_engine(backend: str, host: str, listener: socket.socket, world_size: int, bucket_bytes: int,
@@ -302,13 +313,13 @@ def trainer_engine(backend: str, host: str, listener: socket.socket, world_size:
     joined (``client.init_weight_transfer_engine``)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from rayspec.sync import gloo_engine
+    from rayspec.sync.gloo_engine import GlooTrainerInitInfo
 
     port = listener.getsockname()[1]
     if backend == "gloo":
-        info = gloo_engine.GlooTrainerInitInfo(rank=0, master_address=host, master_port=port, world_size=world_size,
-                                               packed_buffer_size_bytes=bucket_bytes, timeout_s=timeout_s,
-                                               listen_socket=listener)
+        info = GlooTrainerInitInfo(rank=0, master_address=host, master_port=port, world_size=world_size,
+                                   packed_buffer_size_bytes=bucket_bytes, timeout_s=timeout_s,
+                                   listen_socket=listener)
     else:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 

@@ -114,12 +114,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         """Nothing left to finalize: ``update_weights`` loaded the refit whole."""
 
     def shutdown(self) -> None:
-        group, self.group = self.group, None
-        if group is not None:
-            try:
-                group.shutdown()
-            except Exception:  # the trainer that formed it may be gone; nothing to flush
-                pass
+        self.group = _leave(self.group)
 
 
 @dataclass
@@ -202,12 +197,18 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:
-        group, self.group = self.group, None
-        if group is not None:
-            try:
-                group.shutdown()
-            except Exception:  # a member is gone; nothing to flush
-                pass
+        self.group = _leave(self.group)
+
+
+def _leave(group) -> None:
+    """Shut ``group`` down (None: nothing to do); a member already gone
+    leaves nothing to flush. Returns None, the group's new value."""
+    if group is not None:
+        try:
+            group.shutdown()
+        except Exception:  # the other side may be gone
+            pass
+    return None
 
 
 def register() -> None:
