@@ -212,17 +212,16 @@ def _cell(engine, prompts, conc: int, temperature: float, max_tokens: int, ignor
     not by which sequences happened to run long."""
     from vllm import SamplingParams, TokensPrompt
 
-    from rayspec.rollout.spec_stats import diff_counters, read_counters
+    from rayspec.rollout.spec_stats import completion_stats
 
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos, seed=i)
               for i in range(conc)]
     batch = [TokensPrompt(prompt_token_ids=p) for p in (prompts * conc)[:conc]]
-    before = read_counters(engine.llm.get_metrics())
     t0 = time.perf_counter()
-    outs = engine.llm.generate(batch, params, use_tqdm=False)
+    outs = engine.llm.generate(batch, params)
     wall = time.perf_counter() - t0
-    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    stats = diff_counters(before, read_counters(engine.llm.get_metrics()), tokens, wall)
+    stats = completion_stats(outs, wall)
+    tokens = stats.output_tokens
     # every engine step emits one token per sequence plus its accepted drafts;
     # vLLM also counts drafts accepted past max_tokens, so a cell a few tokens
     # long (a warm-up) can read no steps at all: at least one

@@ -75,7 +75,7 @@ def calibrate(engine, k: int, batch_sizes: list[int], tokens: int, rounds: int) 
     from vllm import SamplingParams, TokensPrompt
 
     from rayspec.rollout.adaptive import uniform
-    from rayspec.rollout.spec_stats import read_counters
+    from rayspec.rollout.spec_stats import completion_stats
 
     prompt = TokensPrompt(prompt_token_ids=list(range(100, 108)) * 4)
     runs = [("plain", 0, None), ("sync", 0, False), ("1", 1, None), (str(k), k, None)]
@@ -84,10 +84,9 @@ def calibrate(engine, k: int, batch_sizes: list[int], tokens: int, rounds: int) 
     def run(b: int, n: int) -> tuple[float, int]:
         params = SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, logprobs=0)
         engine.llm.reset_prefix_cache()
-        before = read_counters(engine.llm.get_metrics())["num_accepted_tokens"]
         t0 = time.perf_counter()
-        engine.llm.generate([prompt] * b, params, use_tqdm=False)
-        return time.perf_counter() - t0, read_counters(engine.llm.get_metrics())["num_accepted_tokens"] - before
+        outs = engine.llm.generate([prompt] * b, params)
+        return time.perf_counter() - t0, completion_stats(outs).num_accepted_tokens
 
     timed: dict[tuple[str, int], list[float]] = {}
     for _, kk, idle in runs:  # one untimed run per configuration

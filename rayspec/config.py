@@ -373,6 +373,7 @@ class WeightSyncConfig:
 
 MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 MODEL_RUNNERS = {"v1": "0", "v2": "1"}  # rollout.model_runner -> MODEL_RUNNER_ENV
+ENGINE_CLASSES = ("async", "offline")  # rollout.engine_cls's names (rayspec.rollout.vllm.engines.ENGINE_CLASSES)
 
 
 @dataclass(frozen=True)
@@ -380,14 +381,25 @@ class RolloutConfig:
     """vLLM replicas behind a Ray Serve deployment.
 
     Args:
-        num_replicas: Serve replicas, each one ``vllm.LLM``; prompts are
-            sharded across them through the Serve handle.
+        num_replicas: Serve replicas, each one vLLM engine (``engine_cls``);
+            a rollout's prompt groups are spread over them through the
+            Serve handle.
         num_cpus_per_replica: Ray CPUs reserved per replica (fractional on
             small machines where phases take turns).
         num_gpus_per_replica: Ray GPUs per replica (vLLM's
             ``tensor_parallel_size`` GPUs; fractional only when colocated).
         speculative_config: see SpeculativeConfig.
-        engine_kwargs: extra ``vllm.LLM`` kwargs (e.g. max_model_len,
+        engine_cls: the vLLM engine of each replica: ``async`` (vLLM's
+            ``AsyncLLM``, the engine ``vllm serve`` and Ray Serve LLM run:
+            each prompt group is one request unit, batched continuously with
+            the others in flight), ``offline`` (``vllm.LLM``: one call at a
+            time, so a rollout goes as one shard per replica; its engine core
+            can run in the replica's process), or ``module:Class`` (one's own
+            with the calls of ``rayspec.rollout.vllm.engines``), as Ray
+            Serve LLM's ``engine_cls``.
+        max_ongoing_requests: Ray Serve's limit of request units in flight
+            per replica (the engine queues what exceeds its ``max_num_seqs``).
+        engine_kwargs: extra vLLM engine arguments (``EngineArgs``: e.g. max_model_len,
             max_num_seqs, enforce_eager, gpu_memory_utilization, seed);
             enforce_eager and gpu_memory_utilization default by platform
             (``apply_defaults``).
@@ -398,9 +410,10 @@ class RolloutConfig:
             vLLM's own ``auto`` keeps one core back).
         engine_env: further environment variables of the replicas, set
             before vLLM starts (e.g. ``VLLM_ENABLE_V1_MULTIPROCESSING: "0"``
-            with ``engine_kwargs.distributed_executor_backend: uni`` runs the
-            engine core in the replica's process: rollouts then repeat
-            exactly for a given seed, see docs/faults.md).
+            with ``engine_kwargs.distributed_executor_backend: uni`` and
+            ``engine_cls: offline`` runs the engine core in the replica's
+            process: rollouts then repeat exactly for a given seed, see
+            docs/faults.md).
         model_runner: vLLM's model runner on GPUs (``VLLM_USE_V2_MODEL_RUNNER``):
             ``v1``, the runner vLLM's own CI runs for speculative decoding
             and the CPU runner subclasses (adaptive k's hooks wrap it), or
@@ -418,6 +431,8 @@ class RolloutConfig:
     num_replicas: int = 1
     num_cpus_per_replica: float = 0.5
     num_gpus_per_replica: float = 0.0
+    engine_cls: str = "async"
+    max_ongoing_requests: int = 64
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     engine_kwargs: dict[str, Any] = field(
         default_factory=lambda: {
@@ -436,6 +451,14 @@ class RolloutConfig:
 
     def validate(self, key: str = "rollout") -> None:
         _check(self.num_replicas >= 1, f"{key}.num_replicas", self.num_replicas, "must be >= 1")
+        _check(self.max_ongoing_requests >= 1, f"{key}.max_ongoing_requests", self.max_ongoing_requests,
+               "must be >= 1")
+        _check(self.engine_cls in ENGINE_CLASSES or ":" in self.engine_cls, f"{key}.engine_cls", self.engine_cls,
+               f"expected one of {list(ENGINE_CLASSES)} or 'module:Class'")
+        _check(self.engine_cls != "async" or self.engine_env.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0",
+               f"{key}.engine_env.VLLM_ENABLE_V1_MULTIPROCESSING", "0",
+               f"vLLM's AsyncLLM always runs its engine core in a process of its own: set {key}.engine_cls=offline "
+               "to run it in the replica's")
         _check(self.sleep_level in (1, 2), f"{key}.sleep_level", self.sleep_level, "expected 1 or 2 (vLLM's levels)")
         _check(self.model_runner in MODEL_RUNNERS, f"{key}.model_runner", self.model_runner,
                f"expected one of {sorted(MODEL_RUNNERS)}")

@@ -159,7 +159,7 @@ def test_a_policy_refit_probes_a_match_drafter_but_not_a_model_one(method, probe
 
     eng = object.__new__(SpecVLLMEngine)  # the bookkeeping only: no vLLM engine
     eng.llm = SimpleNamespace(reset_prefix_cache=lambda: None, collective_rpc=lambda method, args=(): [{}],
-                              llm_engine=SimpleNamespace(set_weight_version=lambda version: None))
+                              update_weight_version=lambda version: None, shutdown=lambda: None)
     eng.speculative_config = {"method": method, "num_speculative_tokens": 3}
     eng.max_num_seqs = 16
     eng.set_k_schedule = lambda schedule: setattr(eng, "k_schedule", schedule)
@@ -338,15 +338,13 @@ def test_a_replica_times_its_rollouts_decode_steps_by_kind_and_keeps_them_by_key
     outside the timed model execution by its requests; the costs are kept under a key
     (machine, shapes, dtype, engine settings, temperature) that a later
     engine with the same key starts from."""
-    import threading
-
     from rayspec.rollout.engine import SpecVLLMEngine
     from rayspec.rollout.vllm.step_timer import EngineStep, StepTimer
 
     def engine(dtype="float32"):
         eng = object.__new__(SpecVLLMEngine)
         eng.__dict__.update(max_num_seqs=4, _model=str(tiny_llama_dir), _dtype=dtype, _threads="0-1",
-                            _engine_kwargs={"max_num_seqs": 4}, _lock=threading.Lock(), _step_timer=StepTimer(),
+                            _engine_kwargs={"max_num_seqs": 4}, _step_timer=StepTimer(),
                             speculative_config={"method": "eagle3", "num_speculative_tokens": 3})
         eng.set_k_schedule = lambda schedule, drafter_idle=None: setattr(eng, "k_schedule", schedule)
         eng.enable_adaptive(rates=[0.5], temperature=1.0, cost_cache=str(tmp_path))
@@ -363,7 +361,7 @@ def test_a_replica_times_its_rollouts_decode_steps_by_kind_and_keeps_them_by_key
             "num_ctx_requests": st.prefill_requests, "num_ctx_tokens": st.prefill_tokens,
             "num_generation_requests": st.decode_requests, "num_generation_tokens": st.decode_tokens,
             "elapsed_ms": st.seconds * 1000, "is_dummy": False})()})(), None)
-    eng._time_steps(schedule, 1.0, wall_s=0.38 + 0.07)  # 5 ms a request outside the timed execution
+    eng._time_steps(schedule, {1.0}, wall_s=0.38 + 0.07)  # 5 ms a request outside the timed execution
     cost = eng.adaptive.cost
     # k = 0 steps where the schedule drafts elsewhere keep the drafter in sync
     assert cost.curves == {"sync": [[3, pytest.approx(0.055)], [4, pytest.approx(0.07)]],
@@ -377,7 +375,7 @@ def test_a_replica_times_its_rollouts_decode_steps_by_kind_and_keeps_them_by_key
     greedy._step_timer.record(type("S", (), {"iteration_details": type("D", (), {
         "num_ctx_requests": 0, "num_ctx_tokens": 0, "num_generation_requests": 1, "num_generation_tokens": 1,
         "elapsed_ms": 99.0, "is_dummy": False})()})(), None)
-    greedy._time_steps(uniform(0, 4), 0.0, wall_s=0.1)  # not the rollouts' temperature: not timed
+    greedy._time_steps(uniform(0, 4), {0.0, 1.0}, wall_s=0.1)  # not the rollouts' temperature: not timed
     assert greedy.adaptive.cost == cost
     kept[0].write_text("{not json")
     assert engine().adaptive.cost == StepCost(3)  # unreadable: measured anew

@@ -26,16 +26,14 @@ def test_the_baseline_times_each_kind_from_an_empty_prefix_cache_and_keeps_the_m
         def reset_prefix_cache(self):
             calls.append("reset")
 
-        def get_metrics(self):
-            return []
-
-        def generate(self, prompts, params, use_tqdm):
+        def generate(self, prompts, params):
             calls.append((len(prompts), params.max_tokens, params.temperature, params.logprobs))
             b, n, kind = len(prompts), params.max_tokens, (state["k"], state["idle"])
             if n > 1:
                 timed.append((b, kind))
             slow = 10.0 if n > 1 and (b, kind) == (4, (3, None)) and timed.count((4, (3, None))) == 2 else 1.0
             clock[0] += 0.1 * b + (n - 1) * step_s[kind] * slow  # prefill, then the steps
+            return []
 
     monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     engine = SimpleNamespace(llm=LLM(), max_num_seqs=4,

@@ -361,12 +361,24 @@ def test_replica_env_puts_engine_env_over_the_cpu_backend_settings():
     from rayspec.rollout.engine import replica_env
 
     cfg = load_config(None, ["rollout.cpu_kvcache_space_gib=3", "rollout.cpu_omp_threads_bind=0",
-                             "rollout.engine_env.VLLM_ENABLE_V1_MULTIPROCESSING=0",
+                             "rollout.engine_env.VLLM_ENABLE_V1_MULTIPROCESSING=0", "rollout.engine_cls=offline",
                              "rollout.engine_env.VLLM_CPU_OMP_THREADS_BIND=1"])
     env = replica_env(cfg.rollout)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["NUMBA_THREADING_LAYER"] == "workqueue"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # V1 unless asked: the runner vLLM's CI and the CPU run
+
+
+def test_an_in_process_engine_core_is_asked_of_the_offline_engine_only():
+    """vLLM's AsyncLLM always starts its engine core in a process of its
+    own: asking it for one in the replica's process is refused, naming the
+    key that can."""
+    with pytest.raises(ConfigError, match=r"rollout\.engine_env\.VLLM_ENABLE_V1_MULTIPROCESSING.*"
+                                          r"rollout\.engine_cls=offline"):
+        load_config(None, ["rollout.engine_env.VLLM_ENABLE_V1_MULTIPROCESSING=0"])
+    with pytest.raises(ConfigError, match=r"rollout\.engine_cls.*'module:Class'"):
+        load_config(None, ["rollout.engine_cls=vllm"])
+    assert load_config(None, ["rollout.engine_cls=my.engines:Engine"]).rollout.engine_cls == "my.engines:Engine"
 
 
 def test_the_v2_model_runner_is_asked_for_by_its_key_only_and_not_with_adaptive_k():

@@ -48,9 +48,7 @@ def _greedy_hf(model, prompt: list[int], n: int) -> list[int]:
 def _sleeping_engine(calls: list, **state):
     """A SpecVLLMEngine with sleep mode over a recording stand-in for vLLM
     (its sleep mode needs a GPU): each call lands in ``calls``."""
-    import threading
-
-    from rayspec.rollout.engine import SpecVLLMEngine
+    from rayspec.rollout.engine import SpecVLLMEngine, _Gate
 
     class LLM:
         def sleep(self, level):
@@ -65,14 +63,12 @@ def _sleeping_engine(calls: list, **state):
         def reset_prefix_cache(self):
             calls.append(("reset_prefix_cache",))
 
-        class llm_engine:  # noqa: N801 (vllm.LLM's attribute)
-            @staticmethod
-            def set_weight_version(version):
-                calls.append(("set_weight_version", version))
+        def update_weight_version(self, version):
+            calls.append(("update_weight_version", version))
 
     eng = object.__new__(SpecVLLMEngine)
-    eng.__dict__.update({"llm": LLM(), "sleep_mode": True, "_asleep": set(), "_lock": threading.Lock(),
-                         "_busy": [], "_busy_since": None, "adaptive": None, "policy_version": 0,
+    eng.__dict__.update({"llm": LLM(), "sleep_mode": True, "_asleep": set(), "_gate": _Gate(True),
+                         "adaptive": None, "policy_version": 0,
                          "speculative_config": None,
                          "_discarded": False, **state})
     eng.object_store = ObjectStoreReceiver(eng)
@@ -90,7 +86,7 @@ def test_a_sleeping_replica_wakes_only_its_weights_for_a_refit(tmp_path):
     eng._wake()  # what generate and calibrate do first
     eng._wake()
     assert calls == [("sleep", 1), ("wake_up", ["weights"]), ("rayspec_load",),
-                     ("reset_prefix_cache",), ("set_weight_version", "1"), ("wake_up", None)]
+                     ("reset_prefix_cache",), ("update_weight_version", "1"), ("wake_up", None)]
     eng.__dict__.pop("llm")
 
 
@@ -152,6 +148,50 @@ def test_rollout_logprobs_are_the_sampling_distribution(spec_engine, tiny_llama_
                             t["input_ids"], temperature=0.7)
     m = t["response_mask"].bool()
     assert torch.allclose(lp[m], t["rollout_logprobs"][m], atol=2e-3)
+
+
+@pytest.mark.slow
+def test_rollout_calls_made_at_once_share_the_engine_and_keep_their_own_counts(spec_engine, tiny_llama_dir):
+    """The replica's default engine is vLLM's AsyncLLM: three rollout calls
+    made at once run as one window of continuous batching (one busy
+    interval, not three in a row), and each call's SpecStats are its own
+    requests' (vLLM's per-request acceptance counts), which together are
+    what the engine's own Prometheus counters moved by."""
+    import threading
+
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    def counters():
+        names = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+        got = {n: 0 for n in names}
+        for m in get_metrics_snapshot():
+            if m.name in got:
+                got[m.name] += int(m.value)
+        return got
+
+    eng = spec_engine
+    assert type(eng.llm).__name__ == "AsyncEngine" and eng.llm.concurrent
+    tok = load_tokenizer(tiny_llama_dir)
+    prompts = [tok.encode(t) for t in ("Say a number:", "Count to three:", "Name a colour:")]
+    eng.generate([prompts[0]], max_tokens=1)  # the draft checked, as each window's first call checks it
+    before, t0, out = counters(), time.time(), {}
+    calls = [threading.Thread(target=lambda i=i: out.update({i: eng.generate(
+        [prompts[i]], n=4, temperature=1.0, max_tokens=32, group_offset=i)})) for i in range(3)]
+    for c in calls:
+        c.start()
+    for c in calls:
+        c.join()
+    after = counters()
+    stats = [out[i][1] for i in range(3)]
+    for i, (batch, s) in out.items():
+        assert batch.group == [i] * 4 and s.output_tokens == sum(map(len, batch.response_ids))
+        assert list(s.replicas) == [eng.replica_id] and s.replicas[eng.replica_id].num_drafts == s.num_drafts
+    assert sum(s.num_drafts for s in stats) == after["vllm:spec_decode_num_drafts"] - \
+        before["vllm:spec_decode_num_drafts"] > 0
+    assert sum(s.num_accepted_tokens for s in stats) == after["vllm:spec_decode_num_accepted_tokens"] - \
+        before["vllm:spec_decode_num_accepted_tokens"]
+    # one window of generation (the calls overlapped in the engine), not three in a row
+    assert len([iv for iv in eng.busy_intervals(t0) if iv[1] - iv[0] > 0.3]) == 1
 
 
 @pytest.mark.slow

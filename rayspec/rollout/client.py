@@ -1,5 +1,6 @@
-"""The trainer's client of the rollout replicas: rollouts sharded over them,
-and every call the RL step and the weight transports make on all of them.
+"""The trainer's client of the rollout replicas: rollouts spread over them
+(prompt groups as request units, or shards), and every call the RL step and
+the weight transports make on all of them.
 
 ``RolloutClient`` wraps a Ray Serve ``DeploymentHandle`` of
 ``SpecVLLMEngine`` replicas in production, or ``LocalReplicas`` (engines, or
@@ -32,8 +33,8 @@ def shard_seed(seed: int, *keys: int) -> int:
 
 
 class PendingRollout:
-    """Rollout shards in flight on the replicas (``RolloutClient.submit``);
-    ``result()`` joins them.
+    """Rollout request units (prompt groups, or shards of them) in flight on
+    the replicas (``RolloutClient.submit``); ``result()`` joins them.
 
     A shard whose replica dies mid-generation is sent again through the
     handle (Serve routes it to a live replica, or queues it until the
@@ -105,26 +106,34 @@ class RolloutClient:
     Args:
         handle: a Serve ``DeploymentHandle`` of ``SpecVLLMEngine``, or
             ``LocalReplicas``.
-        num_shards: how many shards a rollout's prompts are split into (the
-            replica count: contiguous shards, one per replica).
+        num_shards: how many shards a rollout's prompts are split into
+            where ``by_group`` is off (the replica count: contiguous shards,
+            one per replica).
+        by_group: each prompt's group is one request unit (its ``n``
+            samples stay together, as group drafting needs), sent at once
+            and spread by the handle's router, for replicas that batch
+            requests continuously (``AsyncEngine``): one replica's long tail
+            then holds up only its own groups. Off: one shard per replica,
+            for replicas that take one call at a time (``OfflineEngine``).
     """
 
-    def __init__(self, handle, num_shards: int):
-        self.handle, self.num_shards = handle, num_shards
+    def __init__(self, handle, num_shards: int, by_group: bool = False):
+        self.handle, self.num_shards, self.by_group = handle, num_shards, by_group
 
     def submit(self, prompt_ids: list[list[int]], seed: int | None = None,
                catch_up: Optional[Callable[[dict], dict]] = None, **kwargs: Any) -> PendingRollout:
-        """Shard prompts over the replicas; returns without waiting.
+        """Send the prompts to the replicas as request units; returns
+        without waiting.
 
         Args:
             prompt_ids: token ids per prompt.
-            seed: each shard samples with ``shard_seed(seed, first prompt)``
+            seed: each unit samples with ``shard_seed(seed, its first prompt)``
                 (None: the replicas' own random streams).
             catch_up: see PendingRollout.
             kwargs: further ``SpecVLLMEngine.generate`` arguments (sampling,
                 ``refits``, ``draft_acceptance``).
         """
-        num_shards = max(1, min(self.num_shards, len(prompt_ids)))
+        num_shards = len(prompt_ids) if self.by_group else max(1, min(self.num_shards, len(prompt_ids)))
         bounds = [round(i * len(prompt_ids) / num_shards) for i in range(num_shards + 1)]
         return PendingRollout(self.handle, [
             {"prompt_ids": prompt_ids[a:b], "group_offset": a,
@@ -179,9 +188,8 @@ class RolloutClient:
 
     def running_replicas(self) -> int:
         """How many replicas Serve's controller sees running (``LocalReplicas``:
-        its engines), asked of the controller: a replica answers one call at
-        a time (``max_ongoing_requests=1``), so it cannot be asked while it
-        waits in a call."""
+        its engines), asked of the controller, not of the replicas (one busy
+        with a refit would answer after it)."""
         if isinstance(self.handle, LocalReplicas):
             return len(self.handle.engines)
         from ray import serve
@@ -227,20 +235,29 @@ class LocalReplicas:
     process, each call in its own thread as replicas run concurrently:
     ``generate.remote(**kw)`` goes to the engines in turn, ``broadcast`` to
     all. Drives a ``RolloutClient`` without Serve (the GPU smoke,
-    benchmarks, tests)."""
+    benchmarks, tests).
 
-    def __init__(self, engines: list):
+    Args:
+        engines: the replicas.
+        max_ongoing_requests: request units in flight at once, over all
+            engines (threads; Serve's per-replica limit, as a deployment's).
+    """
+
+    def __init__(self, engines: list, max_ongoing_requests: int = 64):
         self.engines = engines
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(2, 2 * len(engines)),
-                                                           thread_name_prefix="rayspec-local-replica")
+        self._units = concurrent.futures.ThreadPoolExecutor(max_ongoing_requests,
+                                                            thread_name_prefix="rayspec-local-unit")
+        # broadcasts (refits) do not queue behind request units
+        self._calls = concurrent.futures.ThreadPoolExecutor(max(2, 2 * len(engines)),
+                                                            thread_name_prefix="rayspec-local-replica")
         turns = itertools.cycle(engines)
 
         class _Generate:
             @staticmethod
             def remote(**kw):
-                return _Future(self._pool.submit(next(turns).generate, **kw))
+                return _Future(self._units.submit(next(turns).generate, **kw))
 
         self.generate = _Generate()
 
     def broadcast(self, method: str, *args) -> _Responses:
-        return _Responses([self._pool.submit(getattr(e, method), *args) for e in self.engines])
+        return _Responses([self._calls.submit(getattr(e, method), *args) for e in self.engines])

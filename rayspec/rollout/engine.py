@@ -24,10 +24,11 @@ from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, MODEL_RUNNER_ENV, MODEL_
 from rayspec.files import write_text_atomic
 from rayspec.models.acceptance import read_acceptance
 from rayspec.rollout import adaptive as adaptive_k_mod
-from rayspec.rollout.spec_stats import SpecStats, diff_counters, read_counters
-from rayspec.rollout.vllm import engine_access, require_vllm, vllm_version
+from rayspec.rollout.spec_stats import SpecStats, completion_stats
+from rayspec.rollout.vllm import require_vllm, vllm_version
 from rayspec.rollout.vllm import step_timer
 from rayspec.rollout.vllm.spec_schedule import set_schedule
+from rayspec.rollout.vllm.engines import engine_class
 from rayspec.rollout.vllm.touchpoints import internals_error, platform_is_cpu
 from rayspec.rollout.vllm.worker_ext import WORKER_EXTENSION, RefitExtension
 from rayspec.sync import CollectiveReceiver, CudaIpcReceiver, ObjectStoreReceiver, SharedMemoryReceiver
@@ -204,15 +205,128 @@ def _replica_id() -> str:
         return "local"
 
 
-class SpecVLLMEngine:
-    """One ``vllm.LLM`` with a speculative_config, refit in place through the
-    ``RefitExtension`` worker extension by a weight receiver per transport
-    (``rayspec.sync``: ``object_store``, ``collective``).
+@dataclasses.dataclass
+class _Window:
+    """The ``generate`` calls an engine runs together, from the first call
+    in to the last out (one call where the engine takes one at a time).
 
-    Calls that touch the engine (generate, refits, sleep) hold one lock:
-    ``vllm.LLM`` is not thread-safe, and Serve's ``handle.broadcast`` (the
-    refit path) bypasses ``max_ongoing_requests``, so in async mode a refit
-    sent while a rollout is generating waits for it here.
+    Attributes:
+        schedule / reason: the k schedule every step of the window drafts
+            with (k switches wait for the window to close) and why.
+        temperatures: the calls' temperatures.
+        stats / lengths: the calls' SpecStats summed, and their response
+            lengths (tokens), as each call ends.
+        t0: ``time.perf_counter()`` at the window's opening.
+    """
+
+    schedule: list
+    reason: str
+    temperatures: set = dataclasses.field(default_factory=set)
+    stats: SpecStats = dataclasses.field(default_factory=SpecStats)
+    lengths: list = dataclasses.field(default_factory=list)
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def add(self, stats: SpecStats, lengths: list[int]) -> None:
+        self.stats = self.stats + stats
+        self.lengths += lengths
+
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+class _Gate:
+    """Who uses an engine at once. ``generate`` calls share it (``shared``:
+    as many as come where the engine batches requests continuously, one at
+    a time where it does not); refits, sleep and k switches hold it alone
+    (``exclusive``), and one waiting holds back new calls, so a stream of
+    rollout requests cannot starve a refit. Keeps the engine's busy
+    intervals (epoch seconds).
+
+    Args:
+        concurrent: whether ``generate`` calls may overlap (the engine
+            class's ``concurrent``).
+    """
+
+    def __init__(self, concurrent: bool):
+        self._cond = threading.Condition()
+        self._concurrent = concurrent
+        self._shared = 0  # calls in the open window
+        self._exclusive = False
+        self._waiting = 0  # exclusive sections waiting
+        self._busy: list[tuple[float, float]] = []  # (start, end) epoch seconds, an hour kept
+        self._busy_since: Optional[float] = None
+
+    def _begin(self) -> None:
+        self._busy_since = time.time()
+
+    def _end(self) -> None:
+        now = time.time()
+        self._busy = [iv for iv in self._busy if iv[1] > now - 3600] + [(self._busy_since, now)]
+        self._busy_since = None
+        self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """The engine to the caller alone, once the calls in flight end."""
+        with self._cond:
+            self._waiting += 1
+            self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
+            self._waiting -= 1
+            self._exclusive = True
+            self._begin()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._end()
+
+    @contextlib.contextmanager
+    def shared(self, open_: Callable[[], None], close: Callable[[], None]):
+        """A call beside the others in flight: ``open_()`` runs as the first
+        call comes in, ``close()`` as the last goes out, each with nothing
+        else entering or leaving. An ``open_`` that raises lets nobody in."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive and not self._waiting
+                                and (self._concurrent or self._shared == 0))
+            if self._shared == 0:
+                self._begin()
+                try:
+                    open_()
+                except BaseException:
+                    self._end()
+                    raise
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                if self._shared == 0:
+                    try:
+                        close()
+                    finally:
+                        self._end()
+
+    def busy_intervals(self, since: float) -> list[tuple[float, float]]:
+        """(start, end) of the engine's work that ended after ``since``, the
+        one in progress ending now (does not wait)."""
+        done, current = self._busy, self._busy_since
+        now = [(current, time.time())] if current is not None else []
+        return [iv for iv in done if iv[1] > since] + now
+
+
+class SpecVLLMEngine:
+    """One vLLM engine with a speculative_config (``AsyncLLM`` by default,
+    ``rayspec.rollout.vllm.engines``), refit in place by a weight receiver
+    per transport (``rayspec.sync``: ``object_store``, ``collective`` over
+    vLLM's weight-transfer engines, ...). Thread-safe.
+
+    ``generate`` calls made at once share the engine (continuous batching
+    where the engine class is ``concurrent``); refits, sleep and k switches
+    wait for the calls in flight to end and hold back new ones
+    (``_Gate``), so in async mode a refit sent while a rollout is
+    generating lands after it.
 
     Args:
         model: HF directory of the policy.
@@ -237,6 +351,14 @@ class SpecVLLMEngine:
         log_level: in a Ray Serve replica, the level of rayspec's records,
             which it then prints to its stderr (``_log_to_serve_replica``);
             None (in-process use): logging left as the caller set it up.
+        engine_cls: the vLLM engine behind the replica's calls: ``async``
+            (vLLM's ``AsyncLLM``), ``offline`` (``vllm.LLM``, one call at a
+            time, its engine core in this process where
+            ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``module:Class``, or a
+            class (``rayspec.rollout.vllm.engines.engine_class``). None:
+            ``offline`` where ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (in
+            ``env`` or this process's environment: only ``vllm.LLM`` can run
+            its engine core here), else ``async``.
 
     Attributes:
         model_runner: the vLLM model runner class the worker runs
@@ -253,7 +375,8 @@ class SpecVLLMEngine:
                  dtype: str = "bfloat16", engine_kwargs: Optional[dict[str, Any]] = None,
                  env: Optional[dict[str, str]] = None,
                  cpu_cores_by_node: Optional[dict[str, list[int]]] = None,
-                 adaptive_k: Optional[dict[str, Any]] = None, log_level: Optional[str] = None):
+                 adaptive_k: Optional[dict[str, Any]] = None, log_level: Optional[str] = None,
+                 engine_cls: Any = None):
         if log_level is not None:
             _log_to_serve_replica(log_level)
         require_vllm()
@@ -264,7 +387,6 @@ class SpecVLLMEngine:
             cores = cpu_cores_by_node.get(ray.get_runtime_context().get_node_id())
             if cores:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-        from vllm import LLM
         from vllm.platforms import current_platform
 
         self.speculative_config = speculative_config_for_vllm(speculative_config or {})
@@ -277,8 +399,10 @@ class SpecVLLMEngine:
         # they must be of the sampling distribution (after temperature), as
         # the trainer's log_softmax(logits / T) is; vLLM defaults to raw logits.
         kwargs.setdefault("logprobs_mode", "processed_logprobs")
-        if spec is not None:  # each engine step's batch and seconds, for adaptive k (step_timer)
-            kwargs.update(step_timer.ENGINE_KWARGS)
+        if spec is not None:
+            kwargs.update(step_timer.ENGINE_KWARGS)  # each engine step's batch and seconds, for adaptive k
+            # each request's own acceptance counts (SpecStats per call, exact beside other callers' requests)
+            kwargs.setdefault("per_request_spec_decode_metrics", "summary")
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode")) and current_platform.is_sleep_mode_available()
         if not self.sleep_mode:
             kwargs.pop("enable_sleep_mode", None)
@@ -289,37 +413,43 @@ class SpecVLLMEngine:
             kwargs.setdefault("sleep_preserve_parameter_names", ["draft.*"])
         self._discarded = False  # a level-2 sleep dropped the weights; a policy refit restores them
         self.replica_id = _replica_id()
-        self._lock = threading.Lock()
-        self._busy: list[tuple[float, float]] = []  # (start, end) epoch seconds of engine work
-        self._busy_since: Optional[float] = None  # start of the work in progress
+        if engine_cls is None:
+            engine_cls = "offline" if {**os.environ, **env}.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "async"
+        engine_cls = engine_class(engine_cls) if isinstance(engine_cls, str) else engine_cls
+        self._gate = _Gate(engine_cls.concurrent)
+        self._window: Optional[_Window] = None  # the rollout calls in flight, as one
         self._asleep: set[str] = set()  # vLLM memory tags sleep released ("weights", "kv_cache")
         self._model, self._dtype, self._engine_kwargs = str(model), dtype, dict(kwargs)
         self._threads = env.get("VLLM_CPU_OMP_THREADS_BIND")
         # the collective transport's worker-side engine (rayspec.sync.collective): rayspec's gloo
         # engine on CPUs, vLLM's nccl on GPUs unless the deployment names another
         kwargs.setdefault("weight_transfer_config", {"backend": "gloo" if platform_is_cpu() else "nccl"})
+        self._step_timer = step_timer.StepTimer() if spec is not None else None
         with _engine_env(env):
-            self.llm = LLM(model=str(model), dtype=dtype,
-                           speculative_config=self.speculative_config,
-                           worker_extension_cls=WORKER_EXTENSION,
-                           disable_log_stats=False, **kwargs)
-        self._step_timer = step_timer.attach(self.llm) if spec is not None else None
+            self.llm = engine_cls(dict(model=str(model), dtype=dtype, speculative_config=self.speculative_config,
+                                       worker_extension_cls=WORKER_EXTENSION, disable_log_stats=False, **kwargs),
+                                  stat_logger=self._step_timer)
+        if self._step_timer is not None:
+            step_timer.quiet_iteration_lines()
         self.model_runner = self.llm.collective_rpc(RefitExtension.rayspec_model_runner.__name__)[0]
         self._draft_shared = tuple(self.llm.collective_rpc(RefitExtension.rayspec_draft_shared.__name__)[0]) \
             if spec is not None else ()
-        log.info("replica %s: vLLM %s, model runner %s", self.replica_id, vllm_version(), self.model_runner)
+        log.info("replica %s: vLLM %s, %s, model runner %s", self.replica_id, vllm_version(),
+                 type(self.llm).__name__, self.model_runner)
         self.policy_version = 0
-        engine_access.set_weight_version(self.llm, 0)
+        self.llm.update_weight_version("0")
         self.draft_version = 0
         # what the drafter held after its last load: compared before each rollout
         self._draft_reference = self._draft_digest()
+        self._draft_checked = True  # compared with it since the last window or weight change (_check_draft)
         self.object_store = ObjectStoreReceiver(self)
         self.collective = CollectiveReceiver(self)
         self.shared_memory = SharedMemoryReceiver(self)
         self.cuda_ipc = CudaIpcReceiver(self)
-        self.max_num_seqs = engine_access.max_num_seqs(self.llm)
+        self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs
         self.k_schedule: list = list(map(tuple, (spec or {}).get("num_speculative_tokens_per_batch_size") or []))
-        if adaptive_k is not None and spec is not None and not engine_access.k_schedule(self.llm):
+        if adaptive_k is not None and spec is not None and not getattr(
+                self.llm.vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None):
             raise internals_error("adaptive k", f"the engine dropped speculative_config."
                                   f"num_speculative_tokens_per_batch_size for method {spec['method']!r} on "
                                   f"{self.model_runner} (vLLM 0.33 does so for methods other than ngram, "
@@ -410,19 +540,19 @@ class SpecVLLMEngine:
         set_schedule(self.llm, schedule, drafter_idle)
         self.k_schedule = [tuple(r) for r in schedule]
 
-    def _time_steps(self, schedule: list, temperature: float, wall_s: float) -> None:
-        """Fold the engine steps of the last ``generate`` (run with
-        ``schedule`` at ``temperature``, ``wall_s`` seconds) into the step
-        costs, and keep them (``enable_adaptive``'s ``cost_cache``). Decode
+    def _time_steps(self, schedule: list, temperatures: set[float], wall_s: float) -> None:
+        """Fold the engine steps of the last window (its ``generate`` calls,
+        run with ``schedule`` at ``temperatures``, ``wall_s`` seconds) into
+        the step costs, and keep them (``enable_adaptive``'s ``cost_cache``). Decode
         steps only (no prompt tokens in the step), each of the kind the
         schedule gave its batch size (``adaptive.step_kind``), with its share
         of what the call spent outside the engine's timed model execution
         (wall seconds less the steps' seconds: scheduling each request,
-        processing and detokenising its output), by its requests. Calls at
-        another temperature than the rollouts' are not timed (greedy
-        evaluation)."""
+        processing and detokenising its output), by its requests. Windows
+        with calls at another temperature than the rollouts' are not timed
+        (greedy evaluation)."""
         steps = self._step_timer.take()
-        if self.adaptive is None or temperature != self._cost_temperature or not steps:
+        if self.adaptive is None or temperatures != {self._cost_temperature} or not steps:
             return
         requests = sum(st.prefill_requests + st.decode_requests for st in steps)
         per_request = max(0.0, wall_s - sum(st.seconds for st in steps)) / max(requests, 1)
@@ -450,11 +580,14 @@ class SpecVLLMEngine:
             temperature / top_p: sampling; temperature 0 is greedy.
             max_tokens: response cap (tokens).
             group_offset: added to the group ids (prompts sharded over replicas).
-            seed: reseed the engine's sampler first, so the samples are a
-                function of (weights, draft, prompts, seed): a shard retried
-                on a restarted replica, or a resumed run, draws what the
-                first attempt or an uninterrupted run drew. None: continue
-                the engine's random stream.
+            seed: reseed the engine's sampler first where this call finds
+                the engine idle, so the samples are a function of (weights,
+                draft, prompts, seed): a shard retried on a restarted
+                replica, or a resumed run, draws what the first attempt or an
+                uninterrupted run drew. A call that joins requests already
+                in flight (``AsyncEngine``) draws from their random stream:
+                under continuous batching what a request draws depends on
+                what runs beside it. None: continue the engine's random stream.
             refits: {"policy" | "draft": (version, weights, ObjectRef or
                 None)}, the newest weights the trainer has sent; loaded first
                 where this replica holds an older version (a replica Serve
@@ -494,46 +627,61 @@ class SpecVLLMEngine:
         # prompt is prefilled in chunks. The worker's generator is reseeded.
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p,
                                 max_tokens=max_tokens, logprobs=0)
-        with self._busy_section():
+        t0 = time.perf_counter()
+        with self._rollout_window(seed, temperature) as window:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params)
+            wall = time.perf_counter() - t0
+            batch = RolloutBatch([], [], [], [])
+            for i, out in enumerate(outs):
+                for c in out.outputs:
+                    batch.prompt_ids.append(list(out.prompt_token_ids))
+                    batch.response_ids.append(list(c.token_ids))
+                    batch.rollout_logprobs.append(
+                        [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                    batch.group.append(group_offset + i)
+                    batch.texts.append(c.text)
+                    batch.weight_versions.append(
+                        [(int(w.version), w.start, w.end) for w in c.weight_versions or ()])
+            stats = completion_stats(outs, wall)
+            window.add(stats, [len(r) for r in batch.response_ids])
+        # the versions vLLM labelled the tokens with (the oldest: the batch's lag), else the one
+        # loaded when the call ended (no tokens)
+        batch.policy_version = min((v for spans in batch.weight_versions for v, _, _ in spans),
+                                   default=self.policy_version)
+        stats.k_schedule = window.schedule if self.adaptive is not None else []
+        stats.k_reason = window.reason
+        stats.draft_stale_repairs = repairs
+        stats.replicas = {self.replica_id: dataclasses.replace(stats)}
+        return batch, stats
+
+    @contextlib.contextmanager
+    def _rollout_window(self, seed: Optional[int], temperature: float):
+        """A ``generate`` call's use of the engine, shared with the calls in
+        flight beside it (``_Gate.shared``): the first call in opens a
+        ``_Window`` (the engine awake, its sampler reseeded with ``seed``,
+        the k schedule the window drafts with), the last call out closes it,
+        folding the window's engine steps into the step costs and its
+        acceptance into adaptive k, which may switch k for the next window.
+        Yields the window."""
+        def open_():
             self._wake()
             if seed is not None:
                 self.llm.collective_rpc(RefitExtension.rayspec_seed.__name__, args=(seed,))
-            schedule, reason = list(self.k_schedule), self.adaptive.reason if self.adaptive else ""
             if self._step_timer is not None:
-                self._step_timer.take()  # steps of calls before this one (e.g. a refit's): not this rollout's
-            before = read_counters(self.llm.get_metrics())
-            t0 = time.perf_counter()
-            # vLLM's progress bar where someone watches (an in-process engine,
-            # e.g. jobs.warmstart_draft, on a terminal); replicas log to files
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
-                                     params, use_tqdm=sys.stderr.isatty())
-            wall = time.perf_counter() - t0
-            stats_after = read_counters(self.llm.get_metrics())
-            version = self.policy_version  # a refit waiting on the lock may land next
+                self._step_timer.take()  # steps of calls before this window (e.g. a refit's): not its own
+            self._window = _Window(list(self.k_schedule), self.adaptive.reason if self.adaptive else "")
+
+        def close():
+            w, self._window = self._window, None
+            self._draft_checked = False
             if self._step_timer is not None:
-                self._time_steps(schedule, temperature, wall)
-        batch = RolloutBatch([], [], [], [])
-        for i, out in enumerate(outs):
-            for c in out.outputs:
-                batch.prompt_ids.append(list(out.prompt_token_ids))
-                batch.response_ids.append(list(c.token_ids))
-                batch.rollout_logprobs.append(
-                    [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-                batch.group.append(group_offset + i)
-                batch.texts.append(c.text)
-                batch.weight_versions.append([(int(w.version), w.start, w.end) for w in c.weight_versions or ()])
-        # the versions vLLM labelled the tokens with (the oldest: the batch's lag), else the one
-        # loaded when the call ended (no tokens)
-        batch.policy_version = min((v for spans in batch.weight_versions for v, _, _ in spans), default=version)
-        n_tok = sum(len(r) for r in batch.response_ids)
-        stats = diff_counters(before, stats_after, n_tok, wall)
-        stats.k_schedule = schedule if self.adaptive is not None else []
-        stats.k_reason = reason
-        stats.draft_stale_repairs = repairs
-        if self.adaptive is not None:
-            self._adapt(stats, schedule, [len(r) for r in batch.response_ids])
-        stats.replicas = {self.replica_id: dataclasses.replace(stats)}
-        return batch, stats
+                self._time_steps(w.schedule, w.temperatures, w.wall_s())
+            if self.adaptive is not None:
+                self._adapt(w.stats, w.schedule, w.lengths)
+
+        with self._gate.shared(open_, close):
+            self._window.temperatures.add(temperature)
+            yield self._window
 
     def _draft_digest(self) -> Optional[list]:
         """Per vLLM worker, the drafter's {parameter: sum} (``rayspec_weight_sums``:
@@ -555,12 +703,19 @@ class SpecVLLMEngine:
         The digest is rayspec's (``rayspec_weight_sums``), not vLLM's
         ``compute_weight_checksums``: vLLM 0.32's covers the verifier only
         (``Worker.compute_weight_checksums`` digests ``get_model()``), and it
-        is the drafter's weights that a wake can lose."""
+        is the drafter's weights that a wake can lose.
+
+        Once per window (``_Gate``): a call that joins others in flight finds
+        the draft checked by the first of them, and nothing changes weights
+        while they run (refits and sleep wait for them)."""
         # after a level-2 sleep the shared verifier weights are gone until the policy refit,
         # which takes the reference again
-        if self._draft_reference is None or self._discarded:
+        if self._draft_reference is None or self._discarded or self._draft_checked:
             return 0
-        with self._busy_section():
+        with self._gate.exclusive():
+            if self._draft_checked:  # another call checked while this one waited
+                return 0
+            self._draft_checked = True
             self._wake(("weights",))
             held = self._draft_digest()
             if held == self._draft_reference:
@@ -581,13 +736,12 @@ class SpecVLLMEngine:
         self.adaptive.draft_estimated(rates, by_share)
         new = self.adaptive.schedule()
         if new != self.k_schedule:
-            with self._busy_section():
+            with self._gate.exclusive():
                 self.set_k_schedule(new)
 
     def _adapt(self, stats: SpecStats, schedule: list, response_lens: list[int]) -> None:
-        """Fold this rollout's acceptance and shape into the controller;
-        switch k if its choice changed (under the lock: a rollout may be
-        waiting)."""
+        """Fold a window's acceptance and shape into the controller; switch
+        k if its choice changed (as the window closes: no request in flight)."""
         drafted = [k for _, _, k in schedule if k > 0]
         self.adaptive.observe(response_lens)
         # each sequence-step emits one token plus its accepted drafts
@@ -595,28 +749,13 @@ class SpecVLLMEngine:
         self.adaptive.update(stats.accepted_per_pos, stats.num_drafts, min(drafted, default=0), steps, schedule)
         new = self.adaptive.schedule()
         if new != [tuple(r) for r in schedule]:
-            with self._busy_section():
-                self.set_k_schedule(new)
-
-    @contextlib.contextmanager
-    def _busy_section(self):
-        with self._lock:
-            t0 = self._busy_since = time.time()
-            try:
-                yield
-            finally:
-                now = time.time()
-                # keep an hour of history; only this section writes the list
-                self._busy = [iv for iv in self._busy if iv[1] > now - 3600] + [(t0, now)]
-                self._busy_since = None
+            self.set_k_schedule(new)
 
     def busy_intervals(self, since: float) -> list[tuple[float, float]]:
-        """(start, end) epoch seconds of engine work (rollouts, refits) that
-        ended after ``since``, the one in progress ending now; does not wait
-        for the engine."""
-        done, current = self._busy, self._busy_since
-        now = [(current, time.time())] if current is not None else []
-        return [iv for iv in done if iv[1] > since] + now
+        """(start, end) epoch seconds of engine work (rollout windows,
+        refits) that ended after ``since``, the one in progress ending now;
+        does not wait for the engine."""
+        return self._gate.busy_intervals(since)
 
     def sleep(self, level: int = 1) -> bool:
         """Release the engine's memory while the policy trains on the same
@@ -636,10 +775,11 @@ class SpecVLLMEngine:
             raise ValueError(f"sleep level {level}: vLLM's are 1 and 2")
         if not self.sleep_mode:
             return False
-        with self._busy_section():
+        with self._gate.exclusive():
             if not self._asleep:
-                self.llm.sleep(level=level)
+                self.llm.sleep(level)
                 self._asleep = {"weights", "kv_cache"}
+                self._draft_checked = False
                 self._discarded = level == 2
         return True
 
@@ -688,21 +828,23 @@ class SpecVLLMEngine:
         return self.cuda_ipc.receive(target, payload, version)
 
     def load_refit(self, target: str, version: int, load: Callable[[], None]) -> int:
-        """Run a receiver's ``load`` under the engine's lock, the weights
-        awake (sleep mode), then note ``target`` at ``version``."""
-        with self._busy_section():
+        """Run a receiver's ``load`` with the engine to itself (no request in
+        flight: ``_Gate.exclusive``), the weights awake (sleep mode), then
+        note ``target`` at ``version``."""
+        with self._gate.exclusive():
             self._wake(("weights",))
             load()
             self._loaded(target, version)
         return version
 
     def _loaded(self, target: str, version: int) -> None:
-        """Bookkeeping after ``target``'s weights landed (under the lock)."""
+        """Bookkeeping after ``target``'s weights landed (the engine held alone)."""
         # a policy refit moves the verifier modules the drafter shares (embeddings)
         self._draft_reference = self._draft_digest()
+        self._draft_checked = False
         if target == "policy":
             self.llm.reset_prefix_cache()
-            engine_access.set_weight_version(self.llm, version)
+            self.llm.update_weight_version(str(version))
             self.policy_version = version
             self._discarded = False
         else:
@@ -715,12 +857,12 @@ class SpecVLLMEngine:
     def weight_sync_member(self) -> dict[str, Any]:
         """This replica's membership in the collective transport's group
         (``CollectiveReceiver.member``); does not wait for the engine."""
-        return self.collective.member(engine_access.num_workers(self.llm), self._draft_shared)
+        return self.collective.member(self.llm.vllm_config.parallel_config.world_size, self._draft_shared)
 
     def join_weight_sync(self, host: str, rank_offsets: dict[str, int], world_size: int, timeout_s: float,
                          group_id: str, barrier_port: int) -> Optional[int]:
         """Join the trainer's weight-sync group (``CollectiveReceiver.join``)."""
-        with self._busy_section():
+        with self._gate.exclusive():
             return self.collective.join(host, rank_offsets, world_size, timeout_s, group_id, barrier_port)
 
     def receive_weights(self, target: str, update_info: dict[str, Any], version: int,
@@ -741,7 +883,7 @@ class SpecVLLMEngine:
         (idempotent; Ray Serve calls ``__del__`` when a replica stops)."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            engine_access.shutdown(llm)
+            llm.shutdown()
         if "object_store" in self.__dict__:
             self.object_store.close()
 

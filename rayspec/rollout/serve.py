@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 from pathlib import Path
 
 from ray import serve
@@ -11,6 +14,30 @@ from rayspec.rollout.engine import SpecVLLMEngine, replica_env
 
 APP_NAME = "rayspec-rollout"
 DEPLOYMENT_NAME = "SpecVLLMReplica"
+
+
+class SpecVLLMReplica(SpecVLLMEngine):
+    """``SpecVLLMEngine`` as a Serve replica: ``generate`` is a coroutine, so
+    the replica takes up to ``max_ongoing_requests`` request units at once
+    and the engine batches them. Each waits for its requests in a thread of
+    the replica's own pool: Serve runs a replica's blocking methods in a
+    pool of (num_cpus + 4) threads, which would cap the units in flight at
+    5 on a 1-CPU replica.
+
+    Args:
+        max_ongoing_requests: the deployment's (threads in the pool).
+        kwargs: ``SpecVLLMEngine``'s.
+    """
+
+    def __init__(self, max_ongoing_requests: int = 1, **kwargs):
+        super().__init__(**kwargs)
+        self._units = concurrent.futures.ThreadPoolExecutor(max_ongoing_requests,
+                                                            thread_name_prefix="rayspec-request-unit")
+
+    async def generate(self, **kwargs):
+        """``SpecVLLMEngine.generate``, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._units, functools.partial(SpecVLLMEngine.generate, self, **kwargs))
 
 
 def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
@@ -49,10 +76,9 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
         opts = {"ray_actor_options": {"num_cpus": cfg.rollout.num_cpus_per_replica,
                                       "num_gpus": cfg.rollout.num_gpus_per_replica}}
     opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}
-    deployment = serve.deployment(SpecVLLMEngine, name=DEPLOYMENT_NAME).options(
+    deployment = serve.deployment(SpecVLLMReplica, name=DEPLOYMENT_NAME).options(
         num_replicas=cfg.rollout.num_replicas,
-        # vllm.LLM is not thread-safe: one call at a time per replica.
-        max_ongoing_requests=1,
+        max_ongoing_requests=cfg.rollout.max_ongoing_requests,
         health_check_timeout_s=600,
         **opts,
     )
@@ -65,13 +91,18 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
     serve.start(proxy_location="Disabled")
     app = deployment.bind(model=model_dir, speculative_config=spec, dtype=cfg.model.dtype,
                           engine_kwargs=engine_kwargs, env=env, cpu_cores_by_node=cores,
-                          adaptive_k=adaptive, log_level=cfg.logging.level)
+                          adaptive_k=adaptive, log_level=cfg.logging.level, engine_cls=cfg.rollout.engine_cls,
+                          max_ongoing_requests=cfg.rollout.max_ongoing_requests)
     return serve.run(app, name=APP_NAME, route_prefix=None)
 
 
-def rollout_client(num_replicas: int):
+def rollout_client(rollout):
     """A ``RolloutClient`` of the running rollout deployment (from any
-    process in the cluster), sharding rollouts over ``num_replicas``."""
+    process in the cluster) for ``cfg.rollout``: prompt groups as request
+    units where the engine batches calls continuously, else one shard per
+    replica."""
     from rayspec.rollout.client import RolloutClient
+    from rayspec.rollout.vllm.engines import engine_class
 
-    return RolloutClient(serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME), num_replicas)
+    return RolloutClient(serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME), rollout.num_replicas,
+                         by_group=engine_class(rollout.engine_cls).concurrent)

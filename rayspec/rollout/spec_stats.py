@@ -1,4 +1,4 @@
-"""Speculative-decoding statistics from vLLM's own metrics (``LLM.get_metrics``)."""
+"""Speculative-decoding statistics from vLLM's own per-request metrics, and the watch over them."""
 
 from __future__ import annotations
 
@@ -97,36 +97,42 @@ class SpecStats:
         )
 
 
-def read_counters(metrics) -> dict:
-    """Cumulative spec-decode counters from ``LLM.get_metrics()`` output."""
-    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-           "accepted_per_pos": []}
-    names = {
-        "vllm:spec_decode_num_drafts": "num_drafts",
-        "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
-    }
-    for m in metrics:
-        if m.name in names:
-            out[names[m.name]] += int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            vals = list(m.values)
-            acc = out["accepted_per_pos"]
-            out["accepted_per_pos"] = [a + b for a, b in zip(acc + [0] * (len(vals) - len(acc)), vals)]
+def completion_stats(outputs, wall_s: float = 0.0) -> SpecStats:
+    """SpecStats of finished requests from their own speculative-decoding
+    metrics (vLLM 0.32's per-sequence ``CompletionOutput.spec_decode_metrics``,
+    kept by an engine built with ``per_request_spec_decode_metrics="summary"``):
+    exact whatever else the engine batched beside them, where vLLM's
+    engine-wide counters are not.
+
+    Each sequence's ``histogram[j]`` counts its verification steps that
+    carried a draft and accepted ``j`` draft tokens, so drafts = sum(h),
+    accepted = sum(j * h[j]), and position i accepted = sum(h[j] for j > i):
+    the same counts as vLLM's Prometheus counters (``vllm:spec_decode_*``),
+    which the scheduler updates at the same place.
+
+    Args:
+        outputs: ``RequestOutput``s (each with one or more completions).
+        wall_s: the call's wall-clock seconds.
+
+    Returns:
+        SpecStats with ``output_tokens`` the completions' tokens; no
+        draft counts where the engine kept no metrics (plain decoding).
+    """
+    out = SpecStats(wall_s=wall_s)
+    for request in outputs:
+        for c in request.outputs:
+            out.output_tokens += len(c.token_ids)
+            m = c.spec_decode_metrics
+            if m is None:
+                continue
+            h = list(m.histogram)
+            per_pos = [sum(h[i + 1:]) for i in range(len(h) - 1)]
+            out.num_drafts += sum(h)
+            out.num_draft_tokens += m.num_draft_tokens
+            out.num_accepted_tokens += sum(j * n for j, n in enumerate(h))
+            acc = out.accepted_per_pos + [0] * (len(per_pos) - len(out.accepted_per_pos))
+            out.accepted_per_pos = [a + b for a, b in zip(acc, per_pos + [0] * (len(acc) - len(per_pos)))]
     return out
-
-
-def diff_counters(before: dict, after: dict, output_tokens: int, wall_s: float) -> SpecStats:
-    """SpecStats for the interval between two ``read_counters`` snapshots."""
-    per_pos_before = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
-    return SpecStats(
-        num_drafts=after["num_drafts"] - before["num_drafts"],
-        num_draft_tokens=after["num_draft_tokens"] - before["num_draft_tokens"],
-        num_accepted_tokens=after["num_accepted_tokens"] - before["num_accepted_tokens"],
-        accepted_per_pos=[a - b for a, b in zip(after["accepted_per_pos"], per_pos_before)],
-        output_tokens=output_tokens,
-        wall_s=wall_s,
-    )
 
 
 class AcceptanceWatch:

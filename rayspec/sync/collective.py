@@ -570,7 +570,7 @@ class CollectiveReceiver(WeightReceiver):
         self.group_id = None
         init_info = {**check_in(host, barrier_port, timeout_s, self.host.replica_id), "rank_offset": offset}
         try:
-            self.host.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+            self.host.llm.init_weight_transfer_engine(init_info)
         except Exception as e:
             raise WeightSyncError(f"replica {self.host.replica_id} could not join the weight-sync group at "
                                   f"{host}:{init_info.get('master_port')} as rank {offset} of {world_size}: "
@@ -591,13 +591,13 @@ class CollectiveReceiver(WeightReceiver):
         """
         if group_id != self.group_id:
             return None
-        llm = self.host.llm
+        engine = self.host.llm  # vLLM's weight-transfer calls (rayspec.rollout.vllm.engines)
 
         def load():
             try:
-                llm.collective_rpc("start_draft_weight_update" if target == "draft" else "start_weight_update")
-                llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
-                llm.collective_rpc("finish_weight_update")
+                engine.start_weight_update(draft=target == "draft")
+                engine.update_weights(update_info)
+                engine.finish_weight_update()
             except Exception:
                 self.group_id = None  # the group is broken: the next refit forms another
                 raise

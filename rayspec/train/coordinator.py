@@ -97,7 +97,7 @@ class Coordinator:
         from rayspec.rollout.serve import rollout_client
         from rayspec.sync import make_sender
 
-        rollouts = rollout_client(cfg.rollout.num_replicas)
+        rollouts = rollout_client(cfg.rollout)
         # the newest weights sent are kept by the sender: every rollout carries
         # their versions so a replica Serve restarted catches up first
         sender = make_sender(cfg.rollout.weight_sync, rollouts, trainer_has_gpu=device.type == "cuda",

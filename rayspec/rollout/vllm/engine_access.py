@@ -1,5 +1,5 @@
-"""What a running ``vllm.LLM`` and vLLM's distributed helpers give rayspec
-beyond the public API, through their touch points (``touchpoints.py``)."""
+"""What vLLM's distributed helpers and model runner give rayspec beyond the
+public API, through their touch points (``touchpoints.py``)."""
 
 from __future__ import annotations
 
@@ -11,37 +11,6 @@ import time
 from datetime import timedelta
 
 from rayspec.rollout.vllm import touchpoints as tp
-
-
-def max_num_seqs(llm) -> int:
-    """The engine's largest batch (sequences): adaptive k's schedules cover 1..it."""
-    return tp.require(llm.llm_engine, "vllm_config", tp.ENGINE).scheduler_config.max_num_seqs
-
-
-def num_workers(llm) -> int:
-    """vLLM workers of the engine (tensor x pipeline parallel): its ranks in a weight-sync group."""
-    return tp.require(llm.llm_engine, "vllm_config", tp.ENGINE).parallel_config.world_size
-
-
-def k_schedule(llm) -> list | None:
-    """The batch-size schedule of k the engine was built with
-    (``speculative_config.num_speculative_tokens_per_batch_size`` as vLLM
-    kept it), or None."""
-    spec = tp.require(llm.llm_engine, "vllm_config", tp.ENGINE).speculative_config
-    return getattr(spec, "num_speculative_tokens_per_batch_size", None) if spec is not None else None
-
-
-def set_weight_version(llm, version: int) -> None:
-    """Label the weights the engine samples with from now on: vLLM's weight
-    version (``LLMEngine.set_weight_version``, public API of vLLM 0.32),
-    which each output reports back as ``CompletionOutput.weight_versions``
-    spans over its tokens."""
-    llm.llm_engine.set_weight_version(str(version))
-
-
-def shutdown(llm) -> None:
-    """Stop the engine-core process (and its workers) now, not at garbage collection."""
-    tp.require(llm.llm_engine, "engine_core", tp.ENGINE).shutdown()
 
 
 def stateless_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,

@@ -209,9 +209,10 @@ def register() -> None:
             point.install(wrap(fn))
 
 
-def set_schedule(llm, schedule: list[tuple[int, int, int]], drafter_idle: bool | None = None) -> None:
+def set_schedule(engine, schedule: list[tuple[int, int, int]], drafter_idle: bool | None = None) -> None:
     """Apply ``schedule`` ([(lo, hi, k)], inclusive batch-size ranges) to a
-    running ``vllm.LLM`` (engine core in its own process or in-process).
+    running engine (``rayspec.rollout.vllm.engines``: its ``call_utility``
+    reaches the engine core in its own process or in this one).
     ``drafter_idle``: see ``_set_schedule`` (None: idle iff k = 0 everywhere).
 
     Raises:
@@ -219,21 +220,11 @@ def set_schedule(llm, schedule: list[tuple[int, int, int]], drafter_idle: bool |
         VllmInternalsError: the engine core lacks the utility (the plugin did
             not load), or a worker lacks the hooks (``_check_worker_hooks``).
     """
-    core = llm.llm_engine.engine_core
-    args = [list(r) for r in schedule]
-    missing = tp.internals_error(tp.ADAPTIVE, f"the engine core has no {UTILITY} (the rayspec_spec_schedule "
-                                    "vllm.general_plugins entry point did not load: is it excluded by "
-                                    "VLLM_PLUGINS?)")
-    if not hasattr(core, "call_utility"):  # InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-        if not hasattr(core.engine_core, UTILITY):
-            raise missing
-        getattr(core.engine_core, UTILITY)(args, drafter_idle)
-        return
     try:
-        core.call_utility(UTILITY, args, drafter_idle)
+        engine.call_utility(UTILITY, [list(r) for r in schedule], drafter_idle)
     except Exception as e:  # vLLM returns the engine core's error as a plain Exception
         if f"has no attribute '{UTILITY}'" in str(e):
-            raise missing from None
+            raise tp.internals_error(tp.ADAPTIVE, f"the engine core has no {UTILITY} (the rayspec_spec_schedule "
+                                     "vllm.general_plugins entry point did not load: is it excluded by "
+                                     "VLLM_PLUGINS?)") from None
         raise
-
-

@@ -11,12 +11,12 @@ loggers (``StatLoggerBase``, vLLM's interface for custom loggers) receive
 it. ``StepTimer`` is such a logger: it keeps each step's figures until the
 replica takes them after a ``generate``.
 
-``vllm.LLM`` (0.32) takes no custom stat loggers (``AsyncLLM`` does:
-``stat_loggers=``), so ``attach`` appends the timer to the engine's
+``AsyncLLM`` takes it as one of its ``stat_loggers``; ``vllm.LLM`` (0.32)
+takes none, so ``OfflineEngine`` appends it to the engine's
 ``StatLoggerManager`` (two touch points, ``rayspec.rollout.vllm.touchpoints``).
 vLLM's default logging stat logger would log every iteration's details at
-INFO, once per engine step; ``attach`` keeps those lines out of the
-replica's log.
+INFO, once per engine step; ``quiet_iteration_lines`` keeps those lines out
+of the replica's log.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from rayspec.rollout.vllm import touchpoints as tp
 
-ENGINE_KWARGS = {"enable_logging_iteration_details": True}  # what attach needs, with stats on (disable_log_stats=False)
+ENGINE_KWARGS = {"enable_logging_iteration_details": True}  # what the timer needs, with stats on (disable_log_stats=False)
 
 
 @dataclass(frozen=True)
@@ -84,22 +83,11 @@ class _NoIterationLines(logging.Filter):
         return "Iteration(%d)" not in str(record.msg)
 
 
-def attach(llm) -> StepTimer:
-    """A ``StepTimer`` receiving ``llm``'s engine steps (``vllm.LLM`` built
-    with ``ENGINE_KWARGS``).
-
-    Raises:
-        VllmInternalsError: the engine has no stat-logger manager to join
-            (vLLM moved it, or stats are off: ``disable_log_stats``).
-    """
-    manager = tp.require(llm.llm_engine, "logger_manager", tp.ADAPTIVE)
-    if manager is None:
-        raise tp.internals_error(tp.ADAPTIVE, "the engine keeps no stat loggers (built with disable_log_stats)")
-    timer = StepTimer()
-    tp.require(manager, "stat_loggers", tp.ADAPTIVE).append(timer)
-    # the logger that logs them, in this process (the LLM's): the filter
-    # survives vLLM's dictConfig, which resets its level
+def quiet_iteration_lines() -> None:
+    """Keep vLLM's per-iteration INFO lines (one per engine step, logged by
+    its default stat logger once ``enable_logging_iteration_details`` is on)
+    out of this process's log. The filter sits on the logger that logs them
+    and survives vLLM's ``dictConfig``, which resets its level."""
     vllm_log = logging.getLogger("vllm.v1.metrics.loggers")
     if not any(isinstance(f, _NoIterationLines) for f in vllm_log.filters):
         vllm_log.addFilter(_NoIterationLines())
-    return timer

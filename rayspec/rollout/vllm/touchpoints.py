@@ -1,7 +1,8 @@
 """Every place rayspec reaches past vLLM's public API, declared once.
 
-rayspec uses ``vllm.LLM`` (generate, collective_rpc, get_metrics, sleep,
-wake_up, reset_prefix_cache) and ``SamplingParams`` as any user does. Beyond
+rayspec uses ``AsyncLLM`` and ``vllm.LLM`` (generate, collective_rpc, sleep,
+wake_up, reset_prefix_cache, the weight-transfer calls) and
+``SamplingParams`` as any user does (``API_CALLS`` checks the calls). Beyond
 that it patches, wraps or calls vLLM internals in the modules of this
 subpackage only; each of those internals is a ``TouchPoint`` below, with the
 symbol it needs, how rayspec uses it and why. Code in this subpackage gets a
@@ -349,15 +350,23 @@ STATELESS_GROUP = _tp(
     "init_process_group (as vLLM's RLHF examples form it)")
 VLLM_CONFIG = _tp(
     "vllm.v1.engine.llm_engine:LLMEngine.vllm_config", "read", ENGINE,
-    "max_num_seqs (adaptive k's largest batch) and the replica's worker count (weight-sync ranks)",
+    "OfflineEngine: max_num_seqs (adaptive k's largest batch) and the replica's worker count (weight-sync "
+    "ranks); vllm.LLM keeps no config of its own (AsyncLLM's is public, EngineClient.vllm_config)",
     instance=True)
 ENGINE_CORE_CLIENT = _tp(
     "vllm.v1.engine.llm_engine:LLMEngine.engine_core", "read", ENGINE,
-    "call_utility for the schedule utility, shutdown() to stop the engine-core process", instance=True)
+    "OfflineEngine: call_utility for the schedule utility, shutdown() to stop the engine-core process",
+    instance=True)
+ASYNC_ENGINE_CORE = _tp(
+    "vllm.v1.engine.async_llm:AsyncLLM.engine_core", "read", ADAPTIVE,
+    "AsyncEngine: the schedule utility (an engine-core method rayspec adds) has no public call", instance=True)
+ASYNC_CALL_UTILITY = _tp(
+    "vllm.v1.engine.core_client:AsyncMPClient.call_utility_async", "called", ADAPTIVE,
+    "AsyncEngine: runs the schedule utility in the engine core")
 LOGGER_MANAGER = _tp(
     "vllm.v1.engine.llm_engine:LLMEngine.logger_manager", "read", ADAPTIVE,
-    "adaptive k's step costs come from vLLM's per-iteration stats, which reach stat loggers only; "
-    "vllm.LLM takes no custom stat logger (AsyncLLM does: stat_loggers=)", instance=True)
+    "OfflineEngine: adaptive k's step costs come from vLLM's per-iteration stats, which reach stat "
+    "loggers only; vllm.LLM takes no custom stat logger (AsyncLLM does: stat_loggers=)", instance=True)
 STAT_LOGGERS = _tp(
     "vllm.v1.metrics.loggers:StatLoggerManager.stat_loggers", "added", ADAPTIVE,
     "rayspec's step timer joins the engine's stat loggers", instance=True)
@@ -369,6 +378,7 @@ RUNNER_TIMED = tuple(_tp(f"{_RUNNER}.{name}", "wrapped", BENCH, "timed per decod
 # refused before a refit fails on it (its GPU path, nccl, runs in no CPU test).
 _WORKER = "vllm.v1.worker.gpu_worker:Worker"  # CPUWorker's base: the CPU and GPU workers' RL methods
 _WT = "vllm.distributed.weight_transfer"
+_ASYNC = "vllm.v1.engine.async_llm:AsyncLLM"
 API_CALLS = (
     _tp(f"{_WORKER}.init_weight_transfer_engine", "api", WEIGHT_SYNC, "a replica's workers join the group",
         params=("init_info",)),
@@ -393,8 +403,29 @@ API_CALLS = (
     _tp(f"{_WT}.nccl_engine:NCCLTrainerInitInfo", "api", WEIGHT_SYNC, "the nccl group between GPUs",
         params=("master_address", "master_port", "world_size", "packed", "packed_buffer_size_bytes")),
     _tp("vllm.v1.engine.llm_engine:LLMEngine.set_weight_version", "api", REFIT,
-        "each policy refit labels the weights", params=("weight_version",)),
-    _tp("vllm.outputs:CompletionOutput", "api", REFIT, "each sample's policy versions", params=("weight_versions",)),
+        "OfflineEngine: each policy refit labels the weights", params=("weight_version",)),
+    _tp(f"{_ASYNC}.from_engine_args", "api", ENGINE, "AsyncEngine: the replica's engine, its step timer",
+        params=("engine_args", "stat_loggers")),
+    _tp(f"{_ASYNC}.generate", "api", ENGINE, "a rollout call's requests", params=("prompt", "sampling_params",
+                                                                                   "request_id")),
+    _tp(f"{_ASYNC}.init_weight_transfer_engine", "api", WEIGHT_SYNC, "AsyncEngine: the workers join the group",
+        params=("request",)),
+    _tp(f"{_ASYNC}.update_weights", "api", WEIGHT_SYNC, "AsyncEngine: a refit's weights", params=("request",)),
+    *(_tp(f"{_ASYNC}.{m}", "api", WEIGHT_SYNC, "AsyncEngine: a refit's round")
+      for m in ("start_weight_update", "start_draft_weight_update")),
+    _tp(f"{_ASYNC}.finish_weight_update", "api", WEIGHT_SYNC, "AsyncEngine: a refit's end",
+        params=("weight_version",)),
+    _tp(f"{_ASYNC}.update_weight_version", "api", REFIT, "AsyncEngine: each policy refit labels the weights",
+        params=("new_version",)),
+    _tp(f"{_WT}.base:WeightTransferInitRequest", "api", WEIGHT_SYNC, "AsyncEngine's join", params=("init_info",)),
+    _tp(f"{_WT}.base:WeightTransferUpdateRequest", "api", WEIGHT_SYNC, "AsyncEngine's refit",
+        params=("update_info",)),
+    _tp("vllm.engine.arg_utils:EngineArgs", "api", ENGINE, "each request's own acceptance counts",
+        params=("per_request_spec_decode_metrics",)),
+    _tp("vllm.v1.metrics.stats:RequestSpecDecodeMetrics", "api", ENGINE, "a sequence's acceptance counts",
+        params=("histogram", "num_draft_tokens")),
+    _tp("vllm.outputs:CompletionOutput", "api", REFIT, "each sample's policy versions, a call's SpecStats",
+        params=("weight_versions", "spec_decode_metrics")),
     _tp("vllm.outputs:WeightVersionSpan", "api", REFIT, "a version's span of a sample's tokens",
         params=("version", "start", "end")),
 )
@@ -406,7 +437,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     PROPOSER_GET_MODEL, *ONEDNN, ENGINE_CORE, SCHEDULE_LOOKUP, SCHEDULER_SPEC_TOKENS, BUILD_SCHEDULE, PROPOSE,
     SUFFIX_PROPOSE, SUFFIX_K, RUNNER_SAMPLE, RUNNER_ASYNC, RUNNER_DRAFTER, GET_DRAFT_MODEL, RELOAD_WEIGHTS,
     SET_CURRENT_CONFIG, TIE_WEIGHTS, REPACK_LM_HEAD, STATELESS_GROUP, VLLM_CONFIG,
-    ENGINE_CORE_CLIENT, LOGGER_MANAGER, STAT_LOGGERS, *RUNNER_TIMED)
+    ENGINE_CORE_CLIENT, ASYNC_ENGINE_CORE, ASYNC_CALL_UTILITY, LOGGER_MANAGER, STAT_LOGGERS, *RUNNER_TIMED)
 
 
 def platform_is_cpu() -> bool:
