@@ -810,11 +810,19 @@ class SchedulerConfig:
         max_policy_lag: async only: at most this many policy updates between
             the weights that sampled a batch and the weights it trains
             (rollout batches generated ahead).
+        in_flight_updates: async only: a refit lands on a replica while its
+            requests are in flight (vLLM's ``pause_generation(mode="keep")``,
+            the update, ``resume_generation``, as PipelineRL and AReaL do),
+            so a long sample continues on the new weights; each sample
+            records which versions made which of its tokens. Off: a refit
+            waits for the replica's requests in flight to end. Needs
+            ``rollout.engine_cls`` other than ``offline``.
     """
 
     layout: str = "colocate"
     mode: str = "sync"
     max_policy_lag: int = 1
+    in_flight_updates: bool = False
 
     def validate(self, key: str = "scheduler") -> None:
         _check(self.layout in LAYOUTS, f"{key}.layout", self.layout, f"expected one of {LAYOUTS}")
@@ -824,6 +832,8 @@ class SchedulerConfig:
         _check(self.mode == "sync" or self.layout == "split", f"{key}.mode", self.mode,
                "async needs scheduler.layout=split: colocated roles share devices and take turns, "
                "so there is nothing to overlap")
+        _check(not self.in_flight_updates or self.mode == "async", f"{key}.in_flight_updates", True,
+               f"needs {key}.mode=async (in sync mode no refit meets a rollout in flight)")
 
 
 @dataclass(frozen=True)
@@ -1020,6 +1030,9 @@ def _is_number(v: Any) -> bool:
 def check_across_sections(cfg: RunConfig) -> None:
     """The rules that tie sections together; raises ConfigError naming the key."""
     ws = cfg.rollout.weight_sync
+    _check(not cfg.scheduler.in_flight_updates or cfg.rollout.engine_cls != "offline",
+           "scheduler.in_flight_updates", True, "vllm.LLM (rollout.engine_cls=offline) takes one call at a time: a "
+           "refit cannot pause its generate; use rollout.engine_cls=async")
     _check(ws.backend != "nccl" or (cfg.train.gpus_per_worker > 0 and cfg.rollout.num_gpus_per_replica > 0),
            "rollout.weight_sync.backend", ws.backend,
            "nccl needs GPUs on both ends (train.gpus_per_worker and rollout.num_gpus_per_replica > 0)")

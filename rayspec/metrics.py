@@ -119,6 +119,8 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
         "drafted_share": stats.drafted_share,  # what the draft training cadence reads
         "response_len_mean": sum(resp_lens) / len(resp_lens),
         "response_lens": resp_lens,  # per sample: the performance model's concurrency decay
+        # per sample, the policy versions that made its tokens: [[version, first, end), ...] (vLLM's spans)
+        "weight_versions": [[list(span) for span in spans] for spans in batch.weight_versions],
         "prompt_len_mean": sum(len(p) for p in batch.prompt_ids) / len(batch.prompt_ids),
         "replicas": {rid: s.summary() for rid, s in sorted(stats.replicas.items())},
         # the problems trained on (index in the dataset): a resumed run's are checkable

@@ -369,9 +369,10 @@ def test_replica_env_puts_engine_env_over_the_cpu_backend_settings():
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # V1 unless asked: the runner vLLM's CI and the CPU run
 
 
-def test_an_in_process_engine_core_is_asked_of_the_offline_engine_only():
+def test_an_in_process_engine_core_and_in_flight_updates_ask_for_the_engine_that_can():
     """vLLM's AsyncLLM always starts its engine core in a process of its
-    own: asking it for one in the replica's process is refused, naming the
+    own, and vllm.LLM takes one call at a time, so no refit meets requests in
+    flight there: asking either of the wrong engine is refused, naming the
     key that can."""
     with pytest.raises(ConfigError, match=r"rollout\.engine_env\.VLLM_ENABLE_V1_MULTIPROCESSING.*"
                                           r"rollout\.engine_cls=offline"):
@@ -379,6 +380,12 @@ def test_an_in_process_engine_core_is_asked_of_the_offline_engine_only():
     with pytest.raises(ConfigError, match=r"rollout\.engine_cls.*'module:Class'"):
         load_config(None, ["rollout.engine_cls=vllm"])
     assert load_config(None, ["rollout.engine_cls=my.engines:Engine"]).rollout.engine_cls == "my.engines:Engine"
+    async_mode = ["scheduler.layout=split", "scheduler.mode=async"]
+    with pytest.raises(ConfigError, match=r"scheduler\.in_flight_updates=True.*scheduler\.mode=async"):
+        load_config(None, ["scheduler.in_flight_updates=true"])
+    with pytest.raises(ConfigError, match=r"scheduler\.in_flight_updates=True.*rollout\.engine_cls=async"):
+        load_config(None, [*async_mode, "scheduler.in_flight_updates=true", "rollout.engine_cls=offline"])
+    assert load_config(None, [*async_mode, "scheduler.in_flight_updates=true"]).scheduler.in_flight_updates
 
 
 def test_the_v2_model_runner_is_asked_for_by_its_key_only_and_not_with_adaptive_k():

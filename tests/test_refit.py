@@ -68,7 +68,7 @@ def _sleeping_engine(calls: list, **state):
 
     eng = object.__new__(SpecVLLMEngine)
     eng.__dict__.update({"llm": LLM(), "sleep_mode": True, "_asleep": set(), "_gate": _Gate(True),
-                         "adaptive": None, "policy_version": 0,
+                         "in_flight_updates": False, "adaptive": None, "policy_version": 0,
                          "speculative_config": None,
                          "_discarded": False, **state})
     eng.object_store = ObjectStoreReceiver(eng)
@@ -280,6 +280,44 @@ def test_refit_sent_during_a_rollout_waits_for_it(spec_engine, tiny_llama_dir):
     assert g1 <= r0 and r1 > r0  # the refit started after the rollout ended
     assert eng.sleep() is False  # CPU platform: no sleep mode, the roles time-slice
     assert eng.generate([tok.encode("Say a number:")], temperature=0.0, max_tokens=4)[0].policy_version == 5
+
+
+@pytest.mark.slow
+def test_an_in_flight_refit_lands_between_a_samples_tokens(spec_engine, tiny_llama_dir):
+    """``scheduler.in_flight_updates``: a refit sent while long samples
+    generate pauses them (vLLM's ``pause_generation(mode="keep")``), loads
+    the weights and resumes them on the new version, without waiting for
+    them to end: each sample's tokens span the two versions (vLLM's
+    ``weight_versions``), and the batch counts as the older one."""
+    import threading
+
+    eng = spec_engine
+    tok = load_tokenizer(tiny_llama_dir)
+    sd = load_policy(tiny_llama_dir).state_dict()
+    old = eng.versions()["policy"]
+    out, ended = {}, {}
+
+    def rollout():
+        out["r"] = eng.generate([tok.encode("Say a number:")], n=2, temperature=1.0, max_tokens=400)
+        ended["t"] = time.time()
+
+    eng.in_flight_updates = True
+    try:
+        gen = threading.Thread(target=rollout)
+        gen.start()
+        time.sleep(1.0)
+        assert eng.receive_refit("policy", sd, version=old + 1) == old + 1
+        landed = time.time()
+        gen.join()
+    finally:
+        eng.in_flight_updates = False
+    batch, _ = out["r"]
+    assert landed < ended["t"]  # the refit did not wait for the rollout
+    for spans, response in zip(batch.weight_versions, batch.response_ids):
+        (v0, a0, b0), (v1, a1, b1) = spans
+        assert (v0, v1) == (old, old + 1) and a0 == 0 < b0 == a1 < b1 == len(response), spans
+    assert batch.policy_version == old
+    print(f"spans of the in-flight samples: {batch.weight_versions}")
 
 
 @pytest.mark.slow

@@ -214,6 +214,8 @@ class _Window:
         schedule / reason: the k schedule every step of the window drafts
             with (k switches wait for the window to close) and why.
         temperatures: the calls' temperatures.
+        refit: a refit landed while the window's requests were in flight
+            (``in_flight_updates``): its steps ran two drafts or k schedules.
         stats / lengths: the calls' SpecStats summed, and their response
             lengths (tokens), as each call ends.
         t0: ``time.perf_counter()`` at the window's opening.
@@ -222,6 +224,7 @@ class _Window:
     schedule: list
     reason: str
     temperatures: set = dataclasses.field(default_factory=set)
+    refit: bool = False  # weights changed while it ran (an in-flight update)
     stats: SpecStats = dataclasses.field(default_factory=SpecStats)
     lengths: list = dataclasses.field(default_factory=list)
     t0: float = dataclasses.field(default_factory=time.perf_counter)
@@ -266,20 +269,27 @@ class _Gate:
         self._cond.notify_all()
 
     @contextlib.contextmanager
-    def exclusive(self):
-        """The engine to the caller alone, once the calls in flight end."""
+    def exclusive(self, drain: bool = True):
+        """The engine to the caller alone, once the calls in flight end
+        (``drain``), or beside them (not ``drain``: new calls wait, those in
+        flight go on; the caller pauses them itself)."""
         with self._cond:
             self._waiting += 1
-            self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
+            self._cond.wait_for(lambda: not self._exclusive and (not drain or self._shared == 0))
             self._waiting -= 1
             self._exclusive = True
-            self._begin()
+            alone = self._shared == 0  # else the open window's busy interval covers this
+            if alone:
+                self._begin()
         try:
             yield
         finally:
             with self._cond:
                 self._exclusive = False
-                self._end()
+                if alone:
+                    self._end()
+                else:
+                    self._cond.notify_all()
 
     @contextlib.contextmanager
     def shared(self, open_: Callable[[], None], close: Callable[[], None]):
@@ -359,6 +369,9 @@ class SpecVLLMEngine:
             ``offline`` where ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (in
             ``env`` or this process's environment: only ``vllm.LLM`` can run
             its engine core here), else ``async``.
+        in_flight_updates: refits land while requests are in flight
+            (``load_refit``); needs an engine class that takes calls at once
+            (``concurrent``).
 
     Attributes:
         model_runner: the vLLM model runner class the worker runs
@@ -376,7 +389,7 @@ class SpecVLLMEngine:
                  env: Optional[dict[str, str]] = None,
                  cpu_cores_by_node: Optional[dict[str, list[int]]] = None,
                  adaptive_k: Optional[dict[str, Any]] = None, log_level: Optional[str] = None,
-                 engine_cls: Any = None):
+                 engine_cls: Any = None, in_flight_updates: bool = False):
         if log_level is not None:
             _log_to_serve_replica(log_level)
         require_vllm()
@@ -416,6 +429,10 @@ class SpecVLLMEngine:
         if engine_cls is None:
             engine_cls = "offline" if {**os.environ, **env}.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "async"
         engine_cls = engine_class(engine_cls) if isinstance(engine_cls, str) else engine_cls
+        if in_flight_updates and not engine_cls.concurrent:
+            raise ValueError(f"in_flight_updates: {engine_cls.__name__} takes one call at a time, so no refit can "
+                             "meet requests in flight (scheduler.in_flight_updates needs rollout.engine_cls=async)")
+        self.in_flight_updates = in_flight_updates
         self._gate = _Gate(engine_cls.concurrent)
         self._window: Optional[_Window] = None  # the rollout calls in flight, as one
         self._asleep: set[str] = set()  # vLLM memory tags sleep released ("weights", "kv_cache")
@@ -674,6 +691,10 @@ class SpecVLLMEngine:
         def close():
             w, self._window = self._window, None
             self._draft_checked = False
+            if w.refit:  # its steps and acceptance mix two drafts or schedules: not adaptive k's evidence
+                if self._step_timer is not None:
+                    self._step_timer.take()
+                return
             if self._step_timer is not None:
                 self._time_steps(w.schedule, w.temperatures, w.wall_s())
             if self.adaptive is not None:
@@ -830,11 +851,31 @@ class SpecVLLMEngine:
     def load_refit(self, target: str, version: int, load: Callable[[], None]) -> int:
         """Run a receiver's ``load`` with the engine to itself (no request in
         flight: ``_Gate.exclusive``), the weights awake (sleep mode), then
-        note ``target`` at ``version``."""
-        with self._gate.exclusive():
-            self._wake(("weights",))
-            load()
-            self._loaded(target, version)
+        note ``target`` at ``version``.
+
+        With ``in_flight_updates``, the requests in flight stay: vLLM's
+        ``pause_generation(mode="keep")`` freezes them (and drops the KV
+        cache, which the new weights recompute when they resume), the
+        weights load, the new version is set, and ``resume_generation``
+        lets them go on; their tokens from then on are labelled with it
+        (``CompletionOutput.weight_versions``)."""
+        if not self.in_flight_updates:
+            with self._gate.exclusive():
+                self._wake(("weights",))
+                load()
+                self._loaded(target, version)
+            return version
+        with self._gate.exclusive(drain=False):
+            window = self._window
+            if window is not None:
+                window.refit = True
+            self.llm.pause_generation()
+            try:
+                self._wake(("weights",))
+                load()
+                self._loaded(target, version)
+            finally:
+                self.llm.resume_generation()
         return version
 
     def _loaded(self, target: str, version: int) -> None:

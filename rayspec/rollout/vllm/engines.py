@@ -7,7 +7,9 @@ rayspec does with them:
 - ``AsyncEngine``: vLLM's ``AsyncLLM``, the engine ``vllm serve`` and Ray
   Serve LLM run (its engine core always in a process of its own). Requests
   from many callers are batched continuously, so a replica takes each
-  prompt group as it comes (``concurrent = True``). The replicas' default.
+  prompt group as it comes (``concurrent = True``), and a refit can land
+  while they are in flight (``pause_generation`` / ``resume_generation``).
+  The replicas' default.
 - ``OfflineEngine``: ``vllm.LLM``, one call at a time (``concurrent =
   False``). Its engine core can run in the caller's process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): what the tests of an engine's
@@ -230,6 +232,14 @@ class AsyncEngine:
 
     def update_weight_version(self, version: str) -> None:
         self._run(self.engine.update_weight_version(version))
+
+    def pause_generation(self) -> None:
+        """Freeze the requests in flight (vLLM's ``mode="keep"``; the KV
+        cache is dropped and recomputed on resume) until ``resume_generation``."""
+        self._run(self.engine.pause_generation(mode="keep"))
+
+    def resume_generation(self) -> None:
+        self._run(self.engine.resume_generation())
 
     def call_utility(self, name: str, *args) -> Any:
         core = tp.require(self.engine, "engine_core", tp.ENGINE)
