@@ -246,16 +246,28 @@ class AsyncEngine:
         return self._run(core.call_utility_async(name, *args))
 
     def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        """Let the tasks the engine cancelled finish cancelling, then stop the loop."""
+        async def drain():
+            current = asyncio.current_task()
+            pending = [t for t in asyncio.all_tasks() if t is not current]
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(drain(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
 
     def shutdown(self) -> None:
-        """Stop the engine-core process, then the loop."""
+        """Stop the engine-core process, then the loop (idempotent)."""
         engine = self.__dict__.pop("engine", None)
-        if engine is not None:
-            engine.shutdown()
-        if self._thread.is_alive():
-            self._stop_loop()
+        if engine is not None and self._thread.is_alive():
+            async def stop():  # on the loop, as vLLM's API server stops it: no task runs in between
+                engine.shutdown()
+
+            self._run(stop())
+        self._stop_loop()
 
 
 # rollout.engine_cls's names, as the config validates them
