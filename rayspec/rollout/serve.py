@@ -80,6 +80,8 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
         num_replicas=cfg.rollout.num_replicas,
         max_ongoing_requests=cfg.rollout.max_ongoing_requests,
         health_check_timeout_s=600,
+        # not a line per request unit (a rollout is one per prompt group): the step line reports rollouts
+        logging_config={"enable_access_log": False},
         **opts,
     )
     ak = cfg.rollout.adaptive_k
