@@ -14,7 +14,7 @@ rayspec does with them:
   False``). Its engine core can run in the caller's process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): what the tests of an engine's
   behaviour, the jobs that time vLLM's kernels in-process
-  (``jobs.bench_step``) and the warm start's offline generation use.
+  (``jobs.bench_step``) and the lossless test's engines use.
 
 Both give the same synchronous, thread-safe calls: ``generate``,
 ``collective_rpc``, ``reset_prefix_cache``, ``sleep``,
