@@ -355,10 +355,11 @@ def test_async_run_survives_a_train_worker_a_replica_and_the_draft_trainer_dying
     assert [r["policy_lag"] for r in got[:3]] == [0, 1, 0]  # step 3's batch generated again, by the restored policy
     # the failed attempt had drawn the batches of steps 3 (training), 4 and 5 (ahead)
     assert [r["rollout_regenerated"] for r in got] == [0, 0, 1, 1, 1, 0]
-    # the killed replica's shard, retried once: step 6's batch, or step 5's where the restored attempt was
-    # still generating it when the replica was killed (a matter of timing)
+    # the killed replica's shard is retried, within PendingRollout's 2 retries (a retry Serve routes to the
+    # dead replica before its controller has seen it die counts too), in step 6's batch or in step 5's where
+    # the restored attempt was still generating that one when the replica was killed (a matter of timing)
     retries = [r["rollout_retries"] for r in got]
-    assert sum(retries) == 1 and retries.index(1) in (4, 5), retries
+    assert retries[:4] == [0, 0, 0, 0] and 1 <= sum(retries) <= 2 and 0 in retries[4:], retries
     assert got[-1]["draft_alive"] == 1 and got[-1]["draft_restarts"] == 1
     assert got[-1]["draft_version"] > got[3]["draft_version"]
     assert ranks_0 and not any((Path(SHM) / d).exists() for d in ranks_0)  # the killed sender's files

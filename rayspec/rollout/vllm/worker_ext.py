@@ -1,8 +1,8 @@
 """vLLM worker extension: in-place refit of the policy and the draft head
 by the transports vLLM's weight-transfer engines do not cover.
 
-Loaded by ``vllm.LLM(worker_extension_cls=WORKER_EXTENSION)`` and reached
-with ``llm.collective_rpc`` (the receiving side of ``rayspec.sync``'s
+Loaded by the replica's engine (``worker_extension_cls=WORKER_EXTENSION``) and
+reached with its ``collective_rpc`` (the receiving side of ``rayspec.sync``'s
 transports calls it by the methods' own names). Weights arrive as a
 safetensors file (e.g. under /dev/shm; the object-store transport: tensors
 passed as collective_rpc arguments arrive serialized as lists), as packed
