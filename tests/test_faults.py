@@ -385,8 +385,10 @@ def test_async_run_survives_a_train_worker_a_replica_and_the_draft_trainer_dying
     for r in got[:5]:
         assert sum(s["output_tokens"] for s in r["replicas"].values()) == r["rollout_tokens"], r["step"]
     assert any(len(r["replicas"]) == 2 for r in got)
-    # step 5's batch was generated during steps 3-4: the trainer waited less than it took
-    assert got[4]["time_rollout_s"] < got[4]["rollout_generation_s"] + got[4]["time_policy_s"]
+    # step 5's batch was generated during steps 3-4: the trainer waited less than it took (unless the
+    # replica was killed while it still generated that batch: the wait then holds the retry)
+    if got[4]["rollout_retries"] == 0:
+        assert got[4]["time_rollout_s"] < got[4]["rollout_generation_s"] + got[4]["time_policy_s"]
 
 
 def test_workers_started_after_the_draft_trainer_died_go_on_without_it(ray_session):
