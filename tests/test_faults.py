@@ -34,6 +34,7 @@ from rayspec.config import ConfigError, load_config
 from rayspec.draft.client import DRAFT_TRAINER_NAME
 from rayspec.scheduler import checkpoints, run
 from tests.conftest import IN_PROCESS, STEP_RECORD_KEYS
+from tests.fault_engine import KILL_FILE_ENV, DyingEngine, arm, killed
 
 STEPS = 4
 
@@ -166,39 +167,19 @@ def _actor_pids(class_part: str) -> list[int]:
     return pids
 
 
-def _busy_actor(class_part: str, share: float = 0.3, window_s: float = 0.2, windows: int = 3,
-                timeout_s: float = 60) -> int:
-    """pid of a live actor of class ``class_part`` (one per process tree, as
-    ``_actor_pid`` finds them) whose processes used at least ``share`` of a
-    core in each of ``windows`` windows of ``window_s`` in a row: a replica
-    generating, not one idle or loading a refit (a tenth of a second here).
-    A replica cannot be asked whether it generates: it runs one call at a
-    time."""
-    def cpu(proc):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
-        return 0.0
-
-    procs = [psutil.Process(pid) for pid in _actor_pids(class_part)]
-    last, busy = [cpu(p) for p in procs], [0] * len(procs)
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        time.sleep(window_s)
-        for i, p in enumerate(procs):
-            now = cpu(p)
-            busy[i] = busy[i] + 1 if now - last[i] >= share * window_s else 0
-            last[i] = now
-            if busy[i] >= windows:
-                return p.pid
-    raise TimeoutError(f"no actor of class *{class_part}* was busy within {timeout_s} s")
-
-
 def _kill(pid: int) -> None:
     """SIGKILL a process and its children (a replica's vLLM engine core)."""
     proc = psutil.Process(pid)
     for p in [*proc.children(recursive=True), proc]:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGKILL)
+
+
+def _dying(tmp_path):
+    """Overrides for replicas that die on ``fault_engine.arm(trigger, n)``, and the trigger's path."""
+    trigger = tmp_path / "kill-replica"
+    return [f"rollout.engine_cls=tests.fault_engine:{DyingEngine.__name__}",
+            f"rollout.engine_env.{KILL_FILE_ENV}={trigger}"], trigger
 
 
 def _registered(run_dir) -> int:
@@ -227,6 +208,8 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
     Nothing is lost: every step's prompts, samples and rewards are the
     uninterrupted run's."""
     run_dir = tmp_path / "faults"
+    dying, trigger = _dying(tmp_path)
+    cfg = _cfg(tiny_llama_dir, run_dir, STEPS, *dying)
     injected: list[str] = []
     errors: list[BaseException] = []
 
@@ -239,10 +222,8 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
 
     def _inject():
         _wait(lambda: len(_records(run_dir)) >= 1)
-        # step 2's generation starts as step 1's record is written and takes ~1.3 s
-        # here (a replica runs one call at a time, so it cannot be asked)
-        time.sleep(0.4)
-        _kill(_actor_pid("SpecVLLMReplica"))
+        arm(trigger, cfg.grpo.group_size)  # step 2's rollout, which starts as step 1's record is written
+        _wait(lambda: killed(trigger))
         injected.append("replica")
         # looked up before step 3 starts, so that the kill lands in it
         train_worker = _actor_pid("RayTrainWorker")
@@ -261,7 +242,7 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     thread = threading.Thread(target=inject, daemon=True)
     thread.start()
-    run(_cfg(tiny_llama_dir, run_dir))
+    run(cfg)
     thread.join(timeout=5)
     assert not thread.is_alive(), f"the run ended before fault injection could (done: {injected})"
     assert not errors, f"fault injection failed after {injected}: {errors[0]!r}"
@@ -308,9 +289,11 @@ def test_async_run_survives_a_train_worker_a_replica_and_the_draft_trainer_dying
 
     steps, lag = 6, 2
     run_dir = tmp_path / "async-faults"
+    dying, trigger = _dying(tmp_path)
     cfg = _cfg(tiny_llama_dir, run_dir, steps, "rollout.num_replicas=2", "scheduler.layout=split",
                "scheduler.mode=async", f"scheduler.max_policy_lag={lag}", "trainer.eval_every=2",
-               "rollout.weight_sync.transport=shared_memory", "data.eval_num_problems=6", "trainer.eval_samples=2")
+               "rollout.weight_sync.transport=shared_memory", "data.eval_num_problems=6", "trainer.eval_samples=2",
+               *dying)
     injected: list[str] = []
     errors: list[BaseException] = []
     ranks_0: list = []
@@ -326,8 +309,9 @@ def test_async_run_survives_a_train_worker_a_replica_and_the_draft_trainer_dying
             injected.append("train worker")
             _wait(lambda: len(_records(run_dir)) >= 3)
             # step 4 of the restored attempt starts by submitting step 6's batch, ~1.5 s of generation
-            # (steps 4 and 5 were generated during step 3): the first replica busy is generating it
-            _kill(_busy_actor("SpecVLLMReplica"))
+            # (steps 4 and 5 were generated during step 3, step 5's maybe not yet to its end)
+            arm(trigger, cfg.grpo.group_size)
+            _wait(lambda: killed(trigger))
             injected.append("replica")
             _wait(lambda: len(_records(run_dir)) >= 4)
             time.sleep(1.0)  # into step 5's policy update, which the DraftTrainer trains beside

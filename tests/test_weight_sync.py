@@ -7,9 +7,11 @@ tests."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from rayspec.config import ConfigError, load_config
@@ -488,7 +490,7 @@ def test_shared_memory_files_hold_the_packed_buckets_until_the_refit_landed(monk
             for path, bucket in files:
                 buffer = torch.from_file(path, shared=False, size=bucket_nbytes(bucket), dtype=torch.uint8)
                 seen.update(unpack_bucket(buffer, bucket))
-            done = type("Response", (), {"results": lambda self: [version]})()
+            done = type("Response", (), {"results": lambda self, return_exceptions=False: [version]})()
             seen["paths"] = [p for p, _ in files]
             return done
 
@@ -506,6 +508,49 @@ def test_shared_memory_files_hold_the_packed_buckets_until_the_refit_landed(monk
         assert not list(sender.directory.iterdir())
     finally:
         sender.close()
+
+
+def test_a_replica_dying_mid_refit_leaves_the_refit_to_the_others_until_they_loaded():
+    """A replica that dies during a shared-memory refit does not free the
+    files under a survivor still loading them (CI: the survivor lost them
+    mid-load and kept a half-reloaded model); the dead replica's error is
+    raised after, a live replica's before it."""
+    import concurrent.futures
+
+    from rayspec.rollout.client import _Responses
+    from rayspec.sync import SharedMemorySender
+
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    loaded = []
+
+    def died():
+        raise ray.exceptions.RayActorError()
+
+    def loads(files, error=None):
+        time.sleep(0.3)
+        loaded.append(all(Path(p).exists() for p, _ in files))
+        if error:
+            raise error
+
+    class Replicas:
+        error = None
+
+        def receive_shared(self, target, files, version):
+            return _Responses([pool.submit(died), pool.submit(loads, files, self.error)])
+
+    replicas = Replicas()
+    sender = SharedMemorySender(replicas, packed_buffer_size_bytes=1 << 20)
+    try:
+        with pytest.raises(ray.exceptions.RayActorError):
+            sender.send("policy", _state_dict(), 3).results()
+        assert loaded == [True]
+        replicas.error = WeightSyncError("a live replica's")
+        with pytest.raises(WeightSyncError, match="a live replica's"):
+            sender.send("policy", _state_dict(), 4).results()
+        assert not list(sender.directory.iterdir())
+    finally:
+        sender.close()
+        pool.shutdown()
 
 
 def _torch_shm_files() -> set[str]:
@@ -614,7 +659,7 @@ def test_every_device_exports_once_and_rank_0_sends_every_handle(monkeypatch):
     class Replicas:
         def receive_ipc(self, target, payload, version):
             payloads.append(payload)
-            return type("Response", (), {"results": lambda self: [version]})()
+            return type("Response", (), {"results": lambda self, return_exceptions=False: [version]})()
 
     sender = CudaIpcSender(Replicas())
     assert sender.send("policy", weights, 5).results() == [5]

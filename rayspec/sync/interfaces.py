@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
+import ray
 import torch
 
 TARGETS = ("policy", "draft")
@@ -22,6 +23,25 @@ TARGETS = ("policy", "draft")
 
 class WeightSyncError(RuntimeError):
     """The weight-sync group could not form, or a refit through it failed."""
+
+
+def all_landed(response) -> list:
+    """Every replica's result of a refit broadcast (``RolloutClient``'s
+    ``receive_*``), once all have answered: a replica that dies does not cut
+    the wait short while the others still read what the sender frees after
+    it (a shared-memory refit's files: a survivor once lost them mid-load
+    and kept a half-reloaded model).
+
+    Raises:
+        What a live replica raised, before a dead replica's
+        ``RayActorError`` (which the rollout pipeline skips: Serve's
+        replacement catches up).
+    """
+    results = response.results(return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise min(errors, key=lambda e: isinstance(e, ray.exceptions.RayActorError))
+    return results
 
 
 class Refit:

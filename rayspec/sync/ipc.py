@@ -49,7 +49,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from rayspec.sync.buckets import state_dict_nbytes
-from rayspec.sync.interfaces import Refit, WeightReceiver, WeightSyncError
+from rayspec.sync.interfaces import Refit, all_landed, WeightReceiver, WeightSyncError
 from rayspec.sync.object_store import ObjectStoreSender
 from rayspec.sync.shared_memory import SHM, remove_orphans
 
@@ -297,7 +297,7 @@ class CudaIpcSender(ObjectStoreSender):
         sent = time.perf_counter()
 
         def wait():
-            return response.results(), sent - t0, time.perf_counter() - sent
+            return all_landed(response), sent - t0, time.perf_counter() - sent
 
         return Refit(self, wait, weights.nbytes)
 

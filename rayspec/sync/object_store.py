@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from rayspec.sync.buckets import state_dict_nbytes
-from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender
+from rayspec.sync.interfaces import Refit, all_landed, RefitHost, WeightReceiver, WeightSender
 
 
 class ObjectStoreSender(WeightSender):
@@ -40,7 +40,7 @@ class ObjectStoreSender(WeightSender):
         sent = time.perf_counter()
 
         def wait():
-            out = response.results()
+            out = all_landed(response)
             return out, sent - t0, time.perf_counter() - sent
 
         return Refit(self, wait, state_dict_nbytes(weights))

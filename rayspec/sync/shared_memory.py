@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from rayspec.sync.buckets import Bucket, bucket_nbytes, pack_bucket, plan_buckets, state_dict_nbytes
-from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError
+from rayspec.sync.interfaces import Refit, all_landed, RefitHost, WeightReceiver, WeightSender, WeightSyncError
 
 SHM = "/dev/shm"
 PREFIX = "rayspec-refit-shm-"  # then the sending process's pid and "-"
@@ -98,7 +98,7 @@ class SharedMemorySender(WeightSender):
 
         def wait():
             try:
-                out = response.results()
+                out = all_landed(response)
             finally:
                 _unlink(files)  # every replica has its mapping (or failed): the pages go with the last
             return out, sent - t0, time.perf_counter() - sent
