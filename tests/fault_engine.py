@@ -10,13 +10,17 @@ retry (CI, the async fault run). The engine itself knows.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import signal
 import threading
 import time
 from pathlib import Path
 
-from rayspec.rollout.vllm.engines import OfflineEngine
+import psutil
+
+from rayspec.rollout.vllm.engines import AsyncEngine, OfflineEngine
 
 KILL_FILE_ENV = "RAYSPEC_TEST_KILL_FILE"
 
@@ -35,34 +39,49 @@ def killed(trigger: Path) -> bool:
     return any(trigger.parent.glob(trigger.name + ".pid*"))
 
 
-class DyingEngine(OfflineEngine):
-    """``OfflineEngine`` (its engine core in the replica's process where
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) that SIGKILLs its own process while
-    a ``generate`` call of the armed ``n`` runs, once the file named by
-    ``$RAYSPEC_TEST_KILL_FILE`` exists (``arm``). The replica that renames the
-    file away dies; the others, and the replica Serve starts in its place,
-    go on."""
+class _Dying:
+    """Mixed into an engine class: SIGKILLs the replica's process tree (its
+    engine core's process too, where it has one) while a ``generate`` call
+    of the armed ``n`` runs, once the file named by
+    ``$RAYSPEC_TEST_KILL_FILE`` exists (``arm``). The replica that renames
+    the file away dies; the others, and the replica Serve starts in its
+    place, go on."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._n = None  # samples per prompt of the call in flight
+        self._in_flight = collections.Counter()  # generate calls running, by samples per prompt
+        self._lock = threading.Lock()
         threading.Thread(target=self._watch, args=(Path(os.environ[KILL_FILE_ENV]),), daemon=True).start()
 
     def generate(self, prompts: list, params) -> list:
-        self._n = (params[0] if isinstance(params, list) else params).n
+        n = (params[0] if isinstance(params, list) else params).n
+        with self._lock:
+            self._in_flight[n] += 1
         try:
             return super().generate(prompts, params)
         finally:
-            self._n = None
+            with self._lock:
+                self._in_flight[n] -= 1
 
     def _watch(self, trigger: Path) -> None:
         while True:
             time.sleep(0.02)
-            n = self._n
             try:
-                if n is None or int(trigger.read_text()) != n:
+                if self._in_flight[int(trigger.read_text())] <= 0:
                     continue
                 trigger.rename(trigger.with_name(f"{trigger.name}.pid{os.getpid()}"))
             except FileNotFoundError:  # not armed, or another replica took it
                 continue
-            os.kill(os.getpid(), signal.SIGKILL)
+            me = psutil.Process()
+            for p in [*me.children(recursive=True), me]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.send_signal(signal.SIGKILL)
+
+
+class DyingEngine(_Dying, OfflineEngine):
+    """``OfflineEngine`` (its engine core in the replica's process where
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) that dies when armed (``_Dying``)."""
+
+
+class DyingAsyncEngine(_Dying, AsyncEngine):
+    """``AsyncEngine`` (the replicas' default) that dies when armed (``_Dying``)."""
