@@ -49,7 +49,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from rayspec.sync.buckets import state_dict_nbytes
-from rayspec.sync.interfaces import Refit, all_landed, WeightReceiver, WeightSyncError
+from rayspec.sync.interfaces import Refit, WeightReceiver, WeightSyncError, all_landed
 from rayspec.sync.object_store import ObjectStoreSender
 from rayspec.sync.shared_memory import SHM, remove_orphans
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from rayspec.sync.buckets import state_dict_nbytes
-from rayspec.sync.interfaces import Refit, all_landed, RefitHost, WeightReceiver, WeightSender
+from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, all_landed
 
 
 class ObjectStoreSender(WeightSender):
