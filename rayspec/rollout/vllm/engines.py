@@ -89,24 +89,22 @@ class OfflineEngine:
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         self.llm.wake_up(tags)
 
-    # vllm.LLM 0.32 has no weight-transfer calls of its own: AsyncLLM's, as it makes them
+    # vllm.LLM's own RL calls (0.32: the same round AsyncLLM gives, through the workers' methods)
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self, draft: bool = False) -> None:
-        self.llm.collective_rpc("start_draft_weight_update" if draft else "start_weight_update")
+        (self.llm.start_draft_weight_update if draft else self.llm.start_weight_update)()
 
     def update_weights(self, update_info: dict) -> None:
-        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+        self.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
-        self.llm.collective_rpc("finish_weight_update")
-        if weight_version is not None:
-            self.update_weight_version(weight_version)
+        self.llm.finish_weight_update(weight_version)
 
     def update_weight_version(self, version: str) -> None:
         """Label the weights sampled from now on (``CompletionOutput.weight_versions``)."""
-        self.llm.llm_engine.set_weight_version(version)
+        self.llm.update_weight_version(version)
 
     def call_utility(self, name: str, *args) -> Any:
         """Run an engine-core utility method ``name`` (added by a plugin) in

@@ -379,6 +379,7 @@ RUNNER_TIMED = tuple(_tp(f"{_RUNNER}.{name}", "wrapped", BENCH, "timed per decod
 _WORKER = "vllm.v1.worker.gpu_worker:Worker"  # CPUWorker's base: the CPU and GPU workers' RL methods
 _WT = "vllm.distributed.weight_transfer"
 _ASYNC = "vllm.v1.engine.async_llm:AsyncLLM"
+_LLM = "vllm.entrypoints.rl.offline:RLOfflineMixin"  # vllm.LLM's RL calls
 API_CALLS = (
     _tp(f"{_WORKER}.init_weight_transfer_engine", "api", WEIGHT_SYNC, "a replica's workers join the group",
         params=("init_info",)),
@@ -402,8 +403,15 @@ API_CALLS = (
     _tp(f"{_WT}.base:ParamMeta", "api", WEIGHT_SYNC, "RefitSource.metadata", params=("name", "dtype", "shape")),
     _tp(f"{_WT}.nccl_engine:NCCLTrainerInitInfo", "api", WEIGHT_SYNC, "the nccl group between GPUs",
         params=("master_address", "master_port", "world_size", "packed", "packed_buffer_size_bytes")),
-    _tp("vllm.v1.engine.llm_engine:LLMEngine.set_weight_version", "api", REFIT,
-        "OfflineEngine: each policy refit labels the weights", params=("weight_version",)),
+    _tp(f"{_LLM}.init_weight_transfer_engine", "api", WEIGHT_SYNC, "OfflineEngine: the workers join the group",
+        params=("request",)),
+    _tp(f"{_LLM}.update_weights", "api", WEIGHT_SYNC, "OfflineEngine: a refit's weights", params=("request",)),
+    *(_tp(f"{_LLM}.{m}", "api", WEIGHT_SYNC, "OfflineEngine: a refit's round")
+      for m in ("start_weight_update", "start_draft_weight_update")),
+    _tp(f"{_LLM}.finish_weight_update", "api", WEIGHT_SYNC, "OfflineEngine: a refit's end",
+        params=("weight_version",)),
+    _tp(f"{_LLM}.update_weight_version", "api", REFIT, "OfflineEngine: each policy refit labels the weights",
+        params=("new_version",)),
     _tp(f"{_ASYNC}.from_engine_args", "api", ENGINE, "AsyncEngine: the replica's engine, its step timer",
         params=("engine_args", "stat_loggers")),
     _tp(f"{_ASYNC}.generate", "api", ENGINE, "a rollout call's requests", params=("prompt", "sampling_params",
