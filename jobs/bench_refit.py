@@ -10,17 +10,19 @@ bytes), starts the rollout deployment (``rollout.num_replicas`` plain vLLM
 replicas, as the main job does) on an embedded Ray cluster, and times
 ``transport.send(...).results()`` from this process, which plays the
 trainer's rank 0 (it holds the host state dict, as rank 0 does after the
-gather): ``object_store``, ``collective`` (gloo), ``shared_memory`` and
-``cuda_ipc`` (its CPU twin: the state dict copied into shared memory as a
-rank exports it, the handles sent, the export dropped once landed) in
-rounds whose order alternates (o c s i i s c o ...). Per cell it reports the
+gather): ``object_store``, ``collective`` (gloo) and ``shared_memory``, in
+rounds whose order alternates (o c s s c o ...). Not ``cuda_ipc``: a
+replica's workers hold one weight-transfer engine (``gloo`` here, the
+collective's), and cuda_ipc's is another (vLLM's ``ipc`` on GPUs, its CPU
+twin ``cpu_ipc``); on a CPU its twin's wire is a mapped file in /dev/shm,
+as shared_memory's, so it would time nothing of CUDA IPC (that is
+``jobs.gpu_smoke``'s ``cuda_ipc refit`` line). Per cell it reports the
 seconds of each round, GB/s (state-dict bytes / median seconds) and the
 peak extra host memory of a replica during the refit (resident memory of
 its process tree above its level before the refit, plus the staging file
 under /dev/shm; an upper bound, as the file's mapped pages count in both).
-The sender's side (the object store's put, the shared-memory files, the
-cuda_ipc export: one state dict each, whatever the replica count) is not in
-that figure. A transport whose
+The sender's side (the object store's put, the shared-memory files: one
+state dict each, whatever the replica count) is not in that figure. A transport whose
 refit fails (a replica killed by Ray's memory monitor, say) is recorded
 with its error and the bench goes on. Prints a table, writes JSON (after
 every cell) (a list of cells: transport, bytes, replicas, seconds,
@@ -43,7 +45,7 @@ from pathlib import Path
 
 SIZES_GB = (0.1, 0.5, 1.0, 2.0)
 QUICK_SIZES_GB = (0.1, 1.0)
-TRANSPORTS = ("object_store", "collective", "shared_memory", "cuda_ipc")
+TRANSPORTS = ("object_store", "collective", "shared_memory")
 
 
 def model_for_size(out: Path, tokenizer_dir: Path, nbytes: float) -> Path:
@@ -97,38 +99,6 @@ class _PeakMemory:
         return max(self.peak, self._sample() - self.baseline)
 
 
-class _IpcRank0:
-    """The cuda_ipc transport as a one-rank trainer drives it (``rl_step``):
-    export the state dict (``DeviceExport.collect``), send the handles, and
-    drop the export once the refit landed (``done``)."""
-
-    def __init__(self, replicas):
-        import torch
-
-        from rayspec.sync import CudaIpcSender, DeviceExport
-        from rayspec.train.ranks import Ranks
-
-        self.export, self.sender = DeviceExport(Ranks(), torch.device("cpu")), CudaIpcSender(replicas)
-
-    def send(self, target: str, sd: dict, version: int):
-        from rayspec.sync.interfaces import resident
-
-        refit = self.sender.send(target, self.export.collect(resident(sd), next(iter(sd.values())).dtype), version)
-
-        class Landed:
-            @staticmethod
-            def results():
-                out = refit.results()
-                self.export.done()
-                return out
-
-        return Landed()
-
-    def close(self) -> None:
-        self.export.done()
-        self.sender.close()
-
-
 def _replica_processes() -> list[int]:
     from ray.util.state import list_actors
 
@@ -153,8 +123,7 @@ def bench_cell(deploy, sd: dict, replicas: int, rounds: int, bucket_bytes: int) 
         return (handle, _replica_processes(), staging,
                 {"object_store": ObjectStoreSender(replicas),
                  "collective": CollectiveSender(replicas, "gloo", bucket_bytes, timeout_s=600),
-                 "shared_memory": SharedMemorySender(replicas, bucket_bytes),
-                 "cuda_ipc": _IpcRank0(replicas)})
+                 "shared_memory": SharedMemorySender(replicas, bucket_bytes)})
 
     handle, pids, staging, transports = start()
     nbytes = state_dict_nbytes(sd)
@@ -226,7 +195,7 @@ def plot(cells: list[dict], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-    for name, marker in zip(TRANSPORTS, "os^D"):
+    for name, marker in zip(TRANSPORTS, "os^"):
         for replicas, style in ((1, "-"), (2, "--")):
             pts = sorted(((c["bytes"] / 1e9, c) for c in cells
                           if c["transport"] == name and c["replicas"] == replicas and "seconds" in c),

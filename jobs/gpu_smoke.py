@@ -26,8 +26,8 @@ check's FAIL, not the end of the run:
   tokens (``token_mult_prob_error``) < 1e-3.
 - ``cuda_ipc refit``: the cuda_ipc transport, as colocated runs send: this
   process exports its policy on the replica's GPU as CUDA IPC handles and
-  the replica's worker copies it in on the device: error < 1e-3 and at
-  least ``MIN_SYNC_GBPS``.
+  a replica built with vLLM's own ``ipc`` weight-transfer engine copies it
+  in on the device: error < 1e-3 and at least ``MIN_SYNC_GBPS``.
 - ``nccl refit`` (two GPUs or more): the collective transport over NCCL
   from this process's weights on GPU 1 into the replica on GPU 0, packed
   and broadcast from the device as sync split runs send: error < 1e-3 and
@@ -305,7 +305,6 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
                    f"collective gloo {t4 - t3:.2f} s ({nbytes / 1e9 / (t4 - t3):.2f} GB/s)",
                    bytes=nbytes, seconds=t2 - t0, put_s=t1 - t0, load_s=t2 - t1, collective_s=t4 - t3)
 
-        report.run("cuda_ipc refit", check_ipc_refit, engine, policy, prompts)
 
         head = load_head(models["1gb_head"])
         with torch.no_grad():  # a head the drafter has not seen
@@ -328,6 +327,7 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
     finally:
         engine.shutdown()
     try:
+        report.run("cuda_ipc refit", check_ipc_refit, models, policy, prompts)
         if torch.cuda.device_count() >= 2:
             report.run("nccl refit", check_nccl_refit, models, policy, prompts)
     finally:
@@ -335,16 +335,19 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
         torch.cuda.empty_cache()  # the split run's replica asks for 90% of the device
 
 
-def check_ipc_refit(report: Report, engine, policy, prompts: list[list[int]]) -> None:
+def check_ipc_refit(report: Report, models: dict[str, Path], policy, prompts: list[list[int]]) -> None:
     """The cuda_ipc transport, as colocated runs send: this process plays a
-    Train rank on the GPU the replica uses, exports its policy
-    (``DeviceExport``: CUDA IPC handles to the weights themselves), and the
-    replica's worker (vLLM's engine-core process) opens them and copies on
-    the device; timed from the export to the export dropped, rank 0's host
-    copy for catching up included."""
+    Train rank on the GPU a replica uses, exports its policy
+    (``DeviceExport``: CUDA IPC handles to the weights themselves, keyed by
+    the GPU's UUID), and the replica, built with vLLM's own ``ipc``
+    weight-transfer engine (``rayspec.config.replica_transfer_backend``),
+    loads them in vLLM's round (its worker rebuilds the tensors on the
+    device and copies them in); timed from the export to the export
+    dropped, rank 0's host copy for catching up included."""
     import torch
 
     from rayspec.rollout.client import LocalReplicas, RolloutClient
+    from rayspec.rollout.engine import SpecVLLMEngine
     from rayspec.sync import CudaIpcSender, DeviceExport
     from rayspec.sync.interfaces import resident
     from rayspec.train.ranks import Ranks
@@ -352,6 +355,8 @@ def check_ipc_refit(report: Report, engine, policy, prompts: list[list[int]]) ->
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn_like(p), alpha=0.01)
+    engine = SpecVLLMEngine(str(models["1gb"]), None, dtype="float32",
+                            engine_kwargs={**_engine_kwargs(0.5), "weight_transfer_config": {"backend": "ipc"}})
     export = DeviceExport(Ranks(), torch.device("cuda", torch.cuda.current_device()))
     sender = CudaIpcSender(RolloutClient(LocalReplicas([engine]), 1))
     try:
@@ -362,10 +367,11 @@ def check_ipc_refit(report: Report, engine, policy, prompts: list[list[int]]) ->
         seconds = time.perf_counter() - t0
         nbytes = weights.nbytes
         del weights
+        err, _ = _prob_error(engine, policy, prompts)
     finally:
         export.done()
         sender.close()
-    err, _ = _prob_error(engine, policy, prompts)
+        engine.shutdown()
     gbps = nbytes / 1e9 / seconds
     report.add("cuda_ipc refit", err < ERROR_BOUND and gbps >= MIN_SYNC_GBPS,
                f"{nbytes / 1e9:.2f} GB: {seconds:.2f} s ({gbps:.2f} GB/s, the host copy for catching up "

@@ -340,8 +340,9 @@ class WeightSyncConfig:
             loads (one host copy for all replicas; they must share rank 0's
             node); ``cuda_ipc`` (colocated only): every Train rank exports
             handles to its own copy of the policy, and each replica loads
-            the one on its device (CUDA IPC on a GPU, a device-to-device
-            copy; shared memory on a CPU); ``auto``: collective, falling
+            the one on its device through vLLM's ``ipc`` weight-transfer
+            engine (CUDA IPC on a GPU, a device-to-device copy; its CPU
+            twin ``cpu_ipc`` over shared memory on a CPU); ``auto``: collective, falling
             back to the object store (with a warning) where the group
             cannot form.
         backend: the collective's backend: ``nccl`` (GPU tensors on both
@@ -1255,6 +1256,19 @@ def collective_backend(ws: "WeightSyncConfig", trainer_has_gpu: bool, replicas_h
     if ws.backend != "auto":
         return ws.backend
     return "nccl" if trainer_has_gpu and replicas_have_gpu and not shared_gpus else "gloo"
+
+
+def replica_transfer_backend(cfg: RunConfig) -> str:
+    """The weight-transfer engine each replica's workers are built with
+    (vLLM's ``weight_transfer_config.backend``): for the cuda_ipc transport
+    vLLM's own ``ipc`` engine on GPUs and its CPU twin ``cpu_ipc``
+    (``rayspec.sync.ipc_engine``) on CPUs; else the collective transport's
+    (``collective_backend``)."""
+    ws = cfg.rollout.weight_sync
+    if ws.transport == "cuda_ipc":
+        return "ipc" if cfg.rollout.num_gpus_per_replica > 0 else "cpu_ipc"
+    return collective_backend(ws, cfg.train.gpus_per_worker > 0, cfg.rollout.num_gpus_per_replica > 0,
+                              cfg.scheduler.layout == "colocate")
 
 
 def refit_from_trainer_memory(cfg: RunConfig) -> bool:

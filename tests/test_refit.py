@@ -537,22 +537,29 @@ def test_a_zero3_refit_gathers_one_parameter_at_a_time(tiny_llama_dir, single_ra
 
 
 @pytest.mark.slow
-def test_a_cuda_ipc_refit_loads_the_ranks_own_weights_in_another_process(spec_engine, tiny_llama_dir,
-                                                                          single_rank_group):
+def test_a_cuda_ipc_refit_loads_the_ranks_own_weights_in_another_process(tiny_llama_dir, single_rank_group):
     """``transport: cuda_ipc``'s CPU twin through the production calls: a
     ZeRO-2 rank's ``PolicyWorker.refit_weights`` exports its weights as
-    shared-memory handles (torch's reductions), the replica's vLLM worker (the
-    engine core's process) opens them and loads them in place, so its greedy
-    continuation is the trainer's; ``refit_sent`` drops the export, whose files
-    live on only as the sender's catch-up copy, until the next refit; a
-    replica with no export on its device is told so."""
+    shared-memory handles (torch's reductions) in the payload of vLLM's ipc
+    engine (``IPCWeightTransferUpdateInfo``); the replica's vLLM worker (the
+    engine core's process) opens them through its ``cpu_ipc`` engine, in
+    vLLM's weight-transfer round, and loads them in place, so its greedy
+    continuation is the trainer's; ``refit_sent`` drops the export, whose
+    files live on only as the sender's catch-up copy, until the next refit;
+    a replica with no export on its host is told so, and loads nothing."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+    from rayspec.config import replica_transfer_backend
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
     from rayspec.sync import IpcWeights, make_sender, make_source
     from rayspec.train.policy import PolicyWorker
     from rayspec.train.ranks import Ranks
 
-    eng = spec_engine
     cfg = load_config(None, ["data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1",
                              "model.dtype=float32", "rollout.weight_sync.transport=cuda_ipc"])
+    assert replica_transfer_backend(cfg) == "cpu_ipc"
+    eng = SpecVLLMEngine(str(tiny_llama_dir), None, dtype="float32", env=cpu_engine_env(1, "all"),
+                         engine_kwargs=engine_kwargs(weight_transfer_config={"backend": "cpu_ipc"}))
     tok = load_tokenizer(tiny_llama_dir)
     probe = tok.encode("Question: what is 12 plus 30? Answer:")
     policy = load_policy(tiny_llama_dir)
@@ -570,17 +577,19 @@ def test_a_cuda_ipc_refit_loads_the_ranks_own_weights_in_another_process(spec_en
     try:
         weights = worker.refit_weights()
         assert isinstance(weights, IpcWeights) and len(files() - before) == len(weights.names)
+        assert IPCWeightTransferUpdateInfo(**weights.payload).names == weights.names  # vLLM's own payload
         assert sender.send("policy", weights, 30).results() == [30]
         worker.refit_sent()
         del weights
         assert eng.generate([probe], temperature=0.0, max_tokens=16)[0].response_ids[0] == trainer_greedy
-        assert sender.take_stats()["weight_sync_transport"] == "cuda_ipc"
+        assert eng.versions()["policy"] == 30 and sender.take_stats()["weight_sync_transport"] == "cuda_ipc"
         first = files() - before
         weights = worker.refit_weights()
-        payload = {**weights.payload, "handles": [{"host:elsewhere": h} for h in
-                                                  (next(iter(hs.values())) for hs in weights.payload["handles"])]}
+        payload = {**weights.payload, "ipc_handles": [{"host:elsewhere": h} for h in
+                                                      (next(iter(hs.values())) for hs in weights.payload["ipc_handles"])]}
         with pytest.raises(Exception, match="no Train rank exported the policy on host:"):
             eng.receive_ipc("policy", payload, 31)
+        assert eng.versions()["policy"] == 30
         assert sender.send("policy", weights, 32).results() == [32]
         worker.refit_sent()
         del weights
@@ -589,8 +598,8 @@ def test_a_cuda_ipc_refit_loads_the_ranks_own_weights_in_another_process(spec_en
     finally:
         sender.close()
         worker.source.done()
+        eng.shutdown()
     assert files() == before
-    eng.receive_refit("policy", load_policy(tiny_llama_dir).state_dict(), 33)  # the module's later tests' weights
 
 
 @pytest.mark.slow

@@ -580,7 +580,7 @@ def test_a_shared_tensor_opens_in_another_process_again_and_again_until_released
              "from rayspec.sync.ipc import open_shared\n"
              "handle = sys.stdin.buffer.read()\n"
              "for _ in range(3):  # three replicas, each opening once its predecessor let go\n"
-             "    x = open_shared(handle, torch.device('cpu'))\n"
+             "    x = open_shared(handle)\n"
              "    print(float(x.float().sum()), x.dtype, tuple(x.shape), flush=True)\n"
              "    del x\n"
              "    gc.collect()\n")
@@ -630,13 +630,13 @@ def test_every_device_exports_once_and_rank_0_sends_every_handle(monkeypatch):
     sd = _state_dict()
     mine = device_key(torch.device("cpu"))
     before = _torch_shm_files()
-    rank0 = DeviceExport(_TwoRanks(0, "gpu:other", other_handles=[b"h0", b"h1", b"h2", b"h3"]), torch.device("cpu"))
+    rank0 = DeviceExport(_TwoRanks(0, "gpu-other", other_handles=[b"h0", b"h1", b"h2", b"h3"]), torch.device("cpu"))
     weights = rank0.collect(resident(sd), torch.float32)
     assert isinstance(weights, IpcWeights)
     assert weights.names == [k for k in sd if k != "lm_head.weight"]  # tied: once
-    assert weights.dtypes == ["float32", "float32", "float32", "float32"]  # floating point in the serving dtype
-    assert [sorted(h) for h in weights.handles] == [sorted([mine, "gpu:other"])] * 4
-    assert [h["gpu:other"] for h in weights.handles] == [b"h0", b"h1", b"h2", b"h3"]
+    assert weights.dtype_names == ["float32", "float32", "float32", "float32"]  # floating point in the serving dtype
+    assert [sorted(h) for h in weights.ipc_handles] == [sorted([mine, "gpu-other"])] * 4
+    assert [h["gpu-other"] for h in weights.ipc_handles] == [b"h0", b"h1", b"h2", b"h3"]
     assert weights.nbytes == sum(v.numel() * 4 for k, v in sd.items() if k != "lm_head.weight")
     assert len(_torch_shm_files() - before) == 4
 
@@ -664,7 +664,7 @@ def test_every_device_exports_once_and_rank_0_sends_every_handle(monkeypatch):
     sender = CudaIpcSender(Replicas())
     assert sender.send("policy", weights, 5).results() == [5]
     assert sender.rollout_refits() == {"policy": (5, None)}
-    assert set(payloads[0]) == {"names", "dtypes", "shapes", "handles"}
+    assert set(payloads[0]) == {"names", "dtype_names", "shapes", "ipc_handles"}  # vLLM's IPCWeightTransferUpdateInfo
     rank0.done()
     assert rank0.ranks.barriers == 1
     rank0.done()  # nothing pending: no second barrier
@@ -679,28 +679,19 @@ def test_every_device_exports_once_and_rank_0_sends_every_handle(monkeypatch):
     assert _torch_shm_files() == before  # the host copy was the export: gone with the sender's
 
 
-_REBUILT = []
-
-
-def _rebuilt_on(*args):
-    """Stands in for torch's ``rebuild_cuda_tensor`` (a GPU's handle)."""
-    _REBUILT.append(args)
-    return torch.empty(args[1], device="meta")
-
-
-def test_a_cuda_handle_is_opened_on_the_receivers_index_of_the_gpu(monkeypatch):
-    """A CUDA IPC handle names the sender's device index; the receiver's
-    CUDA_VISIBLE_DEVICES may number the same GPU otherwise, so
-    ``open_shared`` rebuilds on its own index (reduce_tensor's args[6], as
-    vLLM's IPC engine does) and leaves the rest as sent."""
-    import pickle
-
+def test_a_gpu_export_is_keyed_and_shaped_as_vllms_ipc_engine_reads_it(monkeypatch):
+    """On a GPU the payload is what vLLM's own ``ipc`` engine rebuilds from
+    (its ``receive_weights``, 0.32): handles keyed by the GPU's UUID (the
+    same device whatever CUDA_VISIBLE_DEVICES numbers it), each one
+    ``reduce_tensor``'s arguments of ``rebuild_cuda_tensor``, unpickled."""
     import torch.multiprocessing.reductions as reductions
 
-    from rayspec.sync.ipc import open_shared
+    from rayspec.sync import ipc
 
-    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", _rebuilt_on)
-    sent = ("Tensor", 3, (1,), 0, "Storage", "float32", 5, b"handle", 12, 0, False, b"ref", 0, b"event", True)
-    t = open_shared(pickle.dumps((_rebuilt_on, sent)), torch.device("cuda", 2))
-    (args,) = _REBUILT
-    assert t.shape == (3,) and args[6] == 2 and args[:6] == sent[:6] and args[7:] == sent[7:]
+    props = type("Props", (), {"uuid": "GPU-1234"})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert ipc.device_key(torch.device("cuda", 1)) == "GPU-1234"
+    args = ("Tensor", (3,), (1,), 0, "Storage", "float32", 1, b"handle", 12, 0, False, b"ref", 0, b"event", True)
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, args))
+    cuda_like = type("T", (), {"device": torch.device("cuda", 1)})()
+    assert ipc.share(cuda_like) is args

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ray import serve
 
-from rayspec.config import collective_backend
+from rayspec.config import replica_transfer_backend
 from rayspec.rollout.engine import SpecVLLMEngine, replica_env
 
 APP_NAME = "rayspec-rollout"
@@ -60,10 +60,8 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
         spec["model"] = draft_dir
     env = replica_env(cfg.rollout)
     engine_kwargs = dict(cfg.rollout.engine_kwargs)
-    # the worker-side engine of the collective transport's group (rayspec.sync.collective)
-    engine_kwargs.setdefault("weight_transfer_config", {"backend": collective_backend(
-        cfg.rollout.weight_sync, cfg.train.gpus_per_worker > 0, cfg.rollout.num_gpus_per_replica > 0,
-        cfg.scheduler.layout == "colocate")})
+    # the workers' weight-transfer engine: the collective's group, or cuda_ipc's (rayspec.sync)
+    engine_kwargs.setdefault("weight_transfer_config", {"backend": replica_transfer_backend(cfg)})
     cores = None
     if plan is not None:
         opts = plan.serve_options()

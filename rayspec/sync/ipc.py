@@ -2,25 +2,32 @@
 
 Colocated, each Train rank shares its GPU with a replica, and under ZeRO 1-2
 every rank already holds the whole policy there. So every rank exports
-handles to its own copy, torch.multiprocessing's reductions
-(``reduce_tensor``) make them, rank 0 gathers them keyed by device (the
-GPU's UUID) and sends them to every replica, and each vLLM worker opens
-the handles of its own device and streams the tensors into vLLM's in-place
-reload: a copy from device memory to device memory on one GPU. vLLM 0.32's
-``IPCWeightTransferEngine`` (``weight_transfer/ipc_engine.py``) works the
-same way, as do verl and OpenRLHF. rayspec keeps its own receive hook
-(``worker_ext.RefitExtension.rayspec_load_ipc``) until this transport moves
-onto vLLM's interface as the collective one has (``collective.py``): its
-CPU twin shares tensors through /dev/shm, which vLLM's IPC engine (CUDA
-handles only) cannot open.
+handles to its own copy (torch.multiprocessing's ``reduce_tensor``), rank 0
+gathers them keyed by device (the GPU's UUID) and sends them to every
+replica, and the replica loads them through vLLM's weight-transfer round
+(``start_weight_update``, ``update_weights``, ``finish_weight_update``) into
+the worker-side engine it was built with: on GPUs vLLM 0.32's own ``ipc``
+engine (``weight_transfer/ipc_engine.py``, which its GPU CI runs), which
+opens the handles of its device and reloads layer by layer: a copy from
+device memory to device memory on one GPU. The payload is that engine's
+``IPCWeightTransferUpdateInfo`` (names, dtype_names, shapes, ipc_handles by
+GPU UUID), as its own trainer engine builds it.
+
+Why not vLLM's trainer-side ``IPCTrainerWeightTransferEngine`` too: its
+``send_weights`` runs the export, the handles' all-gather and the replicas'
+load as one call on every rank, where the RL step collects on every rank,
+sends from rank 0 and releases after the refit landed, the same three
+phases for every transport (``PolicyWorker.refit_weights`` / ``refit_sent``);
+and it is CUDA only, where CI needs the same control plane on CPUs.
 
 On a GPU the handles point at the weights themselves (CUDA IPC maps their
 allocation), where the serving dtype is the training dtype; otherwise, and
 under ZeRO-3 (whose gathered parameters are freed after the gather), at a
 copy. On a CPU the same code path runs as its twin, which CI tests: the
 tensor is copied into shared memory (torch's ``file_system`` sharing
-strategy, a file under /dev/shm), and one export per host serves every
-replica on that host.
+strategy, a file under /dev/shm), one export per host serves every replica
+on that host, and the replicas load it through rayspec's CPU twin of vLLM's
+engine (``ipc_engine.py``, registered as ``cpu_ipc``).
 
 The exports live until rank 0 has seen the refit land (``DeviceExport.done``,
 a barrier). So the transport needs the colocated layout, which is sync mode:
@@ -44,12 +51,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 
 from rayspec.sync.buckets import state_dict_nbytes
-from rayspec.sync.interfaces import Refit, WeightReceiver, WeightSyncError, all_landed
+from rayspec.sync.interfaces import Refit, WeightReceiver, all_landed
 from rayspec.sync.object_store import ObjectStoreSender
 from rayspec.sync.shared_memory import SHM, remove_orphans
 
@@ -57,11 +64,12 @@ TORCH_SHM_PREFIX = "torch_"  # then the creating process's pid: torch's file_sys
 
 
 def device_key(device: torch.device) -> str:
-    """Which exports a process on ``device`` can open: ``gpu:<UUID>`` for a
-    CUDA device (the same physical GPU whatever CUDA_VISIBLE_DEVICES numbers
-    it), ``host:<hostname>`` for the CPU (shared memory is per host)."""
+    """Which exports a process on ``device`` can open: a CUDA device's UUID
+    (the same physical GPU whatever CUDA_VISIBLE_DEVICES numbers it; vLLM's
+    ``ipc`` engine looks its handles up by it), ``host:<hostname>`` for the
+    CPU (shared memory is per host)."""
     if device.type == "cuda":
-        return f"gpu:{torch.cuda.get_device_properties(device).uuid}"
+        return str(torch.cuda.get_device_properties(device).uuid)
     return f"host:{socket.gethostname()}"
 
 
@@ -103,10 +111,12 @@ def shareable(t: torch.Tensor, dtype: torch.dtype, copy: bool) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage, 0, t.shape).copy_(t)
 
 
-def share(t: torch.Tensor) -> bytes:
-    """A handle to ``t`` (from ``shareable``) that another process opens with
-    ``open_shared``: ``reduce_tensor``'s (rebuild function, args), pickled
-    with torch's reductions (on a CPU the storage's is its file's name).
+def share(t: torch.Tensor) -> tuple | bytes:
+    """A handle to ``t`` (from ``shareable``) that another process opens:
+    for a CUDA tensor ``reduce_tensor``'s arguments of
+    ``rebuild_cuda_tensor`` (what vLLM's ``ipc`` engine rebuilds from); for
+    a CPU tensor ``reduce_tensor``'s (rebuild function, args) pickled with
+    torch's reductions, its storage's file's name inside (``open_shared``).
 
     On a CPU this adds a reference to the file for the receivers (torch's
     ``reduce_storage``), which ``release`` gives back."""
@@ -114,6 +124,8 @@ def share(t: torch.Tensor) -> bytes:
 
     from torch.multiprocessing.reductions import reduce_tensor
 
+    if t.device.type == "cuda":
+        return reduce_tensor(t)[1]
     with _file_system_sharing():
         return bytes(ForkingPickler.dumps(reduce_tensor(t)))
 
@@ -125,46 +137,40 @@ def release(t: torch.Tensor) -> None:
         t.untyped_storage()._shared_decref()
 
 
-def open_shared(handle: bytes, device: torch.device) -> torch.Tensor:
-    """The tensor behind a ``share`` handle, mapped into this process (no
-    copy) on ``device``.
+def open_shared(handle: bytes) -> torch.Tensor:
+    """The CPU tensor behind a ``share`` handle, mapped into this process
+    (no copy).
 
     torch's ``rebuild_storage_filename`` (2.13) drops the reference the
     sender added, which assumes one receiver per handle; every replica on
     the host opens the same one, so the reference is put back here, and
     the file lives until the sender's ``release`` and every mapping is gone.
-    A CUDA handle names the sender's device index, which is renumbered to
-    this process's index of the same GPU (as vLLM's IPC engine does).
     """
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
     rebuild, args = pickle.loads(handle)
-    if rebuild is rebuild_cuda_tensor:
-        args = list(args)
-        args[6] = device.index  # reduce_tensor's storage_device
     t = rebuild(*args)
-    if t.device.type == "cpu":
-        t.untyped_storage()._shared_incref()
+    t.untyped_storage()._shared_incref()
     return t
 
 
 @dataclass
 class IpcWeights:
-    """A refit as rank 0 sends it: the tensors' names, dtypes and shapes, and
-    per tensor the handles of every exporting rank by device key
-    (``payload``, what replicas get), with the host copy of the weights
-    for replicas that catch up (``host``)."""
+    """A refit as rank 0 sends it: vLLM's ``IPCWeightTransferUpdateInfo``
+    fields (``payload``, what replicas get: the tensors' names, dtype names
+    and shapes, and per tensor the handles of every exporting rank by
+    device key), with the host copy of the weights for replicas that catch
+    up (``host``)."""
 
     names: list[str]
-    dtypes: list[str]
+    dtype_names: list[str]
     shapes: list[list[int]]
-    handles: list[dict[str, bytes]]  # per tensor: {device key: share() handle}
+    ipc_handles: list[dict[str, Any]]  # per tensor: {device key: share() handle}
     nbytes: int
     _host: Any = field(default=None, repr=False)  # {name: host tensor}, or a thread making it (GPU)
 
     @property
     def payload(self) -> dict[str, Any]:
-        return {"names": self.names, "dtypes": self.dtypes, "shapes": self.shapes, "handles": self.handles}
+        return {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes,
+                "ipc_handles": self.ipc_handles}
 
     def host(self) -> dict[str, torch.Tensor]:
         """The weights as host tensors (waits for the copy on a GPU)."""
@@ -315,29 +321,34 @@ class CudaIpcSender(ObjectStoreSender):
         self._catch_up_refs.clear()
 
 
-def opened(payload: dict[str, Any], device: torch.device, replica: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of a cuda_ipc refit's ``payload``, each mapped from
-    the export of ``device``'s key (``open_shared``).
-
-    Raises:
-        WeightSyncError: no Train rank exported on this device (names the
-            replica, its key and the keys there are).
-    """
-    key = device_key(device)
-    for name, handles in zip(payload["names"], payload["handles"]):
-        if key not in handles:
-            raise WeightSyncError(f"replica {replica}: no Train rank exported the policy on {key} (exports on "
-                                  f"{sorted(handles)}): rollout.weight_sync.transport=cuda_ipc needs every "
-                                  "replica on a device of a Train rank (scheduler.layout=colocate)")
-        yield name, open_shared(handles[key], device)
-
-
 class CudaIpcReceiver(WeightReceiver):
-    """A replica's side: its vLLM workers open the handles of their device
-    and load the tensors (``RefitExtension.rayspec_load_ipc``)."""
+    """A replica's side: its workers' weight-transfer engine (vLLM's ``ipc``
+    on GPUs, ``cpu_ipc`` on CPUs) opens the handles of their device and
+    loads the tensors, in vLLM's round (the engine's
+    ``start_weight_update`` / ``start_draft_weight_update``,
+    ``update_weights``, ``finish_weight_update``)."""
+
+    def __init__(self, host):
+        super().__init__(host)
+        self._joined = False
 
     def receive(self, target: str, payload: dict[str, Any], version: int) -> int:
         """Load ``target``'s weights from ``payload`` (``IpcWeights.payload``)
-        at ``version``; returns the version."""
-        return self.host.load_refit(target, version, lambda: self.host.llm.collective_rpc(
-            "rayspec_load_ipc", args=(target, payload, self.host.replica_id)))
+        at ``version``; returns the version.
+
+        Raises:
+            Whatever the workers' engine raised (vLLM's ``ipc``: no handle
+            for a worker's GPU; ``cpu_ipc``: ``WeightSyncError`` naming the
+            replica's host and the exporting ones).
+        """
+        engine = self.host.llm  # vLLM's weight-transfer calls (rayspec.rollout.vllm.engines)
+
+        def load():
+            if not self._joined:  # the handshake vLLM's trainer engine makes: unpacked handles
+                engine.init_weight_transfer_engine({"packed": False})
+                self._joined = True
+            engine.start_weight_update(draft=target == "draft")
+            engine.update_weights(payload)
+            engine.finish_weight_update()
+
+        return self.host.load_refit(target, version, load)

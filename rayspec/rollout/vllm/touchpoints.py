@@ -243,7 +243,7 @@ DRAFT_SAMPLING = "sampled EAGLE-3 drafts over the draft vocabulary"
 DRAFT_DTYPE = "drafter linear dtype (additional_config.rayspec_draft_linear_dtype)"
 ADAPTIVE = "adaptive k"
 REFIT = "refit"
-WEIGHT_SYNC = "collective weight transport"
+WEIGHT_SYNC = "weight sync (vLLM's weight-transfer engines)"
 ENGINE = "rollout engine"
 BENCH = "jobs.bench_step timers"
 
@@ -389,7 +389,7 @@ API_CALLS = (
     _tp("vllm.config.weight_transfer:WeightTransferConfig", "api", WEIGHT_SYNC,
         "each replica's worker-side engine (weight_transfer_config)", params=("backend",)),
     _tp(f"{_WT}.factory:WeightTransferEngineFactory.register_engine", "api", WEIGHT_SYNC,
-        "rayspec's gloo engine, worker side", params=("name", "module_path_or_cls")),
+        "rayspec's gloo and cpu_ipc engines, worker side", params=("name", "module_path_or_cls")),
     _tp(f"{_WT}.factory:WeightTransferTrainerFactory.register_engine", "api", WEIGHT_SYNC,
         "rayspec's gloo engine, trainer side", params=("name", "module_path_or_cls")),
     _tp(f"{_WT}.factory:WeightTransferTrainerFactory.trainer_init", "api", WEIGHT_SYNC,
@@ -401,6 +401,13 @@ API_CALLS = (
     _tp(f"{_WT}.base:TrainerWeightTransferEngine.__init__", "api", WEIGHT_SYNC, "the gloo trainer engine's base",
         params=("client", "source", "is_sender")),
     _tp(f"{_WT}.base:ParamMeta", "api", WEIGHT_SYNC, "RefitSource.metadata", params=("name", "dtype", "shape")),
+    _tp(f"{_WT}.ipc_engine:IPCWeightTransferUpdateInfo", "api", WEIGHT_SYNC,
+        "a cuda_ipc refit's payload (ipc.IpcWeights.payload), read by vLLM's ipc engine on GPUs",
+        params=("names", "dtype_names", "shapes", "ipc_handles")),
+    _tp(f"{_WT}.ipc_engine:IPCWeightTransferInitInfo", "api", WEIGHT_SYNC, "cuda_ipc's handshake (unpacked)",
+        params=("packed",)),
+    _tp(f"{_WT}.ipc_engine:IPCWeightTransferEngine.receive_weights", "api", WEIGHT_SYNC,
+        "the cpu_ipc twin overrides it", params=("update_info",)),
     _tp(f"{_WT}.nccl_engine:NCCLTrainerInitInfo", "api", WEIGHT_SYNC, "the nccl group between GPUs",
         params=("master_address", "master_port", "world_size", "packed", "packed_buffer_size_bytes")),
     _tp(f"{_LLM}.init_weight_transfer_engine", "api", WEIGHT_SYNC, "OfflineEngine: the workers join the group",

@@ -5,11 +5,11 @@ Loaded by the replica's engine (``worker_extension_cls=WORKER_EXTENSION``) and
 reached with its ``collective_rpc`` (the receiving side of ``rayspec.sync``'s
 transports calls it by the methods' own names). Weights arrive as a
 safetensors file (e.g. under /dev/shm; the object-store transport: tensors
-passed as collective_rpc arguments arrive serialized as lists), as packed
-files in /dev/shm (shared memory) or as CUDA IPC handles. The collective
-transport goes through vLLM's weight-transfer engines instead
-(``rayspec.sync.collective``); rayspec's gloo engine loads with
-``load_weights`` below. Loading goes through vLLM's in-place
+passed as collective_rpc arguments arrive serialized as lists) or as packed
+files in /dev/shm (shared memory). The collective and cuda_ipc transports go
+through vLLM's weight-transfer engines instead (``rayspec.sync.collective``,
+``rayspec.sync.ipc``); rayspec's CPU engines (``gloo``, ``cpu_ipc``) load
+with ``load_weights`` below. Loading goes through vLLM's in-place
 ``reload_weights``, which undoes the CPU backend's weight repacking before
 ``load_weights`` and redoes it after; calling the model's ``load_weights``
 directly fails once weights are repacked.
@@ -220,15 +220,3 @@ class RefitExtension:
                 yield from unpack_bucket(buffer, bucket)
 
         self._load(target, weights())
-
-    def rayspec_load_ipc(self, target: str, payload: dict, replica: str = "") -> None:
-        """Load a refit of ``target`` from the Train ranks' exports (the
-        cuda_ipc transport, ``rayspec.sync.ipc``): the handles of this
-        worker's device, opened and streamed into the loader (on a GPU a
-        copy within the device). Raises WeightSyncError where no rank
-        exported on this worker's device."""
-        from rayspec.sync.ipc import opened
-
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")  # vLLM's GPU worker sets its device current
-        self._load(target, opened(payload, device, replica))
