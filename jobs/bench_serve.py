@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import http.client
-import os
-import statistics
 import subprocess
 import sys
 import threading

@@ -38,7 +38,7 @@ DATASET_KEYS = {"arithmetic": ("level", "max_operand"), "gsm8k": ("path", "split
 DEFAULT_SYSTEM_PROMPT = "You are a careful math tutor."  # the built-in tasks' system message
 BUILTIN_REWARDS = ("last_number", "math_verify", "format")  # rayspec.reward.builtins
 ON_ERROR = ("raise", "zero")
-WEIGHT_SYNC_TRANSPORTS = ("auto", "collective", "object_store", "shared_memory", "cuda_ipc")
+WEIGHT_SYNC_TRANSPORTS = ("auto", "collective", "shared_memory", "cuda_ipc")
 LAYOUTS = ("colocate", "split")
 MODES = ("sync", "async")
 
@@ -333,18 +333,17 @@ class WeightSyncConfig:
     Args:
         transport: ``collective``: the trainer's rank 0 and every worker of
             every replica form one process group and the weights stream
-            through it in packed buckets into vLLM's in-place reload;
-            ``object_store``: one ``ray.put`` per refit, read by every
-            replica and staged as a file; ``shared_memory``: rank 0 packs
+            through it in packed buckets into vLLM's in-place reload
+            (vLLM's weight-transfer engines); ``shared_memory``: rank 0 packs
             the weights into files in /dev/shm that every replica maps and
             loads (one host copy for all replicas; they must share rank 0's
             node); ``cuda_ipc`` (colocated only): every Train rank exports
             handles to its own copy of the policy, and each replica loads
             the one on its device through vLLM's ``ipc`` weight-transfer
             engine (CUDA IPC on a GPU, a device-to-device copy; its CPU
-            twin ``cpu_ipc`` over shared memory on a CPU); ``auto``: collective, falling
-            back to the object store (with a warning) where the group
-            cannot form.
+            twin ``cpu_ipc`` over shared memory on a CPU); ``auto``:
+            collective. (Ray's object store carries only a replica Serve
+            restarted catching up: vLLM's interface has no call for it.)
         backend: the collective's backend: ``nccl`` (GPU tensors on both
             ends; split layout only: NCCL refuses two ranks on one GPU, as
             rank 0 and a colocated replica would be), ``gloo`` (host
@@ -362,6 +361,9 @@ class WeightSyncConfig:
     timeout_s: float = 600.0
 
     def validate(self, key: str = "rollout.weight_sync") -> None:
+        _check(self.transport != "object_store", f"{key}.transport", self.transport,
+               "refits go through vLLM's weight-transfer engines (collective, the default); Ray's object store "
+               "now carries only a restarted replica's catch-up: use collective")
         _check(self.transport in WEIGHT_SYNC_TRANSPORTS, f"{key}.transport", self.transport,
                f"expected one of {WEIGHT_SYNC_TRANSPORTS}")
         _check(self.backend in ("auto", "nccl", "gloo"), f"{key}.backend", self.backend,

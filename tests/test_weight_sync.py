@@ -16,9 +16,8 @@ import torch
 
 from rayspec.config import ConfigError, load_config
 from rayspec.rollout.client import RolloutClient
-from rayspec.sync import (CollectiveSender, DeviceExport, DeviceGather, HostGather, ObjectStoreSender, Refit,
-                          WeightSender, WeightSyncError, bucket_nbytes, make_sender, make_source, pack_bucket,
-                          plan_buckets, state_dict_nbytes, unpack_bucket)
+from rayspec.sync import (CollectiveSender, DeviceExport, DeviceGather, HostGather, WeightSyncError, bucket_nbytes,
+                          make_sender, make_source, pack_bucket, plan_buckets, state_dict_nbytes, unpack_bucket)
 from rayspec.sync.interfaces import resident
 from rayspec.train.ranks import Ranks
 
@@ -180,38 +179,17 @@ def test_a_vllm_whose_group_constructor_takes_no_listen_socket_is_refused_by_nam
         engine_access.stateless_group("127.0.0.1", 1, 0, 2, "gloo", 1, listen_socket=object())
 
 
-def test_auto_falls_back_to_the_object_store_when_the_group_cannot_form():
-    sent = []
-
-    class ObjectStore(ObjectStoreSender):
-        def send(self, target, weights, version):
-            sent.append((target, version))
-            self.latest[target] = (version, "ref")
-            return Refit(self, lambda: ([version], 0.5, 0.25), state_dict_nbytes(weights))
-
-    transport = CollectiveSender(_replicas(), "gloo", 1 << 20, timeout_s=2, fallback=ObjectStore(None))
-    assert transport.send("policy", _state_dict(), 1).results() == [1]
-    assert transport.send("policy", _state_dict(), 2).results() == [2]  # no second attempt at a group
-    assert sent == [("policy", 1), ("policy", 2)]
-    assert transport.rollout_refits() == {"policy": (2, "ref")}
-    stats = transport.take_stats()
-    assert stats["weight_sync_transport"] == "object_store"
-    assert stats["weight_sync_bytes"] == 2 * state_dict_nbytes(_state_dict())
-    assert stats["time_sync_transfer_s"] == 1.0 and stats["time_sync_load_s"] == 0.5
-    transport.close()
-
-
 def test_transport_choice_and_bad_keys():
     ws = load_config(None, []).rollout.weight_sync
     assert (ws.transport, ws.backend) == ("auto", "auto")
     auto = make_sender(ws, None, trainer_has_gpu=True, replicas_have_gpu=True, device="cpu")
-    assert isinstance(auto, CollectiveSender) and auto.backend == "nccl" and auto._fallback is not None
+    assert isinstance(auto, CollectiveSender) and auto.backend == "nccl"
     assert make_sender(ws, None, trainer_has_gpu=False, replicas_have_gpu=True).backend == "gloo"
     # colocated, rank 0 and a replica share a GPU: NCCL would refuse the pair
     assert make_sender(ws, None, True, True, shared_gpus=True).backend == "gloo"
-    store = make_sender(load_config(None, ["rollout.weight_sync.transport=object_store"]).rollout.weight_sync,
-                        None, False, False)
-    assert isinstance(store, WeightSender) and store.name == "object_store"
+    # the object store carries only a restarted replica's catch-up: not a transport to choose
+    with pytest.raises(ConfigError, match=r"rollout\.weight_sync\.transport.*object_store.*use collective"):
+        load_config(None, ["rollout.weight_sync.transport=object_store"])
     shm = make_sender(load_config(None, ["rollout.weight_sync.transport=shared_memory"]).rollout.weight_sync,
                       None, False, False)
     assert shm.name == "shared_memory" and shm.directory.parent == Path("/dev/shm")
@@ -251,7 +229,7 @@ def test_the_weight_source_follows_the_transport_the_zero_stage_and_the_mode():
     assert source(*gpus, "scheduler.layout=colocate", device="cuda:0") is HostGather  # gloo between GPUs
     assert source("scheduler.mode=async", "scheduler.layout=split", "rollout.num_replicas=1") is HostGather
     assert source("train.deepspeed.zero_optimization.stage=3") is HostGather
-    assert source("rollout.weight_sync.transport=object_store") is HostGather
+    assert source("rollout.weight_sync.transport=shared_memory") is HostGather
     assert source("rollout.weight_sync.transport=cuda_ipc") is DeviceExport
 
 

@@ -2,8 +2,10 @@
 vLLM worker (``rollout.weight_sync.transport``). The interfaces
 (``interfaces.py``): a weight source on every Train rank, ``WeightSender``
 on rank 0, ``WeightReceiver`` in each replica; one module per transport
-holds its classes (``object_store.py``, ``collective.py``,
-``shared_memory.py``, ``ipc.py``)."""
+holds its classes (``collective.py``, ``shared_memory.py``, ``ipc.py``).
+``object_store.py`` carries what vLLM's weight-transfer interface has no
+call for: a replica Serve restarted catching up (``WeightSender.catch_up``),
+and the draft head under cuda_ipc (host tensors, no device export)."""
 
 from __future__ import annotations
 
@@ -38,15 +40,11 @@ def make_sender(ws, replicas, trainer_has_gpu: bool, replicas_have_gpu: bool, sh
     """
     if ws.transport == "cuda_ipc":
         return CudaIpcSender(replicas)
-    object_store = ObjectStoreSender(replicas)
-    if ws.transport == "object_store":
-        return object_store
     if ws.transport == "shared_memory":
         return SharedMemorySender(replicas, ws.packed_buffer_size_bytes)
     backend = collective_backend(ws, trainer_has_gpu, replicas_have_gpu, shared_gpus)
     return CollectiveSender(replicas, backend, ws.packed_buffer_size_bytes, ws.timeout_s,
-                            device if backend == "nccl" else "cpu",
-                            fallback=object_store if ws.transport == "auto" else None)
+                            device if backend == "nccl" else "cpu")
 
 
 def make_source(cfg, ranks, device: torch.device | str = "cpu") -> HostGather | DeviceExport | DeviceGather:

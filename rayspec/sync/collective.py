@@ -50,11 +50,8 @@ from typing import Any, Callable, Iterable, Optional
 import ray
 import torch
 
-from rayspec.devices import to_host
-from rayspec.rollout.vllm import engine_access
 from rayspec.sync.buckets import plan_buckets, state_dict_nbytes
 from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError, copy_weights
-from rayspec.sync.object_store import ObjectStoreSender
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +69,15 @@ class CollectiveSender(WeightSender):
         timeout_s: forming the group (seconds).
         device: rank 0's device (the thread that sends makes it current,
             for nccl).
-        fallback: where refits go when the group cannot form (``auto``), or
-            None to raise WeightSyncError.
     """
 
     name = "collective"
 
     def __init__(self, replicas, backend: str, packed_buffer_size_bytes: int, timeout_s: float,
-                 device: torch.device | str = "cpu", fallback: ObjectStoreSender | None = None):
+                 device: torch.device | str = "cpu"):
         super().__init__(replicas)
         self.backend, self.bucket_bytes, self.timeout_s = backend, packed_buffer_size_bytes, timeout_s
-        self.device, self._fallback = torch.device(device), fallback
+        self.device = torch.device(device)
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rayspec-weight-sync")
         self._waiters = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rayspec-weight-sync-wait")
         self._engine = None  # the trainer-side weight-transfer engine of the current group
@@ -91,7 +86,6 @@ class CollectiveSender(WeightSender):
         self._draft_shared: tuple[str, ...] = ()  # the drafter's modules that are the verifier's (member())
         self._group_id: str | None = None
         self._members: frozenset = frozenset()
-        self._fell_back = False  # the group could not form (auto): the object store from then on
         # vLLM's trainer-side engines, imported now: a first import (seconds) between the members'
         # check-in and the barrier's go would run down their wait
         from vllm.distributed.weight_transfer import factory  # noqa: F401
@@ -105,9 +99,6 @@ class CollectiveSender(WeightSender):
         ``device``: ``DeviceGather``; kept until the next refit of
         ``target`` for replicas that fall behind) for ``target`` on every
         replica; returns at once."""
-        if self._fell_back:
-            refit = self._fallback.send(target, to_host(weights), version)
-            return Refit(self, refit._wait, refit.nbytes)
         self.latest[target] = (version, None)
         self._weights[target] = weights
         future = self._sender.submit(self._send, target, weights, version)
@@ -120,8 +111,6 @@ class CollectiveSender(WeightSender):
         outside the group. Rank 0's device tensors (``DeviceGather``, sync
         mode) still hold that version here: a replica catches up in a
         rollout, which comes before the next update."""
-        if self._fell_back:
-            return self._fallback.catch_up(refits)
         return self._put_newest(refits)
 
     def _send(self, target: str, weights: dict[str, torch.Tensor], version: int):
@@ -129,15 +118,7 @@ class CollectiveSender(WeightSender):
             # a new thread's current device is 0; NCCL's communicator and
             # streams take the current one (Ray Train's may be another)
             torch.cuda.set_device(self.device)
-        try:
-            self._ensure_group()
-        except WeightSyncError as e:
-            if self._fallback is None:
-                raise
-            log.warning("rollout.weight_sync.transport=auto: %s; weights go through Ray's object "
-                        "store from now on", e)
-            self._fell_back = True
-            return self._fallback.send(target, to_host(weights), version)._wait()
+        self._ensure_group()
         if self._engine is None:  # no replica is up: the ones Serve starts catch up
             return [], 0.0, 0.0
         shared = self._draft_shared if target == "draft" else ()
@@ -171,15 +152,6 @@ class CollectiveSender(WeightSender):
         thread asks.)"""
         response = call(*args)
         return self._waiters.submit(response.results, return_exceptions=True)
-
-    def rollout_refits(self) -> dict[str, tuple[int, Any]]:
-        return self._fallback.rollout_refits() if self._fell_back else super().rollout_refits()
-
-    def take_stats(self) -> dict[str, Any]:
-        stats = super().take_stats()
-        if self._fell_back:
-            stats["weight_sync_transport"] = self._fallback.name
-        return stats
 
     def _ensure_group(self, attempts: int = 3) -> None:
         """Form the group anew unless every live replica is in the current

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from rayspec.sync.buckets import Bucket, bucket_nbytes, pack_bucket, plan_buckets, state_dict_nbytes
-from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError, all_landed
+from rayspec.sync.interfaces import Refit, WeightReceiver, WeightSender, WeightSyncError, all_landed
 
 SHM = "/dev/shm"
 PREFIX = "rayspec-refit-shm-"  # then the sending process's pid and "-"
