@@ -542,7 +542,8 @@ def test_a_cuda_ipc_refit_loads_the_ranks_own_weights_in_another_process(tiny_ll
     ZeRO-2 rank's ``PolicyWorker.refit_weights`` exports its weights as
     shared-memory handles (torch's reductions) in the payload of vLLM's ipc
     engine (``IPCWeightTransferUpdateInfo``); the replica's vLLM worker (the
-    engine core's process) opens them through its ``cpu_ipc`` engine, in
+    engine core's process: an in-process core would take over this test's
+    torch.distributed group) opens them through its ``cpu_ipc`` engine, in
     vLLM's weight-transfer round, and loads them in place, so its greedy
     continuation is the trainer's; ``refit_sent`` drops the export, whose
     files live on only as the sender's catch-up copy, until the next refit;
