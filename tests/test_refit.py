@@ -586,8 +586,8 @@ def test_a_cuda_ipc_refit_loads_the_ranks_own_weights_in_another_process(tiny_ll
         assert eng.versions()["policy"] == 30 and sender.take_stats()["weight_sync_transport"] == "cuda_ipc"
         first = files() - before
         weights = worker.refit_weights()
-        payload = {**weights.payload, "ipc_handles": [{"host:elsewhere": h} for h in
-                                                      (next(iter(hs.values())) for hs in weights.payload["ipc_handles"])]}
+        elsewhere = [{"host:elsewhere": next(iter(hs.values()))} for hs in weights.payload["ipc_handles"]]
+        payload = {**weights.payload, "ipc_handles": elsewhere}
         with pytest.raises(Exception, match="no Train rank exported the policy on host:"):
             eng.receive_ipc("policy", payload, 31)
         assert eng.versions()["policy"] == 30

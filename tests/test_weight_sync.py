@@ -16,8 +16,9 @@ import torch
 
 from rayspec.config import ConfigError, load_config
 from rayspec.rollout.client import RolloutClient
-from rayspec.sync import (CollectiveSender, DeviceExport, DeviceGather, HostGather, WeightSyncError, bucket_nbytes,
-                          make_sender, make_source, pack_bucket, plan_buckets, state_dict_nbytes, unpack_bucket)
+from rayspec.sync import (CollectiveSender, DeviceExport, DeviceGather, HostGather, IpcWeights, WeightSyncError,
+                          bucket_nbytes, make_sender, make_source, pack_bucket, plan_buckets, state_dict_nbytes,
+                          unpack_bucket)
 from rayspec.sync.interfaces import resident
 from rayspec.train.ranks import Ranks
 
@@ -658,18 +659,41 @@ def test_every_device_exports_once_and_rank_0_sends_every_handle(monkeypatch):
 
 
 def test_a_gpu_export_is_keyed_and_shaped_as_vllms_ipc_engine_reads_it(monkeypatch):
-    """On a GPU the payload is what vLLM's own ``ipc`` engine rebuilds from
-    (its ``receive_weights``, 0.32): handles keyed by the GPU's UUID (the
-    same device whatever CUDA_VISIBLE_DEVICES numbers it), each one
-    ``reduce_tensor``'s arguments of ``rebuild_cuda_tensor``, unpickled."""
+    """On a GPU the payload is what vLLM's own ``ipc`` engine rebuilds from:
+    handles keyed by the GPU's UUID (the same device whatever
+    CUDA_VISIBLE_DEVICES numbers it), each one ``reduce_tensor``'s arguments
+    of ``rebuild_cuda_tensor``. vLLM 0.32's ``IPCWeightTransferEngine``
+    parses an ``IpcWeights.payload`` and its ``receive_weights`` rebuilds
+    each tensor on the worker's own device index and loads it by name (CUDA
+    stood in for: the device's properties, the rebuild, the model)."""
+    import contextlib
+    import sys
+    import types
+
     import torch.multiprocessing.reductions as reductions
+    import vllm.distributed.weight_transfer.ipc_engine as vllm_ipc
 
     from rayspec.sync import ipc
 
     props = type("Props", (), {"uuid": "GPU-1234"})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    assert ipc.device_key(torch.device("cuda", 1)) == "GPU-1234"
-    args = ("Tensor", (3,), (1,), 0, "Storage", "float32", 1, b"handle", 12, 0, False, b"ref", 0, b"event", True)
-    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, args))
-    cuda_like = type("T", (), {"device": torch.device("cuda", 1)})()
-    assert ipc.share(cuda_like) is args
+    key = ipc.device_key(torch.device("cuda", 1))
+    assert key == "GPU-1234"
+    sent = ("Tensor", (3,), (1,), 0, "Storage", "float32", 1, b"handle", 12, 0, False, b"ref", 0, b"event", True)
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, sent))
+    handle = ipc.share(type("T", (), {"device": torch.device("cuda", 1)})())
+    payload = IpcWeights(["w"], ["float32"], [[3]], [{key: handle}], 12).payload
+
+    rebuilt, loaded = [], []
+    monkeypatch.setattr(vllm_ipc, "rebuild_cuda_tensor", lambda *args: rebuilt.append(args) or torch.ones(3))
+    # its loader's MTP check, which would load vLLM's C++ extension into this process
+    mtp = types.ModuleType("mtp_validation")
+    mtp.disable_mtp_completeness_check = contextlib.nullcontext
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.mtp_validation", mtp)
+    engine = vllm_ipc.IPCWeightTransferEngine.__new__(vllm_ipc.IPCWeightTransferEngine)
+    engine.packed, engine.device = False, torch.device("cuda", 2)  # the worker numbers the GPU 2
+    engine.model = type("Model", (), {"load_weights": lambda self, w: loaded.extend(w)})()
+    engine.receive_weights(engine.parse_update_info(payload))
+    (args,) = rebuilt
+    assert args[6] == 2 and args[:6] == sent[:6] and args[7:] == sent[7:]
+    assert [(n, t.tolist()) for n, t in loaded] == [("w", [1.0, 1.0, 1.0])]

@@ -51,7 +51,8 @@ import ray
 import torch
 
 from rayspec.sync.buckets import plan_buckets, state_dict_nbytes
-from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError, copy_weights
+from rayspec.sync.interfaces import (Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError, copy_weights,
+                                     transfer_round)
 
 log = logging.getLogger(__name__)
 
@@ -567,9 +568,7 @@ class CollectiveReceiver(WeightReceiver):
 
         def load():
             try:
-                engine.start_weight_update(draft=target == "draft")
-                engine.update_weights(update_info)
-                engine.finish_weight_update()
+                transfer_round(engine, target, update_info)
             except Exception:
                 self.group_id = None  # the group is broken: the next refit forms another
                 raise

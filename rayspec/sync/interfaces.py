@@ -44,6 +44,21 @@ def all_landed(response) -> list:
     return results
 
 
+def transfer_round(engine, target: str, update_info: dict[str, Any]) -> None:
+    """One refit of ``target`` through vLLM's weight-transfer round on a
+    replica's engine (``rayspec.rollout.vllm.engines``):
+    ``start_weight_update`` (``start_draft_weight_update`` for the draft
+    head), ``update_weights`` with the worker-side engine's ``update_info``,
+    ``finish_weight_update``.
+
+    Raises:
+        Whatever the workers' engine raised (vLLM ends the round then).
+    """
+    engine.start_weight_update(draft=target == "draft")
+    engine.update_weights(update_info)
+    engine.finish_weight_update()
+
+
 class Refit:
     """A refit on its way to every replica. ``results()`` waits until it has
     landed (the rollout pipeline's refit tracking calls it) and returns the

@@ -56,7 +56,7 @@ from typing import Any, Iterable
 import torch
 
 from rayspec.sync.buckets import state_dict_nbytes
-from rayspec.sync.interfaces import Refit, WeightReceiver, all_landed
+from rayspec.sync.interfaces import Refit, WeightReceiver, all_landed, transfer_round
 from rayspec.sync.object_store import ObjectStoreSender
 from rayspec.sync.shared_memory import SHM, remove_orphans
 
@@ -347,8 +347,6 @@ class CudaIpcReceiver(WeightReceiver):
             if not self._joined:  # the handshake vLLM's trainer engine makes: unpacked handles
                 engine.init_weight_transfer_engine({"packed": False})
                 self._joined = True
-            engine.start_weight_update(draft=target == "draft")
-            engine.update_weights(payload)
-            engine.finish_weight_update()
+            transfer_round(engine, target, payload)
 
         return self.host.load_refit(target, version, load)

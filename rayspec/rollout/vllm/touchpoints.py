@@ -380,6 +380,24 @@ _WORKER = "vllm.v1.worker.gpu_worker:Worker"  # CPUWorker's base: the CPU and GP
 _WT = "vllm.distributed.weight_transfer"
 _ASYNC = "vllm.v1.engine.async_llm:AsyncLLM"
 _LLM = "vllm.entrypoints.rl.offline:RLOfflineMixin"  # vllm.LLM's RL calls
+
+
+def _rl_calls(owner: str, engine: str) -> tuple[TouchPoint, ...]:
+    """The weight-transfer round and version calls of ``owner`` (vLLM's
+    ``AsyncLLM`` or ``vllm.LLM``), as rayspec's ``engine`` makes them."""
+    return (
+        _tp(f"{owner}.init_weight_transfer_engine", "api", WEIGHT_SYNC, f"{engine}: the workers join the group",
+            params=("request",)),
+        _tp(f"{owner}.update_weights", "api", WEIGHT_SYNC, f"{engine}: a refit's weights", params=("request",)),
+        *(_tp(f"{owner}.{m}", "api", WEIGHT_SYNC, f"{engine}: a refit's round")
+          for m in ("start_weight_update", "start_draft_weight_update")),
+        _tp(f"{owner}.finish_weight_update", "api", WEIGHT_SYNC, f"{engine}: a refit's end",
+            params=("weight_version",)),
+        _tp(f"{owner}.update_weight_version", "api", REFIT, f"{engine}: each policy refit labels the weights",
+            params=("new_version",)),
+    )
+
+
 API_CALLS = (
     _tp(f"{_WORKER}.init_weight_transfer_engine", "api", WEIGHT_SYNC, "a replica's workers join the group",
         params=("init_info",)),
@@ -410,28 +428,12 @@ API_CALLS = (
         "the cpu_ipc twin overrides it", params=("update_info",)),
     _tp(f"{_WT}.nccl_engine:NCCLTrainerInitInfo", "api", WEIGHT_SYNC, "the nccl group between GPUs",
         params=("master_address", "master_port", "world_size", "packed", "packed_buffer_size_bytes")),
-    _tp(f"{_LLM}.init_weight_transfer_engine", "api", WEIGHT_SYNC, "OfflineEngine: the workers join the group",
-        params=("request",)),
-    _tp(f"{_LLM}.update_weights", "api", WEIGHT_SYNC, "OfflineEngine: a refit's weights", params=("request",)),
-    *(_tp(f"{_LLM}.{m}", "api", WEIGHT_SYNC, "OfflineEngine: a refit's round")
-      for m in ("start_weight_update", "start_draft_weight_update")),
-    _tp(f"{_LLM}.finish_weight_update", "api", WEIGHT_SYNC, "OfflineEngine: a refit's end",
-        params=("weight_version",)),
-    _tp(f"{_LLM}.update_weight_version", "api", REFIT, "OfflineEngine: each policy refit labels the weights",
-        params=("new_version",)),
+    *_rl_calls(_LLM, "OfflineEngine"),
     _tp(f"{_ASYNC}.from_engine_args", "api", ENGINE, "AsyncEngine: the replica's engine, its step timer",
         params=("engine_args", "stat_loggers")),
     _tp(f"{_ASYNC}.generate", "api", ENGINE, "a rollout call's requests", params=("prompt", "sampling_params",
                                                                                    "request_id")),
-    _tp(f"{_ASYNC}.init_weight_transfer_engine", "api", WEIGHT_SYNC, "AsyncEngine: the workers join the group",
-        params=("request",)),
-    _tp(f"{_ASYNC}.update_weights", "api", WEIGHT_SYNC, "AsyncEngine: a refit's weights", params=("request",)),
-    *(_tp(f"{_ASYNC}.{m}", "api", WEIGHT_SYNC, "AsyncEngine: a refit's round")
-      for m in ("start_weight_update", "start_draft_weight_update")),
-    _tp(f"{_ASYNC}.finish_weight_update", "api", WEIGHT_SYNC, "AsyncEngine: a refit's end",
-        params=("weight_version",)),
-    _tp(f"{_ASYNC}.update_weight_version", "api", REFIT, "AsyncEngine: each policy refit labels the weights",
-        params=("new_version",)),
+    *_rl_calls(_ASYNC, "AsyncEngine"),
     _tp(f"{_WT}.base:WeightTransferInitRequest", "api", WEIGHT_SYNC, "AsyncEngine's join", params=("init_info",)),
     _tp(f"{_WT}.base:WeightTransferUpdateRequest", "api", WEIGHT_SYNC, "AsyncEngine's refit",
         params=("update_info",)),
