@@ -34,6 +34,19 @@ class RolloutBatch:
         rewards: per sample scalar reward (set by the reward stage).
         advantages: per sample GRPO advantage (set by ``group_advantages``).
         texts: decoded responses (for logs).
+        loss_mask: per sample, per response token, 1 where the policy sampled
+            it and 0 where a tool message put it (multi-turn rollouts,
+            ``rayspec.rollout.agent``); empty: every response token is the policy's.
+        completions: per sample, the assistant and tool messages after the
+            prompt (a multi-turn rollout's; TRL's conversational
+            ``completions``); empty for single-turn rollouts.
+        tool_counts: per sample, a multi-turn rollout's counts (turns,
+            tool_calls, tool_errors, tool_timeouts, malformed_calls, and the
+            spec-decode drafts / accepted tokens of its first turn and of the
+            turns after a tool message); empty for single-turn rollouts.
+        environments: per sample, its environment instance after the
+            trajectory (``rollout.environment``; None where it does not
+            pickle); empty without one.
     """
 
     prompt_ids: list[list[int]]
@@ -45,19 +58,26 @@ class RolloutBatch:
     advantages: list[float] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     weight_versions: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    loss_mask: list[list[int]] = field(default_factory=list)
+    completions: list[list[dict]] = field(default_factory=list)
+    tool_counts: list[dict[str, int]] = field(default_factory=list)
+    environments: list = field(default_factory=list)
+
+    # the per-sample fields, in order (``group`` is renumbered by ``gather``)
+    PER_SAMPLE = ("prompt_ids", "response_ids", "rollout_logprobs", "group", "rewards", "advantages", "texts",
+                  "weight_versions", "loss_mask", "completions", "tool_counts", "environments")
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
+    def select(self, sl: slice) -> "RolloutBatch":
+        """The samples of ``sl`` (an unset field stays empty)."""
+        return replace(self, **{name: getattr(self, name)[sl] for name in self.PER_SAMPLE})
+
     def shard(self, rank: int, world_size: int) -> "RolloutBatch":
         """Contiguous slice ``rank`` of ``world_size`` (len must divide evenly)."""
         n = len(self) // world_size
-        sl = slice(rank * n, (rank + 1) * n)
-        pick = lambda xs: xs[sl] if xs else xs  # noqa: E731
-        return replace(self, prompt_ids=self.prompt_ids[sl], response_ids=self.response_ids[sl],
-                       rollout_logprobs=self.rollout_logprobs[sl], group=self.group[sl],
-                       rewards=pick(self.rewards), advantages=pick(self.advantages),
-                       texts=pick(self.texts), weight_versions=pick(self.weight_versions))
+        return self.select(slice(rank * n, (rank + 1) * n))
 
     @staticmethod
     def gather(parts: list[tuple["RolloutBatch", list[int]]]) -> "RolloutBatch":
@@ -68,9 +88,8 @@ class RolloutBatch:
         ids: dict[tuple[int, int], int] = {}
         for n, (b, idx) in enumerate(parts):
             for i in idx:
-                for name in ("prompt_ids", "response_ids", "rollout_logprobs", "rewards", "advantages", "texts",
-                             "weight_versions"):
-                    if getattr(b, name):
+                for name in RolloutBatch.PER_SAMPLE:
+                    if name != "group" and getattr(b, name):
                         getattr(out, name).append(getattr(b, name)[i])
                 out.group.append(ids.setdefault((n, b.group[i]), len(ids)))
         return out
@@ -81,8 +100,7 @@ class RolloutBatch:
         ``join_versions``'."""
         out = RolloutBatch([], [], [], [], policy_version=join_versions(parts))
         for p in parts:
-            for name in ("prompt_ids", "response_ids", "rollout_logprobs", "group",
-                         "rewards", "advantages", "texts", "weight_versions"):
+            for name in RolloutBatch.PER_SAMPLE:
                 getattr(out, name).extend(getattr(p, name))
         return out
 
@@ -93,7 +111,8 @@ class RolloutBatch:
         Returns:
             input_ids [B, L] int64, attention_mask [B, L] int64,
             response_mask [B, L-1] float32 (1 where position t+1 is a response
-            token, aligned with logits[:, :-1]), rollout_logprobs [B, L-1]
+            token the policy sampled, aligned with logits[:, :-1]: 0 on tool
+            tokens, ``loss_mask``), rollout_logprobs [B, L-1]
             float32 (0 off the response), advantages [B] float32.
         """
         seqs = [p + r for p, r in zip(self.prompt_ids, self.response_ids)]
@@ -107,11 +126,24 @@ class RolloutBatch:
             n = len(p) + len(r)
             input_ids[i, :n] = torch.tensor(p + r)
             attn[i, :n] = 1
-            resp_mask[i, len(p) - 1 : n - 1] = 1.0
+            resp_mask[i, len(p) - 1 : n - 1] = torch.tensor(self.loss_mask[i], dtype=torch.float32) \
+                if self.loss_mask else 1.0
             old_lp[i, len(p) - 1 : n - 1] = torch.tensor(lp, dtype=torch.float32)
         adv = torch.tensor(self.advantages or [0.0] * B, dtype=torch.float32)
         return to_device({"input_ids": input_ids, "attention_mask": attn, "response_mask": resp_mask,
                           "rollout_logprobs": old_lp, "advantages": adv}, device)
+
+
+def mask_runs(idx: list[int]) -> list[tuple[int, int]]:
+    """(first, last) of each run of consecutive integers in sorted ``idx``,
+    e.g. the turns of a multi-turn sample: the runs of its ``loss_mask``'s ones."""
+    runs: list[tuple[int, int]] = []
+    for i in idx:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
 
 
 def join_versions(parts: list[RolloutBatch]) -> int:

@@ -429,6 +429,21 @@ class RolloutConfig:
             weights the refit overwrites (the draft's own weights are kept),
             1 copies them to host memory and back. The first sleep, before
             the Train workers build their engines, is level 1.
+        tools: multi-turn rollouts with tools (``rayspec.rollout.agent``,
+            TRL's ``tools``): each ``path/to/file.py:fn`` or
+            ``package.module:fn``, a function with type hints and a
+            docstring (its schema from ``transformers.utils.get_json_schema``).
+        environment: ``path/to/file.py:Class`` (TRL's ``environment_factory``):
+            one instance per trajectory, built with no arguments,
+            ``reset(**row)`` before its first turn, its public methods
+            tools; null: none.
+        max_turns: model turns per trajectory at most (with tools or an environment).
+        max_tool_response_tokens: a tool result is cut to this many tokens.
+        tool_timeout_s: seconds a tool call may take; then the model is told
+            it timed out, and the record counts it.
+        tool_parser: vLLM's tool parser of the model's call format
+            (``hermes``: ``<tool_call>{"name", "arguments"}</tool_call>``, the
+            format rayspec describes to a template without tool support).
     """
 
     num_replicas: int = 1
@@ -451,6 +466,25 @@ class RolloutConfig:
     adaptive_k: AdaptiveKConfig = field(default_factory=AdaptiveKConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     sleep_level: int = 2
+    tools: list[str] = field(default_factory=list)
+    environment: Optional[str] = None
+    max_turns: int = 4
+    max_tool_response_tokens: int = 256
+    tool_timeout_s: float = 10.0
+    tool_parser: str = "hermes"
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether rollouts are multi-turn trajectories (tools or an environment)."""
+        return bool(self.tools) or self.environment is not None
+
+    def agent(self) -> Optional[dict[str, Any]]:
+        """``SpecVLLMEngine``'s ``agent`` argument (None: single-turn rollouts)."""
+        if not self.multi_turn:
+            return None
+        return {"tools": list(self.tools), "environment": self.environment, "tool_parser": self.tool_parser,
+                "max_turns": self.max_turns, "max_tool_response_tokens": self.max_tool_response_tokens,
+                "tool_timeout_s": self.tool_timeout_s}
 
     def validate(self, key: str = "rollout") -> None:
         _check(self.num_replicas >= 1, f"{key}.num_replicas", self.num_replicas, "must be >= 1")
@@ -481,6 +515,19 @@ class RolloutConfig:
                    extra.get(DRAFT_LINEAR_DTYPE), f"expected one of {DRAFT_LINEAR_DTYPES} or null")
             _check(extra.get(DRAFT_LINEAR_DTYPE) != "bfloat16" or self.num_gpus_per_replica == 0, dtype_key,
                    "bfloat16", "a CPU replica setting (rayspec's CPU patch): GPU replicas draft in the model's dtype")
+        for i, f in enumerate(self.tools):
+            _check(isinstance(f, str) and ":" in f and all(f.rsplit(":", 1)), f"{key}.tools[{i}]", f,
+                   "expected path/to/file.py:function or package.module:function")
+        _check(self.environment is None or (":" in self.environment and all(self.environment.rsplit(":", 1))),
+               f"{key}.environment", self.environment, "expected path/to/file.py:Class or package.module:Class")
+        _check(_is_int(self.max_turns) and self.max_turns >= 1, f"{key}.max_turns", self.max_turns,
+               "must be an integer >= 1 (model turns per trajectory)")
+        _check(_is_int(self.max_tool_response_tokens) and self.max_tool_response_tokens >= 1,
+               f"{key}.max_tool_response_tokens", self.max_tool_response_tokens, "must be an integer >= 1 (tokens)")
+        _check(self.tool_timeout_s > 0, f"{key}.tool_timeout_s", self.tool_timeout_s, "must be > 0 (seconds)")
+        _check(not self.multi_turn or self.engine_cls != "offline", f"{key}.engine_cls", self.engine_cls,
+               f"vllm.LLM runs no coroutines of requests, and a trajectory is one: {key}.tools and "
+               f"{key}.environment need {key}.engine_cls=async")
         self.speculative_config.validate(f"{key}.speculative_config")
         self.adaptive_k.validate(f"{key}.adaptive_k")
         self.weight_sync.validate(f"{key}.weight_sync")
@@ -1154,6 +1201,8 @@ def apply_defaults(cfg: dict[str, Any]) -> None:
         if data.get(key) and (data["name"] == "files" or _looks_local(data[key])):
             data[key] = _absolute(data[key])
     cfg["reward"]["functions"] = [_absolute_file(f) for f in cfg["reward"]["functions"]]
+    cfg["rollout"]["tools"] = [_absolute_file(f) for f in cfg["rollout"].get("tools") or []]
+    cfg["rollout"]["environment"] = _absolute_file(cfg["rollout"].get("environment"))
     rollout_gpu = rollout["num_gpus_per_replica"] > 0
     if model["dtype"] == "auto":
         model["dtype"] = auto_dtype(rollout_gpu)[0]

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -21,3 +26,41 @@ def json_tuples(x):
     """JSON's lists back into the tuples a state was made of (e.g. what
     ``random.setstate`` wants)."""
     return tuple(json_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def import_object(spec: str, key: str, error: type[Exception] = ValueError) -> Any:
+    """The object ``spec`` names: ``path/to/file.py:name`` (a path ending in
+    ``.py``; its own sibling modules import) or ``package.module:name``.
+    Each file is imported once per process, under a module name of its own
+    (two files' helpers never collide).
+
+    Raises:
+        error: naming ``key``: no such file, the file or module raised on
+            import (with its error), or it has no ``name``.
+    """
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise error(f"{key}: no file {path}")
+        module_name = f"rayspec_user_{path.stem}_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]}"
+        module = sys.modules.get(module_name)
+        if module is None:
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.path.insert(0, str(path.resolve().parent))
+            try:
+                module_spec.loader.exec_module(module)
+            except Exception as e:
+                raise error(f"{key}: importing {path} raised {type(e).__name__}: {e}") from e
+            finally:
+                sys.path.remove(str(path.resolve().parent))
+            sys.modules[module_name] = module
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:
+            raise error(f"{key}: cannot import module {where!r}: {type(e).__name__}: {e}") from e
+    if not hasattr(module, name):
+        raise error(f"{key}: {where} has no {name!r}")
+    return getattr(module, name)

@@ -138,7 +138,33 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
     if rollout.overlong_penalty is not None:  # reward_mean includes it; the task's reward is the difference
         record["overlong_penalty_mean"] = sum(rollout.overlong_penalty) / len(rollout.overlong_penalty)
     record.update(draft_fields)
+    record.update(trajectory_fields(batch))
     return record
+
+
+def trajectory_fields(batch) -> dict[str, Any]:
+    """A multi-turn rollout's record (``RolloutBatch.tool_counts``; {} for
+    single-turn): per-sample means of turns, the share of samples that
+    called a tool, the counts of calls, errors, timeouts and malformed
+    calls, the share of response tokens a tool wrote (masked out of the
+    loss), and the acceptance length of first turns and of turns after a
+    tool message (1 + accepted / drafts; None where nothing was drafted)."""
+    counts = batch.tool_counts
+    if not counts:
+        return {}
+    total = {k: sum(c[k] for c in counts) for k in counts[0]}
+    tokens = sum(len(m) for m in batch.loss_mask)
+
+    def accept_len(kind: str):
+        drafts = total[f"drafts_{kind}"]
+        return 1 + total[f"accepted_{kind}"] / drafts if drafts else None
+
+    return {"turns_mean": total["turns"] / len(counts),
+            "tool_call_rate": sum(c["tool_calls"] > 0 for c in counts) / len(counts),
+            **{k: total[k] for k in ("tool_calls", "tool_errors", "tool_timeouts", "malformed_calls")},
+            "tool_token_share": (tokens - sum(map(sum, batch.loss_mask))) / tokens if tokens else 0.0,
+            "acceptance_length_first_turn": accept_len("first_turn"),
+            "acceptance_length_after_tool": accept_len("after_tool")}
 
 
 def format_step_line(m: dict[str, Any]) -> str:
@@ -154,6 +180,9 @@ def format_step_line(m: dict[str, Any]) -> str:
         reward += f" | dropped {m['groups_dropped']} groups, {m['sampling_rounds']} rounds"
     line = (f"step {m['step']:>4} | {reward} | "
             f"accept_len {m['acceptance_length']:.2f} | accept/pos [{rates}] | ")
+    if "turns_mean" in m:  # multi-turn rollouts
+        line += (f"turns {m['turns_mean']:.2f} tool calls {m['tool_calls']} ({m['tool_call_rate']:.0%} of samples, "
+                 f"{m['tool_errors']} errors, {m['malformed_calls']} malformed) | ")
     if m.get("draft_acceptance_length_estimate") is not None:  # the DraftTrainer's, carried while idle
         age = m["draft_estimate_age"]
         line += (f"draft est {m['draft_acceptance_length_estimate']:.2f}"

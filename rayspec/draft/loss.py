@@ -44,6 +44,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from rayspec.batch import mask_runs
 from rayspec.draft.eagle3 import Eagle3Head
 
 
@@ -400,28 +401,33 @@ def replay_chains(hits: torch.Tensor, loss_mask: torch.Tensor, k: int,
         loss_mask, k, max_new_tokens: as ``replay_drafting``'s.
 
     Returns:
-        per sequence, (response length in tokens, [(tokens the sequence had
-        generated when the draft was made, drafts of it accepted)], one
-        entry per draft in order).
+        per sequence, (response tokens the policy sampled, [(tokens the
+        sequence had generated when the draft was made, drafts of it
+        accepted)], one entry per draft in order). A multi-turn sample's
+        turns (runs of ``loss_mask``) replay one after another, each
+        starting after its own first token.
     """
     out = []
     for b in range(loss_mask.shape[0]):
-        resp = loss_mask[b].nonzero().flatten()
-        if len(resp) < 2:
-            out.append((len(resp), []))
-            continue
-        first, last = int(resp[0]) + 1, int(resp[-1]) + 1  # response token indices
-        limit = min(max_new_tokens or last - first + 1, last - first + 1)
-        hit = hits[b, :, :k].tolist()
-        t, generated, chains = first - 1, 1, []  # the prefill samples the first response token
-        while generated < limit:
-            n, avail = 0, min(k, last - t - 1)
-            while n < avail and hit[t][n]:
-                n += 1
-            chains.append((generated, n))
-            t, generated = t + n + 1, generated + n + 1
-        out.append((last - first + 1, chains))
+        resp = loss_mask[b].nonzero().flatten().tolist()
+        chains: list[tuple[int, int]] = []
+        hit = hits[b, :, :k].tolist() if len(resp) >= 2 else []
+        before = 0  # the sample's tokens generated before this run
+        # each run of the mask is a turn the replica decoded on its own (a multi-turn sample's tool tokens
+        # between them were prefilled, ``rayspec.rollout.agent``): its first token is the prefill's
+        for first, last in mask_runs([s + 1 for s in resp]):  # response token indices
+            limit = min(max_new_tokens or last - first + 1, last - first + 1)
+            t, generated = first - 1, 1
+            while generated < limit:
+                n, avail = 0, min(k, last - t - 1)
+                while n < avail and hit[t][n]:
+                    n += 1
+                chains.append((before + generated, n))
+                t, generated = t + n + 1, generated + n + 1
+            before += last - first + 1
+        out.append((len(resp), chains))
     return out
+
 
 
 def drafting_counts(chains: list[tuple[int, list[tuple[int, int]]]], k: int) -> tuple[int, list[int]]:

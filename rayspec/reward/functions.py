@@ -5,15 +5,11 @@ columns in TRL's form ``fn(prompts, completions, completion_ids, **columns)``.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import sys
-from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from rayspec.config import BUILTIN_REWARDS
+from rayspec.files import import_object
 from rayspec.reward import builtins
 
 STANDARD_ARGS = ("prompts", "completions", "completion_ids")
@@ -22,27 +18,6 @@ STANDARD_ARGS = ("prompts", "completions", "completion_ids")
 class RewardFunctionError(ValueError):
     """A reward function cannot be imported or called as TRL's form asks;
     the message names ``reward.functions[i]``."""
-
-
-def _import_file(file: str, key: str) -> Any:
-    path = Path(file).expanduser()
-    if not path.is_file():
-        raise RewardFunctionError(f"{key}: no file {path}")
-    # a module name of its own per file, so two files' helpers never collide
-    name = f"rayspec_reward_{path.stem}_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.resolve().parent))  # the file's own sibling modules import
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        raise RewardFunctionError(f"{key}: importing {path} raised {type(e).__name__}: {e}") from e
-    finally:
-        sys.path.remove(str(path.resolve().parent))
-    sys.modules[name] = module
-    return module
 
 
 def resolve(spec: str, key: str, format_pattern: str | None = None) -> Callable:
@@ -57,19 +32,9 @@ def resolve(spec: str, key: str, format_pattern: str | None = None) -> Callable:
     """
     if spec in BUILTIN_REWARDS:
         return builtins.format_reward(format_pattern) if spec == "format" else getattr(builtins, spec)
-    where, name = spec.rsplit(":", 1)
-    if where.endswith(".py"):
-        module = _import_file(where, key)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except Exception as e:
-            raise RewardFunctionError(f"{key}: cannot import module {where!r}: {type(e).__name__}: {e}") from e
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise RewardFunctionError(f"{key}: {where} has no {name!r}")
+    fn = import_object(spec, key, RewardFunctionError)
     if not callable(fn):
-        raise RewardFunctionError(f"{key}: {where}:{name} is a {type(fn).__name__}, not a function")
+        raise RewardFunctionError(f"{key}: {spec} is a {type(fn).__name__}, not a function")
     return fn
 
 

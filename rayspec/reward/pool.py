@@ -108,15 +108,16 @@ class RewardPool:
         RewardFunctionError: a worker cannot import a function (on its node).
     """
 
-    def __init__(self, reward: RewardConfig, columns: set[str]):
+    def __init__(self, reward: RewardConfig, columns: set[str], environments: bool = False):
         self.cfg, self.columns = reward, sorted(columns)
+        self.environments = environments
         self.names = reward.names
         self.weights = list(reward.weights) if reward.weights is not None else [1.0] * len(self.names)
         self.workers = [self._start() for _ in range(reward.num_workers)]
 
     def _start(self):
         worker = RewardWorker.options(scheduling_strategy="DEFAULT").remote(  # not in the Train group's bundles
-            list(self.cfg.functions), self.cfg.format_pattern, self.columns)
+            list(self.cfg.functions), self.cfg.format_pattern, self.columns + ["environments"] * self.environments)
         try:
             ray.get(worker.ready.remote(), timeout=READY_TIMEOUT_S)
         except ray.exceptions.RayActorError as e:
@@ -132,17 +133,24 @@ class RewardPool:
             ray.kill(worker, no_restart=True)
         self.workers = []
 
-    def score(self, problems: list[Problem], texts: list[str], completion_ids: list[list[int]]) -> RewardResult:
+    def score(self, problems: list[Problem], texts: list[str], completion_ids: list[list[int]],
+              completions: list[list[dict]] | None = None, environments: list | None = None) -> RewardResult:
         """Score each sample: ``problems[i]`` answered by ``texts[i]`` (token
-        ids ``completion_ids[i]``).
+        ids ``completion_ids[i]``). ``completions``: a multi-turn rollout's
+        messages after the prompt (TRL's conversational completions; None:
+        ``texts[i]`` as one assistant message, or as is for a string
+        prompt). ``environments``: their environment instances, passed as
+        ``environments`` (TRL's keyword).
 
         Raises:
             RewardError: see the module docstring and :class:`RewardError`.
         """
         n, nf = len(texts), len(self.names)
         kwargs = {"prompts": [p.prompt for p in problems],
-                  "completions": [t if isinstance(p.prompt, str) else [{"role": "assistant", "content": t}]
-                                  for p, t in zip(problems, texts)],
+                  "completions": completions or [t if isinstance(p.prompt, str) else
+                                                 [{"role": "assistant", "content": t}]
+                                                 for p, t in zip(problems, texts)],
+                  **({"environments": environments} if environments is not None else {}),
                   "completion_ids": [list(c) for c in completion_ids],
                   **{c: [p.columns.get(c) for p in problems] for c in self.columns}}
         per = -(-n // len(self.workers))

@@ -121,7 +121,8 @@ class RolloutClient:
         self.handle, self.num_shards, self.by_group = handle, num_shards, by_group
 
     def submit(self, prompt_ids: list[list[int]], seed: int | None = None,
-               catch_up: Optional[Callable[[dict], dict]] = None, **kwargs: Any) -> PendingRollout:
+               catch_up: Optional[Callable[[dict], dict]] = None, rows: Optional[list[dict]] = None,
+               **kwargs: Any) -> PendingRollout:
         """Send the prompts to the replicas as request units; returns
         without waiting.
 
@@ -130,6 +131,8 @@ class RolloutClient:
             seed: each unit samples with ``shard_seed(seed, its first prompt)``
                 (None: the replicas' own random streams).
             catch_up: see PendingRollout.
+            rows: per prompt, its dataset row (multi-turn rollouts,
+                ``SpecVLLMEngine.generate``), split with the prompts.
             kwargs: further ``SpecVLLMEngine.generate`` arguments (sampling,
                 ``refits``, ``draft_acceptance``).
         """
@@ -137,7 +140,8 @@ class RolloutClient:
         bounds = [round(i * len(prompt_ids) / num_shards) for i in range(num_shards + 1)]
         return PendingRollout(self.handle, [
             {"prompt_ids": prompt_ids[a:b], "group_offset": a,
-             "seed": None if seed is None else shard_seed(seed, a), **kwargs}
+             "seed": None if seed is None else shard_seed(seed, a), **kwargs,
+             **({"rows": rows[a:b]} if rows is not None else {})}
             for a, b in zip(bounds, bounds[1:]) if b > a], catch_up=catch_up)
 
     def generate(self, prompt_ids: list[list[int]], **kwargs: Any) -> tuple[RolloutBatch, SpecStats]:

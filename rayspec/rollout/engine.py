@@ -189,6 +189,45 @@ def _host_hardware() -> str:
     return f"{cpu} x{os.cpu_count()}" + (f" + {gpu}" if gpu else "")
 
 
+def _agent_runner(model: str, agent: dict[str, Any]):
+    """The replica's ``AgentRunner`` of ``agent`` (``SpecVLLMEngine``'s argument)."""
+    from rayspec.models import load_tokenizer
+    from rayspec.rollout.agent import AgentRunner, Toolset
+
+    agent = dict(agent)
+    toolset = Toolset.load(agent.pop("tools", []), agent.pop("environment", None))
+    return AgentRunner(toolset, load_tokenizer(model), **agent)
+
+
+def _single_turn(outs: list, group_offset: int) -> RolloutBatch:
+    """The batch of single-turn ``RequestOutput``s, grouped by prompt."""
+    batch = RolloutBatch([], [], [], [])
+    for i, out in enumerate(outs):
+        for c in out.outputs:
+            batch.prompt_ids.append(list(out.prompt_token_ids))
+            batch.response_ids.append(list(c.token_ids))
+            batch.rollout_logprobs.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            batch.group.append(group_offset + i)
+            batch.texts.append(c.text)
+            batch.weight_versions.append([(int(w.version), w.start, w.end) for w in c.weight_versions or ()])
+    return batch
+
+
+def _picklable(obj: Any) -> Any:
+    """``obj``, or None where Ray cannot pickle it (an environment holding a
+    socket or a lock: its rollout still reaches the trainer; its reward
+    functions get None for it)."""
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.dumps(obj)
+        return obj
+    except Exception as e:
+        log.warning("an environment of type %s does not pickle (%s: %s): the reward functions get None for it",
+                    type(obj).__name__, type(e).__name__, e)
+        return None
+
+
 class ReplicaBehind(RuntimeError):
     """A rollout reached a replica holding older weights than the trainer
     sent, through a weight-sync group the replica is not in (Serve started it
@@ -372,6 +411,12 @@ class SpecVLLMEngine:
         in_flight_updates: refits land while requests are in flight
             (``load_refit``); needs an engine class that takes calls at once
             (``concurrent``).
+        agent: multi-turn rollouts with tools (``rayspec.rollout.agent``):
+            ``AgentRunner``'s arguments, ``tools`` and ``environment`` the
+            config's references (``rollout.tools``, ``rollout.environment``);
+            ``generate`` then runs a trajectory per sample where it is given
+            the dataset rows. Needs an engine class that runs coroutines of
+            requests (``AsyncEngine``). None: single-turn rollouts only.
 
     Attributes:
         model_runner: the vLLM model runner class the worker runs
@@ -389,7 +434,8 @@ class SpecVLLMEngine:
                  env: Optional[dict[str, str]] = None,
                  cpu_cores_by_node: Optional[dict[str, list[int]]] = None,
                  adaptive_k: Optional[dict[str, Any]] = None, log_level: Optional[str] = None,
-                 engine_cls: Any = None, in_flight_updates: bool = False):
+                 engine_cls: Any = None, in_flight_updates: bool = False,
+                 agent: Optional[dict[str, Any]] = None):
         if log_level is not None:
             _log_to_serve_replica(log_level)
         require_vllm()
@@ -429,6 +475,9 @@ class SpecVLLMEngine:
         if engine_cls is None:
             engine_cls = "offline" if {**os.environ, **env}.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "async"
         engine_cls = engine_class(engine_cls) if isinstance(engine_cls, str) else engine_cls
+        if agent is not None and not hasattr(engine_cls, "generate_one"):
+            raise ValueError(f"rollout.tools / rollout.environment: {engine_cls.__name__} runs no coroutines of "
+                             "requests (a trajectory is one); use rollout.engine_cls=async")
         if in_flight_updates and not engine_cls.concurrent:
             raise ValueError(f"in_flight_updates: {engine_cls.__name__} takes one call at a time, so no refit can "
                              "meet requests in flight (scheduler.in_flight_updates needs rollout.engine_cls=async)")
@@ -472,6 +521,7 @@ class SpecVLLMEngine:
                                   f"{self.model_runner} (vLLM 0.33 does so for methods other than ngram, "
                                   "eagle, eagle3, mtp, draft_model and dflash on the V1 runner): turn "
                                   "rollout.adaptive_k.enabled off for this method")
+        self.agent = _agent_runner(str(model), agent) if agent is not None else None
         self.adaptive: Optional[adaptive_k_mod.AdaptiveK] = None
         self._estimated_version = -1  # the draft version whose estimate the controller has
         if adaptive_k is not None and spec is not None:
@@ -588,8 +638,11 @@ class SpecVLLMEngine:
                  top_p: float = 1.0, max_tokens: int = 128, group_offset: int = 0,
                  seed: Optional[int] = None,
                  refits: Optional[dict[str, tuple[int, Any]]] = None,
-                 draft_acceptance: Optional[tuple] = None) -> tuple[RolloutBatch, SpecStats]:
-        """Sample ``n`` responses per prompt.
+                 draft_acceptance: Optional[tuple] = None,
+                 rows: Optional[list[dict[str, Any]]] = None) -> tuple[RolloutBatch, SpecStats]:
+        """Sample ``n`` responses per prompt: single-turn, or, on an engine
+        built with ``agent`` and given ``rows``, ``n`` multi-turn
+        trajectories per prompt (``rayspec.rollout.agent``).
 
         Args:
             prompt_ids: token ids per prompt.
@@ -616,6 +669,10 @@ class SpecVLLMEngine:
                 rollout in flight]); adaptive k drafts by them where this
                 replica holds that version and has not had them yet
                 (``AdaptiveK.draft_estimated``). Ignored otherwise.
+            rows: per prompt, its dataset row (``prompt`` messages and
+                columns: the environment's ``reset`` arguments), for
+                multi-turn rollouts; ``prompt_ids`` are then
+                ``AgentRunner.prompt_ids`` of the messages.
 
         Returns:
             (RolloutBatch with ``n * len(prompt_ids)`` rows, grouped by prompt,
@@ -646,21 +703,14 @@ class SpecVLLMEngine:
                                 max_tokens=max_tokens, logprobs=0)
         t0 = time.perf_counter()
         with self._rollout_window(seed, temperature) as window:
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params)
-            wall = time.perf_counter() - t0
-            batch = RolloutBatch([], [], [], [])
-            for i, out in enumerate(outs):
-                for c in out.outputs:
-                    batch.prompt_ids.append(list(out.prompt_token_ids))
-                    batch.response_ids.append(list(c.token_ids))
-                    batch.rollout_logprobs.append(
-                        [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-                    batch.group.append(group_offset + i)
-                    batch.texts.append(c.text)
-                    batch.weight_versions.append(
-                        [(int(w.version), w.start, w.end) for w in c.weight_versions or ()])
-            stats = completion_stats(outs, wall)
-            window.add(stats, [len(r) for r in batch.response_ids])
+            if self.agent is not None and rows is not None:
+                batch, outs = self._trajectories(prompt_ids, rows, n, params, group_offset)
+            else:
+                outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params)
+                batch = _single_turn(outs, group_offset)
+            stats = completion_stats(outs, time.perf_counter() - t0)
+            # the tokens each sample decoded (a trajectory's tool tokens were prefilled)
+            window.add(stats, [sum(m) for m in batch.loss_mask] or [len(r) for r in batch.response_ids])
         # the versions vLLM labelled the tokens with (the oldest: the batch's lag), else the one
         # loaded when the call ended (no tokens)
         batch.policy_version = min((v for spans in batch.weight_versions for v, _, _ in spans),
@@ -670,6 +720,45 @@ class SpecVLLMEngine:
         stats.draft_stale_repairs = repairs
         stats.replicas = {self.replica_id: dataclasses.replace(stats)}
         return batch, stats
+
+    def _trajectories(self, prompt_ids: list[list[int]], rows: list[dict[str, Any]], n: int, params,
+                      group_offset: int) -> tuple[RolloutBatch, list]:
+        """``n`` trajectories per prompt, each its own coroutine of requests
+        on the engine's loop (continuous batching across them); returns
+        (the batch, every turn's ``RequestOutput``)."""
+        import asyncio
+
+        from vllm import TokensPrompt
+
+        from rayspec.rollout.agent import turn_counts
+
+        one = params.clone()
+        one.n = 1
+
+        async def generate(ids: list[int], max_tokens: int):
+            p = one.clone()
+            p.max_tokens = max_tokens
+            return await self.llm.generate_one(TokensPrompt(prompt_token_ids=ids), p)
+
+        async def all_of():
+            return await asyncio.gather(*(self.agent.run(generate, p, row, params.max_tokens)
+                                          for p, row in zip(prompt_ids, rows) for _ in range(n)))
+
+        trajectories = self.llm.run(all_of())
+        batch = RolloutBatch([], [], [], [])
+        for j, t in enumerate(trajectories):
+            batch.prompt_ids.append(list(prompt_ids[j // n]))
+            batch.response_ids.append(t.response_ids)
+            batch.rollout_logprobs.append(t.logprobs)
+            batch.loss_mask.append(t.loss_mask)
+            batch.group.append(group_offset + j // n)
+            batch.texts.append(t.messages[-1]["content"] if t.messages else "")
+            batch.completions.append(t.messages)
+            batch.weight_versions.append(t.weight_versions)
+            batch.tool_counts.append({**t.counts, **turn_counts(t.outputs)})
+        if self.agent.toolset.environment is not None:
+            batch.environments = [_picklable(t.environment) for t in trajectories]
+        return batch, [o for t in trajectories for o in t.outputs]
 
     @contextlib.contextmanager
     def _rollout_window(self, seed: Optional[int], temperature: float):

@@ -93,7 +93,7 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
                           engine_kwargs=engine_kwargs, env=env, cpu_cores_by_node=cores,
                           adaptive_k=adaptive, log_level=cfg.logging.level, engine_cls=cfg.rollout.engine_cls,
                           max_ongoing_requests=cfg.rollout.max_ongoing_requests,
-                          in_flight_updates=cfg.scheduler.in_flight_updates)
+                          in_flight_updates=cfg.scheduler.in_flight_updates, agent=cfg.rollout.agent())
     return serve.run(app, name=APP_NAME, route_prefix=None)
 
 

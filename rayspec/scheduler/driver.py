@@ -187,8 +187,45 @@ def check_inputs(cfg: RunConfig) -> str:
         except ValueError as e:
             key = "data.eval_path" if cfg.data.eval_path else "data.eval_num_problems"
             raise ConfigError(f"{key}={getattr(cfg.data, key.split('.')[1])}: {e}") from None
-    check_reward_functions(cfg.reward, set(problems[0].columns))
+    check_reward_functions(cfg.reward, set(problems[0].columns) | ({"environments"} if cfg.rollout.environment
+                                                                   else set()))
+    if cfg.rollout.multi_turn:
+        check_agent(cfg, str(model_dir), problems)
     return str(model_dir)
+
+
+def check_agent(cfg: RunConfig, model_dir: str, problems: list) -> None:
+    """Before anything starts: the tools and the environment of a
+    multi-turn run import and have schemas, the environment builds with no
+    arguments, the tool parser exists, the chat template renders tool
+    messages, and every prompt is a conversation (a chat template renders
+    the tools and the turns).
+
+    Raises:
+        ConfigError: naming the key, file or row at fault and the fix.
+    """
+    from rayspec.models import load_tokenizer
+    from rayspec.rollout.agent import ToolCallParser, ToolError, Toolset, check_template
+
+    try:
+        toolset = Toolset.load(cfg.rollout.tools, cfg.rollout.environment)
+        if toolset.environment is not None:
+            try:
+                toolset.environment()
+            except Exception as e:
+                raise ToolError(f"rollout.environment={cfg.rollout.environment}: {toolset.environment.__name__}() "
+                                f"raised {type(e).__name__}: {e} (one instance is built per trajectory, with no "
+                                "arguments; the row comes to reset)") from None
+        tokenizer = load_tokenizer(model_dir)
+        check_template(tokenizer, cfg.model.path)
+        ToolCallParser(cfg.rollout.tool_parser, tokenizer, toolset.schemas())
+    except ToolError as e:
+        raise ConfigError(str(e)) from None
+    plain = next((p for p in problems if isinstance(p.prompt, str)), None)
+    if plain is not None:
+        raise ConfigError(f"rollout.tools / rollout.environment: row {plain.index} of {plain.source} has a string "
+                          "prompt; multi-turn rollouts need conversational prompts (a list of role/content "
+                          "messages), which the chat template renders with the tools")
 
 
 def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],

@@ -73,14 +73,20 @@ class Coordinator:
         self._draft_acceptance = draft_acceptance
         problems, self.eval_problems = train_and_heldout(
             cfg.data, cfg.data.eval_num_problems if cfg.trainer.eval_every else 0)
-        self.rewards = rewards or RewardPool(cfg.reward, set(problems[0].columns))
+        self.rewards = rewards or RewardPool(cfg.reward, set(problems[0].columns),
+                                             environments=cfg.rollout.environment is not None)
+        self._render = None  # multi-turn: the prompt with the tools (rayspec.rollout.agent)
+        if cfg.rollout.multi_turn:
+            from rayspec.rollout.agent import prompt_renderer
+
+            self._render = prompt_renderer(cfg.rollout, tokenizer)
         self.prompts = PromptSource(problems, cfg.data.prompts_per_step, cfg.data.seed)
         lag = cfg.scheduler.max_policy_lag if cfg.scheduler.mode == "async" else 0
         self.pipeline = RolloutPipeline(self._submit, lag, cfg.trainer.steps - 1)
         self.log = metrics_log or MetricsLog(cfg.trainer.run_dir)
         self.dashboard = dashboard
         # a resumed run's baseline (the initial policy's greedy answers) is on disk
-        self.eval_prompts = [prompt_ids(tokenizer, p) for p in self.eval_problems]
+        self.eval_prompts = [self._prompt_ids(p) for p in self.eval_problems]
         self.eval_baseline = read_baseline(cfg.trainer.run_dir, self.eval_problems)
         self.evals: list[dict[str, Any]] = []  # evaluations since the last step record
         self.sleep_reported = False
@@ -175,8 +181,18 @@ class Coordinator:
 
     def score(self, batch: RolloutBatch, problems: list) -> RewardResult:
         """The reward functions' scores of ``batch``, whose group ``g``
-        answers ``problems[g]``."""
-        return self.rewards.score([problems[g] for g in batch.group], batch.texts, batch.response_ids)
+        answers ``problems[g]`` (a multi-turn sample's ``completions`` are
+        its messages, with its environment, as TRL passes them)."""
+        return self.rewards.score([problems[g] for g in batch.group], batch.texts, batch.response_ids,
+                                  batch.completions or None, batch.environments or None)
+
+    def _prompt_ids(self, problem) -> list[int]:
+        """A problem's prompt tokens (with the tools, for multi-turn rollouts)."""
+        return self._render(problem.prompt) if self._render else prompt_ids(self.tokenizer, problem)
+
+    def _rows(self, problems: list) -> dict[str, Any]:
+        """``generate``'s ``rows`` (multi-turn rollouts: the environments' ``reset`` arguments), else {}."""
+        return {"rows": [{"prompt": p.prompt, **p.columns} for p in problems]} if self._render else {}
 
     def advantages(self, rollout: Rollout) -> None:
         """GRPO advantages over each prompt's group, in place."""
@@ -247,7 +263,7 @@ class Coordinator:
         problems = self.prompts.next_batch()
         self.batches += 1
         pending = self.rollouts.submit(
-            [prompt_ids(self.tokenizer, p) for p in problems],
+            [self._prompt_ids(p) for p in problems], **self._rows(problems),
             seed=shard_seed(cfg.trainer.seed, self.batches), refits=self.sender.rollout_refits(),
             catch_up=self.sender.catch_up, draft_acceptance=self._draft_acceptance(),
             n=cfg.grpo.group_size, temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
@@ -266,7 +282,7 @@ class Coordinator:
         t0 = time.perf_counter()
         prompts = self.eval_prompts
         common = {"refits": self.sender.rollout_refits(), "catch_up": self.sender.catch_up,
-                  "max_tokens": cfg.grpo.max_new_tokens}
+                  "max_tokens": cfg.grpo.max_new_tokens, **self._rows(self.eval_problems)}
         greedy, _ = self.rollouts.generate(prompts, n=1, temperature=0.0, **common)
         # the same seed at every evaluation: common random numbers across versions
         sampled, stats = self.rollouts.generate(prompts, seed=shard_seed(cfg.trainer.seed, EVAL_SEED_KEY),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import sys
 from types import SimpleNamespace
@@ -175,9 +176,7 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
     feature_refs = []
     n_micro = 0
     for start in range(0, len(batch), micro):
-        part = RolloutBatch(batch.prompt_ids[start:start + micro], batch.response_ids[start:start + micro],
-                            batch.rollout_logprobs[start:start + micro], batch.group[start:start + micro],
-                            advantages=batch.advantages[start:start + micro])
+        part = batch.select(slice(start, start + micro))
         t = part.to_padded(pad_id, engine.device)
         with (capture_eagle3_features(engine.module, aux_layer_ids) if aux_layer_ids
               else contextlib.nullcontext({})) as feats:
@@ -333,7 +332,9 @@ class PolicyWorker:
     def share(self, rollout) -> RolloutBatch:
         """Rank 0's rollout batch (``Coordinator.next_rollout``; None on the
         other ranks) on every rank (collective), as this rank's shard."""
-        batch = self.ranks.broadcast(rollout.batch if rollout is not None else None)
+        # a multi-turn rollout's messages and environments are the reward's, not the trainer's
+        batch = self.ranks.broadcast(dataclasses.replace(rollout.batch, completions=[], environments=[])
+                                     if rollout is not None else None)
         return batch.shard(self.ranks.rank, self.ranks.world)
 
     def feature_chunks(self, shard: RolloutBatch) -> int:

@@ -23,7 +23,9 @@ Both give the same synchronous, thread-safe calls: ``generate``,
 ``call_utility``, ``shutdown``, and ``vllm_config``. ``ENGINE_CLASSES``
 names them for ``rollout.engine_cls``; a class of one's own
 (``"module:Class"``) that gives the same calls plugs in the same way, as Ray
-Serve LLM's ``engine_cls`` does.
+Serve LLM's ``engine_cls`` does. ``AsyncEngine`` alone also runs coroutines
+of requests (``run``, ``generate_one``): the multi-turn trajectories of
+``rayspec.rollout.agent``, each its own coroutine.
 """
 
 from __future__ import annotations
@@ -189,16 +191,32 @@ class AsyncEngine:
         per_prompt = list(map(final_only, params)) if isinstance(params, list) else \
             [final_only(params)] * len(prompts)
 
-        async def one(prompt, p):
-            final = None
-            async for out in self.engine.generate(prompt, p, request_id=f"rayspec-{next(self._ids)}"):
-                final = out
-            return final
-
         async def all_of():
-            return await asyncio.gather(*map(one, prompts, per_prompt))
+            return await asyncio.gather(*map(self._final, prompts, per_prompt))
 
         return self._run(all_of())
+
+    async def _final(self, prompt, params):
+        """The final ``RequestOutput`` of one request (``params.output_kind`` FINAL_ONLY)."""
+        final = None
+        async for out in self.engine.generate(prompt, params, request_id=f"rayspec-{next(self._ids)}"):
+            final = out
+        return final
+
+    async def generate_one(self, prompt, params):
+        """A coroutine on the engine's loop (``run``): the final
+        ``RequestOutput`` of one request (``params``: one ``SamplingParams``).
+        A multi-turn trajectory (``rayspec.rollout.agent``) awaits one per turn."""
+        from vllm.sampling_params import RequestOutputKind
+
+        params = params.clone()
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        return await self._final(prompt, params)
+
+    def run(self, coro) -> Any:
+        """``coro`` (e.g. trajectories awaiting ``generate_one``) run on the
+        engine's loop; its result, waited for here."""
+        return self._run(coro)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
         return self._run(self.engine.collective_rpc(method, args=args, kwargs=kwargs))
