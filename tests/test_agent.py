@@ -81,6 +81,9 @@ class Ledger:
         self.calls.append(note)
         return f"noted {len(self.calls)}"
 
+    def get_reward(self) -> float:
+        return float(len(self.calls))
+
 
 class NoReset:
     def look(self, x: int) -> int:
@@ -110,7 +113,8 @@ def tokenizer(smollm2_dir):
 def test_tools_without_type_hints_or_docstring_and_environments_without_reset_are_refused(tools_file):
     ok = Toolset.load([f"{tools_file}:multiply"], f"{tools_file}:Ledger")
     names = [s["function"]["name"] for s in ok.schemas()]
-    assert names == ["multiply", "record"]  # reset is not a tool; the schema from the type hints and docstring
+    assert names == ["multiply", "record"]  # reset and get_reward are no tools; the schema from hints and docstring
+    assert ok.reward_name() == "Ledger" and Toolset.load([f"{tools_file}:multiply"], None).reward_name() is None
     assert ok.schemas()[0]["function"]["parameters"]["properties"]["a"] == {"type": "integer",
                                                                              "description": "the first factor."}
     for spec, env, words in ((f"{tools_file}:untyped", None, ["rollout.tools[0]", "untyped", "type hints"]),

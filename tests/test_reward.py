@@ -130,6 +130,35 @@ def test_the_pool_sums_weighted_scores_and_averages_each_function_where_it_appli
     assert result.errors == 0
 
 
+def _env(score):
+    """An environment as the replica sends it back (pickled: the reward workers receive it too)."""
+    from types import SimpleNamespace
+
+    def get_reward():
+        if score == "boom":
+            raise OSError("sandbox gone")
+        return score
+    return SimpleNamespace(get_reward=get_reward)
+
+
+def test_an_environments_get_reward_is_a_reward_of_weight_one(ray_session, rewards_file):
+    """TRL's rule: an environment class with get_reward() adds its value,
+    weight 1, under the class name; the functions get ``environments``."""
+    pool = RewardPool(load_config(None, [f"reward.functions=[{rewards_file}:by_level]"]).reward, {"answer", "level"},
+                      environments=True, environment_reward="Ledger")
+    try:
+        result = pool.score(_problems([2, 2, 1]), ["a", "b", "c"], [[1]] * 3,
+                            environments=[_env(0.5), None, _env(2)])
+        assert result.values["Ledger"] == [0.5, None, 2.0] and result.rewards == [1.5, 1.0, 2.0]
+        assert result.per_function["Ledger"] == 1.25
+        with pytest.raises(RewardError, match="Ledger.get_reward raised OSError: sandbox gone on sample 1"):
+            pool.score(_problems([1, 1]), ["a", "b"], [[1]] * 2, environments=[_env(1), _env("boom")])
+        with pytest.raises(RewardError, match="Ledger.get_reward returned nan on sample 0"):
+            pool.score(_problems([1]), ["a"], [[1]], environments=[_env(float("nan"))])
+    finally:
+        pool.close()
+
+
 def test_a_failing_sample_is_named_or_zeroed_and_the_others_keep_their_scores(ray_session, rewards_file):
     texts = ["#### 7", "boom", "#### 7", "hang"]
     pool = _pool([f"{rewards_file}:picky", "last_number"], timeout_s=2, num_workers=2)

@@ -46,8 +46,10 @@ class FakeEngine:
         self.replica_id = "fake-0"
 
     def generate(self, prompt_ids, n=1, temperature=1.0, top_p=1.0, max_tokens=8, group_offset=0, seed=None,
-                 refits=None, draft_acceptance=None):
+                 refits=None, draft_acceptance=None, rows=None):
         self.calls.append(("generate", self.policy_version, self.draft_version, draft_acceptance is not None))
+        if rows is not None:
+            return self._trajectories(prompt_ids, rows, n, group_offset)
         batch = RolloutBatch([], [], [], [], policy_version=self.policy_version)
         for i, p in enumerate(prompt_ids):
             for j in range(n):
@@ -62,6 +64,27 @@ class FakeEngine:
                           output_tokens=sum(map(len, batch.response_ids)), wall_s=0.01)
         stats.replicas = {self.replica_id: SpecStats(**{**stats.__dict__, "replicas": {}})}
         return batch, stats
+
+    def _trajectories(self, prompt_ids, rows, n, group_offset):
+        """Multi-turn samples: a call, a tool message (masked), the row's answer; an environment whose
+        get_reward() is 0.5."""
+        batch = RolloutBatch([], [], [], [], policy_version=self.policy_version)
+        for i, (p, row) in enumerate(zip(prompt_ids, rows)):
+            for _ in range(n):
+                batch.prompt_ids.append(list(p))
+                batch.response_ids.append([1, 2, 9, 9, 3])
+                batch.loss_mask.append([1, 1, 0, 0, 1])
+                batch.rollout_logprobs.append([-0.5, -0.5, 0.0, 0.0, -0.5])
+                batch.group.append(group_offset + i)
+                batch.texts.append(row["answer"])
+                batch.completions.append([{"role": "assistant", "content": "<tool_call>..."},
+                                          {"role": "tool", "name": "look", "content": "9"},
+                                          {"role": "assistant", "content": row["answer"]}])
+                batch.tool_counts.append({"turns": 2, "tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0,
+                                          "malformed_calls": 0, "drafts_first_turn": 2, "accepted_first_turn": 1,
+                                          "drafts_after_tool": 1, "accepted_after_tool": 2})
+                batch.environments.append(SimpleNamespace(get_reward=lambda: 0.5))
+        return batch, SpecStats(output_tokens=3 * len(batch), wall_s=0.01, replicas={self.replica_id: SpecStats()})
 
     def sleep(self, level=1):
         self.calls.append(("sleep", level))
@@ -242,6 +265,29 @@ def _run(tmp_path, draft_online: bool, steps: int = 3, overrides: tuple = (), re
         if states is not None:
             states.update(policy.states)
     return cfg, calls, read_metrics(tmp_path)
+
+
+def test_a_multi_turn_run_trains_on_trajectories_and_records_their_tools(ray_session, tmp_path):
+    """With an environment, the rows reach the replicas, the reward is the
+    functions' plus the environment's get_reward() (weight 1, TRL's rule),
+    the policy trains on the masked trajectories, and the record carries
+    the turns, the tool calls and the acceptance by turn."""
+    env = tmp_path / "env.py"
+    env.write_text("class Lookup:\n    def reset(self, **row):\n        pass\n\n"
+                   "    def look(self, key: str) -> str:\n        \"\"\"Look.\n\n        Args:\n"
+                   "            key: what.\n        \"\"\"\n        return key\n\n"
+                   "    def get_reward(self) -> float:\n        return 0.5\n")
+    seen = []
+    _, calls, records = _run(tmp_path / "run", draft_online=False, steps=2,
+                             overrides=(f"rollout.environment={env}:Lookup",), records=seen)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        # the texts are the rows' answers: last_number scores them 1; Lookup.get_reward adds 0.5
+        assert r["rewards"] == {"last_number": 1.0, "Lookup": 0.5} and r["reward_mean"] == 1.5
+        assert r["turns_mean"] == 2 and r["tool_calls"] == 4 and r["tool_call_rate"] == 1.0
+        assert r["tool_token_share"] == 0.4 and r["tool_errors"] == r["malformed_calls"] == 0
+        assert r["acceptance_length_first_turn"] == 1.5 and r["acceptance_length_after_tool"] == 3.0
+    assert ("update", 4, False) in calls
 
 
 def test_steps_run_their_phases_in_order_with_the_draft_beside_the_policy(ray_session, tmp_path):

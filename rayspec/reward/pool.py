@@ -102,15 +102,22 @@ class RewardWorker:
 
 class RewardPool:
     """The reward functions of ``reward`` over the dataset's ``columns``, in
-    ``reward.num_workers`` Ray actors (module docstring).
+    ``reward.num_workers`` Ray actors (module docstring). ``environments``:
+    the functions also get multi-turn rollouts' environment instances;
+    ``environment_reward``: the name of an environment class with a
+    ``get_reward()`` (TRL's: called once per trajectory, here on the
+    instance as the trajectory left it, added with weight 1).
 
     Raises:
         RewardFunctionError: a worker cannot import a function (on its node).
     """
 
-    def __init__(self, reward: RewardConfig, columns: set[str], environments: bool = False):
+    def __init__(self, reward: RewardConfig, columns: set[str], environments: bool = False,
+                 environment_reward: str | None = None):
         self.cfg, self.columns = reward, sorted(columns)
         self.environments = environments
+        # TRL's rule: an environment class with get_reward() is a reward source of its own, weight 1, by its name
+        self.environment_reward = environment_reward
         self.names = reward.names
         self.weights = list(reward.weights) if reward.weights is not None else [1.0] * len(self.names)
         self.workers = [self._start() for _ in range(reward.num_workers)]
@@ -175,8 +182,35 @@ class RewardPool:
         errors = self._handle(failed, problems, texts)
         for f, s in failed:  # reward.on_error=zero: a failed score is a 0, in the function's mean too
             values[f][s] = 0.0
-        rewards = [sum(wt * (values[f][s] or 0.0) for f, wt in enumerate(self.weights)) for s in range(n)]
-        return RewardResult(rewards, dict(zip(self.names, values)), errors)
+        names, weights = list(self.names), list(self.weights)
+        if self.environment_reward and environments is not None:
+            values.append(self._environment_rewards(environments))
+            names.append(self.environment_reward)
+            weights.append(1.0)
+        rewards = [sum(wt * (values[f][s] or 0.0) for f, wt in enumerate(weights)) for s in range(n)]
+        return RewardResult(rewards, dict(zip(names, values)), errors)
+
+    def _environment_rewards(self, environments: list) -> list[float | None]:
+        """Each environment's ``get_reward()`` (None where the instance did not pickle back).
+
+        Raises:
+            RewardError: a ``get_reward`` raised or returned no finite number (named).
+        """
+        out = []
+        for i, env in enumerate(environments):
+            if env is None:
+                out.append(None)
+                continue
+            try:
+                got = env.get_reward()
+            except Exception as e:  # the user's environment: named with the sample
+                raise RewardError(f"{self.environment_reward}.get_reward raised {type(e).__name__}: {e} on sample "
+                                  f"{i} of the batch") from e
+            if not (isinstance(got, numbers.Real) and math.isfinite(got)):
+                raise RewardError(f"{self.environment_reward}.get_reward returned {got!r} on sample {i} of the "
+                                  "batch: expected a finite float")
+            out.append(float(got))
+        return out
 
     def _isolate(self, w: int, fns, chunk: list[int], kwargs, values, failed) -> None:
         """Run functions ``fns`` on each sample of ``chunk`` alone, on worker

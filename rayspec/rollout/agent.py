@@ -119,6 +119,12 @@ class Toolset:
         out.schemas(None, environment)
         return out
 
+    def reward_name(self) -> Optional[str]:
+        """The environment class's name where it defines ``get_reward`` (a
+        reward source of its own, TRL's rule), else None."""
+        has = self.environment is not None and callable(getattr(self.environment, "get_reward", None))
+        return self.environment.__name__ if has else None
+
     def methods(self, env) -> list[Callable]:
         """The environment instance's tools: its public methods other than
         ``reset`` and ``get_reward`` (TRL's rule), bound."""
@@ -455,14 +461,9 @@ def turn_counts(outputs: list) -> dict[str, int]:
             "drafts_after_tool": later.num_drafts, "accepted_after_tool": later.num_accepted_tokens}
 
 
-def prompt_renderer(rollout, tokenizer) -> Callable[[list[dict]], list[int]]:
-    """The driver's ``agent_prompt_ids`` for ``cfg.rollout``'s tools (the
-    replicas render the same, ``AgentRunner.prompt_ids``).
-
-    Raises:
-        ToolError: see ``Toolset.load``.
-    """
-    toolset = Toolset.load(rollout.tools, rollout.environment)
+def prompt_renderer(toolset: Toolset, tokenizer) -> Callable[[list[dict]], list[int]]:
+    """The driver's ``agent_prompt_ids`` for ``toolset`` (the replicas
+    render the same, ``AgentRunner.prompt_ids``)."""
     schemas, native = toolset.schemas(), template_renders_tools(tokenizer)
     return lambda messages: agent_prompt_ids(tokenizer, messages, schemas, native)
 

@@ -73,13 +73,16 @@ class Coordinator:
         self._draft_acceptance = draft_acceptance
         problems, self.eval_problems = train_and_heldout(
             cfg.data, cfg.data.eval_num_problems if cfg.trainer.eval_every else 0)
-        self.rewards = rewards or RewardPool(cfg.reward, set(problems[0].columns),
-                                             environments=cfg.rollout.environment is not None)
-        self._render = None  # multi-turn: the prompt with the tools (rayspec.rollout.agent)
+        self._render, env_reward = None, None  # multi-turn: the prompt with the tools (rayspec.rollout.agent)
         if cfg.rollout.multi_turn:
-            from rayspec.rollout.agent import prompt_renderer
+            from rayspec.rollout.agent import Toolset, prompt_renderer
 
-            self._render = prompt_renderer(cfg.rollout, tokenizer)
+            toolset = Toolset.load(cfg.rollout.tools, cfg.rollout.environment)
+            self._render = prompt_renderer(toolset, tokenizer)
+            env_reward = toolset.reward_name()
+        self.rewards = rewards or RewardPool(cfg.reward, set(problems[0].columns),
+                                             environments=cfg.rollout.environment is not None,
+                                             environment_reward=env_reward)
         self.prompts = PromptSource(problems, cfg.data.prompts_per_step, cfg.data.seed)
         lag = cfg.scheduler.max_policy_lag if cfg.scheduler.mode == "async" else 0
         self.pipeline = RolloutPipeline(self._submit, lag, cfg.trainer.steps - 1)
