@@ -148,7 +148,10 @@ def trajectory_fields(batch) -> dict[str, Any]:
     called a tool, the counts of calls, errors, timeouts and malformed
     calls, the share of response tokens a tool wrote (masked out of the
     loss), and the acceptance length of first turns and of turns after a
-    tool message (1 + accepted / drafts; None where nothing was drafted)."""
+    tool message (1 + accepted / drafts; None where nothing was drafted);
+    with n-gram drafts at a fixed k, ``tool_copied_tokens``: the accepted
+    draft tokens copied from the trajectories' own tool messages
+    (``agent.ngram_copies``)."""
     counts = batch.tool_counts
     if not counts:
         return {}
@@ -164,7 +167,8 @@ def trajectory_fields(batch) -> dict[str, Any]:
             **{k: total[k] for k in ("tool_calls", "tool_errors", "tool_timeouts", "malformed_calls")},
             "tool_token_share": (tokens - sum(map(sum, batch.loss_mask))) / tokens if tokens else 0.0,
             "acceptance_length_first_turn": accept_len("first_turn"),
-            "acceptance_length_after_tool": accept_len("after_tool")}
+            "acceptance_length_after_tool": accept_len("after_tool"),
+            **({"tool_copied_tokens": total["accepted_from_tool"]} if "accepted_from_tool" in total else {})}
 
 
 def format_step_line(m: dict[str, Any]) -> str:

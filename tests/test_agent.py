@@ -15,7 +15,7 @@ import torch
 
 from rayspec.batch import RolloutBatch
 from rayspec.rollout.agent import (TEXT_FORMAT, AgentRunner, ToolError, Toolset, agent_prompt_ids, check_template,
-                                   template_renders_tools, tool_suffix_ids)
+                                   ngram_copies, template_renders_tools, tool_suffix_ids)
 from tests.conftest import engine_kwargs
 
 TOOLS = '''
@@ -376,6 +376,11 @@ def test_trajectories_on_vllm_are_the_sequences_the_trainer_scores(smollm2_dir, 
         assert ids[start:end] == tool_suffix_ids(tokenizer, [tool])
         assert ids[start - 1] == tokenizer.eos_token_id  # the model's turn ended on EOS, as generated
     assert stats.num_drafts > 0 and sum(c["drafts_after_tool"] for c in batch.tool_counts) > 0
+    # n-gram drafts at a fixed k: each trajectory's accepted drafts copied from its tool message, by replay
+    for c, p, r, m in zip(batch.tool_counts, batch.prompt_ids, batch.response_ids, batch.loss_mask):
+        assert c["accepted_from_tool"] == ngram_copies(p, r, m, 3, 2, 4)["accepted_from_tool"]
+        assert c["accepted_from_tool"] <= c["accepted_after_tool"]  # vLLM's own count of those turns
+    assert sum(c["accepted_from_tool"] for c in batch.tool_counts) > 0  # the answer copies the tool's number
     t = batch.to_padded(tokenizer.pad_token_id)
     policy = load_policy(smollm2_dir, torch.float32)
     with torch.no_grad():

@@ -82,7 +82,8 @@ class FakeEngine:
                                           {"role": "assistant", "content": row["answer"]}])
                 batch.tool_counts.append({"turns": 2, "tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0,
                                           "malformed_calls": 0, "drafts_first_turn": 2, "accepted_first_turn": 1,
-                                          "drafts_after_tool": 1, "accepted_after_tool": 2})
+                                          "drafts_after_tool": 1, "accepted_after_tool": 2,
+                                          "accepted_from_tool": 1})
                 batch.environments.append(SimpleNamespace(get_reward=lambda: 0.5))
         return batch, SpecStats(output_tokens=3 * len(batch), wall_s=0.01, replicas={self.replica_id: SpecStats()})
 
@@ -287,6 +288,7 @@ def test_a_multi_turn_run_trains_on_trajectories_and_records_their_tools(ray_ses
         assert r["turns_mean"] == 2 and r["tool_calls"] == 4 and r["tool_call_rate"] == 1.0
         assert r["tool_token_share"] == 0.4 and r["tool_errors"] == r["malformed_calls"] == 0
         assert r["acceptance_length_first_turn"] == 1.5 and r["acceptance_length_after_tool"] == 3.0
+        assert r["tool_copied_tokens"] == 4
     assert ("update", 4, False) in calls
 
 

@@ -730,7 +730,7 @@ class SpecVLLMEngine:
 
         from vllm import TokensPrompt
 
-        from rayspec.rollout.agent import turn_counts
+        from rayspec.rollout.agent import ngram_copies, turn_counts
 
         one = params.clone()
         one.n = 1
@@ -756,6 +756,12 @@ class SpecVLLMEngine:
             batch.completions.append(t.messages)
             batch.weight_versions.append(t.weight_versions)
             batch.tool_counts.append({**t.counts, **turn_counts(t.outputs)})
+        spec = self.llm.vllm_config.speculative_config  # vLLM's, its defaults filled in
+        if spec is not None and spec.method == "ngram" and self.adaptive is None:  # a fixed k: an exact replay
+            for counts, p, r, m in zip(batch.tool_counts, batch.prompt_ids, batch.response_ids, batch.loss_mask):
+                counts["accepted_from_tool"] = ngram_copies(p, r, m, spec.num_speculative_tokens,
+                                                            spec.prompt_lookup_min,
+                                                            spec.prompt_lookup_max)["accepted_from_tool"]
         if self.agent.toolset.environment is not None:
             batch.environments = [_picklable(t.environment) for t in trajectories]
         return batch, [o for t in trajectories for o in t.outputs]
