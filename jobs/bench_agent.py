@@ -4,7 +4,7 @@ share of accepted n-gram drafts copied from a tool output, and rollout
 seconds, in paired, order-alternating rounds.
 
     python -m jobs.bench_agent [--rounds 4] [--prompts 8] [--group-size 4] [--max-tokens 128]
-        [--methods none,ngram,suffix,eagle3] [--head runs/tool_use/draft_head] [--out bench_agent.json]
+        [--methods none,ngram,suffix,suffix-group,eagle3] [--head runs/tool_use/draft_head] [--out bench_agent.json]
 
 The task is ``examples/tool_use`` (products of 3-digit numbers, a
 ``multiply`` tool, a worked exchange in each prompt), its held-out rows,
@@ -40,7 +40,11 @@ from pathlib import Path
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tool_use"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-METHODS = {"none": None, "ngram": NGRAM, "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+# suffix: the trajectory's own text (prompt, tool outputs, turns); suffix-group: also every response the
+# engine keeps (vLLM's window: the sibling trajectories' turns), as jobs.bench_rollout names them
+METHODS = {"none": None, "ngram": NGRAM,
+           "suffix": {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0},
+           "suffix-group": {"method": "suffix", "num_speculative_tokens": 8},
            "eagle3": {"method": "eagle3", "num_speculative_tokens": 3}}
 
 
@@ -51,7 +55,7 @@ def parse_args(argv):
     ap.add_argument("--group-size", type=int, default=4, help="trajectories per prompt (default 4)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens after the prompt (default 128)")
     ap.add_argument("--max-turns", type=int, default=3, help="model turns per trajectory (default 3)")
-    ap.add_argument("--methods", default="none,ngram,suffix,eagle3", help="drafters, comma-separated")
+    ap.add_argument("--methods", default="none,ngram,suffix,suffix-group,eagle3", help="drafters, comma-separated")
     ap.add_argument("--head", default=None, help="EAGLE-3 head directory (eagle3 is left out without it)")
     ap.add_argument("--model", default="bundled:smollm2-135m-instruct")
     ap.add_argument("--cache-dir", default="~/.cache/rayspec")
@@ -97,7 +101,7 @@ def measure(batch, stats, seconds: float, method: str) -> dict:
 
 
 def format_table(rounds: list[dict], methods: list[str]) -> str:
-    lines = [f"{'round':>5}  {'method':<8}{'seconds':>9}{'/ none':>8}{'AL':>6}{'AL 1st':>8}{'AL tool':>9}"
+    lines = [f"{'round':>5}  {'method':<13}{'seconds':>9}{'/ none':>8}{'AL':>6}{'AL 1st':>8}{'AL tool':>9}"
              f"{'calls':>7}{'copied from tool':>18}"]
     for r in rounds:
         for m in methods:
@@ -105,7 +109,7 @@ def format_table(rounds: list[dict], methods: list[str]) -> str:
             ratio = x["seconds"] / r["none"]["seconds"] if "none" in r else float("nan")
             rep = x.get("replay")
             copied = f"{rep['accepted_from_tool']}/{rep['accepted']}" if rep else "-"
-            lines.append(f"{r['round']:>5}  {m:<8}{x['seconds']:>9.2f}{ratio:>8.3f}{x['acceptance_length']:>6.2f}"
+            lines.append(f"{r['round']:>5}  {m:<13}{x['seconds']:>9.2f}{ratio:>8.3f}{x['acceptance_length']:>6.2f}"
                          f"{_fmt(x.get('acceptance_length_first_turn')):>8}"
                          f"{_fmt(x.get('acceptance_length_after_tool')):>9}{x.get('tool_calls', 0):>7}{copied:>18}")
     for r in rounds:
