@@ -124,7 +124,8 @@ class RewardPool:
 
     def _start(self):
         worker = RewardWorker.options(scheduling_strategy="DEFAULT").remote(  # not in the Train group's bundles
-            list(self.cfg.functions), self.cfg.format_pattern, self.columns + ["environments"] * self.environments)
+            list(self.cfg.functions), self.cfg.format_pattern,
+            self.columns + (["environments"] if self.environments else []))  # TRL's keyword, passed as a column
         try:
             ray.get(worker.ready.remote(), timeout=READY_TIMEOUT_S)
         except ray.exceptions.RayActorError as e:

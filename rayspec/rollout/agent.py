@@ -53,6 +53,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from rayspec.batch import mask_runs
 from rayspec.files import import_object
+from rayspec.rollout.spec_stats import completion_stats, sampled_logprobs, weight_spans
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +83,18 @@ class Toolset:
     Attributes:
         functions: the standalone tools (one set for every trajectory).
         environment: the environment class (one instance per trajectory), or None.
-        specs: the config's names of the functions (``file.py:fn``), for errors.
+        schemas: every tool's JSON schema (OpenAI's ``{"type": "function",
+            "function": {...}}``, from ``transformers.utils.get_json_schema``),
+            the functions' then the environment's methods'.
     """
 
     functions: list[Callable]
     environment: Optional[type]
-    specs: list[str] = dataclasses.field(default_factory=list)
+    schemas: list[dict]
 
     @classmethod
     def load(cls, tools: list[str], environment: Optional[str]) -> "Toolset":
-        """Import the tools and the environment class and check them (``check``).
+        """Import the tools and the environment class, check them, and build their schemas.
 
         Raises:
             ToolError: naming ``rollout.tools[i]`` / ``rollout.environment``:
@@ -100,12 +103,14 @@ class Toolset:
                 an environment without a callable ``reset``, or two tools of
                 one name.
         """
+        from transformers.utils import get_json_schema
+
         functions = []
         for i, spec in enumerate(tools):
             fn = import_object(spec, f"rollout.tools[{i}]={spec}", ToolError)
             if not inspect.isfunction(fn):
                 raise ToolError(f"rollout.tools[{i}]={spec}: a {type(fn).__name__}, not a function")
-            functions.append(fn)
+            functions.append((f"rollout.tools[{i}]={spec}", fn))
         env_cls = None
         if environment is not None:
             env_cls = import_object(environment, f"rollout.environment={environment}", ToolError)
@@ -115,9 +120,20 @@ class Toolset:
             if not callable(getattr(env_cls, "reset", None)):
                 raise ToolError(f"rollout.environment={environment}: {env_cls.__name__} has no reset method: "
                                 "define reset(self, **row) (it may return a string appended to the prompt)")
-        out = cls(functions, env_cls, list(tools))
-        out.schemas(None, environment)
-        return out
+            # the methods bound to a bare instance (no __init__ run): their schemas without ``self``
+            functions += [(f"rollout.environment={environment}: method {m.__name__}", m)
+                          for m in _methods(object.__new__(env_cls))]
+        schemas, names = [], set()
+        for key, fn in functions:
+            try:
+                schemas.append(get_json_schema(fn))
+            except Exception as e:  # transformers' DocstringParsingException / TypeHintParsingException
+                raise ToolError(f"{key}: no JSON schema for it ({e}): a tool needs type hints on every argument "
+                                "and a docstring with an Args section, as TRL's tools do") from None
+            if fn.__name__ in names:
+                raise ToolError(f"{key}: a second tool named {fn.__name__!r}")
+            names.add(fn.__name__)
+        return cls([fn for _, fn in functions[:len(tools)]], env_cls, schemas)
 
     def reward_name(self) -> Optional[str]:
         """The environment class's name where it defines ``get_reward`` (a
@@ -125,45 +141,16 @@ class Toolset:
         has = self.environment is not None and callable(getattr(self.environment, "get_reward", None))
         return self.environment.__name__ if has else None
 
-    def methods(self, env) -> list[Callable]:
-        """The environment instance's tools: its public methods other than
-        ``reset`` and ``get_reward`` (TRL's rule), bound."""
-        if env is None:
-            return []
-        return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
-                if not name.startswith("_") and name not in ("reset", "get_reward")]
-
     def callables(self, env) -> dict[str, Callable]:
         """{tool name: function} for a trajectory with environment ``env`` (or None)."""
-        return {fn.__name__: fn for fn in self.functions + self.methods(env)}
+        return {fn.__name__: fn for fn in self.functions + (_methods(env) if env is not None else [])}
 
-    def schemas(self, env=None, environment_key: Optional[str] = None) -> list[dict]:
-        """The tools' JSON schemas (OpenAI's ``{"type": "function",
-        "function": {...}}``, from ``transformers.utils.get_json_schema``).
-        ``env`` None: the environment's methods through a bare instance
-        (``object.__new__``: no ``__init__`` run) where there is a class.
 
-        Raises:
-            ToolError: a tool without type hints or a docstring (naming it).
-        """
-        from transformers.utils import get_json_schema
-
-        if env is None and self.environment is not None:
-            env = object.__new__(self.environment)
-        keys = [f"rollout.tools[{i}]={s}" for i, s in enumerate(self.specs)] + \
-            [f"rollout.environment={environment_key or self.environment.__name__}: method {m.__name__}"
-             for m in self.methods(env)]
-        out, names = [], set()
-        for key, fn in zip(keys, self.functions + self.methods(env)):
-            try:
-                out.append(get_json_schema(fn))
-            except Exception as e:  # transformers' DocstringParsingException / TypeHintParsingException
-                raise ToolError(f"{key}: no JSON schema for it ({e}): a tool needs type hints on every argument "
-                                "and a docstring with an Args section, as TRL's tools do") from None
-            if fn.__name__ in names:
-                raise ToolError(f"{key}: a second tool named {fn.__name__!r}")
-            names.add(fn.__name__)
-        return out
+def _methods(env) -> list[Callable]:
+    """An environment instance's tools: its public methods other than
+    ``reset`` and ``get_reward`` (TRL's rule), bound."""
+    return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+            if not name.startswith("_") and name not in ("reset", "get_reward")]
 
 
 def template_renders_tools(tokenizer) -> bool:
@@ -353,7 +340,7 @@ class AgentRunner:
                  max_tool_response_tokens: int = 256, tool_timeout_s: float = 10.0, max_tool_threads: int = 32):
         self.toolset, self.tokenizer = toolset, tokenizer
         self.native = template_renders_tools(tokenizer)
-        self.schemas = toolset.schemas()
+        self.schemas = toolset.schemas
         self.parser = ToolCallParser(tool_parser, tokenizer, self.schemas)
         self.max_turns, self.max_tool_response_tokens = max_turns, max_tool_response_tokens
         self.tool_timeout_s = tool_timeout_s
@@ -388,8 +375,8 @@ class AgentRunner:
             traj.outputs.append(out)
             c = out.outputs[0]
             start = len(traj.response_ids)
-            traj.add(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], model=True)
-            traj.weight_versions += [(int(w.version), start + w.start, start + w.end) for w in c.weight_versions or ()]
+            traj.add(list(c.token_ids), sampled_logprobs(c), model=True)
+            traj.weight_versions += weight_spans(c, start)
             traj.counts["turns"] += 1
             ids = list(c.token_ids)
             text = self.tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids, skip_special_tokens=False)
@@ -454,8 +441,6 @@ def turn_counts(outputs: list) -> dict[str, int]:
     first turn and of the turns after a tool message (each turn's
     ``RequestOutput``, ``completion_stats``): acceptance length by turn is
     1 + accepted / drafts."""
-    from rayspec.rollout.spec_stats import completion_stats
-
     first, later = completion_stats(outputs[:1]), completion_stats(outputs[1:])
     return {"drafts_first_turn": first.num_drafts, "accepted_first_turn": first.num_accepted_tokens,
             "drafts_after_tool": later.num_drafts, "accepted_after_tool": later.num_accepted_tokens}
@@ -464,7 +449,7 @@ def turn_counts(outputs: list) -> dict[str, int]:
 def prompt_renderer(toolset: Toolset, tokenizer) -> Callable[[list[dict]], list[int]]:
     """The driver's ``agent_prompt_ids`` for ``toolset`` (the replicas
     render the same, ``AgentRunner.prompt_ids``)."""
-    schemas, native = toolset.schemas(), template_renders_tools(tokenizer)
+    schemas, native = toolset.schemas, template_renders_tools(tokenizer)
     return lambda messages: agent_prompt_ids(tokenizer, messages, schemas, native)
 
 

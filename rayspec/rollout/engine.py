@@ -24,7 +24,7 @@ from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, MODEL_RUNNER_ENV, MODEL_
 from rayspec.files import write_text_atomic
 from rayspec.models.acceptance import read_acceptance
 from rayspec.rollout import adaptive as adaptive_k_mod
-from rayspec.rollout.spec_stats import SpecStats, completion_stats
+from rayspec.rollout.spec_stats import SpecStats, completion_stats, sampled_logprobs, weight_spans
 from rayspec.rollout.vllm import require_vllm, vllm_version
 from rayspec.rollout.vllm import step_timer
 from rayspec.rollout.vllm.spec_schedule import set_schedule
@@ -206,10 +206,10 @@ def _single_turn(outs: list, group_offset: int) -> RolloutBatch:
         for c in out.outputs:
             batch.prompt_ids.append(list(out.prompt_token_ids))
             batch.response_ids.append(list(c.token_ids))
-            batch.rollout_logprobs.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            batch.rollout_logprobs.append(sampled_logprobs(c))
             batch.group.append(group_offset + i)
             batch.texts.append(c.text)
-            batch.weight_versions.append([(int(w.version), w.start, w.end) for w in c.weight_versions or ()])
+            batch.weight_versions.append(weight_spans(c))
     return batch
 
 

@@ -1,4 +1,5 @@
-"""Speculative-decoding statistics from vLLM's own per-request metrics, and the watch over them."""
+"""Speculative-decoding statistics from vLLM's own per-request metrics, the watch over them, and what a
+rollout reads of a vLLM completion (its sampled logprobs and weight versions)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,17 @@ class SpecStats:
             self.draft_stale_repairs + other.draft_stale_repairs,
             self.k_reason or other.k_reason,
         )
+
+
+def sampled_logprobs(c) -> list[float]:
+    """A vLLM ``CompletionOutput``'s logprob of each token it sampled (built with ``logprobs=0``)."""
+    return [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+
+
+def weight_spans(c, offset: int = 0) -> list[tuple[int, int, int]]:
+    """A vLLM ``CompletionOutput``'s [(policy version, start, end)] token spans
+    (``CompletionOutput.weight_versions``), moved by ``offset`` tokens."""
+    return [(int(w.version), offset + w.start, offset + w.end) for w in c.weight_versions or ()]
 
 
 def completion_stats(outputs, wall_s: float = 0.0) -> SpecStats:

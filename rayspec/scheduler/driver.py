@@ -218,7 +218,7 @@ def check_agent(cfg: RunConfig, model_dir: str, problems: list) -> None:
                                 "arguments; the row comes to reset)") from None
         tokenizer = load_tokenizer(model_dir)
         check_template(tokenizer, cfg.model.path)
-        ToolCallParser(cfg.rollout.tool_parser, tokenizer, toolset.schemas())
+        ToolCallParser(cfg.rollout.tool_parser, tokenizer, toolset.schemas)
     except ToolError as e:
         raise ConfigError(str(e)) from None
     plain = next((p for p in problems if isinstance(p.prompt, str)), None)
