@@ -1,7 +1,7 @@
 """Speculation over multi-turn rollouts with a tool: per drafter, the
 acceptance length of first turns against turns after a tool message, the
-share of accepted n-gram drafts copied from a tool output, and rollout
-seconds, in paired, order-alternating rounds.
+share of accepted n-gram and suffix drafts copied from a tool output, and
+rollout seconds, in paired, order-alternating rounds.
 
     python -m jobs.bench_agent [--rounds 4] [--prompts 8] [--group-size 4] [--max-tokens 128]
         [--methods none,ngram,suffix,suffix-group,eagle3] [--head runs/tool_use/draft_head] [--out bench_agent.json]
@@ -19,10 +19,13 @@ drafters (speculation is lossless: the same distribution, not the same
 draws), so a round compares draws of the same prompts, and the seconds are
 compared as ratios to ``none`` over rounds.
 
-The n-gram copy share replays vLLM's n-gram drafter over each trajectory
-(``rayspec.rollout.agent.ngram_copies``); its drafts and accepted tokens
-are printed beside vLLM's own counts, which they equal where the replay is
-exact.
+The copy share replays vLLM's n-gram drafter, and its suffix drafter over
+a trajectory's own text, over each trajectory
+(``rayspec.rollout.agent.drafted_copies``); the replay's drafts and accepted
+tokens are printed beside vLLM's own counts, which they equal where the
+replay is exact. ``suffix-group`` has no replay (its cache is the engine's
+timing); its engine also indexes each tool output for the other
+trajectories (``worker_ext.rayspec_index_suffix_text``).
 
 Prints a table, writes JSON (``--out``) and a plot beside it.
 """
@@ -41,7 +44,8 @@ from pathlib import Path
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tool_use"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 # suffix: the trajectory's own text (prompt, tool outputs, turns); suffix-group: also every response the
-# engine keeps (vLLM's window: the sibling trajectories' turns), as jobs.bench_rollout names them
+# engine keeps (vLLM's window: the sibling trajectories' turns) and their tool outputs, as jobs.bench_rollout
+# names them
 METHODS = {"none": None, "ngram": NGRAM,
            "suffix": {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0},
            "suffix-group": {"method": "suffix", "num_speculative_tokens": 8},
@@ -83,20 +87,26 @@ def engine(model_dir: Path, method: str, head: str | None, max_turns: int):
                           agent={"tools": [f"{EXAMPLE / 'tools.py'}:multiply"], "max_turns": max_turns})
 
 
-def measure(batch, stats, seconds: float, method: str) -> dict:
-    """One rollout's figures (``agent.turn_counts`` summed; the n-gram replay for ``ngram``)."""
+def replay(e):
+    """The exact replay of engine ``e``'s drafter (``agent.replay_for``), or None."""
+    from rayspec.rollout.agent import replay_for
+
+    return replay_for(e.llm.vllm_config.speculative_config, adaptive=False)
+
+
+def measure(batch, stats, seconds: float, replay) -> dict:
+    """One rollout's figures (``agent.turn_counts`` summed; the drafter's replay, ``replay``'s, where not None)."""
     from rayspec.metrics import trajectory_fields
-    from rayspec.rollout.agent import ngram_copies
+    from rayspec.rollout.agent import drafted_copies
 
     out = {"seconds": seconds, "tokens": stats.output_tokens, "acceptance_length": stats.acceptance_length,
            "num_drafts": stats.num_drafts, "num_accepted_tokens": stats.num_accepted_tokens,
            "accepted_after_tool": sum(c["accepted_after_tool"] for c in batch.tool_counts),
            **trajectory_fields(batch)}
-    if method == "ngram":
-        replay = [ngram_copies(p, r, m, NGRAM["num_speculative_tokens"], NGRAM["prompt_lookup_min"],
-                               NGRAM["prompt_lookup_max"])
-                  for p, r, m in zip(batch.prompt_ids, batch.response_ids, batch.loss_mask)]
-        out["replay"] = {k: sum(x[k] for x in replay) for k in replay[0]}
+    if replay is not None:
+        counts = [drafted_copies(p, r, m, replay) for p, r, m in zip(batch.prompt_ids, batch.response_ids,
+                                                                        batch.loss_mask)]
+        out["replay"] = {k: sum(x[k] for x in counts) for k in counts[0]}
     return out
 
 
@@ -113,12 +123,13 @@ def format_table(rounds: list[dict], methods: list[str]) -> str:
                          f"{_fmt(x.get('acceptance_length_first_turn')):>8}"
                          f"{_fmt(x.get('acceptance_length_after_tool')):>9}{x.get('tool_calls', 0):>7}{copied:>18}")
     for r in rounds:
-        rep = r.get("ngram", {}).get("replay")
-        if rep:
-            x = r["ngram"]
-            lines.append(f"round {r['round']} ngram replay: drafts {rep['drafts']} (vLLM {x['num_drafts']}), accepted "
-                         f"{rep['accepted']} (vLLM {x['num_accepted_tokens']}), copied from a tool output "
-                         f"{rep['accepted_from_tool']} (of {x['accepted_after_tool']} accepted after a tool message)")
+        for m in methods:
+            rep, x = r[m].get("replay"), r[m]
+            if rep:
+                lines.append(f"round {r['round']} {m} replay: drafts {rep['drafts']} (vLLM {x['num_drafts']}), "
+                             f"accepted {rep['accepted']} (vLLM {x['num_accepted_tokens']}), copied from a tool "
+                             f"output {rep['accepted_from_tool']} (of {x['accepted_after_tool']} accepted after a "
+                             "tool message)")
     if rounds and "none" in rounds[0]:
         for m in methods:
             if m != "none":
@@ -172,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model_path(args.model, args.cache_dir)
     rows = example_rows(args.rounds * args.prompts)
     engines = {m: engine(model_dir, m, args.head, args.max_turns) for m in methods}
+    replays = {m: replay(e) for m, e in engines.items()}
     rounds: list[dict] = []
     try:
         agent = next(iter(engines.values())).agent
@@ -186,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 batch, stats = engines[m].generate(prompts, n=args.group_size, temperature=1.0,
                                                    max_tokens=args.max_tokens, rows=part, seed=r)
-                row[m] = measure(batch, stats, time.perf_counter() - t0, m)
+                row[m] = measure(batch, stats, time.perf_counter() - t0, replays[m])
             rounds.append(row)
             print("\n".join(format_table([row], methods).splitlines()[1:len(methods) + 1]), flush=True)
     finally:

@@ -149,9 +149,9 @@ def trajectory_fields(batch) -> dict[str, Any]:
     calls, the share of response tokens a tool wrote (masked out of the
     loss), and the acceptance length of first turns and of turns after a
     tool message (1 + accepted / drafts; None where nothing was drafted);
-    with n-gram drafts at a fixed k, ``tool_copied_tokens``: the accepted
-    draft tokens copied from the trajectories' own tool messages
-    (``agent.ngram_copies``)."""
+    with n-gram drafts, or suffix drafts over a trajectory's own text, at a
+    fixed k, ``tool_copied_tokens``: the accepted draft tokens copied from
+    the trajectories' own tool messages (``agent.drafted_copies``)."""
     counts = batch.tool_counts
     if not counts:
         return {}

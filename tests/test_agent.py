@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from rayspec.batch import RolloutBatch
-from rayspec.rollout.agent import (TEXT_FORMAT, AgentRunner, ToolError, Toolset, agent_prompt_ids, check_template,
-                                   ngram_copies, template_renders_tools, tool_suffix_ids)
+from rayspec.rollout.agent import (TEXT_FORMAT, AgentRunner, NgramReplay, SuffixReplay, ToolError, Toolset,
+                                   agent_prompt_ids, check_template, drafted_copies, template_renders_tools,
+                                   tool_suffix_ids)
 from tests.conftest import engine_kwargs
 
 TOOLS = '''
@@ -185,7 +186,12 @@ def test_a_trajectory_keeps_the_tokens_as_generated_and_masks_the_tool_messages(
     row = {"prompt": messages, "answer": "408"}
     turns = [_call("multiply", a=12, b=34), _call("record", note="408"), "The answer is 408."]
     generate, seen = _script(tokenizer, turns)
-    t = asyncio.run(runner.run(generate, runner.prompt_ids(messages), row, 400))
+    shared = []
+
+    async def share(ids):  # what the group-suffix drafter is handed
+        shared.append((list(ids), len(seen)))
+
+    t = asyncio.run(runner.run(generate, runner.prompt_ids(messages), row, 400, share=share))
     # reset's string went to the last user message before the first turn
     first_prompt = seen[0][0]
     assert first_prompt == runner.prompt_ids([{"role": "user", "content": "What is 12 * 34? (use the ledger)"}])
@@ -197,6 +203,7 @@ def test_a_trajectory_keeps_the_tokens_as_generated_and_masks_the_tool_messages(
     model = [tokenizer(x, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for x in turns]
     suffix = [tool_suffix_ids(tokenizer, [m]) for m in t.messages if m["role"] == "tool"]
     assert t.response_ids == model[0] + suffix[0] + model[1] + suffix[1] + model[2]
+    assert shared == [(suffix[0], 1), (suffix[1], 2)]  # each tool message, before the turn that reads it
     assert t.loss_mask == [1] * len(model[0]) + [0] * len(suffix[0]) + [1] * len(model[1]) + \
         [0] * len(suffix[1]) + [1] * len(model[2])
     assert [lp for lp, m in zip(t.logprobs, t.loss_mask) if not m] == [0.0] * (len(suffix[0]) + len(suffix[1]))
@@ -334,6 +341,87 @@ def test_replay_treats_each_turn_as_its_own_decode():
         (10, [(1, 3), (5, 3), (9, 1)])
 
 
+def _suffix_proposer(max_cached_requests: int, k: int = 3):
+    """vLLM's own suffix proposer (no engine: its config is all it reads)."""
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+    spec = SimpleNamespace(num_speculative_tokens=k, suffix_decoding_max_tree_depth=24,
+                           suffix_decoding_max_cached_requests=max_cached_requests,
+                           suffix_decoding_max_spec_factor=2.0, suffix_decoding_min_token_prob=0.1)
+    return SuffixDecodingProposer(SimpleNamespace(speculative_config=spec,
+                                                  model_config=SimpleNamespace(max_model_len=1024)))
+
+
+def _input_batch(req_id: str, tokens: list[int], num_prompt_tokens: int):
+    """What ``SuffixDecodingProposer.propose`` reads of vLLM's input batch, for one request."""
+    import numpy as np
+
+    ids = np.zeros((1, 1024), dtype=np.int32)
+    ids[0, :len(tokens)] = tokens
+    return SimpleNamespace(req_ids=[req_id], req_id_to_index={req_id: 0}, num_tokens_no_spec=[len(tokens)],
+                           num_prompt_tokens=[num_prompt_tokens], token_ids_cpu=ids)
+
+
+def test_the_suffix_replay_drafts_what_vllms_suffix_proposer_drafts():
+    """``SuffixReplay`` feeds Arctic Inference's cache as vLLM's proposer
+    does (a turn's prompt, then each step's sampled tokens): driven through
+    the same verify steps, vLLM's proposer drafts the same tokens; the answer
+    after the tool message is drafted from it."""
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4]
+    tool = [20, 21, 7, 8, 9, 40, 50, 22]
+    response = [11, 1, 2, 3, 4, 5, 2] + tool + [7, 8, 9, 40, 50, 30, 2]
+    mask = [1] * 7 + [0] * len(tool) + [1] * 7
+    drafts = []
+
+    class Recorded(SuffixReplay):
+        def draft(self, tokens, t, tool):
+            out = super().draft(tokens, t, tool)
+            drafts.append(out[0])
+            return out
+
+    got = drafted_copies(prompt, response, mask, Recorded(3, 24, 2.0, 0.1))
+    vllm = _suffix_proposer(0)
+    tokens, want = prompt + response, []
+    for turn, (first, last) in enumerate([(10, 16), (25, 31)]):
+        t, sampled = first, [tokens[first]]
+        while t < last:  # the verify steps the sampled tokens fix (drafted_copies' rule)
+            draft, = vllm.propose(3, _input_batch(f"turn{turn}", tokens[:t + 1], first), [sampled])
+            want.append(draft)
+            n = 0
+            while n < min(len(draft), last - t) and draft[n] == tokens[t + 1 + n]:
+                n += 1
+            sampled = tokens[t + 1:t + n + 2]
+            t += n + 1
+    assert drafts == want and any(want)
+    assert got["accepted_from_tool"] > 0 and got["accepted_from_tool"] <= got["accepted"]
+    # the same answer with the tool's tokens written by the model: accepted, copied from no tool output
+    assert drafted_copies(prompt, response, [1] * len(response), SuffixReplay(3, 24, 2.0, 0.1))[
+        "accepted_from_tool"] == 0
+
+
+def test_group_suffix_drafts_other_trajectories_from_a_tool_output():
+    """vLLM's suffix proposer drafts a request from its own prompt and from
+    other requests' responses; a tool output is a prompt, so the worker
+    indexes it as text of its own (``rayspec_index_suffix_text``): another
+    trajectory whose text reaches the tool output's start drafts its
+    continuation. With vLLM's cache of other requests off, nothing is
+    indexed."""
+    from rayspec.rollout.agent import replay_for
+    from rayspec.rollout.vllm.worker_ext import RefitExtension
+
+    for cached, want in ((16, [[9, 40, 50]]), (0, [[]])):
+        worker = RefitExtension()
+        worker.model_runner = SimpleNamespace(drafter=_suffix_proposer(cached))
+        assert worker.rayspec_index_suffix_text([20, 21, 7, 8, 9, 40, 50, 22]) == (cached > 0)
+        assert worker.model_runner.drafter.propose(3, _input_batch("sibling", [1, 2, 3, 7, 8], 4), [[8]]) == want
+        # an exact replay only where the drafter's cache is the trajectory's own text
+        spec = SimpleNamespace(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=cached,
+                               suffix_decoding_max_tree_depth=24, suffix_decoding_max_spec_factor=1.0,
+                               suffix_decoding_min_token_prob=0.1)
+        assert isinstance(replay_for(spec, adaptive=False), SuffixReplay) == (cached == 0)
+        assert replay_for(spec, adaptive=True) is None
+
+
 @pytest.mark.slow
 def test_trajectories_on_vllm_are_the_sequences_the_trainer_scores(smollm2_dir, tmp_path):
     """The tool-use example on vLLM's AsyncLLM with n-gram drafts: the
@@ -375,7 +463,7 @@ def test_trajectories_on_vllm_are_the_sequences_the_trainer_scores(smollm2_dir, 
     assert stats.num_drafts > 0 and sum(c["drafts_after_tool"] for c in batch.tool_counts) > 0
     # n-gram drafts at a fixed k: each trajectory's accepted drafts copied from its tool message, by replay
     for c, p, r, m in zip(batch.tool_counts, batch.prompt_ids, batch.response_ids, batch.loss_mask):
-        assert c["accepted_from_tool"] == ngram_copies(p, r, m, 3, 2, 4)["accepted_from_tool"]
+        assert c["accepted_from_tool"] == drafted_copies(p, r, m, NgramReplay(3, 2, 4))["accepted_from_tool"]
         assert c["accepted_from_tool"] <= c["accepted_after_tool"]  # vLLM's own count of those turns
     # an answer that repeats the tool's number is drafted from the tool message
     copied = [i for i in answered if batch.completions[i][-1]["content"].strip() == batch.completions[i][1]["content"]]

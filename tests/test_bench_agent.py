@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from jobs import bench_agent as bench
 from rayspec.batch import RolloutBatch
-from rayspec.rollout.agent import ngram_copies
+from rayspec.rollout.agent import NgramReplay, drafted_copies
 from rayspec.rollout.spec_stats import SpecStats
 
 TOOL = [7, 8, 9, 4, 5]  # a tool message's tokens: the number 4 5 inside
@@ -21,6 +21,9 @@ class _Engine:
     def __init__(self, method: str, calls: list):
         self.method, self.calls = method, calls
         self.agent = SimpleNamespace(prompt_ids=lambda messages: [1, 2, 3])
+        spec = None if method == "none" else SimpleNamespace(method=method, num_speculative_tokens=3,
+                                                             prompt_lookup_min=2, prompt_lookup_max=4)
+        self.llm = SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=spec))
 
     def generate(self, prompt_ids, n=1, rows=None, **kw):
         self.calls.append((self.method, len(prompt_ids)))
@@ -41,10 +44,12 @@ class _Engine:
 
 def test_ngram_replay_counts_drafts_copied_from_a_tool_message():
     # after the tool message, the model writes 9: the bigram (..., 9) matches "9 4 5" inside the tool's tokens
-    got = ngram_copies([1, 2, 3], [11, 12] + TOOL + [9, 4, 5, 2], [1, 1] + [0] * 5 + [1, 1, 1, 1], 3, 1, 2)
+    got = drafted_copies([1, 2, 3], [11, 12] + TOOL + [9, 4, 5, 2], [1, 1] + [0] * 5 + [1, 1, 1, 1],
+                         NgramReplay(3, 1, 2))
     assert got == {"drafts": 1, "accepted": 2, "accepted_from_tool": 2}
     # the same tokens written by the model itself: copied, but not from a tool output
-    assert ngram_copies([1, 2, 3], [11, 12] + TOOL + [9, 4, 5, 2], [1] * 11, 3, 1, 2)["accepted_from_tool"] == 0
+    assert drafted_copies([1, 2, 3], [11, 12] + TOOL + [9, 4, 5, 2], [1] * 11,
+                          NgramReplay(3, 1, 2))["accepted_from_tool"] == 0
 
 
 def test_rounds_alternate_their_order_and_report_acceptance_by_turn(tmp_path, monkeypatch, capsys, smollm2_dir):

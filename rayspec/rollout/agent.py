@@ -350,7 +350,8 @@ class AgentRunner:
         return agent_prompt_ids(self.tokenizer, messages, self.schemas, self.native)
 
     async def run(self, generate: Callable[[list[int], int], Awaitable[Any]], prompt_ids: list[int],
-                  row: dict[str, Any], max_new_tokens: int) -> Trajectory:
+                  row: dict[str, Any], max_new_tokens: int,
+                  share: Optional[Callable[[list[int]], Awaitable[None]]] = None) -> Trajectory:
         """One trajectory from ``prompt_ids`` (``prompt_ids(row["prompt"])``).
 
         Args:
@@ -359,6 +360,9 @@ class AgentRunner:
             row: the dataset row: ``prompt`` (messages) and its columns,
                 passed to the environment's ``reset``.
             max_new_tokens: tokens after the prompt at most (model and tool).
+            share: awaited with each tool message's tokens once they join the
+                trajectory (the group-suffix drafter indexes them for the
+                other trajectories on the replica), or None.
         """
         traj = Trajectory()
         if self.toolset.environment is not None:
@@ -393,6 +397,8 @@ class AgentRunner:
                 break  # no room for the results and a turn after them (TRL drops them too)
             traj.messages += results
             traj.add(suffix, [], model=False)
+            if share is not None:
+                await share(suffix)
         return traj
 
     async def _tool_messages(self, calls, malformed: Optional[str], tools: dict[str, Callable],
@@ -453,30 +459,24 @@ def prompt_renderer(toolset: Toolset, tokenizer) -> Callable[[list[dict]], list[
     return lambda messages: agent_prompt_ids(tokenizer, messages, schemas, native)
 
 
-def ngram_copies(prompt_ids: list[int], response_ids: list[int], loss_mask: list[int], k: int, min_n: int,
-                 max_n: int) -> dict[str, int]:
-    """Replay vLLM's n-gram drafter (prompt lookup) over one trajectory and
-    say where its accepted drafts were copied from.
+def drafted_copies(prompt_ids: list[int], response_ids: list[int], loss_mask: list[int], replay) -> dict[str, int]:
+    """Replay a text drafter (``NgramReplay``, ``SuffixReplay``) over one
+    trajectory and say where its accepted drafts were copied from.
 
-    An n-gram draft is a function of the context alone (vLLM 0.32's
-    ``ngram_proposer``: the tokens after the earliest earlier occurrence of
-    the longest of the context's last ``max_n`` .. ``min_n`` tokens; matched
-    here by ``_ngram_source``, not by vLLM's internal), and a one-hot draft
-    is accepted exactly when the sampled token equals it (Leviathan et al.
-    2023, Sec. 2.3), so the replica's verify steps are fixed by the tokens
-    sampled (as ``draft.loss.replay_chains`` replays a head's): each turn (a
-    run of ``loss_mask``) starts after its prefill's token; from chain start
-    t the drafter drafts up to ``k`` tokens on the context up to t, the
-    leading ones equal to the sampled tokens are accepted, one more token is
-    sampled. An accepted token is copied from a tool output where the
-    context token it was copied from lies in one of the trajectory's tool
-    messages (``loss_mask`` 0).
+    A match drafter's draft is a function of the text so far, and a one-hot
+    draft is accepted exactly when the sampled token equals it (Leviathan et
+    al. 2023, Sec. 2.3), so the replica's verify steps are fixed by the
+    tokens sampled (as ``draft.loss.replay_chains`` replays a head's): each
+    turn (a run of ``loss_mask``) is one request that starts after its
+    prefill's token; from chain start t the drafter drafts on the tokens up
+    to t, the leading draft tokens equal to the sampled ones are accepted,
+    one more token is sampled. Where an accepted token was copied from is
+    the replay's to say (``copied_from_tool``).
 
     Args:
         prompt_ids / response_ids / loss_mask: one sample of a multi-turn
             ``RolloutBatch``.
-        k, min_n, max_n: ``num_speculative_tokens``, ``prompt_lookup_min``,
-            ``prompt_lookup_max``.
+        replay: ``replay_for``'s, of the replica's speculative config.
 
     Returns:
         {"drafts": steps that drafted, "accepted": draft tokens accepted,
@@ -488,20 +488,102 @@ def ngram_copies(prompt_ids: list[int], response_ids: list[int], loss_mask: list
     p = len(prompt_ids)
     tool = {p + i for i, m in enumerate(loss_mask) if not m}
     out = {"drafts": 0, "accepted": 0, "accepted_from_tool": 0}
-    model = [p + i for i, m in enumerate(loss_mask) if m]
-    for first, last in mask_runs(model):
-        t = first  # the prefill samples the turn's first token
+    for first, last in mask_runs([p + i for i, m in enumerate(loss_mask) if m]):
+        replay.start(tokens, first)  # the prefill samples the turn's first token
+        t = first
         while t < last:
-            source = _ngram_source(tokens[:t + 1], min_n, max_n)
+            draft, from_tool = replay.draft(tokens, t, tool)
             n = 0
-            if source is not None and source <= t:
+            if draft:
                 out["drafts"] += 1
-                while n < min(k, t + 1 - source, last - t) and tokens[source + n] == tokens[t + 1 + n]:
-                    out["accepted_from_tool"] += (source + n) in tool
+                while n < min(len(draft), last - t) and draft[n] == tokens[t + 1 + n]:
+                    out["accepted_from_tool"] += from_tool[n]
                     n += 1
                 out["accepted"] += n
+            replay.sampled(tokens[t + 1:t + n + 2])
             t += n + 1
     return out
+
+
+class NgramReplay:
+    """vLLM 0.32's n-gram drafter (prompt lookup, ``ngram_proposer``): the
+    tokens after the earliest earlier occurrence of the longest of the
+    context's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens, up
+    to ``num_speculative_tokens`` (matched by ``_ngram_source``, not by
+    vLLM's internal). A drafted token is copied from a tool output where the
+    token it copies lies in a tool message."""
+
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
+        self.k, self.min_n, self.max_n = num_speculative_tokens, prompt_lookup_min, prompt_lookup_max
+
+    def start(self, tokens: list[int], first: int) -> None:
+        pass  # stateless: a draft depends on the tokens alone
+
+    def draft(self, tokens: list[int], t: int, tool: set[int]) -> tuple[list[int], list[bool]]:
+        source = _ngram_source(tokens[:t + 1], self.min_n, self.max_n)
+        if source is None or source > t:
+            return [], []
+        span = range(source, source + min(self.k, t + 1 - source))
+        return [tokens[i] for i in span], [i in tool for i in span]
+
+    def sampled(self, ids: list[int]) -> None:
+        pass
+
+
+class SuffixReplay:
+    """vLLM 0.32's suffix drafter over a request's own text
+    (``SuffixDecodingProposer`` with ``suffix_decoding_max_cached_requests``
+    0; SuffixDecoding, arXiv 2411.04975), replayed through the same Arctic
+    Inference cache and calls: a request's prompt starts its tree, each
+    step's sampled tokens extend it, a draft speculates on the last
+    ``max_tree_depth`` tokens. A suffix tree keeps no positions, so a
+    drafted token counts as copied from a tool output where the matched
+    context and the draft up to it occur in the text so far ending inside a
+    tool message (the same text may also occur elsewhere)."""
+
+    def __init__(self, num_speculative_tokens: int, max_tree_depth: int, max_spec_factor: float,
+                 min_token_prob: float):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # vLLM's suffix method needs it
+
+        self.k, self.depth = num_speculative_tokens, max_tree_depth
+        self.factor, self.min_prob = max_spec_factor, min_token_prob
+        self.cache = SuffixDecodingCache(max_tree_depth=max_tree_depth, max_cached_requests=0)
+        self.turn = 0
+
+    def start(self, tokens: list[int], first: int) -> None:
+        if self.turn in self.cache.active_requests:
+            self.cache.stop_request(self.turn)
+        self.turn += 1
+        self.cache.start_request(self.turn, tokens[:first])
+        self.cache.add_active_response(self.turn, tokens[first:first + 1])
+
+    def draft(self, tokens: list[int], t: int, tool: set[int]) -> tuple[list[int], list[bool]]:
+        d = self.cache.speculate(self.turn, tokens[max(0, t + 1 - self.depth):t + 1], max_spec_tokens=self.k,
+                                 max_spec_factor=self.factor, min_token_prob=self.min_prob)
+        ends = sorted(e for e in tool if e <= t)
+        text = tokens[t + 1 - d.match_len:t + 1] + list(d.token_ids)
+        return list(d.token_ids), [any(e + 1 >= n and tokens[e + 1 - n:e + 1] == text[:n] for e in ends)
+                                   for n in range(d.match_len + 1, len(text) + 1)]
+
+    def sampled(self, ids: list[int]) -> None:
+        self.cache.add_active_response(self.turn, ids)
+
+
+def replay_for(speculative_config, adaptive: bool):
+    """The exact replay of a replica's drafter (``drafted_copies``), from
+    vLLM's resolved ``SpeculativeConfig``; None where there is none: model
+    drafters, a k that changes with the batch (adaptive k), and suffix drafts
+    over vLLM's cache of other requests (their state is the replica's
+    timing)."""
+    spec = speculative_config
+    if spec is None or adaptive:
+        return None
+    if spec.method == "ngram":
+        return NgramReplay(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "suffix" and spec.suffix_decoding_max_cached_requests == 0:
+        return SuffixReplay(spec.num_speculative_tokens, spec.suffix_decoding_max_tree_depth,
+                            spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
+    return None
 
 
 def _ngram_source(tokens: list[int], min_n: int, max_n: int):

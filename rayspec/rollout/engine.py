@@ -730,18 +730,24 @@ class SpecVLLMEngine:
 
         from vllm import TokensPrompt
 
-        from rayspec.rollout.agent import ngram_copies, turn_counts
+        from rayspec.rollout.agent import drafted_copies, replay_for, turn_counts
 
         one = params.clone()
         one.n = 1
+        spec = self.llm.vllm_config.speculative_config  # vLLM's, its defaults filled in
 
         async def generate(ids: list[int], max_tokens: int):
             p = one.clone()
             p.max_tokens = max_tokens
             return await self.llm.generate_one(TokensPrompt(prompt_token_ids=ids), p)
 
+        share = None
+        if spec is not None and spec.method == "suffix" and spec.suffix_decoding_max_cached_requests != 0:
+            async def share(ids: list[int]) -> None:  # group suffix: a tool output drafts for the siblings too
+                await self.llm.collective_rpc_async(RefitExtension.rayspec_index_suffix_text.__name__, args=(ids,))
+
         async def all_of():
-            return await asyncio.gather(*(self.agent.run(generate, p, row, params.max_tokens)
+            return await asyncio.gather(*(self.agent.run(generate, p, row, params.max_tokens, share=share)
                                           for p, row in zip(prompt_ids, rows) for _ in range(n)))
 
         trajectories = self.llm.run(all_of())
@@ -756,12 +762,10 @@ class SpecVLLMEngine:
             batch.completions.append(t.messages)
             batch.weight_versions.append(t.weight_versions)
             batch.tool_counts.append({**t.counts, **turn_counts(t.outputs)})
-        spec = self.llm.vllm_config.speculative_config  # vLLM's, its defaults filled in
-        if spec is not None and spec.method == "ngram" and self.adaptive is None:  # a fixed k: an exact replay
+        replay = replay_for(spec, adaptive=self.adaptive is not None)
+        if replay is not None:
             for counts, p, r, m in zip(batch.tool_counts, batch.prompt_ids, batch.response_ids, batch.loss_mask):
-                counts["accepted_from_tool"] = ngram_copies(p, r, m, spec.num_speculative_tokens,
-                                                            spec.prompt_lookup_min,
-                                                            spec.prompt_lookup_max)["accepted_from_tool"]
+                counts["accepted_from_tool"] = drafted_copies(p, r, m, replay)["accepted_from_tool"]
         if self.agent.toolset.environment is not None:
             batch.environments = [_picklable(t.environment) for t in trajectories]
         return batch, [o for t in trajectories for o in t.outputs]

@@ -221,6 +221,10 @@ class AsyncEngine:
     def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
         return self._run(self.engine.collective_rpc(method, args=args, kwargs=kwargs))
 
+    async def collective_rpc_async(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        """``collective_rpc`` awaited on the engine's loop (from a coroutine ``run`` runs)."""
+        return await self.engine.collective_rpc(method, args=args, kwargs=kwargs)
+
     def reset_prefix_cache(self) -> None:
         self._run(self.engine.reset_prefix_cache())
 

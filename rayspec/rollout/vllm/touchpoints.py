@@ -246,6 +246,7 @@ REFIT = "refit"
 WEIGHT_SYNC = "weight sync (vLLM's weight-transfer engines)"
 ENGINE = "rollout engine"
 BENCH = "jobs.bench_step timers"
+GROUP_SUFFIX = "group suffix drafting over tool outputs"
 
 
 def _tp(symbol, use, hook, why, platform="any", instance=False, params=()) -> TouchPoint:
@@ -329,6 +330,11 @@ RUNNER_DRAFTER = _tp(
     f"{_RUNNER}.drafter", "read", ADAPTIVE,
     "V1's proposer, marked idle by the utility (the V2 runner has none: adaptive engines select V1)",
     instance=True)
+SUFFIX_CACHE = _tp(
+    "vllm.v1.spec_decode.suffix_decoding:SuffixDecodingProposer.suffix_cache", "read", GROUP_SUFFIX,
+    "the proposer's Arctic Inference cache (reached through the V1 runner's drafter: suffix selects V1): a "
+    "trajectory's tool output is a prompt, which vLLM indexes for its own request only; rayspec adds it "
+    "to the cache of other requests' text with Arctic Inference's public calls", instance=True)
 GET_DRAFT_MODEL = _tp(
     f"{_RUNNER}.get_draft_model", "called", REFIT,
     "the drafter's model, reloaded in place by a draft refit (the V2 runner has the same method)")
@@ -452,8 +458,8 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     EXPAND_KERNEL, KERNEL_REGISTRY, REGISTER_KERNELS, SAMPLE_RECOVERED, RECOVERED_KERNEL, SAMPLE_DRAFT_TOKENS,
     SAMPLE_FROM_LOGITS, PROBABILISTIC_DRAFTS, HETEROGENEOUS_VOCAB, DRAFT_ID_TO_TARGET_ID, CPU_GEMM_DISPATCH,
     PROPOSER_GET_MODEL, *ONEDNN, ENGINE_CORE, SCHEDULE_LOOKUP, SCHEDULER_SPEC_TOKENS, BUILD_SCHEDULE, PROPOSE,
-    SUFFIX_PROPOSE, SUFFIX_K, RUNNER_SAMPLE, RUNNER_ASYNC, RUNNER_DRAFTER, GET_DRAFT_MODEL, RELOAD_WEIGHTS,
-    SET_CURRENT_CONFIG, TIE_WEIGHTS, REPACK_LM_HEAD, STATELESS_GROUP, VLLM_CONFIG,
+    SUFFIX_PROPOSE, SUFFIX_K, SUFFIX_CACHE, RUNNER_SAMPLE, RUNNER_ASYNC, RUNNER_DRAFTER, GET_DRAFT_MODEL,
+    RELOAD_WEIGHTS, SET_CURRENT_CONFIG, TIE_WEIGHTS, REPACK_LM_HEAD, STATELESS_GROUP, VLLM_CONFIG,
     ENGINE_CORE_CLIENT, ASYNC_ENGINE_CORE, ASYNC_CALL_UTILITY, LOGGER_MANAGER, STAT_LOGGERS, *RUNNER_TIMED)
 
 

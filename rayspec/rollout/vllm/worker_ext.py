@@ -19,11 +19,15 @@ Both of vLLM 0.32's model runners are served: the V1 ``GPUModelRunner``
 ``drafter``, the V2 runner (CUDA's default for EAGLE-3 and draft models) in
 ``speculator``; both expose the draft model through ``get_draft_model()``,
 unwrapped from any CUDA-graph wrapper, which is what is reloaded here.
+
+Also: the suffix drafter's cache takes text of rayspec's to draft from
+(``rayspec_index_suffix_text``: a trajectory's tool outputs, for its siblings).
 """
 
 from __future__ import annotations
 
 import contextlib
+import uuid
 
 import torch
 import torch.nn as nn
@@ -190,6 +194,30 @@ class RefitExtension:
         shared = {id(m) for m in self.model_runner.get_model().modules()}
         return {name: str(getattr(m, "rayspec_linear_dtype", None) or m.weight.dtype)
                 for name, m in model.named_modules() if hasattr(m, "cpu_linear") and id(m) not in shared}
+
+    def rayspec_index_suffix_text(self, token_ids: list[int]) -> bool:
+        """Index ``token_ids`` (e.g. a tool message's tokens) into the suffix
+        drafter's cache of other requests' text (Arctic Inference's global
+        tree), as a finished response would be: the prompts of running
+        requests (where a trajectory's tool outputs are) are each request's
+        own, so without this no sibling trajectory drafts from another's tool
+        output. It takes one of the ``suffix_decoding_max_cached_requests``
+        slots (FIFO eviction, as responses). Returns False, indexing
+        nothing, where that cache is off (0).
+
+        Raises:
+            VllmInternalsError: the model runner or its suffix proposer lacks
+                what vLLM 0.32 has (``drafter``, ``suffix_cache``).
+        """
+        drafter = tp.require(self.model_runner, "drafter", tp.GROUP_SUFFIX)
+        cache = tp.require(drafter, tp.SUFFIX_CACHE.symbol.rsplit(".", 1)[1], tp.GROUP_SUFFIX)
+        if cache.max_cached_requests == 0:
+            return False
+        text = f"rayspec-text-{uuid.uuid4().hex}"  # never a vLLM request id
+        cache.start_request(text, [])
+        cache.add_active_response(text, token_ids)
+        cache.stop_request(text)
+        return True
 
     def rayspec_load(self, target: str, path: str) -> None:
         """Load ``target``'s weights from a safetensors file: ``policy``
