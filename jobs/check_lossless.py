@@ -218,7 +218,7 @@ class ServeSampler:
 
     def __init__(self, paths: dict[str, Path], args):
         from rayspec.config import load_config
-        from rayspec.scheduler.driver import init_ray
+        from rayspec.driver import init_ray
 
         self.paths, self.args = paths, args
         base = ["model.dtype=float32", f"model.path={paths['target']}", "ray.num_cpus=2"]

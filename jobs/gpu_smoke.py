@@ -473,7 +473,7 @@ def check_suffix(report: Report, models: dict[str, Path]) -> None:
 
 def check_rl_step(report: Report, models: dict[str, Path], work: Path, layout: str) -> None:
     from rayspec.config import load_config
-    from rayspec.scheduler import run
+    from rayspec.driver import run
 
     run_dir = work / f"rl_{layout}"
     shares = (["rollout.num_gpus_per_replica=0.6", "train.gpus_per_worker=0.3", "draft.num_gpus=0.1",
@@ -686,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
 def _setup(report: Report, setup: dict, work: Path, cache_dir: str) -> None:
     """The models and Ray: a failure here is the ``setup`` line's FAIL."""
     from rayspec.config import load_config
-    from rayspec.scheduler import init_ray
+    from rayspec.driver import init_ray
 
     models = _models(work, cache_dir)
     # the runs below and the weight sync's ray.put (a 1 GB state dict) share it

@@ -406,7 +406,7 @@ def test_run_copies_the_heads_acceptance_record(head_dir, tmp_path):
     """The RL driver serves a copy of the configured head; its recorded
     acceptance travels with it, so adaptive replicas start from it."""
     from rayspec.config import load_config
-    from rayspec.scheduler.driver import draft_start, prepare_draft
+    from rayspec.driver import draft_start, prepare_draft
 
     head = copy_model_dir(head_dir, tmp_path / "warm")
     write_acceptance(head, [0.4, 0.1], final_lr=1.2e-4)

@@ -395,7 +395,7 @@ def test_a_multi_turn_run_is_checked_before_ray_starts(tmp_path, tools_file, smo
     """``check_inputs`` refuses what cannot run multi-turn, naming the key,
     file or row; the config refuses bad values."""
     from rayspec.config import ConfigError, load_config
-    from rayspec.scheduler.driver import check_inputs
+    from rayspec.preflight import check_inputs
 
     (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "answer": "1"})
                                          + "\n")
