@@ -288,10 +288,10 @@ def test_a_tool_token_is_no_draft_target(tiny_llama_dir):
     verifier says at the positions whose next token a tool wrote: those
     positions carry no draft target (the head still reads the tool tokens
     as context)."""
+    from rayspec.draft.capture import capture_eagle3_features
     from rayspec.draft.eagle3 import init_head
     from rayspec.draft.loss import eagle3_loss, verifier_normalizers
     from rayspec.models import load_policy
-    from rayspec.train.capture import capture_eagle3_features
 
     policy = load_policy(tiny_llama_dir)
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ import torch
 from rayspec.batch import RolloutBatch
 from rayspec.draft import trainer as trainer_mod
 from rayspec.config import ConfigError
+from rayspec.draft.capture import capture_eagle3_features
 from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, head_init_tensors, init_head, load_head,
                                   save_head, vllm_state_dict)
 from rayspec.draft.loss import draft_top1, replay_drafting, verifier_normalizers
@@ -19,7 +20,6 @@ from rayspec.models import load_policy, load_tokenizer
 from rayspec.rollout.spec_stats import SpecStats
 from rayspec.rollout.client import LocalReplicas, RolloutClient
 from rayspec.sync import CollectiveSender
-from rayspec.train.capture import capture_eagle3_features
 from tests.conftest import engine_kwargs
 
 
