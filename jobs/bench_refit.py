@@ -114,7 +114,8 @@ def bench_cell(deploy, sd: dict, replicas: int, rounds: int, bucket_bytes: int) 
     other."""
     from rayspec.rollout.client import RolloutClient
     from rayspec.rollout.engine import SpecVLLMEngine
-    from rayspec.sync import CollectiveSender, ObjectStoreSender, SharedMemorySender, state_dict_nbytes
+    from rayspec.buckets import state_dict_nbytes
+    from rayspec.sync import CollectiveSender, ObjectStoreSender, SharedMemorySender
 
     def start():
         handle = deploy()

@@ -252,7 +252,8 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
     from rayspec.rollout.engine import SpecVLLMEngine
     from rayspec.rollout.client import LocalReplicas, RolloutClient
     from rayspec.rollout.vllm.worker_ext import RefitExtension
-    from rayspec.sync import CollectiveSender, state_dict_nbytes
+    from rayspec.buckets import state_dict_nbytes
+    from rayspec.sync import CollectiveSender
 
     tok = load_tokenizer(models["1gb"])
     prompts = [tok(p)["input_ids"] for p in ("What is 12 plus 30?", "Name three prime numbers.")]
@@ -388,7 +389,8 @@ def check_nccl_refit(report: Report, models: dict[str, Path], policy, prompts: l
 
     from rayspec.rollout.client import LocalReplicas, RolloutClient
     from rayspec.rollout.engine import SpecVLLMEngine
-    from rayspec.sync import CollectiveSender, DeviceGather, state_dict_nbytes
+    from rayspec.buckets import state_dict_nbytes
+    from rayspec.sync import CollectiveSender, DeviceGather
     from rayspec.sync.interfaces import resident
     from rayspec.train.ranks import Ranks
 

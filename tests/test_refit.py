@@ -13,12 +13,13 @@ import ray
 import torch
 import torch.distributed as dist
 
+from rayspec.buckets import plan_buckets, state_dict_nbytes
 from rayspec.config import DRAFT_LINEAR_DTYPE, load_config
 from rayspec.draft.eagle3 import init_head, save_head
 from rayspec.models import load_policy, load_tokenizer
 from rayspec.rollout.client import LocalReplicas, RolloutClient
 from rayspec.rollout.engine import ReplicaBehind
-from rayspec.sync import CollectiveSender, ObjectStoreReceiver, plan_buckets, state_dict_nbytes
+from rayspec.sync import CollectiveSender, ObjectStoreReceiver
 from rayspec.train.grpo import group_advantages, token_logprobs, token_mult_prob_error
 from rayspec.train.policy import build_engine, deepspeed_config, full_state_dict, policy_update
 from tests.conftest import engine_kwargs

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterable, Optional
 import ray
 import torch
 
-from rayspec.sync.buckets import plan_buckets, state_dict_nbytes
+from rayspec.buckets import plan_buckets, state_dict_nbytes
 from rayspec.sync.interfaces import (Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError, copy_weights,
                                      transfer_round)
 

@@ -55,7 +55,7 @@ from typing import Any, Iterable
 
 import torch
 
-from rayspec.sync.buckets import state_dict_nbytes
+from rayspec.buckets import state_dict_nbytes
 from rayspec.sync.interfaces import Refit, WeightReceiver, all_landed, transfer_round
 from rayspec.sync.object_store import ObjectStoreSender
 from rayspec.sync.shared_memory import SHM, remove_orphans

@@ -30,7 +30,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from rayspec.rollout.vllm import touchpoints as tp
-from rayspec.sync.buckets import bucket_nbytes, unpack_bucket
+from rayspec.buckets import bucket_nbytes, unpack_bucket
 
 WORKER_EXTENSION = "rayspec.rollout.vllm.worker_ext.RefitExtension"
 
