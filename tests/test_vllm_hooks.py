@@ -297,7 +297,7 @@ def test_schedule_change_on_an_engine_core_without_the_utility_names_the_version
     engine = object.__new__(OfflineEngine)  # over an in-process client whose core lacks the utility
     engine.llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=object())))
     with pytest.raises(VllmInternalsError, match=rf"has no {spec_schedule.UTILITY}.*VLLM_PLUGINS"):
-        spec_schedule.set_schedule(engine, adaptive.uniform(0, 4))
+        spec_schedule.set_schedule(engine, adaptive.uniform(0, 4), True)
 
 
 def test_cpu_sampler_fix_refuses_an_affected_vllm_without_its_targets(monkeypatch):

@@ -604,7 +604,8 @@ class SpecVLLMEngine:
         Raises:
             RuntimeError: the engine was built without a schedule.
         """
-        set_schedule(self.llm, schedule, drafter_idle)
+        idle = adaptive_k_mod.drafts_nowhere(schedule) if drafter_idle is None else drafter_idle
+        set_schedule(self.llm, schedule, idle)
         self.k_schedule = [tuple(r) for r in schedule]
 
     def _time_steps(self, schedule: list, temperatures: set[float], wall_s: float) -> None:
