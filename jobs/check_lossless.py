@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from rayspec.tools import lossless
-    from rayspec.rollout.vllm import cpu_fixes as vllm_patches
+    from rayspec.vllm import cpu_fixes as vllm_patches
 
     t0 = time.time()
     paths = build_models(args.work_dir)

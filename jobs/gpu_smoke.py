@@ -18,7 +18,7 @@ check's FAIL, not the end of the run:
   to build its launcher when an engine starts.
 - ``versions``: torch / CUDA / GPU / vLLM / DeepSpeed / Ray, and every vLLM
   touch point of rayspec holds in the installed vLLM
-  (``rayspec.rollout.vllm.require_vllm``).
+  (``rayspec.vllm.require_vllm``).
 - ``model runner``: the runner vLLM picked for a plain EAGLE-3 engine is
   one of vLLM's two CUDA runners (V2 by default).
 - ``policy refit``: a ~1 GB fp32 policy, perturbed, loaded into a running
@@ -189,7 +189,7 @@ def check_versions(report: Report) -> None:
     import ray
     import torch
 
-    from rayspec.rollout.vllm import VllmInternalsError, require_vllm, vllm_version
+    from rayspec.vllm import VllmInternalsError, require_vllm, vllm_version
 
     detail = (f"vLLM {vllm_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
               f"{torch.cuda.get_device_name(0)} {_gb(torch.cuda.get_device_properties(0).total_memory)}, "
@@ -251,7 +251,7 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
     from rayspec.models import load_policy, load_tokenizer
     from rayspec.rollout.engine import SpecVLLMEngine
     from rayspec.rollout.client import LocalReplicas, RolloutClient
-    from rayspec.rollout.vllm.worker_ext import RefitExtension
+    from rayspec.vllm.worker_ext import RefitExtension
     from rayspec.buckets import state_dict_nbytes
     from rayspec.sync import CollectiveSender
 

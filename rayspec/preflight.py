@@ -21,9 +21,9 @@ from rayspec.data import load_problems, train_and_heldout
 from rayspec.draft.eagle3 import WEIGHT_FILES, aux_layer_ids
 from rayspec.models import check_causal_lm_dir, resolve_model_path
 from rayspec.models.acceptance import read_acceptance
-from rayspec.rollout.vllm import require_vllm
 from rayspec.scheduler.placement import ClusterFitError, NodeInfo
 from rayspec.train.checkpoint import TRAIN_NAME, TRAIN_STORAGE, checkpoints
+from rayspec.vllm import require_vllm
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def check_inputs(cfg: RunConfig) -> str:
             ``resolve_model_path``, ``check_draft_matches_policy``; a
             missing, empty or malformed dataset file with its line number).
         VllmInternalsError: a vLLM internal rayspec relies on is missing from
-            the installed release (``rayspec.rollout.vllm.require_vllm``).
+            the installed release (``rayspec.vllm.require_vllm``).
     """
     require_vllm()
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)  # checks a local policy

@@ -119,7 +119,7 @@ def test_after_a_level_2_sleep_a_replica_generates_only_once_a_policy_refit_land
 @pytest.fixture(scope="module")
 def spec_engine(tiny_llama_dir, tmp_path_factory):
     """A speculative (EAGLE-3, k=3) fp32 engine of the tiny policy whose
-    drafter's linear layers compute in bf16 (``rollout.vllm.cpu_fixes.draft_linear_dtype``)."""
+    drafter's linear layers compute in bf16 (``rayspec.vllm.cpu_fixes.draft_linear_dtype``)."""
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
 
     head = tmp_path_factory.mktemp("head") / "head"
@@ -611,7 +611,7 @@ def test_a_shared_memory_refit_lands_through_mapped_files_and_leaves_none(spec_e
     are gone once it landed, and a replica that cannot see them (another
     node) is told so."""
     from rayspec.devices import to_host
-    from rayspec.rollout.vllm.worker_ext import RefitExtension
+    from rayspec.vllm.worker_ext import RefitExtension
     from rayspec.sync import SharedMemorySender, WeightSyncError
 
     eng = spec_engine

@@ -564,7 +564,7 @@ class CollectiveReceiver(WeightReceiver):
         """
         if group_id != self.group_id:
             return None
-        engine = self.host.llm  # vLLM's weight-transfer calls (rayspec.rollout.vllm.engines)
+        engine = self.host.llm  # vLLM's weight-transfer calls (rayspec.vllm.engines)
 
         def load():
             try:

@@ -31,8 +31,8 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    VLLMWeightSyncClient, WeightSource, WeightTransferEngine,
                                                    WeightTransferInitInfo, WeightTransferUpdateInfo)
 
-from rayspec.rollout.vllm import engine_access
 from rayspec.buckets import Bucket, bucket_nbytes, pack_bucket, plan_buckets, unpack_bucket
+from rayspec.vllm import engine_access
 
 BACKEND = "gloo"
 DEFAULT_TIMEOUT_S = 600.0
@@ -95,7 +95,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         Raises:
             RuntimeError: no ``init_weight_transfer_engine`` before.
         """
-        from rayspec.rollout.vllm.worker_ext import load_weights
+        from rayspec.vllm.worker_ext import load_weights
 
         if self.group is None:
             raise RuntimeError("gloo weight transfer: init_weight_transfer_engine was not called")

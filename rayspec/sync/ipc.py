@@ -341,7 +341,7 @@ class CudaIpcReceiver(WeightReceiver):
             for a worker's GPU; ``cpu_ipc``: ``WeightSyncError`` naming the
             replica's host and the exporting ones).
         """
-        engine = self.host.llm  # vLLM's weight-transfer calls (rayspec.rollout.vllm.engines)
+        engine = self.host.llm  # vLLM's weight-transfer calls (rayspec.vllm.engines)
 
         def load():
             if not self._joined:  # the handshake vLLM's trainer engine makes: unpacked handles

@@ -48,7 +48,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from rayspec.rollout.vllm import touchpoints as tp
+from rayspec.vllm import touchpoints as tp
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def register() -> None:
 
 def set_schedule(engine, schedule: list[tuple[int, int, int]], drafter_idle: bool) -> None:
     """Apply ``schedule`` ([(lo, hi, k)], inclusive batch-size ranges) to a
-    running engine (``rayspec.rollout.vllm.engines``: its ``call_utility``
+    running engine (``rayspec.vllm.engines``: its ``call_utility``
     reaches the engine core in its own process or in this one).
     ``drafter_idle``: see ``_set_schedule``.
 
