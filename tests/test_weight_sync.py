@@ -14,11 +14,11 @@ import pytest
 import ray
 import torch
 
+from rayspec.buckets import bucket_nbytes, pack_bucket, plan_buckets, state_dict_nbytes, unpack_bucket
 from rayspec.config import ConfigError, load_config
 from rayspec.rollout.client import RolloutClient
 from rayspec.sync import (CollectiveSender, DeviceExport, DeviceGather, HostGather, IpcWeights, WeightSyncError,
-                          bucket_nbytes, make_sender, make_source, pack_bucket, plan_buckets, state_dict_nbytes,
-                          unpack_bucket)
+                          make_sender, make_source)
 from rayspec.sync.interfaces import resident
 from rayspec.train.ranks import Ranks
 
