@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfgs[0].logging.level, format="%(asctime)s %(name)s: %(message)s")
-    from rayspec.scheduler import init_ray, run
+    from rayspec.driver import init_ray, run
 
     init_ray(cfgs[0])
     rows = []

@@ -114,7 +114,8 @@ def bench_cell(deploy, sd: dict, replicas: int, rounds: int, bucket_bytes: int) 
     other."""
     from rayspec.rollout.client import RolloutClient
     from rayspec.rollout.engine import SpecVLLMEngine
-    from rayspec.sync import CollectiveSender, ObjectStoreSender, SharedMemorySender, state_dict_nbytes
+    from rayspec.buckets import state_dict_nbytes
+    from rayspec.sync import CollectiveSender, ObjectStoreSender, SharedMemorySender
 
     def start():
         handle = deploy()
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayspec.devices import to_host
     from rayspec.models import load_policy, materialize_bundled_model
     from rayspec.rollout.serve import APP_NAME, deploy_rollout
-    from rayspec.scheduler import init_ray
+    from rayspec.driver import init_ray
 
     root = Path(ns.run_dir)
     cfg = load_config(None, ["ray.num_cpus=2", f"ray.object_store_memory={int(max(sizes) * 1.6e9) + (1 << 30)}",

@@ -319,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from rayspec.scheduler import checkpoints, init_ray, run
-    from rayspec.scheduler.driver import TRAIN_STORAGE
+    from rayspec.driver import init_ray, run
+    from rayspec.train.checkpoint import TRAIN_STORAGE, checkpoints
 
     done, resume = {}, set()
     for name, cfg in cfgs:

@@ -112,9 +112,9 @@ def _floats(s: str) -> list[float]:
 
 def draft_linear_dtypes(ap: argparse.ArgumentParser, text: str) -> list[str]:
     """``--draft-linear-dtype``'s comma-separated values; an unknown one
-    ends the job through ``ap.error``, naming it (``rollout.vllm.cpu_fixes.draft_linear_dtype``)."""
+    ends the job through ``ap.error``, naming it (``rayspec.vllm.cpu_fixes.draft_linear_dtype``)."""
     from rayspec.config import DRAFT_LINEAR_DTYPE
-    from rayspec.rollout.vllm.cpu_fixes import draft_linear_dtype
+    from rayspec.vllm.cpu_fixes import draft_linear_dtype
 
     values = [d for d in text.split(",") if d]
     for d in values:
@@ -146,7 +146,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="draft_model: the policy's first N layers (layer-truncated copy)")
     ap.add_argument("--draft-linear-dtype", default="auto",
                     help="vLLM additional_config.rayspec_draft_linear_dtype of the EAGLE-3 engines "
-                         "(rayspec.rollout.vllm.cpu_fixes.draft_linear_dtype; the presets' CPU default is auto); "
+                         "(rayspec.vllm.cpu_fixes.draft_linear_dtype; the presets' CPU default is auto); "
                          "several, comma-separated: one engine each, its drafts named head@dtype")
     ap.add_argument("--k", type=_ints, help="default 1,2,3,4,5")
     ap.add_argument("--concurrency", type=_ints, help="sequences in flight; default 1,8,32,128")

@@ -185,7 +185,7 @@ def _run(args, model_dir, method: str, head: Path | None, prompts: list[list[int
     from rayspec.rollout.adaptive import uniform
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
     from rayspec.config import DRAFT_LINEAR_DTYPE
-    from rayspec.rollout.vllm.engine_access import step_timers
+    from rayspec.vllm.engine_access import step_timers
 
     target = ModelShape.from_hf_config(str(model_dir))
     model = Engine(target, hardware.get(args.hardware), "eagle3", target.eagle3_head())

@@ -11,7 +11,7 @@ periodic prompt for ``--calibration-tokens`` new tokens minus a 1-token run,
 plain, sync, 1-draft and k-draft steps, each the median of
 ``--calibration-rounds`` timings in alternating order); 7 minutes on a
 2-core AVX2 host before step 1. Now each replica folds the decode steps of
-its own rollouts in, as vLLM reports them (``rayspec.rollout.vllm.step_timer``,
+its own rollouts in, as vLLM reports them (``rayspec.vllm.step_timer``,
 ``rayspec.rollout.adaptive.StepTimes``), and nothing is timed before them.
 
 One engine (the policy in ``--dtype``, an untrained EAGLE-3 head, k drafts

@@ -218,7 +218,7 @@ class ServeSampler:
 
     def __init__(self, paths: dict[str, Path], args):
         from rayspec.config import load_config
-        from rayspec.scheduler.driver import init_ray
+        from rayspec.driver import init_ray
 
         self.paths, self.args = paths, args
         base = ["model.dtype=float32", f"model.path={paths['target']}", "ray.num_cpus=2"]
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from rayspec.tools import lossless
-    from rayspec.rollout.vllm import cpu_fixes as vllm_patches
+    from rayspec.vllm import cpu_fixes as vllm_patches
 
     t0 = time.time()
     paths = build_models(args.work_dir)

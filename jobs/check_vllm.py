@@ -4,7 +4,7 @@
     python -m jobs.check_vllm --source /tmp/vllm-0.33.0 --cuda
 
 Every internal rayspec patches, wraps, calls or reads
-(``rayspec.rollout.vllm.touchpoints``), and every call of vLLM's supported
+(``rayspec.vllm.touchpoints``), and every call of vLLM's supported
 weight-transfer interface with the parameter names rayspec passes
 (``API_CALLS``), is looked up in the source tree
 (``--source``: a directory holding ``vllm/``, e.g. a release's wheel
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.source is not None and not (args.source / "vllm").is_dir():
         ap.error(f"--source {args.source}: no vllm/ directory there")
-    from rayspec.rollout.vllm import check_vllm
+    from rayspec.vllm import check_vllm
 
     results = check_vllm(cpu=not args.cuda, root=args.source)
     for tp, why in results:

@@ -18,7 +18,7 @@ check's FAIL, not the end of the run:
   to build its launcher when an engine starts.
 - ``versions``: torch / CUDA / GPU / vLLM / DeepSpeed / Ray, and every vLLM
   touch point of rayspec holds in the installed vLLM
-  (``rayspec.rollout.vllm.require_vllm``).
+  (``rayspec.vllm.require_vllm``).
 - ``model runner``: the runner vLLM picked for a plain EAGLE-3 engine is
   one of vLLM's two CUDA runners (V2 by default).
 - ``policy refit``: a ~1 GB fp32 policy, perturbed, loaded into a running
@@ -189,7 +189,7 @@ def check_versions(report: Report) -> None:
     import ray
     import torch
 
-    from rayspec.rollout.vllm import VllmInternalsError, require_vllm, vllm_version
+    from rayspec.vllm import VllmInternalsError, require_vllm, vllm_version
 
     detail = (f"vLLM {vllm_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
               f"{torch.cuda.get_device_name(0)} {_gb(torch.cuda.get_device_properties(0).total_memory)}, "
@@ -251,8 +251,9 @@ def check_refit(report: Report, models: dict[str, Path]) -> None:
     from rayspec.models import load_policy, load_tokenizer
     from rayspec.rollout.engine import SpecVLLMEngine
     from rayspec.rollout.client import LocalReplicas, RolloutClient
-    from rayspec.rollout.vllm.worker_ext import RefitExtension
-    from rayspec.sync import CollectiveSender, state_dict_nbytes
+    from rayspec.vllm.worker_ext import RefitExtension
+    from rayspec.buckets import state_dict_nbytes
+    from rayspec.sync import CollectiveSender
 
     tok = load_tokenizer(models["1gb"])
     prompts = [tok(p)["input_ids"] for p in ("What is 12 plus 30?", "Name three prime numbers.")]
@@ -388,7 +389,8 @@ def check_nccl_refit(report: Report, models: dict[str, Path], policy, prompts: l
 
     from rayspec.rollout.client import LocalReplicas, RolloutClient
     from rayspec.rollout.engine import SpecVLLMEngine
-    from rayspec.sync import CollectiveSender, DeviceGather, state_dict_nbytes
+    from rayspec.buckets import state_dict_nbytes
+    from rayspec.sync import CollectiveSender, DeviceGather
     from rayspec.sync.interfaces import resident
     from rayspec.train.ranks import Ranks
 
@@ -473,7 +475,7 @@ def check_suffix(report: Report, models: dict[str, Path]) -> None:
 
 def check_rl_step(report: Report, models: dict[str, Path], work: Path, layout: str) -> None:
     from rayspec.config import load_config
-    from rayspec.scheduler import run
+    from rayspec.driver import run
 
     run_dir = work / f"rl_{layout}"
     shares = (["rollout.num_gpus_per_replica=0.6", "train.gpus_per_worker=0.3", "draft.num_gpus=0.1",
@@ -686,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
 def _setup(report: Report, setup: dict, work: Path, cache_dir: str) -> None:
     """The models and Ray: a failure here is the ``setup`` line's FAIL."""
     from rayspec.config import load_config
-    from rayspec.scheduler import init_ray
+    from rayspec.driver import init_ray
 
     models = _models(work, cache_dir)
     # the runs below and the weight sync's ray.put (a 1 GB state dict) share it

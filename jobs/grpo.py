@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         # before Ray loads, as it reads the mode once per process (set later, this process would
         # keep "disabled" while the cluster it starts wants the token): the same protection, no warning.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-    from rayspec.rollout.vllm import VllmInternalsError
-    from rayspec.scheduler import ClusterFitError, run
+    from rayspec.vllm import VllmInternalsError
+    from rayspec.driver import run
+    from rayspec.scheduler import ClusterFitError
     from rayspec.train.ranks import RunAborted
 
     try:

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from rayspec.config import load_config
-    from rayspec.scheduler import init_ray
+    from rayspec.driver import init_ray
 
     cfg = load_config(os.path.join(args.run_dir, "config.yaml"))
     embedded = cfg.ray.address is None and not os.environ.get("RAY_ADDRESS")

@@ -1,3 +1,10 @@
-"""rayspec: speculative-decoding rollouts for RL post-training on Ray, vLLM and DeepSpeed."""
+"""rayspec: speculative-decoding rollouts for RL post-training on Ray, vLLM and DeepSpeed.
+
+Its folders and top-level modules import only those of lower layers (peers, split by commas,
+import none of each other; ``tests/test_layout.py`` checks it):
+
+devices, files, buckets < config, batch < vllm, models, reward < data < sync < rollout
+< draft, metrics, tools < perfmodel, scheduler < train < preflight < driver
+"""
 
 __version__ = "0.1.0"

@@ -376,7 +376,7 @@ class WeightSyncConfig:
 
 MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 MODEL_RUNNERS = {"v1": "0", "v2": "1"}  # rollout.model_runner -> MODEL_RUNNER_ENV
-ENGINE_CLASSES = ("async", "offline")  # rollout.engine_cls's names (rayspec.rollout.vllm.engines.ENGINE_CLASSES)
+ENGINE_CLASSES = ("async", "offline")  # rollout.engine_cls's names (rayspec.vllm.engines.ENGINE_CLASSES)
 
 
 @dataclass(frozen=True)
@@ -398,7 +398,7 @@ class RolloutConfig:
             the others in flight), ``offline`` (``vllm.LLM``: one call at a
             time, so a rollout goes as one shard per replica; its engine core
             can run in the replica's process), or ``module:Class`` (one's own
-            with the calls of ``rayspec.rollout.vllm.engines``), as Ray
+            with the calls of ``rayspec.vllm.engines``), as Ray
             Serve LLM's ``engine_cls``.
         max_ongoing_requests: Ray Serve's limit of request units in flight
             per replica (the engine queues what exceeds its ``max_num_seqs``).
@@ -1120,7 +1120,7 @@ def check_across_sections(cfg: RunConfig) -> None:
 # resident while the replica is awake) and where it has the device to itself
 # (split: vLLM's own default).
 GPU_MEMORY_UTILIZATION = {"colocate": 0.45, "split": 0.9}
-# vLLM additional_config key of rayspec's CPU drafter patch (rayspec.rollout.vllm.cpu_fixes.draft_linear_dtype)
+# vLLM additional_config key of rayspec's CPU drafter patch (rayspec.vllm.cpu_fixes.draft_linear_dtype)
 DRAFT_LINEAR_DTYPE = "rayspec_draft_linear_dtype"
 DRAFT_LINEAR_DTYPES = ("auto", "bfloat16", "float32")
 # Keys whose null / absent value means "the platform's default".
@@ -1163,7 +1163,7 @@ def apply_defaults(cfg: dict[str, Any]) -> None:
       - ``engine_kwargs.additional_config.rayspec_draft_linear_dtype`` (CPU
         only): ``auto``, the drafter's linear layers in bf16 beside an fp32
         verifier where the CPU computes bf16 natively
-        (``rayspec.rollout.vllm.cpu_fixes.draft_linear_dtype``; a k = 3 draft
+        (``rayspec.vllm.cpu_fixes.draft_linear_dtype``; a k = 3 draft
         took 13-32% less time at eight to one sequences, docs/benchmarks.md,
         "The drafter in bf16").
 

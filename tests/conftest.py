@@ -28,7 +28,7 @@ def start_ray() -> None:
     import ray
 
     from rayspec.config import load_config
-    from rayspec.scheduler import init_ray
+    from rayspec.driver import init_ray
 
     if not ray.is_initialized():
         init_ray(load_config(None, ["ray.num_cpus=2", f"ray.object_store_memory={1 << 30}"]))

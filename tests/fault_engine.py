@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from rayspec.rollout.vllm.engines import AsyncEngine, OfflineEngine
+from rayspec.vllm.engines import AsyncEngine, OfflineEngine
 
 KILL_FILE_ENV = "RAYSPEC_TEST_KILL_FILE"
 

@@ -339,7 +339,7 @@ def test_a_replica_times_its_rollouts_decode_steps_by_kind_and_keeps_them_by_key
     (machine, shapes, dtype, engine settings, temperature) that a later
     engine with the same key starts from."""
     from rayspec.rollout.engine import SpecVLLMEngine
-    from rayspec.rollout.vllm.step_timer import EngineStep, StepTimer
+    from rayspec.vllm.step_timer import EngineStep, StepTimer
 
     def engine(dtype="float32"):
         eng = object.__new__(SpecVLLMEngine)
@@ -406,7 +406,7 @@ def test_run_copies_the_heads_acceptance_record(head_dir, tmp_path):
     """The RL driver serves a copy of the configured head; its recorded
     acceptance travels with it, so adaptive replicas start from it."""
     from rayspec.config import load_config
-    from rayspec.scheduler.driver import draft_start, prepare_draft
+    from rayspec.driver import draft_start, prepare_draft
 
     head = copy_model_dir(head_dir, tmp_path / "warm")
     write_acceptance(head, [0.4, 0.1], final_lr=1.2e-4)
@@ -431,7 +431,7 @@ def test_idle_drafter_returns_no_drafts_without_its_forward():
 
     import torch
 
-    from rayspec.rollout.vllm.spec_schedule import _propose_unless_idle
+    from rayspec.vllm.spec_schedule import _propose_unless_idle
 
     class Proposer:
         device = torch.device("cpu")
@@ -456,7 +456,7 @@ def test_step_without_drafts_samples_without_the_rejection_sampler():
     dropped (the plain sampler runs), drafts or async scheduling keep it."""
     from types import SimpleNamespace
 
-    from rayspec.rollout.vllm.spec_schedule import _plain_sample_without_drafts
+    from rayspec.vllm.spec_schedule import _plain_sample_without_drafts
 
     seen = []
     sample = _plain_sample_without_drafts(lambda self, logits, md: seen.append(md))

@@ -295,10 +295,10 @@ def test_a_tool_token_is_no_draft_target(tiny_llama_dir):
     verifier says at the positions whose next token a tool wrote: those
     positions carry no draft target (the head still reads the tool tokens
     as context)."""
+    from rayspec.draft.capture import capture_eagle3_features
     from rayspec.draft.eagle3 import init_head
     from rayspec.draft.loss import eagle3_loss, verifier_normalizers
     from rayspec.models import load_policy
-    from rayspec.train.capture import capture_eagle3_features
 
     policy = load_policy(tiny_llama_dir)
     torch.manual_seed(0)
@@ -483,7 +483,7 @@ def test_a_multi_turn_run_is_checked_before_ray_starts(tmp_path, tools_file, smo
     """``check_inputs`` refuses what cannot run multi-turn, naming the key,
     file or row; the config refuses bad values."""
     from rayspec.config import ConfigError, load_config
-    from rayspec.scheduler.driver import check_inputs
+    from rayspec.preflight import check_inputs
 
     (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "answer": "1"})
                                          + "\n")

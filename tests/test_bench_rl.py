@@ -155,7 +155,7 @@ def test_none_seeds_add_spread_runs_and_equivalence_verdict(tmp_path, capsys):
 def test_finished_run_checkpoints_are_deleted_unless_kept(tmp_path, monkeypatch, keep):
     """A run the bench finished leaves its metrics and drops its checkpoints
     (gigabytes each) unless ``--keep-checkpoints``."""
-    import rayspec.scheduler as scheduler
+    import rayspec.driver as driver
 
     def fake_run(cfg, resume=False):  # a finished run as the driver leaves it
         run_dir = tmp_path / "r" / "none"
@@ -163,8 +163,8 @@ def test_finished_run_checkpoints_are_deleted_unless_kept(tmp_path, monkeypatch,
         (run_dir / "ray_train" / "train" / "checkpoint_000001").mkdir(parents=True)
         (run_dir / "draft_head").mkdir()
 
-    monkeypatch.setattr(scheduler, "run", fake_run)
-    monkeypatch.setattr(scheduler, "init_ray", lambda cfg: None)
+    monkeypatch.setattr(driver, "run", fake_run)
+    monkeypatch.setattr(driver, "init_ray", lambda cfg: None)
     assert main(["--steps", "2", "--runs", "none", "--run-dir", str(tmp_path / "r"),
                  "--out", str(tmp_path / "rl.json")]
                 + (["--keep-checkpoints"] if keep else [])) == 0

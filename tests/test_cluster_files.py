@@ -79,7 +79,7 @@ def _ray_start_flags(commands: list[str]) -> dict[str, str]:
 
 def _driver_runtime_env(monkeypatch) -> dict:
     """The runtime_env rayspec's driver passes to ray.init when it joins a cluster."""
-    from rayspec.scheduler import driver
+    from rayspec import driver
 
     seen = {}
     monkeypatch.setattr(ray, "is_initialized", lambda: False)

@@ -11,6 +11,7 @@ import torch
 from rayspec.batch import RolloutBatch
 from rayspec.draft import trainer as trainer_mod
 from rayspec.config import ConfigError
+from rayspec.draft.capture import capture_eagle3_features
 from rayspec.draft.eagle3 import (default_aux_layer_ids, head_config, head_init_tensors, init_head, load_head,
                                   save_head, vllm_state_dict)
 from rayspec.draft.loss import draft_top1, replay_drafting, verifier_normalizers
@@ -19,7 +20,6 @@ from rayspec.models import load_policy, load_tokenizer
 from rayspec.rollout.spec_stats import SpecStats
 from rayspec.rollout.client import LocalReplicas, RolloutClient
 from rayspec.sync import CollectiveSender
-from rayspec.train.capture import capture_eagle3_features
 from tests.conftest import engine_kwargs
 
 
@@ -778,8 +778,8 @@ def test_published_head_layout_loads_and_the_run_copy_names_its_aux_layers(tiny_
     pytorch_model.bin with d2t / t2d) passes the input checks and becomes the
     run's head as safetensors with vLLM's default aux layers written out."""
     from rayspec.config import load_config
-    from rayspec.models.loading import check_draft_matches_policy
-    from rayspec.scheduler.driver import prepare_draft
+    from rayspec.preflight import check_draft_matches_policy
+    from rayspec.driver import prepare_draft
 
     pub = tmp_path / "public"
     ids = torch.randperm(tiny_policy.config.vocab_size, generator=torch.Generator().manual_seed(0))[:512]
@@ -804,7 +804,7 @@ def test_new_run_head_drafts_from_the_prompts_most_frequent_tokens(tiny_llama_di
     from rayspec.config import load_config
     from rayspec.data import arithmetic_problems, prompt_ids
     from rayspec.draft.vocab import coverage, token_counts
-    from rayspec.scheduler.driver import prepare_draft
+    from rayspec.driver import prepare_draft
 
     cfg = load_config(None, [f"model.path={tiny_llama_dir}", "draft.draft_vocab_size=300"])
     head_dir, aux = prepare_draft(cfg, str(tiny_llama_dir), tmp_path)

@@ -32,7 +32,8 @@ import ray
 from jobs.grpo import main as grpo_main
 from rayspec.config import ConfigError, load_config
 from rayspec.draft.client import DRAFT_TRAINER_NAME
-from rayspec.scheduler import checkpoints, run
+from rayspec.driver import run
+from rayspec.train.checkpoint import checkpoints
 from tests.conftest import IN_PROCESS, STEP_RECORD_KEYS
 from tests.fault_engine import KILL_FILE_ENV, DyingAsyncEngine, DyingEngine, arm, killed
 

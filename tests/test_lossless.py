@@ -161,7 +161,7 @@ def test_every_draft_kind_is_lossless_in_vllm(tmp_path):
     T=1.0 and 2000 3-token continuations pass; the unpatched engine fails on
     10k. (q = p sampled, and 100k tokens a case, are in the full run,
     docs/lossless.md.)"""
-    from rayspec.rollout.vllm.cpu_fixes import needs_patch
+    from rayspec.vllm.cpu_fixes import needs_patch
 
     rows = _run_check(tmp_path, "--via", "engine", "--temperature", "1.0", "--tokens", "60000",
                       "--sequences", "2000", "--cases",

@@ -13,12 +13,13 @@ import ray
 import torch
 import torch.distributed as dist
 
+from rayspec.buckets import plan_buckets, state_dict_nbytes
 from rayspec.config import DRAFT_LINEAR_DTYPE, load_config
 from rayspec.draft.eagle3 import init_head, save_head
 from rayspec.models import load_policy, load_tokenizer
 from rayspec.rollout.client import LocalReplicas, RolloutClient
 from rayspec.rollout.engine import ReplicaBehind
-from rayspec.sync import CollectiveSender, ObjectStoreReceiver, plan_buckets, state_dict_nbytes
+from rayspec.sync import CollectiveSender, ObjectStoreReceiver
 from rayspec.train.grpo import group_advantages, token_logprobs, token_mult_prob_error
 from rayspec.train.policy import build_engine, deepspeed_config, full_state_dict, policy_update
 from tests.conftest import engine_kwargs
@@ -118,7 +119,7 @@ def test_after_a_level_2_sleep_a_replica_generates_only_once_a_policy_refit_land
 @pytest.fixture(scope="module")
 def spec_engine(tiny_llama_dir, tmp_path_factory):
     """A speculative (EAGLE-3, k=3) fp32 engine of the tiny policy whose
-    drafter's linear layers compute in bf16 (``rollout.vllm.cpu_fixes.draft_linear_dtype``)."""
+    drafter's linear layers compute in bf16 (``rayspec.vllm.cpu_fixes.draft_linear_dtype``)."""
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
 
     head = tmp_path_factory.mktemp("head") / "head"
@@ -610,7 +611,7 @@ def test_a_shared_memory_refit_lands_through_mapped_files_and_leaves_none(spec_e
     are gone once it landed, and a replica that cannot see them (another
     node) is told so."""
     from rayspec.devices import to_host
-    from rayspec.rollout.vllm.worker_ext import RefitExtension
+    from rayspec.vllm.worker_ext import RefitExtension
     from rayspec.sync import SharedMemorySender, WeightSyncError
 
     eng = spec_engine

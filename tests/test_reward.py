@@ -225,7 +225,7 @@ def test_the_readme_example_task_loads_and_scores(tmp_path):
     import sys
 
     from rayspec.data import load_problems
-    from rayspec.scheduler.driver import check_reward_functions
+    from rayspec.preflight import check_reward_functions
 
     subprocess.run([sys.executable, "examples/own_task/make_data.py", str(tmp_path)], check=True)
     cfg = load_config(None, ["data.name=files", f"data.path={tmp_path}/train.jsonl",

@@ -242,7 +242,7 @@ def test_the_driver_checks_the_memory_plan_on_the_clusters_devices(tmp_path):
     memory: refused where a device overflows, naming it and what to run to
     see the knobs; not checked where nvidia-smi cannot read the memory.
     CPU roles on one node: its host memory."""
-    from rayspec.scheduler.driver import check_memory_plan
+    from rayspec.preflight import check_memory_plan
 
     model = _qwen3_8b_dir(tmp_path)
     preset = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "gpu.yaml"
@@ -266,7 +266,8 @@ def test_the_driver_checks_the_memory_plan_on_the_clusters_devices(tmp_path):
 
 
 def test_simulated_gpus_report_no_memory_so_the_plan_is_not_checked(gpu_cluster):
-    from rayspec.scheduler.placement import cluster_nodes, gpu_memory_by_node
+    from rayspec.preflight import gpu_memory_by_node
+    from rayspec.scheduler.placement import cluster_nodes
 
     nodes = cluster_nodes()
     assert gpu_memory_by_node(nodes) == {n.node_id: None for n in nodes}  # no nvidia-smi on any node here

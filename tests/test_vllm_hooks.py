@@ -1,4 +1,4 @@
-"""rayspec's touch points in vLLM (``rayspec.rollout.vllm``): every one
+"""rayspec's touch points in vLLM (``rayspec.vllm``): every one
 holds in the installed vLLM, a release is refused only where one fails (and
 then by name), the hooks fail loudly, naming the vLLM version, when what
 they reach for is missing (another release, or CUDA's V2 model runner),
@@ -14,11 +14,11 @@ import pytest
 import torch.nn as nn
 
 from rayspec.rollout import adaptive
-from rayspec.rollout.vllm import TOUCH_POINTS, TouchPoint, VllmInternalsError, check_vllm, require_vllm
-from rayspec.rollout.vllm.touchpoints import API_CALLS
-from rayspec.rollout.vllm import cpu_fixes as vllm_patches
-from rayspec.rollout.vllm import spec_schedule
-from rayspec.rollout.vllm.worker_ext import RefitExtension, _retie_embeddings
+from rayspec.vllm import TOUCH_POINTS, TouchPoint, VllmInternalsError, check_vllm, require_vllm
+from rayspec.vllm.touchpoints import API_CALLS
+from rayspec.vllm import cpu_fixes as vllm_patches
+from rayspec.vllm import spec_schedule
+from rayspec.vllm.worker_ext import RefitExtension, _retie_embeddings
 
 
 def test_every_touch_point_holds_in_the_installed_vllm():
@@ -75,7 +75,7 @@ def test_checking_the_touch_points_loads_nothing_of_vllm():
     import subprocess
     import sys
 
-    code = ("from rayspec.rollout.vllm.touchpoints import check_vllm; import sys; r = check_vllm(cpu=True); "
+    code = ("from rayspec.vllm.touchpoints import check_vllm; import sys; r = check_vllm(cpu=True); "
             "assert not [w for _, w in r if w]; maps = open('/proc/self/maps').read(); "
             "bad = [l for l in maps.splitlines() if '_C.abi3' in l or 'libgomp' in l]; assert not bad, bad; "
             "assert not [m for m in sys.modules if m.startswith('vllm.')], [m for m in sys.modules if 'vllm.' in m]")
@@ -146,7 +146,7 @@ class _V2Runner:
 
 def test_draft_refit_reloads_the_v2_runners_draft_model(monkeypatch):
     reloaded = []
-    from rayspec.rollout.vllm import worker_ext
+    from rayspec.vllm import worker_ext
 
     monkeypatch.setattr(worker_ext, "_reload", lambda config, model, verifier, weights, skip=(): reloaded.append(model))
     runner = _V2Runner()
@@ -171,7 +171,7 @@ def test_refit_without_in_place_reload_names_the_version(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload.inplace", None)
-    from rayspec.rollout.vllm import worker_ext
+    from rayspec.vllm import worker_ext
 
     with pytest.raises(VllmInternalsError, match="refit: vllm.model_executor.model_loader.reload.inplace:"
                                                  "reload_weights is missing"):
@@ -292,12 +292,12 @@ def test_plugin_on_a_vllm_without_its_targets_records_why(monkeypatch, caplog):
 
 
 def test_schedule_change_on_an_engine_core_without_the_utility_names_the_version():
-    from rayspec.rollout.vllm.engines import OfflineEngine
+    from rayspec.vllm.engines import OfflineEngine
 
     engine = object.__new__(OfflineEngine)  # over an in-process client whose core lacks the utility
     engine.llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=object())))
     with pytest.raises(VllmInternalsError, match=rf"has no {spec_schedule.UTILITY}.*VLLM_PLUGINS"):
-        spec_schedule.set_schedule(engine, adaptive.uniform(0, 4))
+        spec_schedule.set_schedule(engine, adaptive.uniform(0, 4), True)
 
 
 def test_cpu_sampler_fix_refuses_an_affected_vllm_without_its_targets(monkeypatch):

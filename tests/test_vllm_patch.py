@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from rayspec.rollout.vllm import cpu_fixes as vllm_patches
+from rayspec.vllm import cpu_fixes as vllm_patches
 
 
 def _expand_case():
@@ -70,7 +70,7 @@ def test_entry_point_registered():
     from importlib.metadata import entry_points
 
     eps = {ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert {"rayspec.rollout.vllm.cpu_fixes:register", "rayspec.rollout.vllm.spec_schedule:register"} <= eps
+    assert {"rayspec.vllm.cpu_fixes:register", "rayspec.vllm.spec_schedule:register"} <= eps
 
 
 def _recovered_case(num_draft_tokens, seeded: bool):

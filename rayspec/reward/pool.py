@@ -27,7 +27,6 @@ from typing import Any
 import ray
 
 from rayspec.config import RewardConfig
-from rayspec.data.prompts import Problem
 from rayspec.reward.functions import RewardFunctionError, accepted_kwargs, resolve
 
 log = logging.getLogger(__name__)
@@ -141,13 +140,17 @@ class RewardPool:
             ray.kill(worker, no_restart=True)
         self.workers = []
 
-    def score(self, problems: list[Problem], texts: list[str], completion_ids: list[list[int]],
+    def score(self, problems: list, texts: list[str], completion_ids: list[list[int]],
               completions: list[list[dict]] | None = None, environments: list | None = None) -> RewardResult:
         """Score each sample: ``problems[i]`` answered by ``texts[i]`` (token
-        ids ``completion_ids[i]``). ``completions``: a multi-turn rollout's
-        messages after the prompt (TRL's conversational completions; None:
-        ``texts[i]`` as one assistant message, or as is for a string
-        prompt). ``environments``: their environment instances, passed as
+        ids ``completion_ids[i]``). A problem is read by its fields, as
+        ``rayspec.data.Problem`` has them (the reward stage sits below the
+        prompt sources, which normalise their answers with its
+        ``normalise_number``): ``prompt`` and ``columns`` go to the
+        functions, ``source``, ``index`` and ``text`` name a sample that
+        failed. ``completions``: a multi-turn rollout's messages after the
+        prompt (TRL's conversational completions; None: ``texts[i]`` as one
+        assistant message, or as is for a string prompt). ``environments``: their environment instances, passed as
         ``environments`` (TRL's keyword).
 
         Raises:
@@ -248,7 +251,7 @@ class RewardPool:
                                   "expected a finite float or None")
         return [None if v is None else float(v) for v in got]
 
-    def _handle(self, failed: dict[tuple[int, int], str], problems: list[Problem], texts: list[str]) -> int:
+    def _handle(self, failed: dict[tuple[int, int], str], problems: list, texts: list[str]) -> int:
         if not failed:
             return 0
         (f, s), why = next(iter(sorted(failed.items())))

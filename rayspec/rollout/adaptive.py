@@ -44,7 +44,7 @@ least, and it measures every position at once (a 1-token probe left the
 later positions at their old rates, which a schedule drafting fewer tokens
 never measures again). t(b, k) is measured on the replica's own rollouts,
 not timed before them: vLLM reports every engine step's batch and seconds
-(``rayspec.rollout.vllm.step_timer``), and ``StepTimes`` keeps the decode
+(``rayspec.vllm.step_timer``), and ``StepTimes`` keeps the decode
 steps by kind (plain, k = 0 with the drafter in sync, k drafts) and batch
 size; between the k measured, t is linear in k. Until a choice can rest on
 measurements the controller schedules the rollout that measures what it

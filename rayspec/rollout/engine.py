@@ -25,13 +25,13 @@ from rayspec.files import write_text_atomic
 from rayspec.models.acceptance import read_acceptance
 from rayspec.rollout import adaptive as adaptive_k_mod
 from rayspec.rollout.spec_stats import SpecStats, completion_stats, sampled_logprobs, weight_spans
-from rayspec.rollout.vllm import require_vllm, vllm_version
-from rayspec.rollout.vllm import step_timer
-from rayspec.rollout.vllm.spec_schedule import set_schedule
-from rayspec.rollout.vllm.engines import engine_class
-from rayspec.rollout.vllm.touchpoints import internals_error, platform_is_cpu
-from rayspec.rollout.vllm.worker_ext import WORKER_EXTENSION, RefitExtension
 from rayspec.sync import CollectiveReceiver, CudaIpcReceiver, ObjectStoreReceiver, SharedMemoryReceiver
+from rayspec.vllm import require_vllm, vllm_version
+from rayspec.vllm import step_timer
+from rayspec.vllm.spec_schedule import set_schedule
+from rayspec.vllm.engines import engine_class
+from rayspec.vllm.touchpoints import internals_error, platform_is_cpu
+from rayspec.vllm.worker_ext import WORKER_EXTENSION, RefitExtension
 
 log = logging.getLogger(__name__)
 
@@ -367,7 +367,7 @@ class _Gate:
 
 class SpecVLLMEngine:
     """One vLLM engine with a speculative_config (``AsyncLLM`` by default,
-    ``rayspec.rollout.vllm.engines``), refit in place by a weight receiver
+    ``rayspec.vllm.engines``), refit in place by a weight receiver
     per transport (``rayspec.sync``: ``object_store``, ``collective`` over
     vLLM's weight-transfer engines, ...). Thread-safe.
 
@@ -404,7 +404,7 @@ class SpecVLLMEngine:
             (vLLM's ``AsyncLLM``), ``offline`` (``vllm.LLM``, one call at a
             time, its engine core in this process where
             ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``module:Class``, or a
-            class (``rayspec.rollout.vllm.engines.engine_class``). None:
+            class (``rayspec.vllm.engines.engine_class``). None:
             ``offline`` where ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (in
             ``env`` or this process's environment: only ``vllm.LLM`` can run
             its engine core here), else ``async``.
@@ -425,7 +425,7 @@ class SpecVLLMEngine:
 
     Raises:
         VllmInternalsError: a vLLM internal rayspec relies on is missing from
-            the installed release (``rayspec.rollout.vllm.require_vllm``), or
+            the installed release (``rayspec.vllm.require_vllm``), or
             the engine dropped the k schedule adaptive k switches.
     """
 
@@ -604,7 +604,8 @@ class SpecVLLMEngine:
         Raises:
             RuntimeError: the engine was built without a schedule.
         """
-        set_schedule(self.llm, schedule, drafter_idle)
+        idle = adaptive_k_mod.drafts_nowhere(schedule) if drafter_idle is None else drafter_idle
+        set_schedule(self.llm, schedule, idle)
         self.k_schedule = [tuple(r) for r in schedule]
 
     def _time_steps(self, schedule: list, temperatures: set[float], wall_s: float) -> None:

@@ -103,7 +103,7 @@ def rollout_client(rollout):
     units where the engine batches calls continuously, else one shard per
     replica."""
     from rayspec.rollout.client import RolloutClient
-    from rayspec.rollout.vllm.engines import engine_class
+    from rayspec.vllm.engines import engine_class
 
     return RolloutClient(serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME), rollout.num_replicas,
                          by_group=engine_class(rollout.engine_cls).concurrent)

@@ -1,8 +1,7 @@
 """Where and when the roles of the RL step run: the placement plan
-(``placement``), sync/async rollouts with bounded policy lag (``pipeline``)
-and the driver that starts everything (``driver``)."""
+(``placement``) and sync/async rollouts with bounded policy lag
+(``pipeline``). The run's driver that follows the plan is ``rayspec.driver``."""
 
-from rayspec.scheduler.driver import checkpoints, init_ray, run
 from rayspec.scheduler.placement import ClusterFitError, PlacementPlan, plan_placement
 
-__all__ = ["ClusterFitError", "PlacementPlan", "checkpoints", "init_ray", "plan_placement", "run"]
+__all__ = ["ClusterFitError", "PlacementPlan", "plan_placement"]

@@ -37,7 +37,7 @@ import collections
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from rayspec.config import draft_online
 
@@ -194,26 +194,6 @@ def cluster_nodes() -> list[NodeInfo]:
                             float(res.get("memory", 0.0)), cores))
     out.sort(key=lambda x: x.node_id != here)
     return out
-
-
-def gpu_memory_by_node(nodes: list[NodeInfo]) -> dict[str, Optional[int]]:
-    """{node id: bytes of the node's smallest GPU, or None where
-    ``nvidia-smi`` cannot say (simulated GPUs)}: one task per node, pinned
-    to it, using no CPU or GPU (``nvidia-smi`` opens no CUDA context), so
-    it runs before any role is placed."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from rayspec.tools import node_check
-
-    @ray.remote(num_cpus=0)
-    def query() -> Optional[int]:
-        sizes = node_check.gpu_memory()
-        return min(sizes) if sizes else None
-
-    refs = [query.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote()
-            for n in nodes]
-    return dict(zip((n.node_id for n in nodes), ray.get(refs, timeout=120)))
 
 
 def role_bundles(cfg) -> dict[str, list[dict[str, float]]]:

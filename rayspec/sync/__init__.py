@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from rayspec.config import collective_backend, refit_from_trainer_memory
-from rayspec.sync.buckets import bucket_nbytes, pack_bucket, plan_buckets, state_dict_nbytes, unpack_bucket
 from rayspec.sync.collective import CollectiveReceiver, CollectiveSender, DeviceGather
 from rayspec.sync.interfaces import HostGather, Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError
 from rayspec.sync.ipc import CudaIpcReceiver, CudaIpcSender, DeviceExport, IpcWeights
@@ -22,8 +21,7 @@ from rayspec.sync.shared_memory import SharedMemoryReceiver, SharedMemorySender
 __all__ = ["CollectiveReceiver", "CollectiveSender", "CudaIpcReceiver", "CudaIpcSender", "DeviceExport",
            "DeviceGather", "HostGather", "IpcWeights", "ObjectStoreReceiver", "ObjectStoreSender", "Refit", "RefitHost",
            "SharedMemoryReceiver", "SharedMemorySender", "WeightReceiver", "WeightSender", "WeightSyncError",
-           "bucket_nbytes", "make_sender", "make_source", "pack_bucket", "plan_buckets",
-           "state_dict_nbytes", "unpack_bucket"]
+           "make_sender", "make_source"]
 
 
 def make_sender(ws, replicas, trainer_has_gpu: bool, replicas_have_gpu: bool, shared_gpus: bool = False,

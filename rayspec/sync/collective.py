@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterable, Optional
 import ray
 import torch
 
-from rayspec.sync.buckets import plan_buckets, state_dict_nbytes
+from rayspec.buckets import plan_buckets, state_dict_nbytes
 from rayspec.sync.interfaces import (Refit, RefitHost, WeightReceiver, WeightSender, WeightSyncError, copy_weights,
                                      transfer_round)
 
@@ -564,7 +564,7 @@ class CollectiveReceiver(WeightReceiver):
         """
         if group_id != self.group_id:
             return None
-        engine = self.host.llm  # vLLM's weight-transfer calls (rayspec.rollout.vllm.engines)
+        engine = self.host.llm  # vLLM's weight-transfer calls (rayspec.vllm.engines)
 
         def load():
             try:

@@ -13,7 +13,7 @@ CPU has none of (``torch.accelerator.synchronize`` raises there).
 The wire: trainer rank 0 and every vLLM worker of every replica form vLLM's
 stateless gloo group (``rank_offset`` + the worker's rank in its replica);
 a refit is one ``update_weights`` call whose info lists packed buckets
-(``rayspec.sync.buckets``), broadcast from rank 0 and streamed into vLLM's
+(``rayspec.buckets``), broadcast from rank 0 and streamed into vLLM's
 in-place reload as they land (``worker_ext.load_weights``, which also keeps
 the draft off the modules it shares with the verifier and re-ties a tied
 output layer). ``start_weight_update`` and ``finish_weight_update`` load
@@ -31,8 +31,8 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    VLLMWeightSyncClient, WeightSource, WeightTransferEngine,
                                                    WeightTransferInitInfo, WeightTransferUpdateInfo)
 
-from rayspec.rollout.vllm import engine_access
-from rayspec.sync.buckets import Bucket, bucket_nbytes, pack_bucket, plan_buckets, unpack_bucket
+from rayspec.buckets import Bucket, bucket_nbytes, pack_bucket, plan_buckets, unpack_bucket
+from rayspec.vllm import engine_access
 
 BACKEND = "gloo"
 DEFAULT_TIMEOUT_S = 600.0
@@ -95,7 +95,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         Raises:
             RuntimeError: no ``init_weight_transfer_engine`` before.
         """
-        from rayspec.rollout.vllm.worker_ext import load_weights
+        from rayspec.vllm.worker_ext import load_weights
 
         if self.group is None:
             raise RuntimeError("gloo weight transfer: init_weight_transfer_engine was not called")

@@ -46,7 +46,7 @@ def all_landed(response) -> list:
 
 def transfer_round(engine, target: str, update_info: dict[str, Any]) -> None:
     """One refit of ``target`` through vLLM's weight-transfer round on a
-    replica's engine (``rayspec.rollout.vllm.engines``):
+    replica's engine (``rayspec.vllm.engines``):
     ``start_weight_update`` (``start_draft_weight_update`` for the draft
     head), ``update_weights`` with the worker-side engine's ``update_info``,
     ``finish_weight_update``.
@@ -248,7 +248,7 @@ class RefitHost(Protocol):
 class WeightReceiver(abc.ABC):
     """A replica's side of a transport: puts the weights it receives into
     the vLLM workers through the host's ``load_refit``. Receivers reach the
-    worker extension's methods (``rayspec.rollout.vllm.worker_ext``) by
+    worker extension's methods (``rayspec.vllm.worker_ext``) by
     name through ``collective_rpc``: the worker side imports ``rayspec.sync``
     (the bucket layout, the CUDA IPC handles), not the reverse.
 

@@ -55,7 +55,7 @@ from typing import Any, Iterable
 
 import torch
 
-from rayspec.sync.buckets import state_dict_nbytes
+from rayspec.buckets import state_dict_nbytes
 from rayspec.sync.interfaces import Refit, WeightReceiver, all_landed, transfer_round
 from rayspec.sync.object_store import ObjectStoreSender
 from rayspec.sync.shared_memory import SHM, remove_orphans
@@ -341,7 +341,7 @@ class CudaIpcReceiver(WeightReceiver):
             for a worker's GPU; ``cpu_ipc``: ``WeightSyncError`` naming the
             replica's host and the exporting ones).
         """
-        engine = self.host.llm  # vLLM's weight-transfer calls (rayspec.rollout.vllm.engines)
+        engine = self.host.llm  # vLLM's weight-transfer calls (rayspec.vllm.engines)
 
         def load():
             if not self._joined:  # the handshake vLLM's trainer engine makes: unpacked handles

@@ -52,7 +52,7 @@ class CpuIpcWeightTransferEngine(IPCWeightTransferEngine):
             WeightSyncError: no Train rank exported on this host (names it
                 and the hosts that did).
         """
-        from rayspec.rollout.vllm.worker_ext import load_weights
+        from rayspec.vllm.worker_ext import load_weights
 
         if self.packed or not isinstance(update_info.ipc_handles, list):
             raise ValueError(f"{BACKEND}: packed transfers are not supported (init with packed=False)")

@@ -19,7 +19,7 @@ import ray
 import torch
 from safetensors.torch import save_file
 
-from rayspec.sync.buckets import state_dict_nbytes
+from rayspec.buckets import state_dict_nbytes
 from rayspec.sync.interfaces import Refit, RefitHost, WeightReceiver, WeightSender, all_landed
 
 

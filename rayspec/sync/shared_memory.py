@@ -1,7 +1,7 @@
 """The ``shared_memory`` transport: the trainer's rank 0 packs each refit
 into files under /dev/shm (tmpfs, so host memory), one per bucket of
 ``packed_buffer_size_bytes`` in the collective's packed layout
-(``buckets.py``), and every replica maps them read-only
+(``rayspec.buckets``), and every replica maps them read-only
 (``torch.from_file``) and streams the views into vLLM's in-place reload. One host
 copy, the pack, whatever the replica count: no serialization, no TCP, no
 staging file per replica, no process group. A GPU replica's load is then
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rayspec.sync.buckets import Bucket, bucket_nbytes, pack_bucket, plan_buckets, state_dict_nbytes
+from rayspec.buckets import Bucket, bucket_nbytes, pack_bucket, plan_buckets, state_dict_nbytes
 from rayspec.sync.interfaces import Refit, WeightReceiver, WeightSender, WeightSyncError, all_landed
 
 SHM = "/dev/shm"

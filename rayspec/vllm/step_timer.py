@@ -13,7 +13,7 @@ replica takes them after a ``generate``.
 
 ``AsyncLLM`` takes it as one of its ``stat_loggers``; ``vllm.LLM`` (0.32)
 takes none, so ``OfflineEngine`` appends it to the engine's
-``StatLoggerManager`` (two touch points, ``rayspec.rollout.vllm.touchpoints``).
+``StatLoggerManager`` (two touch points, ``rayspec.vllm.touchpoints``).
 vLLM's default logging stat logger would log every iteration's details at
 INFO, once per engine step; ``quiet_iteration_lines`` keeps those lines out
 of the replica's log.

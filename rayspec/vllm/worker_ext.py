@@ -33,10 +33,10 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from rayspec.rollout.vllm import touchpoints as tp
-from rayspec.sync.buckets import bucket_nbytes, unpack_bucket
+from rayspec.buckets import bucket_nbytes, unpack_bucket
+from rayspec.vllm import touchpoints as tp
 
-WORKER_EXTENSION = "rayspec.rollout.vllm.worker_ext.RefitExtension"
+WORKER_EXTENSION = "rayspec.vllm.worker_ext.RefitExtension"
 
 
 def _iter_file(path: str):

@@ -9,10 +9,12 @@ or wraps them (``touchpoints.py`` declares each one and why).
 - ``engine_access``: what a running engine and vLLM's distributed helpers
   give beyond the public API.
 
-Importing this package imports no vLLM.
+Importing this package imports no vLLM. It sits below the weight
+transports (``rayspec.sync``: rayspec's weight-transfer engines load through
+``worker_ext``) and the replicas (``rayspec.rollout``), and imports neither.
 """
 
-from rayspec.rollout.vllm.touchpoints import (
+from rayspec.vllm.touchpoints import (
     TOUCH_POINTS,
     TouchPoint,
     VllmInternalsError,

@@ -37,7 +37,7 @@ import threading
 from typing import Any, Optional
 
 from rayspec import config
-from rayspec.rollout.vllm import touchpoints as tp
+from rayspec.vllm import touchpoints as tp
 
 
 class OfflineEngine:

@@ -75,7 +75,7 @@ import threading
 import torch
 
 from rayspec.config import DRAFT_LINEAR_DTYPE, DRAFT_LINEAR_DTYPES  # the key in vLLM's additional_config
-from rayspec.rollout.vllm import touchpoints as tp
+from rayspec.vllm import touchpoints as tp
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ At k = 0 vLLM 0.32 still runs the drafter's forward over every step's tokens
 (``SpecDecodeBaseProposer.propose``: "to keep the drafter KV cache in sync"),
 so a sequence can draft again when its batch shrinks into a k > 0 range.
 When the schedule is 0 at every batch size, no sequence can draft before the
-schedule changes, so the utility also marks the drafter idle and a wrapped
+schedule changes, so the utility also marks the drafter idle (where the
+replica asks it to: ``SpecVLLMEngine.set_k_schedule``) and a wrapped
 ``propose`` returns no drafts without that forward (on 2 CPU cores it was
 3-4 ms a step, 7% of a step at one sequence). Leaving the idle state resets
 the prefix cache: blocks cached meanwhile hold no draft KV. rayspec changes
@@ -47,8 +48,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from rayspec.rollout.adaptive import drafts_nowhere
-from rayspec.rollout.vllm import touchpoints as tp
+from rayspec.vllm import touchpoints as tp
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,11 @@ UTILITY = "rayspec_set_num_speculative_tokens_per_batch_size"
 _register_error: str | None = None  # why register() could not install the hooks, in this process
 
 
-def _set_schedule(self, schedule: list, drafter_idle: bool | None = None) -> list:
+def _set_schedule(self, schedule: list, drafter_idle: bool) -> list:
     """EngineCore utility: replace the scheduler's batch-size -> k lookup.
 
-    ``drafter_idle`` None: idle iff k is 0 everywhere; False keeps the
+    ``drafter_idle``: the drafter skips its forward while k is 0 (the
+    caller decides: ``SpecVLLMEngine.set_k_schedule``); False keeps the
     drafter's KV-sync forward running at k = 0 (calibration times it).
     Returns the normalised schedule. Raises RuntimeError when the engine was
     built without ``num_speculative_tokens_per_batch_size`` (its scheduler
@@ -74,12 +75,11 @@ def _set_schedule(self, schedule: list, drafter_idle: bool | None = None) -> lis
                            "build it with a schedule to switch k at run time")
     sched.dynamic_sd_lookup = tp.BUILD_SCHEDULE.load()(
         [tuple(r) for r in schedule], sched.scheduler_config.max_num_seqs, sched.num_spec_tokens)
-    idle = drafts_nowhere(schedule) if drafter_idle is None else drafter_idle
-    if idle != getattr(self, "rayspec_drafter_idle", False):
-        self.collective_rpc(_set_drafter_idle, args=(idle,))
-        if not idle:
+    if drafter_idle != getattr(self, "rayspec_drafter_idle", False):
+        self.collective_rpc(_set_drafter_idle, args=(drafter_idle,))
+        if not drafter_idle:
             self.reset_prefix_cache()
-        self.rayspec_drafter_idle = idle
+        self.rayspec_drafter_idle = drafter_idle
     return [list(r) for r in schedule]
 
 
@@ -209,11 +209,11 @@ def register() -> None:
             point.install(wrap(fn))
 
 
-def set_schedule(engine, schedule: list[tuple[int, int, int]], drafter_idle: bool | None = None) -> None:
+def set_schedule(engine, schedule: list[tuple[int, int, int]], drafter_idle: bool) -> None:
     """Apply ``schedule`` ([(lo, hi, k)], inclusive batch-size ranges) to a
-    running engine (``rayspec.rollout.vllm.engines``: its ``call_utility``
+    running engine (``rayspec.vllm.engines``: its ``call_utility``
     reaches the engine core in its own process or in this one).
-    ``drafter_idle``: see ``_set_schedule`` (None: idle iff k = 0 everywhere).
+    ``drafter_idle``: see ``_set_schedule``.
 
     Raises:
         RuntimeError: the engine has no dynamic schedule.

@@ -1,6 +1,9 @@
-"""The wire format of a collective refit: a state dict split into buckets of
-at most ``packed_buffer_size_bytes``, each sent as one flat uint8 buffer
-(vLLM's packed layout), and unpacked back into named tensor views."""
+"""The wire format of a collective or shared-memory refit: a state dict
+split into buckets of at most ``packed_buffer_size_bytes``, each sent as one
+flat uint8 buffer (vLLM's packed layout), and unpacked back into named
+tensor views. Packed by the trainer's side of the transports
+(``rayspec.sync``) and unpacked inside vLLM's workers
+(``rayspec.vllm.worker_ext``), so it sits below both."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import inspect
 import time
 from datetime import timedelta
 
-from rayspec.rollout.vllm import touchpoints as tp
+from rayspec.vllm import touchpoints as tp
 
 
 def stateless_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,

@@ -1,35 +1,35 @@
-"""The driver of a run: join or start Ray, plan the placement, start the
-roles where the plan puts them, and run the RL loop in Ray Train.
+"""The driver of a run: check its inputs (``rayspec.preflight``), join or
+start Ray, plan the placement, start the roles where the plan puts them, and
+run the RL loop in Ray Train.
 
 Each role declares its own resources in the config (rollout:
 ``num_cpus_per_replica`` / ``num_gpus_per_replica``; train:
 ``cpus_per_worker`` / ``gpus_per_worker``; draft: ``num_cpus`` /
 ``num_gpus``); ``scheduler.layout`` decides how they share the cluster
-(``placement.py``) and ``scheduler.mode`` when rollouts run (``pipeline.py``).
+(``rayspec.scheduler.placement``) and ``scheduler.mode`` when rollouts run
+(``rayspec.scheduler.pipeline``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import ray
 from omegaconf import OmegaConf
 
-from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, ConfigError, RunConfig, draft_online, dtype_reason
-from rayspec.data import load_problems, train_and_heldout
-from rayspec.models import check_draft_matches_policy, load_policy, resolve_model_path
-from rayspec.models.acceptance import ACCEPTANCE_FILE, read_acceptance
-from rayspec.rollout.vllm import require_vllm
-from rayspec.scheduler.placement import ClusterFitError, NodeInfo, cluster_nodes, gpu_memory_by_node, plan_placement
-from rayspec.train.checkpoint import TRAIN_NAME, TRAIN_STORAGE, checkpoints
+from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, RunConfig, draft_online, dtype_reason
+from rayspec.data import load_problems
+from rayspec.models import load_policy
+from rayspec.models.acceptance import ACCEPTANCE_FILE
+from rayspec.preflight import check_inputs, check_memory_plan, check_resume, check_run_dir
+from rayspec.scheduler.placement import cluster_nodes, plan_placement
+from rayspec.train.checkpoint import TRAIN_NAME, TRAIN_STORAGE
 
 log = logging.getLogger(__name__)
 
@@ -145,207 +145,6 @@ def _prompt_draft_vocab(cfg: RunConfig, model_dir: str, vocab_size: int):
     return ids
 
 
-def check_inputs(cfg: RunConfig) -> str:
-    """Check the policy, the draft and the dataset before anything starts or
-    is written; returns the policy's HF directory (the bundled model is
-    materialised here).
-
-    Raises:
-        ConfigError: naming the key and file at fault (see
-            ``resolve_model_path``, ``check_draft_matches_policy``; a
-            missing, empty or malformed dataset file with its line number).
-        VllmInternalsError: a vLLM internal rayspec relies on is missing from
-            the installed release (``rayspec.rollout.vllm.require_vllm``).
-    """
-    require_vllm()
-    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)  # checks a local policy
-    policy_cfg = json.loads((model_dir / "config.json").read_text())
-    spec = cfg.rollout.speculative_config
-    if spec.method == "mtp" and not _has_mtp_layers(policy_cfg):
-        raise ConfigError(
-            f"rollout.speculative_config.method='mtp': the policy (model.path={cfg.model.path}, model_type "
-            f"{policy_cfg.get('model_type')!r}) has no multi-token-prediction layers (its config.json sets no "
-            "num_nextn_predict_layers); mtp drafts with a model's own MTP layers (DeepSeek-V3, GLM-4.5, "
-            "Qwen3-Next, MiMo, ERNIE-4.5, ...): for this policy use eagle3, draft_model, ngram or suffix")
-    if spec.model is not None:
-        check_draft_matches_policy(policy_cfg, spec.model, spec.method)
-        try:
-            read_acceptance(spec.model, spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD)
-            if draft_online(cfg):
-                from rayspec.draft.trainer import online_lr
-
-                online_lr(cfg.draft.lr, spec.model, trained=True)
-        except ValueError as e:
-            raise ConfigError(f"rollout.speculative_config.model={spec.model}: {e}") from None
-    try:
-        problems = load_problems(cfg.data)
-    except (OSError, ValueError, ImportError) as e:  # OSError: a missing file, or the hub out of reach
-        raise ConfigError(f"data.path={cfg.data.path}: {e}") from None
-    if cfg.trainer.eval_every:
-        try:
-            train_and_heldout(cfg.data, cfg.data.eval_num_problems)
-        except ValueError as e:
-            key = "data.eval_path" if cfg.data.eval_path else "data.eval_num_problems"
-            raise ConfigError(f"{key}={getattr(cfg.data, key.split('.')[1])}: {e}") from None
-    check_reward_functions(cfg.reward, set(problems[0].columns) | ({"environments"} if cfg.rollout.environment
-                                                                   else set()))
-    if cfg.rollout.multi_turn:
-        check_agent(cfg, str(model_dir), problems)
-    return str(model_dir)
-
-
-def check_agent(cfg: RunConfig, model_dir: str, problems: list) -> None:
-    """Before anything starts: the tools and the environment of a
-    multi-turn run import and have schemas, the environment builds with no
-    arguments, the tool parser exists, the chat template renders tool
-    messages, and every prompt is a conversation (a chat template renders
-    the tools and the turns).
-
-    Raises:
-        ConfigError: naming the key, file or row at fault and the fix.
-    """
-    from rayspec.models import load_tokenizer
-    from rayspec.rollout.agent import ToolCallParser, ToolError, Toolset, check_template
-
-    try:
-        toolset = Toolset.load(cfg.rollout.tools, cfg.rollout.environment)
-        if toolset.environment is not None:
-            try:
-                toolset.environment()
-            except Exception as e:
-                raise ToolError(f"rollout.environment={cfg.rollout.environment}: {toolset.environment.__name__}() "
-                                f"raised {type(e).__name__}: {e} (one instance is built per trajectory, with no "
-                                "arguments; the row comes to reset)") from None
-        tokenizer = load_tokenizer(model_dir)
-        check_template(tokenizer, cfg.model.path)
-        ToolCallParser(cfg.rollout.tool_parser, tokenizer, toolset.schemas)
-    except ToolError as e:
-        raise ConfigError(str(e)) from None
-    plain = next((p for p in problems if isinstance(p.prompt, str)), None)
-    if plain is not None:
-        raise ConfigError(f"rollout.tools / rollout.environment: row {plain.index} of {plain.source} has a string "
-                          "prompt; multi-turn rollouts need conversational prompts (a list of role/content "
-                          "messages), which the chat template renders with the tools")
-
-
-def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
-                      device_bytes: dict[str, int | None] | None = None, host_bytes: float | None = None):
-    """The memory plan (``rayspec.perfmodel.memory``) of the run on the
-    cluster's own memory, before any role starts. GPU roles: the plan of the
-    smallest GPU's memory (host memory is not checked: the GPU plan's host
-    sum is an upper bound; ``jobs.project_memory`` shows it). CPU roles on
-    one node: its host memory per phase (``cpu_plan``).
-
-    Args:
-        device_bytes: {node id: bytes of its smallest GPU, or None where
-            unknown}; default: read on each GPU node (``gpu_memory_by_node``).
-        host_bytes: the node's memory (CPU roles); default: this machine's
-            (the driver runs on the one node).
-
-    Returns:
-        The plan, or None (CPU roles over several nodes, or a GPU whose
-        memory nvidia-smi cannot read: a simulated one; logged).
-
-    Raises:
-        ClusterFitError: a device (or the host) and phase that overflow, with
-            what holds the most, and the command that lists the knobs that
-            would fit.
-    """
-    from rayspec.perfmodel import ModelShape
-    from rayspec.perfmodel.memory import cpu_plan, plan
-
-    if cfg.rollout.num_gpus_per_replica <= 0 and cfg.train.gpus_per_worker <= 0:
-        if len(nodes) != 1:
-            log.info("memory plan of CPU roles not checked: %d nodes (jobs.project_memory --hardware cpu "
-                     "plans one)", len(nodes))
-            return None
-        try:
-            shape = ModelShape.from_hf_config(model_dir)
-        except ValueError as e:  # an architecture the plan does not know runs all the same on CPUs
-            log.warning("memory plan of CPU roles not checked: %s", e)
-            return None
-        if host_bytes is None:
-            import psutil  # a Ray dependency
-
-            host_bytes = psutil.virtual_memory().total
-        result, what, hardware = cpu_plan(cfg, shape, host_bytes), "this node's host memory", \
-            f"cpu --host-gib {host_bytes / 2**30:.0f}"
-    elif cfg.rollout.num_gpus_per_replica <= 0 or cfg.train.gpus_per_worker <= 0:
-        return None  # a GPU role beside a CPU one: the GPU plan needs both on GPUs
-    else:
-        gpu_nodes = [n for n in nodes if n.gpus > 0]
-        if device_bytes is None:
-            device_bytes = gpu_memory_by_node(gpu_nodes)
-        known = [device_bytes.get(n.node_id) for n in gpu_nodes]
-        if not gpu_nodes or None in known:
-            log.warning("memory plan not checked: nvidia-smi gave no GPU memory on node(s) %s",
-                        [n.node_id[:8] for n, b in zip(gpu_nodes, known) if b is None])
-            return None
-        result = plan(cfg, ModelShape.from_hf_config(model_dir), "", gpus_per_node=int(max(n.gpus for n in gpu_nodes)),
-                      nodes=len(gpu_nodes), device_bytes=min(known), host_bytes=float("inf"))
-        what, hardware = "this cluster's GPUs", "<h100|h200|gb200> --gpus N"
-    problems = result.problems()
-    if problems:
-        raise ClusterFitError(f"the memory plan does not fit {what}:\n  " + "\n  ".join(problems)
-                              + "\n(python -m jobs.project_memory <the same preset and overrides> --model "
-                              f"<model.path> --hardware {hardware} prints the plan and the knobs that would fit)")
-    log.info("memory plan: fits (%s)", "; ".join(
-        f"{d.name} peak {max(d.used(p) for p in result.PHASES) / 2**30:.1f} of {d.capacity / 2**30:.1f} GiB"
-        for d in result.devices if d.count))
-    return result
-
-
-def check_reward_functions(reward, columns: set[str]) -> None:
-    """Import each of ``reward.functions`` here, on the driver, and check its
-    signature against the dataset's ``columns`` (TRL's form), before
-    anything starts.
-
-    Raises:
-        ConfigError: naming ``reward.functions[i]``: cannot be imported, or
-            cannot be called with the dataset's columns.
-    """
-    from rayspec.reward.functions import RewardFunctionError, check_signature, resolve
-
-    for i, spec in enumerate(reward.functions):
-        key = f"reward.functions[{i}]={spec}"
-        try:
-            check_signature(resolve(spec, key, reward.format_pattern), key, columns)
-        except RewardFunctionError as e:
-            raise ConfigError(str(e)) from None
-
-
-def check_run_dir(cfg: RunConfig) -> None:
-    """Check, before anything starts, that ``trainer.run_dir`` can be created
-    and written, leaving nothing behind: directories it had to create for
-    the check are removed again (the run creates them once it starts).
-
-    Raises:
-        ConfigError: naming ``trainer.run_dir`` and what the OS said.
-    """
-    run_dir = Path(cfg.trainer.run_dir)
-    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".rayspec-write-check-"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"trainer.run_dir={cfg.trainer.run_dir}: not a writable directory "
-                          f"({type(e).__name__}: {e.strerror or e})") from None
-    finally:
-        for p in created:  # deepest first
-            with contextlib.suppress(OSError):
-                p.rmdir()
-
-
-def _has_mtp_layers(policy_cfg: dict) -> bool:
-    """Whether a policy's HF config declares MTP layers as vLLM reads them
-    (``num_nextn_predict_layers``, also under ``text_config``; MiMo-V2 has
-    a fixed count vLLM knows by its model type)."""
-    configs = [policy_cfg, policy_cfg.get("text_config") or {}]
-    return any((c.get("num_nextn_predict_layers") or 0) > 0 for c in configs) or \
-        "mimo" in str(policy_cfg.get("model_type", ""))
-
-
 def save_draft_head(draft, first_start, out: Path) -> bool:
     """Write the DraftTrainer's head to ``out`` after the run (its final
     head), unless the actor died, or Ray restarted it after the last step
@@ -369,24 +168,6 @@ def save_draft_head(draft, first_start, out: Path) -> bool:
         log.warning("the DraftTrainer %s: %s is not its final head; the last checkpoint with a draft state "
                     "holds the newest one", why, out)
     return why is None
-
-
-def check_resume(cfg: RunConfig, resume: bool) -> None:
-    """A run directory with checkpoints is continued only when asked to, so
-    a new run never silently resumes an old one (nor overwrites it).
-
-    Raises:
-        ConfigError: ``resume`` without a checkpoint to resume, or a new run
-            in a directory that holds one.
-    """
-    found = checkpoints(cfg.trainer.run_dir)
-    if resume and not found:
-        raise ConfigError(f"resume={cfg.trainer.run_dir}: no checkpoint under "
-                          f"{Path(cfg.trainer.run_dir) / TRAIN_STORAGE / TRAIN_NAME}")
-    if not resume and found:
-        raise ConfigError(f"trainer.run_dir={cfg.trainer.run_dir} holds checkpoints of an earlier run "
-                          f"(latest {found[-1].name}): continue it with `python -m jobs.grpo "
-                          f"resume={cfg.trainer.run_dir}`, or choose another trainer.run_dir")
 
 
 def run(cfg: RunConfig, resume: bool = False) -> Path:

@@ -1,0 +1,314 @@
+"""Preflight: what a run checks before it starts or writes anything, each
+failure a ``ConfigError`` (or ``ClusterFitError``) that names the key or
+file at fault: the policy, the draft and the dataset (``check_inputs``), a
+multi-turn run's tools and template (``check_agent``), the reward
+functions' signatures, the run directory, a resume, and the memory plan on
+the cluster's own devices (``check_memory_plan``). ``rayspec.driver.run``
+calls them in that order before it starts a role."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, ConfigError, RunConfig, draft_online
+from rayspec.data import load_problems, train_and_heldout
+from rayspec.draft.eagle3 import WEIGHT_FILES, aux_layer_ids
+from rayspec.models import check_causal_lm_dir, resolve_model_path
+from rayspec.models.acceptance import read_acceptance
+from rayspec.scheduler.placement import ClusterFitError, NodeInfo
+from rayspec.train.checkpoint import TRAIN_NAME, TRAIN_STORAGE, checkpoints
+from rayspec.vllm import require_vllm
+
+log = logging.getLogger(__name__)
+
+
+def check_inputs(cfg: RunConfig) -> str:
+    """Check the policy, the draft and the dataset before anything starts or
+    is written; returns the policy's HF directory (the bundled model is
+    materialised here).
+
+    Raises:
+        ConfigError: naming the key and file at fault (see
+            ``resolve_model_path``, ``check_draft_matches_policy``; a
+            missing, empty or malformed dataset file with its line number).
+        VllmInternalsError: a vLLM internal rayspec relies on is missing from
+            the installed release (``rayspec.vllm.require_vllm``).
+    """
+    require_vllm()
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)  # checks a local policy
+    policy_cfg = json.loads((model_dir / "config.json").read_text())
+    spec = cfg.rollout.speculative_config
+    if spec.method == "mtp" and not _has_mtp_layers(policy_cfg):
+        raise ConfigError(
+            f"rollout.speculative_config.method='mtp': the policy (model.path={cfg.model.path}, model_type "
+            f"{policy_cfg.get('model_type')!r}) has no multi-token-prediction layers (its config.json sets no "
+            "num_nextn_predict_layers); mtp drafts with a model's own MTP layers (DeepSeek-V3, GLM-4.5, "
+            "Qwen3-Next, MiMo, ERNIE-4.5, ...): for this policy use eagle3, draft_model, ngram or suffix")
+    if spec.model is not None:
+        check_draft_matches_policy(policy_cfg, spec.model, spec.method)
+        try:
+            read_acceptance(spec.model, spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD)
+            if draft_online(cfg):
+                from rayspec.draft.trainer import online_lr
+
+                online_lr(cfg.draft.lr, spec.model, trained=True)
+        except ValueError as e:
+            raise ConfigError(f"rollout.speculative_config.model={spec.model}: {e}") from None
+    try:
+        problems = load_problems(cfg.data)
+    except (OSError, ValueError, ImportError) as e:  # OSError: a missing file, or the hub out of reach
+        raise ConfigError(f"data.path={cfg.data.path}: {e}") from None
+    if cfg.trainer.eval_every:
+        try:
+            train_and_heldout(cfg.data, cfg.data.eval_num_problems)
+        except ValueError as e:
+            key = "data.eval_path" if cfg.data.eval_path else "data.eval_num_problems"
+            raise ConfigError(f"{key}={getattr(cfg.data, key.split('.')[1])}: {e}") from None
+    check_reward_functions(cfg.reward, set(problems[0].columns) | ({"environments"} if cfg.rollout.environment
+                                                                   else set()))
+    if cfg.rollout.multi_turn:
+        check_agent(cfg, str(model_dir), problems)
+    return str(model_dir)
+
+
+def _has_mtp_layers(policy_cfg: dict) -> bool:
+    """Whether a policy's HF config declares MTP layers as vLLM reads them
+    (``num_nextn_predict_layers``, also under ``text_config``; MiMo-V2 has
+    a fixed count vLLM knows by its model type)."""
+    configs = [policy_cfg, policy_cfg.get("text_config") or {}]
+    return any((c.get("num_nextn_predict_layers") or 0) > 0 for c in configs) or \
+        "mimo" in str(policy_cfg.get("model_type", ""))
+
+
+def check_draft_matches_policy(policy_cfg: dict, draft_dir: str | os.PathLike, method: str) -> None:
+    """Check ``rollout.speculative_config.model`` against the policy before any engine starts.
+
+    eagle3: the head reads the verifier's hidden states and proposes in its
+    vocabulary (or a reduced draft vocabulary of it), so ``hidden_size`` and
+    ``vocab_size`` must equal the policy's and its aux layers (vLLM's default
+    where the config names none) must exist in the policy. draft_model: a
+    safetensors causal LM (``check_causal_lm_dir``) with the policy's
+    ``vocab_size`` (same tokenizer).
+
+    Args:
+        policy_cfg: the policy's config.json (from ``check_causal_lm_dir``).
+        draft_dir: the draft directory.
+        method: ``speculative_config.method``.
+
+    Raises:
+        ConfigError: naming the key, the draft's config.json, the field and both values.
+    """
+    key = "rollout.speculative_config.model"
+    d = Path(draft_dir).expanduser()
+    if method == "eagle3":
+        cfg_file = d / "config.json"
+        if not cfg_file.is_file() or not any((d / f).is_file() for f in WEIGHT_FILES):
+            raise ConfigError(f"{key}={draft_dir}: expected an EAGLE-3 head (config.json and "
+                              f"{' or '.join(WEIGHT_FILES)})")
+        cfg = json.loads(cfg_file.read_text())
+        # vLLM reads a head's target width from target_hidden_size when it differs
+        pairs = (("target_hidden_size" if "target_hidden_size" in cfg else "hidden_size", "hidden_size"),
+                 ("vocab_size", "vocab_size"))
+    elif method == "draft_model":
+        cfg, cfg_file = check_causal_lm_dir(d, key), d / "config.json"
+        pairs = (("vocab_size", "vocab_size"),)
+    else:
+        return
+    for f, pf in pairs:
+        if cfg.get(f) != policy_cfg.get(pf):
+            raise ConfigError(f"{key}={draft_dir}: {cfg_file} {f}={cfg.get(f)} does not match the "
+                              f"policy's {pf}={policy_cfg.get(pf)}")
+    if method != "eagle3":
+        return
+    layers = policy_cfg.get("num_hidden_layers", 0)
+    aux = aux_layer_ids(cfg, layers)
+    if any(not 0 <= i < layers for i in aux):
+        raise ConfigError(f"{key}={draft_dir}: {cfg_file} eagle_aux_hidden_state_layer_ids={aux} "
+                          f"name layers the {layers}-layer policy does not have")
+
+
+def check_agent(cfg: RunConfig, model_dir: str, problems: list) -> None:
+    """Before anything starts: the tools and the environment of a
+    multi-turn run import and have schemas, the environment builds with no
+    arguments, the tool parser exists, the chat template renders tool
+    messages, and every prompt is a conversation (a chat template renders
+    the tools and the turns).
+
+    Raises:
+        ConfigError: naming the key, file or row at fault and the fix.
+    """
+    from rayspec.models import load_tokenizer
+    from rayspec.rollout.agent import ToolCallParser, ToolError, Toolset, check_template
+
+    try:
+        toolset = Toolset.load(cfg.rollout.tools, cfg.rollout.environment)
+        if toolset.environment is not None:
+            try:
+                toolset.environment()
+            except Exception as e:
+                raise ToolError(f"rollout.environment={cfg.rollout.environment}: {toolset.environment.__name__}() "
+                                f"raised {type(e).__name__}: {e} (one instance is built per trajectory, with no "
+                                "arguments; the row comes to reset)") from None
+        tokenizer = load_tokenizer(model_dir)
+        check_template(tokenizer, cfg.model.path)
+        ToolCallParser(cfg.rollout.tool_parser, tokenizer, toolset.schemas)
+    except ToolError as e:
+        raise ConfigError(str(e)) from None
+    plain = next((p for p in problems if isinstance(p.prompt, str)), None)
+    if plain is not None:
+        raise ConfigError(f"rollout.tools / rollout.environment: row {plain.index} of {plain.source} has a string "
+                          "prompt; multi-turn rollouts need conversational prompts (a list of role/content "
+                          "messages), which the chat template renders with the tools")
+
+
+def check_reward_functions(reward, columns: set[str]) -> None:
+    """Import each of ``reward.functions`` here, on the driver, and check its
+    signature against the dataset's ``columns`` (TRL's form), before
+    anything starts.
+
+    Raises:
+        ConfigError: naming ``reward.functions[i]``: cannot be imported, or
+            cannot be called with the dataset's columns.
+    """
+    from rayspec.reward.functions import RewardFunctionError, check_signature, resolve
+
+    for i, spec in enumerate(reward.functions):
+        key = f"reward.functions[{i}]={spec}"
+        try:
+            check_signature(resolve(spec, key, reward.format_pattern), key, columns)
+        except RewardFunctionError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check_run_dir(cfg: RunConfig) -> None:
+    """Check, before anything starts, that ``trainer.run_dir`` can be created
+    and written, leaving nothing behind: directories it had to create for
+    the check are removed again (the run creates them once it starts).
+
+    Raises:
+        ConfigError: naming ``trainer.run_dir`` and what the OS said.
+    """
+    run_dir = Path(cfg.trainer.run_dir)
+    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".rayspec-write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"trainer.run_dir={cfg.trainer.run_dir}: not a writable directory "
+                          f"({type(e).__name__}: {e.strerror or e})") from None
+    finally:
+        for p in created:  # deepest first
+            with contextlib.suppress(OSError):
+                p.rmdir()
+
+
+def check_resume(cfg: RunConfig, resume: bool) -> None:
+    """A run directory with checkpoints is continued only when asked to, so
+    a new run never silently resumes an old one (nor overwrites it).
+
+    Raises:
+        ConfigError: ``resume`` without a checkpoint to resume, or a new run
+            in a directory that holds one.
+    """
+    found = checkpoints(cfg.trainer.run_dir)
+    if resume and not found:
+        raise ConfigError(f"resume={cfg.trainer.run_dir}: no checkpoint under "
+                          f"{Path(cfg.trainer.run_dir) / TRAIN_STORAGE / TRAIN_NAME}")
+    if not resume and found:
+        raise ConfigError(f"trainer.run_dir={cfg.trainer.run_dir} holds checkpoints of an earlier run "
+                          f"(latest {found[-1].name}): continue it with `python -m jobs.grpo "
+                          f"resume={cfg.trainer.run_dir}`, or choose another trainer.run_dir")
+
+
+def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
+                      device_bytes: dict[str, int | None] | None = None, host_bytes: float | None = None):
+    """The memory plan (``rayspec.perfmodel.memory``) of the run on the
+    cluster's own memory, before any role starts. GPU roles: the plan of the
+    smallest GPU's memory (host memory is not checked: the GPU plan's host
+    sum is an upper bound; ``jobs.project_memory`` shows it). CPU roles on
+    one node: its host memory per phase (``cpu_plan``).
+
+    Args:
+        device_bytes: {node id: bytes of its smallest GPU, or None where
+            unknown}; default: read on each GPU node (``gpu_memory_by_node``).
+        host_bytes: the node's memory (CPU roles); default: this machine's
+            (the driver runs on the one node).
+
+    Returns:
+        The plan, or None (CPU roles over several nodes, or a GPU whose
+        memory nvidia-smi cannot read: a simulated one; logged).
+
+    Raises:
+        ClusterFitError: a device (or the host) and phase that overflow, with
+            what holds the most, and the command that lists the knobs that
+            would fit.
+    """
+    from rayspec.perfmodel import ModelShape
+    from rayspec.perfmodel.memory import cpu_plan, plan
+
+    if cfg.rollout.num_gpus_per_replica <= 0 and cfg.train.gpus_per_worker <= 0:
+        if len(nodes) != 1:
+            log.info("memory plan of CPU roles not checked: %d nodes (jobs.project_memory --hardware cpu "
+                     "plans one)", len(nodes))
+            return None
+        try:
+            shape = ModelShape.from_hf_config(model_dir)
+        except ValueError as e:  # an architecture the plan does not know runs all the same on CPUs
+            log.warning("memory plan of CPU roles not checked: %s", e)
+            return None
+        if host_bytes is None:
+            import psutil  # a Ray dependency
+
+            host_bytes = psutil.virtual_memory().total
+        result, what, hardware = cpu_plan(cfg, shape, host_bytes), "this node's host memory", \
+            f"cpu --host-gib {host_bytes / 2**30:.0f}"
+    elif cfg.rollout.num_gpus_per_replica <= 0 or cfg.train.gpus_per_worker <= 0:
+        return None  # a GPU role beside a CPU one: the GPU plan needs both on GPUs
+    else:
+        gpu_nodes = [n for n in nodes if n.gpus > 0]
+        if device_bytes is None:
+            device_bytes = gpu_memory_by_node(gpu_nodes)
+        known = [device_bytes.get(n.node_id) for n in gpu_nodes]
+        if not gpu_nodes or None in known:
+            log.warning("memory plan not checked: nvidia-smi gave no GPU memory on node(s) %s",
+                        [n.node_id[:8] for n, b in zip(gpu_nodes, known) if b is None])
+            return None
+        result = plan(cfg, ModelShape.from_hf_config(model_dir), "", gpus_per_node=int(max(n.gpus for n in gpu_nodes)),
+                      nodes=len(gpu_nodes), device_bytes=min(known), host_bytes=float("inf"))
+        what, hardware = "this cluster's GPUs", "<h100|h200|gb200> --gpus N"
+    problems = result.problems()
+    if problems:
+        raise ClusterFitError(f"the memory plan does not fit {what}:\n  " + "\n  ".join(problems)
+                              + "\n(python -m jobs.project_memory <the same preset and overrides> --model "
+                              f"<model.path> --hardware {hardware} prints the plan and the knobs that would fit)")
+    log.info("memory plan: fits (%s)", "; ".join(
+        f"{d.name} peak {max(d.used(p) for p in result.PHASES) / 2**30:.1f} of {d.capacity / 2**30:.1f} GiB"
+        for d in result.devices if d.count))
+    return result
+
+
+def gpu_memory_by_node(nodes: list[NodeInfo]) -> dict[str, Optional[int]]:
+    """{node id: bytes of the node's smallest GPU, or None where
+    ``nvidia-smi`` cannot say (simulated GPUs)}: one task per node, pinned
+    to it, using no CPU or GPU (``nvidia-smi`` opens no CUDA context), so
+    it runs before any role is placed."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from rayspec.tools import node_check
+
+    @ray.remote(num_cpus=0)
+    def query() -> Optional[int]:
+        sizes = node_check.gpu_memory()
+        return min(sizes) if sizes else None
+
+    refs = [query.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote()
+            for n in nodes]
+    return dict(zip((n.node_id for n in nodes), ray.get(refs, timeout=120)))
