@@ -407,7 +407,7 @@ def test_group_suffix_drafts_other_trajectories_from_a_tool_output():
     continuation. With vLLM's cache of other requests off, nothing is
     indexed."""
     from rayspec.rollout.agent import replay_for
-    from rayspec.rollout.vllm.worker_ext import RefitExtension
+    from rayspec.vllm.worker_ext import RefitExtension
 
     for cached, want in ((16, [[9, 40, 50]]), (0, [[]])):
         worker = RefitExtension()
