@@ -29,10 +29,10 @@ import math
 import sys
 from pathlib import Path
 
+from rayspec.model_shape import ModelShape
 from rayspec.perfmodel import hardware
 from rayspec.perfmodel.pipeline import (Pipeline, Workload, capped_exponential_lengths, geometric_rates, rl_step,
                                         with_sync)
-from rayspec.perfmodel.shapes import ModelShape
 from rayspec.perfmodel.simulate import Engine, best_schedule
 from rayspec.perfmodel.weight_sync import TRANSPORTS, sync_time
 from rayspec.rollout.adaptive import extrapolate_rates, format_schedule

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from jobs.project_speedup import QUICK_PROMPT_LENS
+from rayspec.model_shape import ModelShape
 from rayspec.perfmodel import hardware
 from rayspec.perfmodel.calibrate import (cell_seconds, fit_plain, measure_overlap, measure_rejection_noise,
                                          overlap_from_timings, plain_points)
 from rayspec.perfmodel.pipeline import (Pipeline, Workload, band_rates, capped_exponential_lengths, geometric_rates,
                                         rl_step)
-from rayspec.perfmodel.shapes import ModelShape
 from rayspec.perfmodel.simulate import Engine, best_schedule, simulate_rollout
 from rayspec.perfmodel.validate import (HERE_TOLERANCE, PAPER_TOLERANCE, Figure, adaptive_k, calibrate_k3, here,
                                         published)

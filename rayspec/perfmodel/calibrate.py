@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
+from rayspec.model_shape import ModelShape
 from rayspec.perfmodel.hardware import Hardware
-from rayspec.perfmodel.shapes import ModelShape
 from rayspec.perfmodel.simulate import Engine
 
 

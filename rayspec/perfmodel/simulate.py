@@ -61,8 +61,8 @@ import heapq
 import math
 from dataclasses import dataclass, field, replace
 
+from rayspec.model_shape import ModelShape
 from rayspec.perfmodel.hardware import Hardware
-from rayspec.perfmodel.shapes import ModelShape
 from rayspec.rollout.adaptive import drafts_nowhere, expected_tokens, merge_schedule
 
 DRAFT_METHODS = ("none", "eagle3", "draft_model", "mtp", "ngram")

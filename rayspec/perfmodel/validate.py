@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from rayspec.model_shape import ModelShape
 from rayspec.perfmodel import hardware
 from rayspec.perfmodel.calibrate import cell_seconds
 from rayspec.perfmodel.pipeline import Pipeline, Workload, band_rates, capped_exponential_lengths, rl_step
-from rayspec.perfmodel.shapes import ModelShape
 from rayspec.perfmodel.simulate import Engine, best_schedule, simulate_rollout
 from rayspec.perfmodel.weight_sync import TRANSPORTS, sync_time
 from rayspec.rollout.adaptive import format_schedule, parse_schedule

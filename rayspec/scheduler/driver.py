@@ -251,8 +251,8 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
             what holds the most, and the command that lists the knobs that
             would fit.
     """
-    from rayspec.perfmodel import ModelShape
-    from rayspec.perfmodel.memory import cpu_plan, plan
+    from rayspec.memory_plan import cpu_plan, plan
+    from rayspec.model_shape import ModelShape
 
     if cfg.rollout.num_gpus_per_replica <= 0 and cfg.train.gpus_per_worker <= 0:
         if len(nodes) != 1:

@@ -75,8 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rayspec.config import draft_online, refit_from_trainer_memory
-from rayspec.draft.loss import TARGET_ROWS
-from rayspec.perfmodel.shapes import ModelShape
+from rayspec.model_shape import ModelShape
 
 GIB = 2**30
 MIB = 2**20
@@ -90,6 +89,10 @@ CUDA_CONTEXT = 1 * GIB  # an assumption: ~0.5 GiB context + cuBLAS workspace + N
 ACTIVATION_SHARE = 0.05  # of a replica's region, vLLM's profiled activation peak (an assumption)
 LOGIT_BYTES = 10  # bf16 logits + fp32 copy + fp32 log-softmax
 PROMPT_TOKENS = 256  # a prompt's tokens, where the config does not bound them
+# Rows of the verifier's LM head the draft loss casts to fp32 at a time (rayspec.draft.loss.TARGET_ROWS),
+# written out so that the plan, which the launcher runs before anything starts, imports nothing above the
+# config; tests/test_memory_plan.py checks that the two agree.
+TARGET_ROWS = 8192
 
 # CPU roles, measured (docs/benchmarks.md; the files under docs/benchmarks/):
 # a vLLM CPU replica's resident memory beyond its weights and KV space:
