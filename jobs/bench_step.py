@@ -179,8 +179,8 @@ def _run(args, model_dir, method: str, head: Path | None, prompts: list[list[int
     """One engine's cells: every concurrency x k (k = 0 only for ``none``)."""
     from tqdm import tqdm
 
+    from rayspec.model_shape import ModelShape
     from rayspec.perfmodel import hardware
-    from rayspec.perfmodel.shapes import ModelShape
     from rayspec.perfmodel.simulate import Engine
     from rayspec.rollout.adaptive import uniform
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env

@@ -59,7 +59,7 @@ check's FAIL, not the end of the run:
   the Train rank offloads its states: step 2's rollout must sample the
   refit weights (``token_mult_prob_error`` below the warning threshold).
 - ``memory``: those colocated peaks against the memory plan of the same
-  run (``rayspec.perfmodel.memory``): each phase's peak within the plan's
+  run (``rayspec.memory_plan``): each phase's peak within the plan's
   total plus ``MEMORY_SLACK``.
 - ``zero3 load``: a Train rank's load under ZeRO-3 (``zero3_init``): in a
   one-rank NCCL group on the last GPU, with ``LOCAL_RANK`` 0 as Ray Train
@@ -517,8 +517,8 @@ def check_memory(report: Report, cfg, model: Path, peaks: dict[str, int]) -> Non
     """The measured peak per phase against the memory plan's total."""
     import torch
 
-    from rayspec.perfmodel import ModelShape
-    from rayspec.perfmodel.memory import plan
+    from rayspec.memory_plan import plan
+    from rayspec.model_shape import ModelShape
 
     (device,) = plan(cfg, ModelShape.from_hf_config(model), "h100", gpus_per_node=1,
                      device_bytes=torch.cuda.get_device_properties(0).total_memory).devices[:1]

@@ -29,10 +29,10 @@ import math
 import sys
 from pathlib import Path
 
+from rayspec.model_shape import ModelShape
 from rayspec.perfmodel import hardware
-from rayspec.perfmodel.pipeline import (Pipeline, Workload, capped_exponential_lengths, geometric_rates, rl_step,
+from rayspec.perfmodel.pipeline import (Pipeline, Workload, capped_exponential_lengths, geometric_rates, simulate_step,
                                         with_sync)
-from rayspec.perfmodel.shapes import ModelShape
 from rayspec.perfmodel.simulate import Engine, best_schedule
 from rayspec.perfmodel.weight_sync import TRANSPORTS, sync_time
 from rayspec.rollout.adaptive import extrapolate_rates, format_schedule
@@ -114,13 +114,13 @@ def project(ns) -> dict:
     pipe = Pipeline(ns.mode, train_devices, ns.policy_lag if ns.mode == "async" else 0, ns.weight_sync, nodes)
     plain = Engine(target, hw, "none", None, ns.tp, ns.replicas, ns.max_num_seqs, ns.temperature)
     spec = Engine(target, hw, ns.method, _draft(target, ns), ns.tp, ns.replicas, ns.max_num_seqs, ns.temperature)
-    base = rl_step(plain, work, pipe, 0)
+    base = simulate_step(plain, work, pipe, 0)
     rows = [dict(k="none", rollout_s=base.rollout_s, step_s=base.step_s, rollout_speedup=1.0, step_speedup=1.0)]
     runs = {"none": base}
     for k in range(1, ns.k_max + 1):
-        runs[f"k={k}"] = rl_step(spec, work, pipe, k)
+        runs[f"k={k}"] = simulate_step(spec, work, pipe, k)
     sched = best_schedule(spec, work.lengths, work.prompt_len, work.rates, ns.k_max)
-    runs["best schedule"] = rl_step(spec, work, pipe, sched)
+    runs["best schedule"] = simulate_step(spec, work, pipe, sched)
     for name, st in list(runs.items())[1:]:
         rows.append(dict(k=name, rollout_s=st.rollout_s, step_s=st.step_s,
                          rollout_speedup=base.rollout_s / st.rollout_s, step_speedup=base.step_s / st.step_s))

@@ -229,7 +229,7 @@ def check_resume(cfg: RunConfig, resume: bool) -> None:
 
 def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
                       device_bytes: dict[str, int | None] | None = None, host_bytes: float | None = None):
-    """The memory plan (``rayspec.perfmodel.memory``) of the run on the
+    """The memory plan (``rayspec.memory_plan``) of the run on the
     cluster's own memory, before any role starts. GPU roles: the plan of the
     smallest GPU's memory (host memory is not checked: the GPU plan's host
     sum is an upper bound; ``jobs.project_memory`` shows it). CPU roles on
@@ -250,8 +250,8 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
             what holds the most, and the command that lists the knobs that
             would fit.
     """
-    from rayspec.perfmodel import ModelShape
-    from rayspec.perfmodel.memory import cpu_plan, plan
+    from rayspec.memory_plan import cpu_plan, plan
+    from rayspec.model_shape import ModelShape
 
     if cfg.rollout.num_gpus_per_replica <= 0 and cfg.train.gpus_per_worker <= 0:
         if len(nodes) != 1:

@@ -1,4 +1,4 @@
-"""The memory plan (rayspec/perfmodel/memory.py, jobs.project_memory):
+"""The memory plan (rayspec/memory_plan.py, jobs.project_memory):
 
 - its model-state terms are DeepSpeed's own estimators' (ZeRO-2 and ZeRO-3,
   with and without offload), on parameter counts DeepSpeed takes from real
@@ -26,9 +26,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from jobs import project_memory
+from rayspec import memory_plan
 from rayspec.config import load_config
-from rayspec.perfmodel import memory
-from rayspec.perfmodel.shapes import PRESETS, ModelShape
+from rayspec.model_shape import PRESETS, ModelShape
 
 TINY = {
     "qwen3 (untied, q/k norms)": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -59,15 +59,15 @@ def test_model_states_are_deepspeeds_estimates(name):
         n = gpus * nodes
         for offload in (False, True):
             _, want = estimate_zero2_model_states_mem_needs(total, gpus, nodes, cpu_offload=offload)
-            got, _ = memory.model_states(total, largest, 2, n, offload_optimizer=offload)
+            got, _ = memory_plan.model_states(total, largest, 2, n, offload_optimizer=offload)
             assert int(got) == want, (gpus, nodes, offload)
         for offload, offload_param in ((False, False), (True, False), (True, True)):
             _, want, _ = estimate_zero3_model_states_mem_needs(total, largest, gpus, nodes, cpu_offload=offload,
                                                                cpu_offload_params=offload_param)
-            got, _ = memory.model_states(total, largest, 3, n, offload, offload_param)
+            got, _ = memory_plan.model_states(total, largest, 3, n, offload, offload_param)
             assert int(got) == want, (gpus, nodes, offload, offload_param)
     with pytest.raises(ValueError, match="stage=4"):
-        memory.model_states(total, largest, 4, 8)
+        memory_plan.model_states(total, largest, 4, 8)
 
 
 @pytest.mark.parametrize("name,published", [("qwen3-8b", 8.19e9), ("llama-3.1-8b", 8.03e9), ("qwen3-32b", 32.8e9)])
@@ -79,9 +79,17 @@ def test_parameter_counts_match_the_real_architectures(name, published):
     assert abs(counted / published - 1) < 0.01
 
 
-def _plan(hardware: str, *overrides: str, model: str = "qwen3-8b") -> memory.MemoryPlan:
+def test_the_plan_counts_the_draft_losss_fp32_blocks():
+    """The plan writes out the draft loss's block of LM-head rows (it
+    imports nothing above the config); the two agree."""
+    from rayspec.draft.loss import TARGET_ROWS
+
+    assert memory_plan.TARGET_ROWS == TARGET_ROWS
+
+
+def _plan(hardware: str, *overrides: str, model: str = "qwen3-8b") -> memory_plan.MemoryPlan:
     cfg = load_config(str(project_memory.GPU_PRESET), list(overrides))
-    return memory.plan(cfg, ModelShape.from_hf_config(model), hardware, 8)
+    return memory_plan.plan(cfg, ModelShape.from_hf_config(model), hardware, 8)
 
 
 def test_the_gpu_preset_at_8b_colocated_fits_80_gb_cards_by_giving_the_device_back_between_phases():
@@ -114,7 +122,7 @@ def test_states_left_on_the_device_overflow_it_and_the_plan_names_the_knobs():
     assert any(p.startswith("GPU with the DraftTrainer, rollout:") and "model states (ZeRO-1)" in p
                for p in problems), problems
     assert not any("policy update" in p for p in problems)  # replicas asleep: the update itself fits
-    fits = memory.fixes(str(project_memory.GPU_PRESET), ["train.offload_states=false",
+    fits = memory_plan.fixes(str(project_memory.GPU_PRESET), ["train.offload_states=false",
                                                          "train.deepspeed.zero_optimization.stage=1"],
                         ModelShape.from_hf_config("qwen3-8b"), "h100", 8, 1)
     assert fits[0] == "states offloaded between updates: train.offload_states=true"
@@ -218,7 +226,7 @@ def test_a_split_sync_refit_sends_rank_0s_own_weights_and_an_async_one_its_host_
     assert "model states (ZeRO-2)" not in async_refit and "rank 0: the newest refit (host copy)" in async_host
 
     def cpu_refit(*overrides):
-        plan = memory.cpu_plan(_cpu_cfg(*overrides), _bench_shape(1e9), 24 * memory.GIB)
+        plan = memory_plan.cpu_plan(_cpu_cfg(*overrides), _bench_shape(1e9), 24 * memory_plan.GIB)
         return {t.what for t in plan.devices[0].phases["refit"]}
 
     assert "rank 0: the gathered weights" not in cpu_refit()
@@ -233,7 +241,7 @@ def _cpu_cfg(*overrides):
 
 
 def _gib(mib):
-    return mib * 2**20 / memory.GIB
+    return mib * 2**20 / memory_plan.GIB
 
 
 def test_cpu_plan_matches_the_measured_train_worker_replica_and_draft_trainer():
@@ -249,8 +257,9 @@ def test_cpu_plan_matches_the_measured_train_worker_replica_and_draft_trainer():
 
     def worker_peak(*overrides):
         cfg = _cpu_cfg(*overrides)
-        phase = memory.cpu_plan(cfg, shape, 24 * memory.GIB, prompt_tokens=120).devices[0].phases["policy update"]
-        return sum(t.bytes for t in phase if t.role == "Train workers") / cfg.train.num_workers / memory.GIB
+        plan = memory_plan.cpu_plan(cfg, shape, 24 * memory_plan.GIB, prompt_tokens=120)
+        phase = plan.devices[0].phases["policy update"]
+        return sum(t.bytes for t in phase if t.role == "Train workers") / cfg.train.num_workers / memory_plan.GIB
 
     runs = json.loads(open(f"{BENCH}/zero_bucket_memory.json").read())["runs"]
     for sizes, overrides in (("5e7", []), ("default (5e8)", [
@@ -263,12 +272,12 @@ def test_cpu_plan_matches_the_measured_train_worker_replica_and_draft_trainer():
     rl = json.loads(open(f"{BENCH}/rl_memory.json").read())
     for mode, draft in (("none", False), ("online-adaptive", True)):
         cfg = _cpu_cfg(f"draft.enabled={str(draft).lower()}")
-        plan = memory.cpu_plan(cfg, shape, 24 * memory.GIB, prompt_tokens=120).devices[0].phases
-        replica = sum(t.bytes for t in plan["rollout"] if t.role == "replicas") / memory.GIB
+        plan = memory_plan.cpu_plan(cfg, shape, 24 * memory_plan.GIB, prompt_tokens=120).devices[0].phases
+        replica = sum(t.bytes for t in plan["rollout"] if t.role == "replicas") / memory_plan.GIB
         measured = [_gib(s["rss_mib_vllm"]) for runs in rl.values() if isinstance(runs, dict)
                     for s in runs.get(mode, [])]
         assert measured and 0.9 * min(measured) <= replica <= 1.1 * max(measured), (mode, replica, measured)
-    trainer = sum(t.bytes for t in plan["draft training"] if t.role == "DraftTrainer") / memory.GIB
+    trainer = sum(t.bytes for t in plan["draft training"] if t.role == "DraftTrainer") / memory_plan.GIB
     measured = [_gib(s["rss_mib_draft_trainer"]) for runs in rl.values() if isinstance(runs, dict)
                 for s in runs.get("online-adaptive", [])]
     assert 0.85 * min(measured) <= trainer <= 1.15 * max(measured), (trainer, measured)
@@ -301,7 +310,7 @@ def test_cpu_refit_terms_match_bench_refit_and_fit_where_the_refit_ran():
         if c["bytes"] < 0.45e9 or "peak_host_bytes" not in c:
             continue
         want = c["peak_host_bytes"]
-        got = memory.refit_host_bytes(c["transport"], c["bytes"], c["packed_buffer_size_bytes"])
+        got = memory_plan.refit_host_bytes(c["transport"], c["bytes"], c["packed_buffer_size_bytes"])
         tolerance = 0.15 if c["replicas"] == 1 or c["transport"] != "object_store" else 0.25
         assert abs(got - want) <= tolerance * want, (c["transport"], c["replicas"], c["bytes"], got, want)
         checked += 1
@@ -310,9 +319,9 @@ def test_cpu_refit_terms_match_bench_refit_and_fit_where_the_refit_ran():
     def fits(transport, replicas):
         cfg = _cpu_cfg(f"rollout.num_replicas={replicas}", f"rollout.weight_sync.transport={transport}",
                        "draft.enabled=false")
-        plan = memory.cpu_plan(cfg, _bench_shape(2.0e9), 24 * memory.GIB)
+        plan = memory_plan.cpu_plan(cfg, _bench_shape(2.0e9), 24 * memory_plan.GIB)
         refit = [t for t in plan.devices[0].phases["refit"] if t.role in ("Ray", "replicas")]
-        return sum(t.bytes for t in refit) <= 24 * memory.GIB
+        return sum(t.bytes for t in refit) <= 24 * memory_plan.GIB
 
     assert fits("collective", 2)
     assert abs(_bench_shape(2.0e9).total_params * 4 - 2.0e9) < 0.05e9

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from jobs.project_speedup import QUICK_PROMPT_LENS
+from rayspec.model_shape import ModelShape
 from rayspec.perfmodel import hardware
 from rayspec.perfmodel.calibrate import (cell_seconds, fit_plain, measure_overlap, measure_rejection_noise,
                                          overlap_from_timings, plain_points)
 from rayspec.perfmodel.pipeline import (Pipeline, Workload, band_rates, capped_exponential_lengths, geometric_rates,
-                                        rl_step)
-from rayspec.perfmodel.shapes import ModelShape
+                                        simulate_step)
 from rayspec.perfmodel.simulate import Engine, best_schedule, simulate_rollout
 from rayspec.perfmodel.validate import (HERE_TOLERANCE, PAPER_TOLERANCE, Figure, adaptive_k, calibrate_k3, here,
                                         published)
@@ -298,9 +298,9 @@ def test_workload_from_run_and_async_pipeline(tmp_path):
     q8 = ModelShape.from_hf_config("qwen3-8b")
     eng = Engine(q8, hardware.get("h100"), "eagle3", q8.eagle3_head(32000))
     work = Workload(capped_exponential_lengths(64, 1000, 4000), 200, geometric_rates(2.3, 3, 3))
-    sync = rl_step(eng, work, Pipeline("sync", 1), 3)
-    lag1 = rl_step(eng, work, Pipeline("async", 1, policy_lag=1), 3)
-    lag2 = rl_step(eng, work, Pipeline("async", 1, policy_lag=2), 3)
+    sync = simulate_step(eng, work, Pipeline("sync", 1), 3)
+    lag1 = simulate_step(eng, work, Pipeline("async", 1, policy_lag=1), 3)
+    lag2 = simulate_step(eng, work, Pipeline("async", 1, policy_lag=2), 3)
     assert sync.step_s > lag1.step_s >= lag2.step_s
     assert lag2.rollout_s < lag1.rollout_s  # the tail is paid once per two batches
     with pytest.raises(ValueError, match="policy_lag"):

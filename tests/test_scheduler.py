@@ -230,7 +230,7 @@ def _place(plan, storage):
 def _qwen3_8b_dir(tmp_path: Path) -> Path:
     from transformers import AutoConfig
 
-    from rayspec.perfmodel.shapes import PRESETS
+    from rayspec.model_shape import PRESETS
 
     fields = dict(PRESETS["qwen3-8b"])
     AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(tmp_path / "qwen3-8b")

@@ -1,11 +1,11 @@
 """Performance model: projects rollout and RL-step speedups of speculative
 decoding from a model's shape, the hardware, the workload and the measured
-acceptance rates (see docs/performance-model.md)."""
+acceptance rates (see docs/performance-model.md).
 
-from rayspec.perfmodel.hardware import Hardware
-from rayspec.perfmodel.pipeline import Pipeline, Workload, rl_step
-from rayspec.perfmodel.shapes import ModelShape
-from rayspec.perfmodel.simulate import Engine, best_schedule, simulate_rollout
-
-__all__ = ["Engine", "Hardware", "ModelShape", "Pipeline", "Workload", "best_schedule", "rl_step",
-           "simulate_rollout"]
+Analysis only (``jobs.project_speedup``, the benchmarks, the tests): no run
+imports it. The run-time memory plan and the model shapes it reads are
+``rayspec.memory_plan`` and ``rayspec.model_shape``. Import the submodules
+themselves (``pipeline``, ``simulate``, ``calibrate``, ``validate``,
+``weight_sync``, ``hardware``); this file imports none of them, so that
+reading one preset does not load the simulator and the rollout code it uses.
+"""

@@ -1,12 +1,11 @@
 """Calibrate a hardware preset on plain (no-speculation) decoding.
 
-Five quantities are timed directly on the machine: the sustained matmul
-FLOP/s at the model's own layer shapes (``measure_matmul_flops``), the
-memory bandwidth a one-token matmul reaches (``measure_mem_bw``), how far
-the two overlap in vLLM's CPU linear (``measure_overlap``), the dispatch
-cost of one decoder layer too small to be bound by either
-(``measure_layer_overhead``) and the rejection sampler's noise per
-vocabulary entry (``measure_rejection_noise``). ``fit_plain`` then fits the
+Two quantities are timed directly on the machine: how far compute and
+weight streaming overlap in vLLM's CPU linear (``measure_overlap``) and the
+rejection sampler's noise per vocabulary entry
+(``measure_rejection_noise``); the ``cpu`` preset's matmul rate, memory
+bandwidth and per-layer dispatch cost were timed once when it was made
+(docs/performance-model.md, "Presets"). ``fit_plain`` then fits the
 two remaining overheads to measured plain cells (prefill, then decode) at several
 concurrencies (``jobs.bench_rollout`` cells with ``method: none``): the
 fixed seconds per engine step and the seconds per query token, minimising
@@ -21,8 +20,8 @@ import time
 
 import numpy as np
 
+from rayspec.model_shape import ModelShape
 from rayspec.perfmodel.hardware import Hardware
-from rayspec.perfmodel.shapes import ModelShape
 from rayspec.perfmodel.simulate import Engine
 
 
@@ -33,46 +32,6 @@ def _time(fn, repeats: int) -> float:
     for _ in range(repeats):
         fn()
     return (time.perf_counter() - t) / repeats
-
-
-def measure_matmul_flops(shape: ModelShape, tokens: int = 256, dtype_bytes: float = 4.0) -> float:
-    """Sustained FLOP/s of a (tokens x h) @ (h x intermediate) matmul, the
-    model's MLP shape, with torch on this machine's CPU threads."""
-    import torch
-
-    dtype = {4.0: torch.float32, 2.0: torch.bfloat16}[float(dtype_bytes)]
-    a = torch.randn(tokens, shape.hidden_size, dtype=dtype)
-    w = torch.randn(shape.intermediate_size or 4 * shape.hidden_size, shape.hidden_size, dtype=dtype)
-    return 2.0 * a.shape[0] * a.shape[1] * w.shape[0] / _time(lambda: a @ w.T, 50)
-
-
-def measure_mem_bw(nbytes: int = 64 * 2**20) -> float:
-    """Sustained memory bandwidth (bytes/s): a one-token matmul (GEMV) over
-    a float32 weight matrix of ``nbytes``, larger than the caches, as a
-    decode step reads its weights; the best of 5 timings."""
-    import torch
-
-    n = int((nbytes / 4) ** 0.5)
-    w, x = torch.randn(n, n), torch.randn(1, n)
-    return 4.0 * n * n / min(_time(lambda: x @ w.T, 10) for _ in range(5))
-
-
-def measure_layer_overhead(repeats: int = 1000) -> float:
-    """Seconds of one eager decoder-layer forward too small to be bound by
-    compute or memory (Llama layer, hidden 64, one token): the per-layer
-    dispatch cost on this machine's CPU (torch eager)."""
-    import torch
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-                      head_dim=32, num_hidden_layers=1, vocab_size=128)
-    cfg._attn_implementation = "sdpa"
-    layer, rope = LlamaDecoderLayer(cfg, 0).eval(), LlamaRotaryEmbedding(cfg)
-    x = torch.randn(1, 1, 64)
-    pe = rope(x, torch.zeros(1, 1, dtype=torch.long))
-    with torch.inference_mode():
-        return _time(lambda: layer(x, position_embeddings=pe), repeats)
 
 
 def overlap_from_timings(cold: float, compute: float, memory: float) -> float:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rayspec.perfmodel.simulate import Engine, Rollout, simulate_rollout
+from rayspec.perfmodel.simulate import Engine, SimulatedRollout, simulate_rollout
 from rayspec.perfmodel.weight_sync import TRANSPORTS, sync_time
 
 
@@ -198,7 +198,7 @@ class Pipeline:
 class StepTime:
     """Seconds of one modelled RL step and its parts."""
 
-    rollout: Rollout
+    rollout: SimulatedRollout
     rollout_s: float
     logprob_s: float
     train_s: float
@@ -206,7 +206,7 @@ class StepTime:
     step_s: float
 
 
-def rl_step(engine: Engine, work: Workload, pipe: Pipeline, k_schedule) -> StepTime:
+def simulate_step(engine: Engine, work: Workload, pipe: Pipeline, k_schedule) -> StepTime:
     """Model one RL step (see the module docstring).
 
     Args:

@@ -61,8 +61,8 @@ import heapq
 import math
 from dataclasses import dataclass, field, replace
 
+from rayspec.model_shape import ModelShape
 from rayspec.perfmodel.hardware import Hardware
-from rayspec.perfmodel.shapes import ModelShape
 from rayspec.rollout.adaptive import drafts_nowhere, expected_tokens, merge_schedule
 
 DRAFT_METHODS = ("none", "eagle3", "draft_model", "mtp", "ngram")
@@ -203,7 +203,7 @@ class Engine:
 
 
 @dataclass
-class Rollout:
+class SimulatedRollout:
     """A simulated rollout.
 
     Attributes:
@@ -221,7 +221,7 @@ class Rollout:
 
 
 def _replica(engine: Engine, lengths: list[int], prompt_len: float, k_of, rates: list[float],
-             idle: bool, k_max: int, max_chunk: int = 256) -> Rollout:
+             idle: bool, k_max: int, max_chunk: int = 256) -> SimulatedRollout:
     cap = engine.max_num_seqs
     kv_cap = engine.kv_capacity_tokens()
     slots = engine.slots_per_request(k_max)
@@ -260,11 +260,11 @@ def _replica(engine: Engine, lengths: list[int], prompt_len: float, k_of, rates:
         while active and active[0][0] <= progress + 1e-9:
             adm_sum -= heapq.heappop(active)[1]
         admit()
-    return Rollout(seconds=t, tokens=sum(lengths), steps=steps, trace=trace)
+    return SimulatedRollout(seconds=t, tokens=sum(lengths), steps=steps, trace=trace)
 
 
 def simulate_rollout(engine: Engine, lengths: list[int], prompt_len: float, k_schedule,
-                     rates: list[float]) -> Rollout:
+                     rates: list[float]) -> SimulatedRollout:
     """Simulate one rollout of ``len(lengths)`` sequences.
 
     Args:
@@ -289,7 +289,7 @@ def simulate_rollout(engine: Engine, lengths: list[int], prompt_len: float, k_sc
     runs = [_replica(engine, lengths[r::engine.replicas], prompt_len, k_of, rates, idle, k_max)
             for r in range(min(engine.replicas, len(lengths)))]
     slowest = max(runs, key=lambda r: r.seconds)
-    return Rollout(seconds=slowest.seconds, tokens=sum(lengths), steps=slowest.steps, trace=slowest.trace)
+    return SimulatedRollout(seconds=slowest.seconds, tokens=sum(lengths), steps=slowest.steps, trace=slowest.trace)
 
 
 def _k_lookup(k_schedule):

@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from rayspec.model_shape import ModelShape
 from rayspec.perfmodel import hardware
 from rayspec.perfmodel.calibrate import cell_seconds
-from rayspec.perfmodel.pipeline import Pipeline, Workload, band_rates, capped_exponential_lengths, rl_step
-from rayspec.perfmodel.shapes import ModelShape
+from rayspec.perfmodel.pipeline import Pipeline, Workload, band_rates, capped_exponential_lengths, simulate_step
 from rayspec.perfmodel.simulate import Engine, best_schedule, simulate_rollout
 from rayspec.perfmodel.weight_sync import TRANSPORTS, sync_time
 from rayspec.rollout.adaptive import format_schedule, parse_schedule
@@ -278,7 +278,7 @@ def calibrate_k3(field: str = "draft_pass_overhead_s", bounds: tuple[float, floa
     hw_v = base.with_overrides(**{field: value})
     works = trial(value)[1]
     plain, _ = paper_engines(hw_v)
-    zero = rl_step(plain, works["RL-Zero"], _sync_pipe(32), 0)
+    zero = simulate_step(plain, works["RL-Zero"], _sync_pipe(32), 0)
     busy = PAPER_RUNS["RL-Zero"].step_s[0] - PAPER_RUNS["RL-Zero"].generation_s - zero.sync_s
     mfu = 8.0 * plain.target.active_params * works["RL-Zero"].tokens / (hw_v.peak_flops * 32 * busy)
     return Calibration(hw_v.with_overrides(train_mfu=mfu), field, works)
@@ -295,7 +295,7 @@ def published(cal: Calibration) -> list[Figure]:
     out = []
     for name, run in PAPER_RUNS.items():
         work = cal.workloads[name]
-        steps = {k: rl_step(spec if k else plain, work, _sync_pipe(32), k) for k in (0, 3, 5, 7)}
+        steps = {k: simulate_step(spec if k else plain, work, _sync_pipe(32), k) for k in (0, 3, 5, 7)}
         out.append(Figure(name, "generation seconds, no speculation", None, run.generation_s,
                           steps[0].rollout_s, "fitted"))
         for k in (3, 5, 7):
@@ -318,14 +318,14 @@ def _async_figures(cal: Calibration) -> list[Figure]:
     full = cal.workloads[a["run"]]
 
     def plain_step(n: int) -> float:
-        return rl_step(plain, replace(full, lengths=full.lengths[:n]), pipe, 0).step_s
+        return simulate_step(plain, replace(full, lengths=full.lengths[:n]), pipe, 0).step_s
 
     lo, hi = replicas, len(full.lengths)  # the batch whose plain async step takes the published seconds
     while hi - lo > replicas:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if plain_step(mid) < a["step_s"][0] else (lo, mid)
     work = replace(full, lengths=full.lengths[:lo])
-    s0, s3 = rl_step(plain, work, pipe, 0), rl_step(spec, work, pipe, a["k"])
+    s0, s3 = simulate_step(plain, work, pipe, 0), simulate_step(spec, work, pipe, a["k"])
     case = f"{a['run']} async"
     return [Figure(case, f"async lag {a['policy_lag']} step seconds, no speculation ({lo} sequences)", None,
                    a["step_s"][0], s0.step_s, "fitted"),
@@ -340,7 +340,7 @@ def project_235b(cal: Calibration) -> list[Figure]:
     out = []
     for gpus in (512, 2048):
         plain, spec = paper_engines(cal.hw, q, tp=8, replicas=gpus // 8)
-        s0, s3 = rl_step(plain, work, _sync_pipe(gpus), 0), rl_step(spec, work, _sync_pipe(gpus), 3)
+        s0, s3 = simulate_step(plain, work, _sync_pipe(gpus), 0), simulate_step(spec, work, _sync_pipe(gpus), 3)
         if gpus == 512:
             out.append(Figure("235B", "512 GB200 sync rollout speedup", 3, PAPER_235B["512 GB200 sync rollout"],
                               s0.rollout_s / s3.rollout_s))
@@ -350,7 +350,7 @@ def project_235b(cal: Calibration) -> list[Figure]:
         half_plain, half_spec = paper_engines(cal.hw, q, tp=8, replicas=gpus // 16)
         for lag in (1, 2):
             pipe = Pipeline("async", train_devices=gpus // 2, policy_lag=lag, nodes=gpus // GPUS_PER_NODE)
-            a, a0 = rl_step(half_spec, work, pipe, 3), rl_step(half_plain, work, pipe, 0)
+            a, a0 = simulate_step(half_spec, work, pipe, 3), simulate_step(half_plain, work, pipe, 0)
             if lag == 2:
                 out.append(Figure("235B", "2048 GB200 async lag 2 rollout speedup vs sync plain", 3,
                                   PAPER_235B["2048 GB200 async lag 2 rollout"], s0.rollout_s / a.rollout_s))
@@ -369,10 +369,10 @@ def adaptive_k(cal: Calibration, k_max: int = 7) -> list[dict]:
     plain, spec = paper_engines(cal.hw)
     rows = []
     for name, work in cal.workloads.items():
-        base = rl_step(plain, work, _sync_pipe(32), 0)
+        base = simulate_step(plain, work, _sync_pipe(32), 0)
         sched = best_schedule(spec, work.lengths, work.prompt_len, work.rates, k_max)
         for label, ks in (("k=3", 3), ("k=5", 5), ("k=7", 7), ("schedule", sched)):
-            st = rl_step(spec, work, _sync_pipe(32), ks)
+            st = simulate_step(spec, work, _sync_pipe(32), ks)
             rows.append(dict(case=name, k=label, schedule=format_schedule(sched) if label == "schedule" else None,
                              published=PAPER_RUNS[name].generation_speedup.get(ks) if isinstance(ks, int) else None,
                              generation_speedup=base.rollout_s / st.rollout_s, step_speedup=base.step_s / st.step_s))
@@ -404,10 +404,10 @@ def weight_sync_anchors(cal: Calibration) -> list[dict]:
                          **{t: (None if t == "shared_memory" and nodes > 1 else sync_time(t, nbytes, hw, nodes).seconds)
                             for t in TRANSPORTS}))
     plain, spec = paper_engines(cal.hw)
-    step8 = rl_step(spec, cal.workloads["RL-Zero"], _sync_pipe(32), 3)
+    step8 = simulate_step(spec, cal.workloads["RL-Zero"], _sync_pipe(32), 3)
     q = ModelShape.from_hf_config("qwen3-235b-a22b")
     _, spec235 = paper_engines(cal.hw, q, tp=8, replicas=64)
-    step235 = rl_step(spec235, cal.workloads["RL-Zero"], _sync_pipe(512), 3)
+    step235 = simulate_step(spec235, cal.workloads["RL-Zero"], _sync_pipe(512), 3)
     for label, shape, st, nodes in (("rayspec, Qwen3-8B, 32 GB200 (RL-Zero k=3)", plain.target, step8, 8),
                                     ("rayspec, Qwen3-235B-A22B, 512 GB200 (RL-Zero k=3)", q, step235, 128)):
         nbytes = shape.weight_bytes(1e9, cal.hw.dtype_bytes)

@@ -1,4 +1,5 @@
-"""Model shapes for the performance model: what one forward pass reads and
+"""Model shapes for the memory plan (``rayspec.memory_plan``) and the
+performance model (``rayspec.perfmodel``): what one forward pass reads and
 computes, from a Hugging Face config.
 
 Counts follow the usual transformer accounting (Kaplan et al. 2020, Table 1;

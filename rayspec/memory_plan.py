@@ -75,8 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rayspec.config import draft_online, refit_from_trainer_memory
-from rayspec.draft.loss import TARGET_ROWS
-from rayspec.perfmodel.shapes import ModelShape
+from rayspec.model_shape import ModelShape
 
 GIB = 2**30
 MIB = 2**20
@@ -90,6 +89,10 @@ CUDA_CONTEXT = 1 * GIB  # an assumption: ~0.5 GiB context + cuBLAS workspace + N
 ACTIVATION_SHARE = 0.05  # of a replica's region, vLLM's profiled activation peak (an assumption)
 LOGIT_BYTES = 10  # bf16 logits + fp32 copy + fp32 log-softmax
 PROMPT_TOKENS = 256  # a prompt's tokens, where the config does not bound them
+# Rows of the verifier's LM head the draft loss casts to fp32 at a time (rayspec.draft.loss.TARGET_ROWS),
+# written out so that the plan, which the launcher runs before anything starts, imports nothing above the
+# config; tests/test_memory_plan.py checks that the two agree.
+TARGET_ROWS = 8192
 
 # CPU roles, measured (docs/benchmarks.md; the files under docs/benchmarks/):
 # a vLLM CPU replica's resident memory beyond its weights and KV space:
@@ -273,6 +276,233 @@ def _dtype_bytes(dtype: str) -> int:
     return 4 if str(dtype) in ("float32", "fp32") else 2
 
 
+def _zero_config(cfg) -> dict:
+    """``train.deepspeed.zero_optimization``, empty where unset."""
+    return cfg.train.deepspeed.get("zero_optimization", {}) or {}
+
+
+def _module_bytes(cfg) -> int:
+    """A weight's bytes in the Train ranks' module, as loaded and trained
+    (``rayspec.train.loop.training_load_dtype``)."""
+    return 2 if (cfg.train.deepspeed.get("bf16") or {}).get("enabled") else 4
+
+
+@dataclass(frozen=True)
+class _GpuSizes:
+    """What a GPU plan's terms are computed from: the run's choices and the
+    sizes they give (``_gpu_sizes``)."""
+
+    stage: int
+    offload_opt: bool
+    ranks: int
+    serving_bytes: int  # a weight's bytes in the replicas (model.dtype)
+    module_bytes: int  # a weight's bytes in the Train ranks' module
+    util: float  # gpu_memory_utilization
+    max_len: int
+    seq: int  # tokens of a sequence
+    micro: int  # sequences of a micro-batch
+    region: float  # a replica's share of a device
+    weights: float  # a replica's weights
+    dev_states: float  # a Train rank's model states on its device
+    host_states: float  # and in host memory (offload)
+    colocated: bool
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of a micro-batch."""
+        return self.micro * self.seq
+
+
+def _gpu_capacities(device: str, device_bytes: Optional[float], host_bytes: Optional[float]) -> tuple[float, float]:
+    """(a device's bytes, a node's host bytes): those given, else the
+    ``device`` preset's.
+
+    Raises:
+        ValueError: no ``device_bytes`` and an unknown ``device``.
+    """
+    if device_bytes is None:
+        if device not in DEVICE_BYTES:
+            raise ValueError(f"--hardware {device}: unknown (one of {', '.join(DEVICE_BYTES)})")
+        device_bytes = DEVICE_BYTES[device]
+    return device_bytes, host_bytes if host_bytes is not None else HOST_BYTES.get(device, 0)
+
+
+def _gpu_sizes(cfg, shape: ModelShape, device_bytes: float, prompt_tokens: int) -> _GpuSizes:
+    """The sizes of ``cfg``'s GPU plan (``_GpuSizes``).
+
+    Raises:
+        ValueError: a config without GPU roles, or a ZeRO stage outside 0-3.
+    """
+    ro, tr = cfg.rollout, cfg.train
+    if ro.num_gpus_per_replica <= 0 or tr.gpus_per_worker <= 0:
+        raise ValueError("the memory plan is of GPU roles: rollout.num_gpus_per_replica and "
+                         "train.gpus_per_worker must be > 0")
+    zero = _zero_config(cfg)
+    stage = int(zero.get("stage", 0))
+    offload_opt = str((zero.get("offload_optimizer") or {}).get("device", "none")) == "cpu"
+    offload_param = str((zero.get("offload_param") or {}).get("device", "none")) == "cpu"
+    rdt = _dtype_bytes(cfg.model.dtype)
+    ekw = ro.engine_kwargs
+    util = float(ekw.get("gpu_memory_utilization", 0.9))
+    max_len = int(ekw.get("max_model_len", prompt_tokens + cfg.grpo.max_new_tokens))
+    dev_states, host_states = model_states(shape.total_params, shape.largest_module_params, stage, tr.num_workers,
+                                           offload_opt, offload_param)
+    return _GpuSizes(stage=stage, offload_opt=offload_opt, ranks=tr.num_workers, serving_bytes=rdt,
+                     module_bytes=_module_bytes(cfg), util=util, max_len=max_len,
+                     seq=min(max_len, prompt_tokens + cfg.grpo.max_new_tokens),
+                     micro=int(tr.deepspeed.get("train_micro_batch_size_per_gpu", 1)), region=util * device_bytes,
+                     weights=shape.total_params * rdt, dev_states=dev_states, host_states=host_states,
+                     colocated=cfg.scheduler.layout == "colocate")
+
+
+def _gpu_draft_terms(cfg, shape: ModelShape, s: _GpuSizes) -> tuple[list[Term], list[Term]]:
+    """The DraftTrainer's terms on its GPU: (held throughout, while it trains)."""
+    h, v = shape.hidden_size, shape.vocab_size
+    head = shape.eagle3_head(cfg.draft.draft_vocab_size)
+    trainable = head.total_params - head.lm_head_params - head.vocab_size * h  # fc, decoder layer, norms
+    resident = [Term("DraftTrainer", "head, gradient, Adam (fp32)", 16 * trainable),
+                Term("DraftTrainer", "draft LM head (fp32)", 4 * head.lm_head_params),
+                Term("DraftTrainer", "CUDA context", CUDA_CONTEXT)]
+    # _train's locals, freed with torch's cache when it returns: only the draft rows go to the device
+    training = [Term("DraftTrainer", "embedding + draft rows of LM head (bf16)",
+                     2 * (v * h + head.lm_head_params))] + _draft_logits(head, h, s.tokens)
+    return resident, training
+
+
+def _gpu_train_terms(cfg, shape: ModelShape, s: _GpuSizes) -> tuple[list[Term], list[Term], list[Term]]:
+    """A Train rank's terms on its GPU: (held throughout, added at the
+    update's peak, left after the gather for the refit)."""
+    h, v = shape.hidden_size, shape.vocab_size
+    zero = _zero_config(cfg)
+    ckpt = bool(cfg.train.gradient_checkpointing)
+    layer_act = 34 * s.tokens * h
+    acts = shape.layers * 2 * s.tokens * h + layer_act if ckpt else shape.layers * layer_act
+    buckets = 0 if s.stage in (0, 3) else 2 * (float(zero.get("reduce_bucket_size", 5e8))
+                                              + float(zero.get("allgather_bucket_size", 5e8)))
+    resident = [Term("Train rank", f"model states (ZeRO-{s.stage})", s.dev_states),
+                Term("Train rank", "CUDA context", CUDA_CONTEXT)]
+    if buckets:
+        resident.append(Term("Train rank", "DeepSpeed buckets", buckets))
+    peak = [Term("Train rank", "activations" + (" (checkpointed)" if ckpt else ""), acts),
+            Term("Train rank", "logits", LOGIT_BYTES * s.tokens * v)]
+    if draft_online(cfg):
+        peak.append(Term("Train rank", NORMALIZERS, _normalizer_bytes(h, s.tokens)))
+        if s.stage == 3:
+            peak.append(Term("Train rank", "LM head gathered for the normalisers", 2 * v * h))
+    # after the gather for the refit (PolicyWorker.release): offload_states, or torch's cache emptied
+    released = [Term("Train rank", "CUDA context", CUDA_CONTEXT)] if cfg.train.offload_states else resident
+    return resident, peak, released
+
+
+def _replica_terms(s: _GpuSizes) -> tuple[list[Term], list[Term], list[Term]]:
+    """A replica's terms on its GPU: (awake, asleep, woken for a refit)."""
+    kv = s.region * (1 - ACTIVATION_SHARE) - s.weights
+    awake = [Term("replica", "weights", s.weights), Term("replica", "activations", s.region * ACTIVATION_SHARE),
+             Term("replica", "KV cache", kv), Term("replica", "CUDA context", CUDA_CONTEXT)]
+    asleep = [Term("replica", "CUDA context", CUDA_CONTEXT)]
+    refit = [Term("replica", "weights (woken)", s.weights), Term("replica", "CUDA context", CUDA_CONTEXT)]
+    return awake, asleep, refit
+
+
+def _refit_terms(cfg, shape: ModelShape, s: _GpuSizes, train_resident: list[Term],
+                 train_released: list[Term]) -> tuple[list[Term], list[Term]]:
+    """The refit's terms on a Train rank's GPU: (the transport's, the
+    Train rank's own)."""
+    if cfg.rollout.weight_sync.transport != "cuda_ipc":
+        return [Term("weight sync", "bucket", float(cfg.rollout.weight_sync.packed_buffer_size_bytes))], \
+            train_released
+    # the replicas read each rank's own weights (rayspec.sync.ipc): its states stay on the device
+    # until the refit landed; the export is a copy where the serving dtype is not the module's, and
+    # under ZeRO-3 (each parameter is gathered in turn and freed after: full_parameters)
+    transport = list(train_resident)
+    if s.stage == 3:
+        transport.append(Term("Train rank", "one gathered parameter", shape.largest_module_params * s.module_bytes))
+    if s.stage == 3 or s.serving_bytes != s.module_bytes:
+        transport.append(Term("Train rank", "export (a copy in the serving dtype)",
+                              shape.total_params * s.serving_bytes))
+    return transport, []
+
+
+def _gpu_devices(cfg, shape: ModelShape, s: _GpuSizes, device_bytes: float,
+                 total: int) -> tuple[list[Device], list[str]]:
+    """The plan's kinds of device with their terms per phase, and what the
+    layout cannot place (split: more roles than the ``total`` devices)."""
+    ro, dr = cfg.rollout, cfg.draft
+    train_resident, train_peak, train_released = _gpu_train_terms(cfg, shape, s)
+    replica_awake, replica_asleep, replica_refit = _replica_terms(s)
+    transport, train_refit = _refit_terms(cfg, shape, s, train_resident, train_released)
+    devices, layout_problems = [], []
+    with_draft = dr.enabled and dr.num_gpus > 0
+    # The DraftTrainer trains on each micro-batch's features as the update
+    # makes them, and on after the refit (rayspec.train.loop.rl_step).
+    if s.colocated:
+        phases = {"rollout": replica_awake + train_released,
+                  "policy update": replica_asleep + train_resident + train_peak,
+                  "draft training": replica_refit + train_released,
+                  "refit": replica_refit + train_refit + transport}
+    else:
+        replicas = ro.num_replicas
+        devices.append(Device("rollout GPU", device_bytes, replicas, {
+            "rollout": replica_awake, "policy update": replica_awake, "draft training": replica_awake,
+            "refit": replica_awake + transport}))
+        phases = {"rollout": train_released, "policy update": train_resident + train_peak,
+                  "draft training": train_released, "refit": train_refit + transport}
+        if refit_from_trainer_memory(cfg):
+            # NCCL broadcasts rank 0's weights from its device (rayspec.sync.DeviceGather): its states
+            # stay there through the refit, with a copy where the serving dtype is not the module's (on
+            # every train GPU: the plan's kinds do not single out rank 0's, an upper bound)
+            copy = [Term("Train rank", "rank 0: the policy in the serving dtype",
+                         shape.total_params * s.serving_bytes)] if s.serving_bytes != s.module_bytes else []
+            phases["refit"] = train_resident + copy + transport
+        need = replicas * max(1, round(ro.num_gpus_per_replica)) + s.ranks
+        if need > total:
+            layout_problems.append(f"split layout: {replicas} replicas and {s.ranks} Train ranks need {need} "
+                                   f"devices, the cluster has {total}")
+    name = "GPU" if s.colocated else "train GPU"
+    if with_draft:
+        draft_resident, draft_training = _gpu_draft_terms(cfg, shape, s)
+        devices.append(Device(f"{name} with the DraftTrainer", device_bytes, 1, {
+            ph: ts + draft_resident + (draft_training if ph in ("policy update", "draft training") else [])
+            for ph, ts in phases.items()}))
+    devices.append(Device(name, device_bytes, (total if s.colocated else s.ranks) - int(with_draft), phases))
+    return devices, layout_problems
+
+
+def _gpu_host_terms(cfg, shape: ModelShape, s: _GpuSizes, nodes: int) -> list[Term]:
+    """One node's host memory in a GPU run, everything as if held at once
+    (the module docstring)."""
+    p, h, v = shape.total_params, shape.hidden_size, shape.vocab_size
+    offload = bool(cfg.train.offload_states)
+    per_node_replicas = max(1, round(cfg.rollout.num_replicas / nodes))
+    per_node_ranks = max(1, round(s.ranks / nodes))
+    # transformers memory-maps the checkpoint: loaded in its own dtype, the weights are the mapped
+    # file, pages every rank on the node shares; in another dtype each rank copies them. ZeRO-3 builds
+    # each rank's partition on its device (rayspec.train.policy.zero3_init), reading the mapped file
+    host = [Term("Train workers", "policy checkpoint, memory-mapped (start, shared)",
+                 shape.checkpoint_dtype_bytes * p)]
+    if s.stage != 3 and s.module_bytes != shape.checkpoint_dtype_bytes:
+        host.append(Term("Train workers", f"policy loaded in {'bf16' if s.module_bytes == 2 else 'fp32'} (start)",
+                         per_node_ranks * s.module_bytes * p))
+    host.append(Term("Ray", "object store", float(cfg.ray.object_store_memory)))
+    # the sender keeps the newest policy for replicas that catch up (rayspec.sync)
+    if not refit_from_trainer_memory(cfg):
+        host.append(Term("Train workers", "rank 0: the newest refit (host copy)", s.weights))
+    if draft_online(cfg):  # rank 0's host copy, put; the DraftTrainer's, fetched
+        head = shape.eagle3_head(cfg.draft.draft_vocab_size)
+        host.append(Term("DraftTrainer", "what rank 0 sends of the verifier (bf16, x2)",
+                         2 * _verifier_sent(shape, head)))
+    if draft_online(cfg) and not cfg.rollout.speculative_config.model:
+        # a new head reads only these (rayspec.draft.eagle3.head_init_tensors), fp32
+        host.append(Term("driver", "policy tensors a new draft head starts from (start)",
+                         4 * (v * h + h * h + 3 * h * shape.intermediate_size)))
+    if s.colocated and cfg.rollout.sleep_level == 1:
+        host.append(Term("replicas", "asleep: weights (level 1)", per_node_replicas * s.weights))
+    if s.host_states or offload:
+        host.append(Term("Train workers", "states in host memory",
+                         per_node_ranks * (s.host_states + (s.dev_states if offload else 0))))
+    return host
+
+
 def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1,
          prompt_tokens: int = PROMPT_TOKENS, device_bytes: Optional[float] = None,
          host_bytes: Optional[float] = None) -> MemoryPlan:
@@ -292,151 +522,16 @@ def plan(cfg, shape: ModelShape, device: str, gpus_per_node: int, nodes: int = 1
         ValueError: an unknown device, a config without GPU roles, or a
             ZeRO stage outside 0-3 (named).
     """
-    if device_bytes is None:
-        if device not in DEVICE_BYTES:
-            raise ValueError(f"--hardware {device}: unknown (one of {', '.join(DEVICE_BYTES)})")
-        device_bytes = DEVICE_BYTES[device]
-    host_bytes = host_bytes if host_bytes is not None else HOST_BYTES.get(device, 0)
-    ro, tr, dr = cfg.rollout, cfg.train, cfg.draft
-    if ro.num_gpus_per_replica <= 0 or tr.gpus_per_worker <= 0:
-        raise ValueError("the memory plan is of GPU roles: rollout.num_gpus_per_replica and "
-                         "train.gpus_per_worker must be > 0")
-    ds = tr.deepspeed
-    zero = ds.get("zero_optimization", {}) or {}
-    stage = int(zero.get("stage", 0))
-    offload_opt = str((zero.get("offload_optimizer") or {}).get("device", "none")) == "cpu"
-    offload_param = str((zero.get("offload_param") or {}).get("device", "none")) == "cpu"
-    ranks = tr.num_workers
-    p, h, v = shape.total_params, shape.hidden_size, shape.vocab_size
-    rdt = _dtype_bytes(cfg.model.dtype)
-    ekw = ro.engine_kwargs
-    util = float(ekw.get("gpu_memory_utilization", 0.9))
-    max_len = int(ekw.get("max_model_len", prompt_tokens + cfg.grpo.max_new_tokens))
-    seq = min(max_len, prompt_tokens + cfg.grpo.max_new_tokens)
-    micro = int(ds.get("train_micro_batch_size_per_gpu", 1))
-    tokens = micro * seq
-    ckpt = bool(tr.gradient_checkpointing)
-    layer_act = 34 * tokens * h
-    acts = shape.layers * 2 * tokens * h + layer_act if ckpt else shape.layers * layer_act
-    logits = LOGIT_BYTES * tokens * v
-    buckets = 0 if stage in (0, 3) else 2 * (float(zero.get("reduce_bucket_size", 5e8))
-                                            + float(zero.get("allgather_bucket_size", 5e8)))
-    dev_states, host_states = model_states(p, shape.largest_module_params, stage, ranks, offload_opt,
-                                           offload_param)
-    region = util * device_bytes
-    weights = p * rdt
-    kv = region * (1 - ACTIVATION_SHARE) - weights
-    colocated = cfg.scheduler.layout == "colocate"
-
-    head = shape.eagle3_head(dr.draft_vocab_size)
-    trainable = head.total_params - head.lm_head_params - head.vocab_size * h  # fc, decoder layer, norms
-    draft_resident = [Term("DraftTrainer", "head, gradient, Adam (fp32)", 16 * trainable),
-                      Term("DraftTrainer", "draft LM head (fp32)", 4 * head.lm_head_params),
-                      Term("DraftTrainer", "CUDA context", CUDA_CONTEXT)]
-    # _train's locals, freed with torch's cache when it returns: only the draft rows go to the device
-    draft_training = [Term("DraftTrainer", "embedding + draft rows of LM head (bf16)",
-                           2 * (v * h + head.lm_head_params))] + _draft_logits(head, h, tokens)
-
-    offload = bool(tr.offload_states)
-    train_resident = [Term("Train rank", f"model states (ZeRO-{stage})", dev_states),
-                      Term("Train rank", "CUDA context", CUDA_CONTEXT)]
-    if buckets:
-        train_resident.append(Term("Train rank", "DeepSpeed buckets", buckets))
-    train_peak = [Term("Train rank", "activations" + (" (checkpointed)" if ckpt else ""), acts),
-                  Term("Train rank", "logits", logits)]
-    if draft_online(cfg):
-        train_peak.append(Term("Train rank", NORMALIZERS, _normalizer_bytes(h, tokens)))
-        if stage == 3:
-            train_peak.append(Term("Train rank", "LM head gathered for the normalisers", 2 * v * h))
-    # after the gather for the refit (PolicyWorker.release): offload_states, or torch's cache emptied
-    train_released = [Term("Train rank", "CUDA context", CUDA_CONTEXT)] if offload else train_resident
-    replica_awake = [Term("replica", "weights", weights), Term("replica", "activations", region * ACTIVATION_SHARE),
-                     Term("replica", "KV cache", kv), Term("replica", "CUDA context", CUDA_CONTEXT)]
-    replica_asleep = [Term("replica", "CUDA context", CUDA_CONTEXT)]
-    replica_refit = [Term("replica", "weights (woken)", weights), Term("replica", "CUDA context", CUDA_CONTEXT)]
-    transport = [Term("weight sync", "bucket", float(ro.weight_sync.packed_buffer_size_bytes))]
-    # the module's weights, as loaded and trained (rayspec.train.loop.training_load_dtype)
-    module_bytes = 2 if (ds.get("bf16") or {}).get("enabled") else 4
-    device_gather = refit_from_trainer_memory(cfg)  # split sync runs: over NCCL from rank 0's device
-    if ro.weight_sync.transport == "cuda_ipc":
-        # the replicas read each rank's own weights (rayspec.sync.ipc): its states stay on the device
-        # until the refit landed; the export is a copy where the serving dtype is not the module's, and
-        # under ZeRO-3 (each parameter is gathered in turn and freed after: full_parameters)
-        transport = list(train_resident)
-        if stage == 3:
-            transport.append(Term("Train rank", "one gathered parameter", shape.largest_module_params * module_bytes))
-        if stage == 3 or rdt != module_bytes:
-            transport.append(Term("Train rank", "export (a copy in the serving dtype)", p * rdt))
-        train_refit = []
-    else:
-        train_refit = train_released
-
-    devices, layout_problems = [], []
-    total = gpus_per_node * nodes
-    with_draft = dr.enabled and dr.num_gpus > 0
-    # The DraftTrainer trains on each micro-batch's features as the update
-    # makes them, and on after the refit (rayspec.train.loop.rl_step).
-    if colocated:
-        phases = {"rollout": replica_awake + train_released,
-                  "policy update": replica_asleep + train_resident + train_peak,
-                  "draft training": replica_refit + train_released,
-                  "refit": replica_refit + train_refit + transport}
-    else:
-        replicas = ro.num_replicas
-        devices.append(Device("rollout GPU", device_bytes, replicas, {
-            "rollout": replica_awake, "policy update": replica_awake, "draft training": replica_awake,
-            "refit": replica_awake + transport}))
-        phases = {"rollout": train_released, "policy update": train_resident + train_peak,
-                  "draft training": train_released, "refit": train_refit + transport}
-        if device_gather:
-            # NCCL broadcasts rank 0's weights from its device (rayspec.sync.DeviceGather): its states
-            # stay there through the refit, with a copy where the serving dtype is not the module's (on
-            # every train GPU: the plan's kinds do not single out rank 0's, an upper bound)
-            copy = [Term("Train rank", "rank 0: the policy in the serving dtype", p * rdt)] \
-                if rdt != module_bytes else []
-            phases["refit"] = train_resident + copy + transport
-        need = replicas * max(1, round(ro.num_gpus_per_replica)) + ranks
-        if need > total:
-            layout_problems.append(f"split layout: {replicas} replicas and {ranks} Train ranks need {need} "
-                                   f"devices, the cluster has {total}")
-    name = "GPU" if colocated else "train GPU"
-    if with_draft:
-        devices.append(Device(f"{name} with the DraftTrainer", device_bytes, 1, {
-            ph: ts + draft_resident + (draft_training if ph in ("policy update", "draft training") else [])
-            for ph, ts in phases.items()}))
-    devices.append(Device(name, device_bytes, (total if colocated else ranks) - int(with_draft), phases))
-
-    per_node_replicas = max(1, round(ro.num_replicas / nodes))
-    per_node_ranks = max(1, round(ranks / nodes))
-    # transformers memory-maps the checkpoint: loaded in its own dtype, the weights are the mapped
-    # file, pages every rank on the node shares; in another dtype each rank copies them. ZeRO-3 builds
-    # each rank's partition on its device (rayspec.train.policy.zero3_init), reading the mapped file
-    host = [Term("Train workers", "policy checkpoint, memory-mapped (start, shared)",
-                 shape.checkpoint_dtype_bytes * p)]
-    if stage != 3 and module_bytes != shape.checkpoint_dtype_bytes:
-        host.append(Term("Train workers", f"policy loaded in {'bf16' if module_bytes == 2 else 'fp32'} (start)",
-                         per_node_ranks * module_bytes * p))
-    host.append(Term("Ray", "object store", float(cfg.ray.object_store_memory)))
-    if not device_gather:  # the sender keeps the newest policy for replicas that catch up (rayspec.sync)
-        host.append(Term("Train workers", "rank 0: the newest refit (host copy)", weights))
-    if draft_online(cfg):  # rank 0's host copy, put; the DraftTrainer's, fetched
-        host.append(Term("DraftTrainer", "what rank 0 sends of the verifier (bf16, x2)",
-                         2 * _verifier_sent(shape, head)))
-    if draft_online(cfg) and not cfg.rollout.speculative_config.model:
-        # a new head reads only these (rayspec.draft.eagle3.head_init_tensors), fp32
-        host.append(Term("driver", "policy tensors a new draft head starts from (start)",
-                         4 * (v * h + h * h + 3 * h * shape.intermediate_size)))
-    if colocated and ro.sleep_level == 1:
-        host.append(Term("replicas", "asleep: weights (level 1)", per_node_replicas * weights))
-    if host_states or offload:
-        host.append(Term("Train workers", "states in host memory",
-                         per_node_ranks * (host_states + (dev_states if offload else 0))))
-    notes = [f"{shape.name}: {p / 1e9:.2f}B parameters; a sequence of {seq} tokens ({prompt_tokens} prompt + "
-             f"{cfg.grpo.max_new_tokens} response, max_model_len {max_len}), micro-batch {micro}; "
-             f"vLLM {util:.2f} of each device; ZeRO-{stage} over {ranks} ranks"
-             + (", optimizer offloaded" if offload_opt else "")]
+    device_bytes, host_bytes = _gpu_capacities(device, device_bytes, host_bytes)
+    s = _gpu_sizes(cfg, shape, device_bytes, prompt_tokens)
+    devices, layout_problems = _gpu_devices(cfg, shape, s, device_bytes, gpus_per_node * nodes)
+    host = _gpu_host_terms(cfg, shape, s, nodes)
+    notes = [f"{shape.name}: {shape.total_params / 1e9:.2f}B parameters; a sequence of {s.seq} tokens "
+             f"({prompt_tokens} prompt + {cfg.grpo.max_new_tokens} response, max_model_len {s.max_len}), "
+             f"micro-batch {s.micro}; vLLM {s.util:.2f} of each device; ZeRO-{s.stage} over {s.ranks} ranks"
+             + (", optimizer offloaded" if s.offload_opt else "")]
     return MemoryPlan(devices, host, host_bytes, notes, layout_problems,
-                      min_util=weights / ((1 - ACTIVATION_SHARE) * device_bytes))
+                      min_util=s.weights / ((1 - ACTIVATION_SHARE) * device_bytes))
 
 
 def refit_host_bytes(transport: str, state_dict_bytes: float, bucket_bytes: float) -> float:
@@ -451,6 +546,70 @@ def refit_host_bytes(transport: str, state_dict_bytes: float, bucket_bytes: floa
     if transport == "cuda_ipc":
         return IPC_REFIT_PER_BYTE * state_dict_bytes
     return BUCKET_REFIT_PER_BYTE * min(bucket_bytes, state_dict_bytes)
+
+
+def _cpu_train_terms(cfg, shape: ModelShape, stage: int, ranks: int, tokens: int) -> tuple[list[Term], list[Term]]:
+    """A CPU node's Train workers (``ranks`` of them): (held throughout,
+    added in the update)."""
+    tr, ds, zero = cfg.train, cfg.train.deepspeed, _zero_config(cfg)
+    p, h, v = shape.total_params, shape.hidden_size, shape.vocab_size
+    wb = _module_bytes(cfg)
+    rest = 18 if wb == 2 else 16  # gradient, fp32 copy, Adam moments (+ bf16 gradient)
+    n = tr.num_workers
+    states = {0: (wb + rest) * p, 1: wb * p + wb * p + (rest - wb) * p / n,
+              2: wb * p + rest * p / n, 3: (wb + rest) * p / n}[stage]
+    layer_act = 34 * (wb // 2) * tokens * h
+    acts = shape.layers * 2 * tokens * h * (wb // 2) + layer_act if tr.gradient_checkpointing \
+        else shape.layers * layer_act
+    bucket_elems = min(float(zero.get("reduce_bucket_size", 5e8)), p) + \
+        min(float(zero.get("allgather_bucket_size", 5e8)), p)
+    train = [Term("Train workers", f"model states (ZeRO-{stage}, {'bf16' if wb == 2 else 'fp32'})", ranks * states),
+             Term("Train workers", "process (measured)", ranks * TRAIN_CPU_RUNTIME)]
+    if stage in (1, 2):
+        train.append(Term("Train workers", "DeepSpeed buckets", ranks * wb * bucket_elems))
+    if cfg.grpo.kl_coef > 0:
+        train.append(Term("Train workers", "reference model", ranks * wb * p))
+    update = [Term("Train workers", "activations" + (" (checkpointed)" if tr.gradient_checkpointing else ""),
+                   ranks * acts),
+              Term("Train workers", "logits (+ log-softmax)", ranks * (wb + 4) * tokens * v)]
+    return train, update
+
+
+def _cpu_replica_terms(cfg, shape: ModelShape, replicas: int) -> tuple[list[Term], list[Term]]:
+    """A CPU node's replicas (``replicas`` of them): (held throughout,
+    added by a refit, with rank 0's copy of what it sends)."""
+    ro = cfg.rollout
+    rdt = _dtype_bytes(cfg.model.dtype)
+    refit_bytes = shape.total_params * rdt
+    replica = [Term("replicas", "weights", replicas * refit_bytes),
+               Term("replicas", "KV cache (cpu_kvcache_space_gib)", replicas * ro.cpu_kvcache_space_gib * GIB),
+               Term("replicas", "process (measured)", replicas * VLLM_CPU_RUNTIME)]
+    transport = "collective" if ro.weight_sync.transport == "auto" else ro.weight_sync.transport
+    refit = [Term("replicas", f"loading a refit ({transport}, measured)",
+                  replicas * refit_host_bytes(transport, refit_bytes, ro.weight_sync.packed_buffer_size_bytes))]
+    # the collective in sync mode sends rank 0's own weights (rayspec.sync.DeviceGather): a copy only
+    # where the serving dtype is not the training one
+    if not (refit_from_trainer_memory(cfg) and rdt == _module_bytes(cfg)):
+        refit.append(Term("Train workers", "rank 0: the export (shared memory)" if transport == "cuda_ipc"
+                          else "rank 0: the gathered weights", refit_bytes))
+    return replica, refit
+
+
+def _cpu_draft_terms(cfg, shape: ModelShape, replicas: int, ranks: int,
+                     tokens: int) -> tuple[list[Term], list[Term], Term]:
+    """An online EAGLE-3 head on a CPU node: (held throughout, added while
+    the DraftTrainer trains, the Train workers' normalisers in the update)."""
+    h, v = shape.hidden_size, shape.vocab_size
+    head = shape.eagle3_head(cfg.draft.draft_vocab_size)
+    trainable = head.total_params - head.lm_head_params - head.vocab_size * h
+    draft = [Term("DraftTrainer", "head, gradient, Adam (fp32)", 16 * trainable),
+             Term("DraftTrainer", "draft LM head (fp32)", 4 * head.lm_head_params),
+             Term("DraftTrainer", "process (measured)", DRAFT_CPU_RUNTIME),
+             Term("replicas", "draft head", replicas * _dtype_bytes(cfg.model.dtype) * head.total_params)]
+    # a CPU DraftTrainer fetches them into its heap, trimmed when train returns
+    training = [Term("DraftTrainer", "verifier embedding + draft rows of LM head (bf16, fetched)",
+                     2 * (v * h + head.lm_head_params))] + _draft_logits(head, h, tokens)
+    return draft, training, Term("Train workers", NORMALIZERS, ranks * _normalizer_bytes(h, tokens))
 
 
 def cpu_plan(cfg, shape: ModelShape, host_bytes: float, nodes: int = 1,
@@ -470,73 +629,32 @@ def cpu_plan(cfg, shape: ModelShape, host_bytes: float, nodes: int = 1,
         ValueError: a config whose roles ask for GPUs, or a ZeRO stage
             outside 0-3 (named).
     """
-    ro, tr, dr = cfg.rollout, cfg.train, cfg.draft
+    ro, tr = cfg.rollout, cfg.train
     if ro.num_gpus_per_replica > 0 or tr.gpus_per_worker > 0:
         raise ValueError("cpu_plan is of CPU roles: rollout.num_gpus_per_replica and train.gpus_per_worker "
                          "must be 0 (plan() plans GPUs)")
-    ds = tr.deepspeed
-    zero = ds.get("zero_optimization", {}) or {}
-    stage = int(zero.get("stage", 0))
+    stage = int(_zero_config(cfg).get("stage", 0))
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"train.deepspeed.zero_optimization.stage={stage}: must be 0-3")
-    p, h, v = shape.total_params, shape.hidden_size, shape.vocab_size
     ranks = max(1, round(tr.num_workers / nodes))
     replicas = max(1, round(ro.num_replicas / nodes))
-    wb = 2 if (ds.get("bf16") or {}).get("enabled") else 4  # rayspec.train.loop.training_load_dtype
-    rest = 18 if wb == 2 else 16  # gradient, fp32 copy, Adam moments (+ bf16 gradient)
-    n = tr.num_workers
-    states = {0: (wb + rest) * p, 1: wb * p + wb * p + (rest - wb) * p / n,
-              2: wb * p + rest * p / n, 3: (wb + rest) * p / n}[stage]
     seq = prompt_tokens + cfg.grpo.max_new_tokens
-    tokens = int(ds.get("train_micro_batch_size_per_gpu", 1)) * seq
-    layer_act = 34 * (wb // 2) * tokens * h
-    acts = shape.layers * 2 * tokens * h * (wb // 2) + layer_act if tr.gradient_checkpointing \
-        else shape.layers * layer_act
-    bucket_elems = min(float(zero.get("reduce_bucket_size", 5e8)), p) + \
-        min(float(zero.get("allgather_bucket_size", 5e8)), p)
-    rdt = _dtype_bytes(cfg.model.dtype)
-    refit_bytes = p * rdt
-
-    train = [Term("Train workers", f"model states (ZeRO-{stage}, {'bf16' if wb == 2 else 'fp32'})", ranks * states),
-             Term("Train workers", "process (measured)", ranks * TRAIN_CPU_RUNTIME)]
-    if stage in (1, 2):
-        train.append(Term("Train workers", "DeepSpeed buckets", ranks * wb * bucket_elems))
-    if cfg.grpo.kl_coef > 0:
-        train.append(Term("Train workers", "reference model", ranks * wb * p))
-    update = [Term("Train workers", "activations" + (" (checkpointed)" if tr.gradient_checkpointing else ""),
-                   ranks * acts),
-              Term("Train workers", "logits (+ log-softmax)", ranks * (wb + 4) * tokens * v)]
-    replica = [Term("replicas", "weights", replicas * refit_bytes),
-               Term("replicas", "KV cache (cpu_kvcache_space_gib)", replicas * ro.cpu_kvcache_space_gib * GIB),
-               Term("replicas", "process (measured)", replicas * VLLM_CPU_RUNTIME)]
-    transport = "collective" if ro.weight_sync.transport == "auto" else ro.weight_sync.transport
-    refit = [Term("replicas", f"loading a refit ({transport}, measured)",
-                  replicas * refit_host_bytes(transport, refit_bytes, ro.weight_sync.packed_buffer_size_bytes))]
-    # the collective in sync mode sends rank 0's own weights (rayspec.sync.DeviceGather): a copy only
-    # where the serving dtype is not the training one
-    if not (refit_from_trainer_memory(cfg) and rdt == wb):
-        refit.append(Term("Train workers", "rank 0: the export (shared memory)" if transport == "cuda_ipc"
-                          else "rank 0: the gathered weights", refit_bytes))
+    tokens = int(tr.deepspeed.get("train_micro_batch_size_per_gpu", 1)) * seq
+    train, update = _cpu_train_terms(cfg, shape, stage, ranks, tokens)
+    replica, refit = _cpu_replica_terms(cfg, shape, replicas)
     common = [Term("Ray", "object store", float(cfg.ray.object_store_memory)),
               Term("Ray", "Ray's processes, driver, reward workers", RAY_CPU_PROCESSES)]
     draft, draft_training = [], []
-    if dr.enabled and cfg.rollout.speculative_config.method == "eagle3":
-        head = shape.eagle3_head(dr.draft_vocab_size)
-        trainable = head.total_params - head.lm_head_params - head.vocab_size * h
-        draft = [Term("DraftTrainer", "head, gradient, Adam (fp32)", 16 * trainable),
-                 Term("DraftTrainer", "draft LM head (fp32)", 4 * head.lm_head_params),
-                 Term("DraftTrainer", "process (measured)", DRAFT_CPU_RUNTIME),
-                 Term("replicas", "draft head", replicas * rdt * head.total_params)]
-        # a CPU DraftTrainer fetches them into its heap, trimmed when train returns
-        draft_training = [Term("DraftTrainer", "verifier embedding + draft rows of LM head (bf16, fetched)",
-                               2 * (v * h + head.lm_head_params))] + _draft_logits(head, h, tokens)
-        update.append(Term("Train workers", NORMALIZERS, ranks * _normalizer_bytes(h, tokens)))
+    if draft_online(cfg):
+        draft, draft_training, normalizers = _cpu_draft_terms(cfg, shape, replicas, ranks, tokens)
+        update.append(normalizers)
     base = common + replica + train + draft
     phases = {"rollout": base, "policy update": base + update + draft_training,
               "draft training": base + draft_training, "refit": base + refit}
-    notes = [f"{shape.name}: {p / 1e9:.2f}B parameters; CPU roles on {nodes} node(s): {replicas} replica(s) and "
-             f"{ranks} Train worker(s) a node; a sequence of {seq} tokens; ZeRO-{stage} over {n} ranks; the "
-             "measured terms are of this project's 2-core machines (vLLM 0.32 CPU, DeepSpeed 0.19.8)"]
+    notes = [f"{shape.name}: {shape.total_params / 1e9:.2f}B parameters; CPU roles on {nodes} node(s): {replicas} "
+             f"replica(s) and {ranks} Train worker(s) a node; a sequence of {seq} tokens; ZeRO-{stage} over "
+             f"{tr.num_workers} ranks; the measured terms are of this project's 2-core machines (vLLM 0.32 CPU, "
+             "DeepSpeed 0.19.8)"]
     return MemoryPlan([Device("host memory of a node", host_bytes, nodes, phases)], [], host_bytes, notes)
 
 
