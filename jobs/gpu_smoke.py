@@ -478,15 +478,15 @@ def check_rl_step(report: Report, models: dict[str, Path], work: Path, layout: s
     from rayspec.driver import run
 
     run_dir = work / f"rl_{layout}"
-    shares = (["rollout.num_gpus_per_replica=0.6", "train.gpus_per_worker=0.3", "draft.num_gpus=0.1",
+    shares = (["rollout.num_gpus_per_replica=0.6", "train.num_gpus_per_worker=0.3", "draft.num_gpus=0.1",
                "rollout.weight_sync.transport=cuda_ipc"]
               if layout == "colocate" else
               # one GPU cannot be split: the replica takes it, training the CPUs
-              ["rollout.num_gpus_per_replica=1", "train.gpus_per_worker=0", "draft.num_gpus=0",
+              ["rollout.num_gpus_per_replica=1", "train.num_gpus_per_worker=0", "draft.num_gpus=0",
                "train.deepspeed.optimizer.params.torch_adam=true"])
     cfg = load_config(None, [f"model.path={models['tiny']}", "trainer.steps=2", f"trainer.run_dir={run_dir}",
                              "trainer.save_steps=1", "data.prompts_per_step=2", "grpo.max_new_tokens=32",
-                             "train.num_workers=1", "train.cpus_per_worker=1", "rollout.num_cpus_per_replica=1",
+                             "train.num_workers=1", "train.num_cpus_per_worker=1", "rollout.num_cpus_per_replica=1",
                              "draft.num_cpus=1", "draft.steps_per_rl_step=2", f"scheduler.layout={layout}",
                              "rollout.engine_kwargs.max_model_len=512", "rollout.engine_kwargs.max_num_seqs=16",
                              *shares])
@@ -552,7 +552,7 @@ def check_zero3_load(report: Report, models: dict[str, Path]) -> None:
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", gpu))
     try:
         cfg = load_config(None, ["data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1",
-                                 "train.gpus_per_worker=1", "rollout.num_gpus_per_replica=1",
+                                 "train.num_gpus_per_worker=1", "rollout.num_gpus_per_replica=1",
                                  "train.deepspeed.zero_optimization.stage=3"])
         ds_config = deepspeed_config(cfg, 1)
         with zero3_init(ds_config, gpu):

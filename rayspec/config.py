@@ -551,8 +551,8 @@ class TrainConfig:
 
     Args:
         num_workers: Ray Train workers (data-parallel ranks).
-        cpus_per_worker: Ray CPUs per worker.
-        gpus_per_worker: Ray GPUs per worker (0: CPU training, gloo).
+        num_cpus_per_worker: Ray CPUs per worker.
+        num_gpus_per_worker: Ray GPUs per worker (0: CPU training, gloo).
         deepspeed: DeepSpeed config dict (zero_optimization.stage, optimizer,
             train_micro_batch_size_per_gpu, bf16, ...). ``train_batch_size`` is
             derived: prompts_per_step * group_size sequences per RL step;
@@ -576,8 +576,8 @@ class TrainConfig:
 
     num_workers: int = 2
     # 2 x 0.4 + draft 0.2 fill one core, so split fits a 2-core node
-    cpus_per_worker: float = 0.4
-    gpus_per_worker: float = 0.0
+    num_cpus_per_worker: float = 0.4
+    num_gpus_per_worker: float = 0.0
     deepspeed: dict[str, Any] = field(default_factory=_default_deepspeed)
     torch_threads_per_worker: Optional[int] = None
     gradient_checkpointing: Optional[bool] = None
@@ -585,7 +585,7 @@ class TrainConfig:
 
     def validate(self, key: str = "train") -> None:
         _check(self.num_workers >= 1, f"{key}.num_workers", self.num_workers, "must be >= 1")
-        for name in ("cpus_per_worker", "gpus_per_worker"):
+        for name in ("num_cpus_per_worker", "num_gpus_per_worker"):
             _check(getattr(self, name) >= 0, f"{key}.{name}", getattr(self, name), "must be >= 0")
         threads = self.torch_threads_per_worker
         _check(threads is None or threads >= 1, f"{key}.torch_threads_per_worker", threads,
@@ -1002,6 +1002,19 @@ class RunConfig:
         check_across_sections(self)
 
 
+# Old spellings, refused naming the new key: a count of Ray resources is spelled as Ray spells it
+# (num_cpus / num_gpus, per replica or per worker), in every section.
+RENAMED = {"train.cpus_per_worker": "train.num_cpus_per_worker",
+           "train.gpus_per_worker": "train.num_gpus_per_worker"}
+
+
+def _refuse_renamed(part: DictConfig, source: str) -> None:
+    for old, new in RENAMED.items():
+        section, name = old.split(".")
+        if isinstance(part.get(section), DictConfig) and name in part[section]:
+            raise ConfigError(f"invalid {source}: key '{old}' is now '{new}': rename it")
+
+
 def load_config(path: str | os.PathLike | None = None,
                 overrides: list[str] | None = None) -> RunConfig:
     """Build a validated RunConfig from defaults, a YAML preset and overrides.
@@ -1017,7 +1030,8 @@ def load_config(path: str | os.PathLike | None = None,
 
     Raises:
         ConfigError: unknown key, wrong type or invalid value; the message
-            names the key (and the file for YAML errors).
+            names the key (and the file for YAML errors); an old spelling
+            of a key (``RENAMED``) names the new one.
     """
     where = f" in {path}" if path is not None else ""
     bad = [o for o in overrides or [] if "=" not in o or o.startswith("=")]
@@ -1039,6 +1053,7 @@ def load_config(path: str | os.PathLike | None = None,
     key = source = None
     try:
         for key, source, part in parts:
+            _refuse_renamed(part, source)
             merged = OmegaConf.merge(merged, part)
         key, source = None, f"config{where}"
         plain = OmegaConf.to_container(merged)
@@ -1083,18 +1098,18 @@ def check_across_sections(cfg: RunConfig) -> None:
     _check(not cfg.scheduler.in_flight_updates or cfg.rollout.engine_cls != "offline",
            "scheduler.in_flight_updates", True, "vllm.LLM (rollout.engine_cls=offline) takes one call at a time: a "
            "refit cannot pause its generate; use rollout.engine_cls=async")
-    _check(ws.backend != "nccl" or (cfg.train.gpus_per_worker > 0 and cfg.rollout.num_gpus_per_replica > 0),
+    _check(ws.backend != "nccl" or (cfg.train.num_gpus_per_worker > 0 and cfg.rollout.num_gpus_per_replica > 0),
            "rollout.weight_sync.backend", ws.backend,
-           "nccl needs GPUs on both ends (train.gpus_per_worker and rollout.num_gpus_per_replica > 0)")
+           "nccl needs GPUs on both ends (train.num_gpus_per_worker and rollout.num_gpus_per_replica > 0)")
     _check(ws.backend != "nccl" or cfg.scheduler.layout == "split", "rollout.weight_sync.backend", ws.backend,
            "colocated, the trainer's rank 0 shares its GPU with a replica and NCCL refuses two ranks on one "
            "device: use gloo (or auto)")
     _check(ws.transport != "cuda_ipc" or cfg.scheduler.layout == "colocate", "rollout.weight_sync.transport",
            ws.transport, "cuda_ipc needs scheduler.layout=colocate: each replica opens the export of the Train "
            "rank on its own device (split: use collective)")
-    _check(ws.transport != "cuda_ipc" or (cfg.train.gpus_per_worker > 0) == (cfg.rollout.num_gpus_per_replica > 0),
+    _check(ws.transport != "cuda_ipc" or (cfg.train.num_gpus_per_worker > 0) == (cfg.rollout.num_gpus_per_replica > 0),
            "rollout.weight_sync.transport", ws.transport, "cuda_ipc needs GPUs on both ends or on neither "
-           "(train.gpus_per_worker, rollout.num_gpus_per_replica): a replica opens exports on its own device")
+           "(train.num_gpus_per_worker, rollout.num_gpus_per_replica): a replica opens exports on its own device")
     if cfg.trainer.eval_every:
         _check(cfg.data.eval_num_problems >= 1, "data.eval_num_problems", cfg.data.eval_num_problems,
                "must be >= 1 while trainer.eval_every > 0")
@@ -1109,7 +1124,7 @@ def check_across_sections(cfg: RunConfig) -> None:
            f"must divide the {seqs} sequences per step (prompts_per_step * group_size)")
     if cfg.scheduler.layout == "split":
         for key, value in (("rollout.num_gpus_per_replica", cfg.rollout.num_gpus_per_replica),
-                           ("train.gpus_per_worker", cfg.train.gpus_per_worker),
+                           ("train.num_gpus_per_worker", cfg.train.num_gpus_per_worker),
                            ("draft.num_gpus", cfg.draft.num_gpus)):
             _check(float(value).is_integer(), key, value,
                    "split gives each role whole GPUs (fractions would share a device)")
@@ -1167,7 +1182,7 @@ def apply_defaults(cfg: dict[str, Any]) -> None:
         took 13-32% less time at eight to one sequences, docs/benchmarks.md,
         "The drafter in bf16").
 
-    Train workers (``train.gpus_per_worker > 0``: GPU):
+    Train workers (``train.num_gpus_per_worker > 0``: GPU):
       - ``deepspeed.bf16.enabled``: GPU true (bf16 compute, fp32 master
         weights in the ZeRO optimizer); CPU false (CPUs without
         AVX512-BF16 emulate bf16).
@@ -1214,7 +1229,7 @@ def apply_defaults(cfg: dict[str, Any]) -> None:
         _default(kw, "additional_config", {})
         if isinstance(kw["additional_config"], dict):
             _default(kw["additional_config"], DRAFT_LINEAR_DTYPE, "auto")
-    train_gpu = train["gpus_per_worker"] > 0
+    train_gpu = train["num_gpus_per_worker"] > 0
     ds = train["deepspeed"]
     _default(ds, "bf16", {})
     if isinstance(ds["bf16"], dict):
@@ -1318,7 +1333,7 @@ def replica_transfer_backend(cfg: RunConfig) -> str:
     ws = cfg.rollout.weight_sync
     if ws.transport == "cuda_ipc":
         return "ipc" if cfg.rollout.num_gpus_per_replica > 0 else "cpu_ipc"
-    return collective_backend(ws, cfg.train.gpus_per_worker > 0, cfg.rollout.num_gpus_per_replica > 0,
+    return collective_backend(ws, cfg.train.num_gpus_per_worker > 0, cfg.rollout.num_gpus_per_replica > 0,
                               cfg.scheduler.layout == "colocate")
 
 
@@ -1328,7 +1343,7 @@ def refit_from_trainer_memory(cfg: RunConfig) -> bool:
     sync mode under ZeRO 0-2, over NCCL from a GPU or from CPU ranks' host
     memory. Async runs and ZeRO-3 gather to host (``HostGather``)."""
     ws = cfg.rollout.weight_sync
-    trainer_gpu = cfg.train.gpus_per_worker > 0
+    trainer_gpu = cfg.train.num_gpus_per_worker > 0
     backend = collective_backend(ws, trainer_gpu, cfg.rollout.num_gpus_per_replica > 0,
                                  cfg.scheduler.layout == "colocate")
     stage = int((cfg.train.deepspeed.get("zero_optimization") or {}).get("stage", 0))

@@ -4,7 +4,7 @@ run the RL loop in Ray Train.
 
 Each role declares its own resources in the config (rollout:
 ``num_cpus_per_replica`` / ``num_gpus_per_replica``; train:
-``cpus_per_worker`` / ``gpus_per_worker``; draft: ``num_cpus`` /
+``num_cpus_per_worker`` / ``num_gpus_per_worker``; draft: ``num_cpus`` /
 ``num_gpus``); ``scheduler.layout`` decides how they share the cluster
 (``rayspec.scheduler.placement``) and ``scheduler.mode`` when rollouts run
 (``rayspec.scheduler.pipeline``).

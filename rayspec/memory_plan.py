@@ -334,9 +334,9 @@ def _gpu_sizes(cfg, shape: ModelShape, device_bytes: float, prompt_tokens: int) 
         ValueError: a config without GPU roles, or a ZeRO stage outside 0-3.
     """
     ro, tr = cfg.rollout, cfg.train
-    if ro.num_gpus_per_replica <= 0 or tr.gpus_per_worker <= 0:
+    if ro.num_gpus_per_replica <= 0 or tr.num_gpus_per_worker <= 0:
         raise ValueError("the memory plan is of GPU roles: rollout.num_gpus_per_replica and "
-                         "train.gpus_per_worker must be > 0")
+                         "train.num_gpus_per_worker must be > 0")
     zero = _zero_config(cfg)
     stage = int(zero.get("stage", 0))
     offload_opt = str((zero.get("offload_optimizer") or {}).get("device", "none")) == "cpu"
@@ -630,8 +630,8 @@ def cpu_plan(cfg, shape: ModelShape, host_bytes: float, nodes: int = 1,
             outside 0-3 (named).
     """
     ro, tr = cfg.rollout, cfg.train
-    if ro.num_gpus_per_replica > 0 or tr.gpus_per_worker > 0:
-        raise ValueError("cpu_plan is of CPU roles: rollout.num_gpus_per_replica and train.gpus_per_worker "
+    if ro.num_gpus_per_replica > 0 or tr.num_gpus_per_worker > 0:
+        raise ValueError("cpu_plan is of CPU roles: rollout.num_gpus_per_replica and train.num_gpus_per_worker "
                          "must be 0 (plan() plans GPUs)")
     stage = int(_zero_config(cfg).get("stage", 0))
     if stage not in (0, 1, 2, 3):

@@ -253,7 +253,7 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
     from rayspec.memory_plan import cpu_plan, plan
     from rayspec.model_shape import ModelShape
 
-    if cfg.rollout.num_gpus_per_replica <= 0 and cfg.train.gpus_per_worker <= 0:
+    if cfg.rollout.num_gpus_per_replica <= 0 and cfg.train.num_gpus_per_worker <= 0:
         if len(nodes) != 1:
             log.info("memory plan of CPU roles not checked: %d nodes (jobs.project_memory --hardware cpu "
                      "plans one)", len(nodes))
@@ -269,7 +269,7 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
             host_bytes = psutil.virtual_memory().total
         result, what, hardware = cpu_plan(cfg, shape, host_bytes), "this node's host memory", \
             f"cpu --host-gib {host_bytes / 2**30:.0f}"
-    elif cfg.rollout.num_gpus_per_replica <= 0 or cfg.train.gpus_per_worker <= 0:
+    elif cfg.rollout.num_gpus_per_replica <= 0 or cfg.train.num_gpus_per_worker <= 0:
         return None  # a GPU role beside a CPU one: the GPU plan needs both on GPUs
     else:
         gpu_nodes = [n for n in nodes if n.gpus > 0]

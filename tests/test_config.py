@@ -106,7 +106,7 @@ def test_cpu_roles_keep_the_cpu_defaults_and_gpu_roles_get_the_gpu_ones():
     zero = cpu.train.deepspeed["zero_optimization"]
     assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == CPU_ZERO_BUCKET_SIZE
 
-    gpus = ["rollout.num_gpus_per_replica=0.6", "train.gpus_per_worker=0.3"]
+    gpus = ["rollout.num_gpus_per_replica=0.6", "train.num_gpus_per_worker=0.3"]
     gpu = load_config(DEFAULT, gpus)
     assert gpu.rollout.engine_kwargs["enforce_eager"] is False  # CUDA graphs
     assert gpu.rollout.engine_kwargs["gpu_memory_utilization"] == GPU_MEMORY_UTILIZATION["colocate"]
@@ -116,7 +116,7 @@ def test_cpu_roles_keep_the_cpu_defaults_and_gpu_roles_get_the_gpu_ones():
     assert gpu.train.torch_threads_per_worker is None and gpu.train.gradient_checkpointing is True
     assert gpu.train.deepspeed["zero_optimization"] == {"stage": 2}  # DeepSpeed's own bucket sizes
     split = load_config(DEFAULT, ["scheduler.layout=split", "rollout.num_gpus_per_replica=1",
-                                  "train.gpus_per_worker=1"])
+                                  "train.num_gpus_per_worker=1"])
     assert split.rollout.engine_kwargs["gpu_memory_utilization"] == GPU_MEMORY_UTILIZATION["split"]
     # colocated GPU ranks give their states back while the replicas run; ZeRO-3 only with FusedAdam
     assert gpu.train.offload_states is True and split.train.offload_states is False
@@ -161,14 +161,14 @@ def test_auto_dtype_serves_bf16_only_where_it_is_native(monkeypatch, amx, avx512
     assert cfg.model.dtype == expected  # resolved at load time: config.yaml states what ran
     assert ("natively" in dtype_reason(cfg)) == (expected == "bfloat16")
     assert load_config(None, ["rollout.num_gpus_per_replica=0.6",
-                                 "train.gpus_per_worker=0.3"]).model.dtype == "bfloat16"
+                                 "train.num_gpus_per_worker=0.3"]).model.dtype == "bfloat16"
     mine = load_config(None, ["model.dtype=bfloat16"])
     assert mine.model.dtype == "bfloat16"  # what the user sets stays
     if expected == "float32":
         assert dtype_reason(mine).startswith("as configured; auto would pick float32: this CPU has neither")
     # fp32 replicas beside bf16 training serve bf16-rounded weights, and say so
     gpu_fp32 = load_config(None, ["model.dtype=float32", "rollout.num_gpus_per_replica=0.6",
-                                  "train.gpus_per_worker=0.3"])
+                                  "train.num_gpus_per_worker=0.3"])
     assert "refits send DeepSpeed's bf16 module weights (not the fp32 master)" in dtype_reason(gpu_fp32)
     assert "bf16 module weights" not in dtype_reason(load_config(None, ["model.dtype=float32"]))
 
@@ -272,6 +272,22 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
         load_config(preset)
     assert str(preset) in str(e.value)
     assert "trainer.stepz" in str(e.value)
+
+
+def test_an_old_spelling_names_the_new_key_and_writes_nothing(tmp_path):
+    """Ray's resource counts are spelled as Ray spells them in every section
+    (num_cpus / num_gpus): the old train keys are refused, in a preset or an
+    override, naming the new key."""
+    preset = tmp_path / "old.yaml"
+    preset.write_text("train:\n  gpus_per_worker: 1\n")
+    with pytest.raises(ConfigError, match=r"'train.gpus_per_worker' is now 'train.num_gpus_per_worker'") as e:
+        load_config(preset)
+    assert str(preset) in str(e.value)
+    with pytest.raises(ConfigError, match=r"override 'train.cpus_per_worker=1'.*'train.num_cpus_per_worker'"):
+        load_config(None, ["train.cpus_per_worker=1"])
+    assert load_config(None, ["train.num_gpus_per_worker=1", "train.num_cpus_per_worker=1",
+                              "rollout.num_gpus_per_replica=1"]).train.num_gpus_per_worker == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.yaml"]
 
 
 SCALAR_FOR_SECTION = pytest.mark.parametrize("yaml_text, overrides, key", [

@@ -75,7 +75,7 @@ def test_memory_line_sets_measured_peaks_against_the_plan(tiny_llama_dir, monkey
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 2**30}))
     cfg = load_config(None, [f"model.path={tiny_llama_dir}", "train.num_workers=1", "rollout.num_gpus_per_replica=0.6",
-                             "train.gpus_per_worker=0.3", "draft.num_gpus=0.1"])
+                             "train.num_gpus_per_worker=0.3", "draft.num_gpus=0.1"])
     report = gpu_smoke.Report()
     gib = 2**30
     gpu_smoke.check_memory(report, cfg, tiny_llama_dir, {"rollout": 30 * gib, "policy": 4 * gib, "gather": gib})

@@ -181,7 +181,7 @@ def test_cli_plans_cpu_roles_on_a_nodes_host_memory(capsys):
 
 def test_split_layout_counts_devices():
     problems = _plan("h100", "scheduler.layout=split", "rollout.num_gpus_per_replica=1",
-                     "train.gpus_per_worker=1", "draft.num_gpus=0").problems()
+                     "train.num_gpus_per_worker=1", "draft.num_gpus=0").problems()
     assert any("need 16 devices, the cluster has 8" in p for p in problems), problems
 
 
@@ -210,7 +210,7 @@ def test_a_split_sync_refit_sends_rank_0s_own_weights_and_an_async_one_its_host_
     gathers to host and keeps that copy. A CPU sync run's rank 0 makes no
     copy either."""
     split = ["scheduler.layout=split", "rollout.num_replicas=4", "train.num_workers=4",
-             "rollout.num_gpus_per_replica=1", "train.gpus_per_worker=1", "draft.num_gpus=0"]
+             "rollout.num_gpus_per_replica=1", "train.num_gpus_per_worker=1", "draft.num_gpus=0"]
 
     def refit_and_host(*overrides):
         plan = _plan("h100", *split, *overrides)

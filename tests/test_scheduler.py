@@ -27,8 +27,8 @@ def _cfg(*overrides):
 def _gpu_cfg(layout, replica_gpus, worker_gpus=None, draft_gpus=0, n=8):
     return _cfg(f"scheduler.layout={layout}", f"rollout.num_replicas={n}", f"train.num_workers={n}",
                 f"rollout.num_gpus_per_replica={replica_gpus}",
-                f"train.gpus_per_worker={replica_gpus if worker_gpus is None else worker_gpus}",
-                f"draft.num_gpus={draft_gpus}", "rollout.num_cpus_per_replica=1", "train.cpus_per_worker=1",
+                f"train.num_gpus_per_worker={replica_gpus if worker_gpus is None else worker_gpus}",
+                f"draft.num_gpus={draft_gpus}", "rollout.num_cpus_per_replica=1", "train.num_cpus_per_worker=1",
                 "data.prompts_per_step=8")
 
 
@@ -70,7 +70,7 @@ def test_two_gpu_nodes_colocate_lines_roles_up_node_by_node():
 @pytest.mark.parametrize("shares, n, match", [
     ((0.5, 0.6, 0), 8, r"num_gpus_per_replica=0.5 must be > 0.5.*add up to 1.1 > 1 \(replica 0.5 \+ Train worker 0.6"),
     ((0.6, 0.3, 0.2), 8, r"add up to 1.1 > 1"),
-    ((0.6, 0.15, 0), 8, r"gpus_per_worker=0.15 must be > \(1 - 0.6\) / 2"),
+    ((0.6, 0.15, 0), 8, r"num_gpus_per_worker=0.15 must be > \(1 - 0.6\) / 2"),
     ((0.6, 0.3, 0.1), 10, r"node 00000000 gets 5 replicas but has 4 GPUs"),
 ])
 def test_colocated_gpu_shares_that_cannot_pair_one_replica_and_one_rank_per_device_are_refused(shares, n, match):
@@ -78,7 +78,7 @@ def test_colocated_gpu_shares_that_cannot_pair_one_replica_and_one_rank_per_devi
     r, t, d = shares
     with pytest.raises(ClusterFitError, match=match) as e:
         plan_placement(_cfg(*_gpu_overrides(r, t, d, n)), nodes)
-    assert "rollout.num_gpus_per_replica=0.6 train.gpus_per_worker=0.3 draft.num_gpus=0.1" in str(e.value)
+    assert "rollout.num_gpus_per_replica=0.6 train.num_gpus_per_worker=0.3 draft.num_gpus=0.1" in str(e.value)
 
 
 def test_colocate_with_whole_gpus_each_shares_no_device():
@@ -93,8 +93,8 @@ def test_colocate_with_more_train_workers_than_replicas_is_refused():
 
 def _gpu_overrides(r, t, d, n):
     return ["scheduler.layout=colocate", f"rollout.num_replicas={n}", f"train.num_workers={n}",
-            f"rollout.num_gpus_per_replica={r}", f"train.gpus_per_worker={t}", f"draft.num_gpus={d}",
-            "rollout.num_cpus_per_replica=1", "train.cpus_per_worker=1", f"data.prompts_per_step={n}"]
+            f"rollout.num_gpus_per_replica={r}", f"train.num_gpus_per_worker={t}", f"draft.num_gpus={d}",
+            "rollout.num_cpus_per_replica=1", "train.num_cpus_per_worker=1", f"data.prompts_per_step={n}"]
 
 
 def test_device_sharing_check_names_the_device_and_its_occupants():
@@ -122,9 +122,9 @@ def test_two_gpu_nodes_split_gives_each_side_its_own_node():
 
 @pytest.mark.parametrize("overrides, role, match", [
     (["rollout.num_cpus_per_replica=3"], "rollout", r"asks 1 x \{CPU: 3\} = 3 CPUs"),
-    (["train.num_workers=4", "train.cpus_per_worker=1"], "train", r"asks 4 x \{CPU: 1\} = 4 CPUs"),
-    (["scheduler.layout=split", "train.cpus_per_worker=1"], "train", r"do not fit in what is left"),
-    (["rollout.num_cpus_per_replica=1", "train.cpus_per_worker=0.6"], None,
+    (["train.num_workers=4", "train.num_cpus_per_worker=1"], "train", r"asks 4 x \{CPU: 1\} = 4 CPUs"),
+    (["scheduler.layout=split", "train.num_cpus_per_worker=1"], "train", r"do not fit in what is left"),
+    (["rollout.num_cpus_per_replica=1", "train.num_cpus_per_worker=0.6"], None,
      r"roles sharing node aaaaaaaa ask 2.4 CPUs \(rollout 1, train 1.2, draft 0.2\); it has 2 "),
 ])
 def test_too_small_cluster_names_role_ask_and_what_there_is(overrides, role, match):
@@ -143,8 +143,8 @@ def test_gpu_roles_do_not_fit_a_cpu_cluster():
 def test_config_rejects_async_colocate_and_fractional_split_gpus():
     with pytest.raises(ConfigError, match="scheduler.mode='async'.*needs scheduler.layout=split"):
         _cfg("scheduler.mode=async")
-    with pytest.raises(ConfigError, match="train.gpus_per_worker=0.5.*whole GPUs"):
-        _cfg("scheduler.layout=split", "train.gpus_per_worker=0.5")
+    with pytest.raises(ConfigError, match="train.num_gpus_per_worker=0.5.*whole GPUs"):
+        _cfg("scheduler.layout=split", "train.num_gpus_per_worker=0.5")
     with pytest.raises(ConfigError, match="scheduler.max_policy_lag=0"):
         _cfg("scheduler.layout=split", "scheduler.mode=async", "scheduler.max_policy_lag=0")
 
@@ -356,7 +356,7 @@ def test_job_stops_on_a_too_small_cluster_before_anything_starts(tmp_path):
 
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "jobs.grpo", "scheduler.layout=split", "train.cpus_per_worker=1",
+        [sys.executable, "-m", "jobs.grpo", "scheduler.layout=split", "train.num_cpus_per_worker=1",
          "ray.num_cpus=2", f"ray.object_store_memory={200 * 2**20}", f"trainer.run_dir={run_dir}"],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 2, proc.stderr[-2000:]

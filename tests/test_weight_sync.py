@@ -203,7 +203,7 @@ def test_transport_choice_and_bad_keys():
                            "rollout.weight_sync.packed_buffer_size_bytes")]:
         with pytest.raises(ConfigError, match=key):
             load_config(None, [override])
-    gpus = ["rollout.weight_sync.backend=nccl", "train.gpus_per_worker=1", "rollout.num_gpus_per_replica=1"]
+    gpus = ["rollout.weight_sync.backend=nccl", "train.num_gpus_per_worker=1", "rollout.num_gpus_per_replica=1"]
     with pytest.raises(ConfigError, match="NCCL refuses two ranks on one device"):
         load_config(None, [*gpus, "scheduler.layout=colocate"])
     assert load_config(None, [*gpus, "scheduler.layout=split"]).rollout.weight_sync.backend == "nccl"
@@ -224,7 +224,7 @@ def test_the_weight_source_follows_the_transport_the_zero_stage_and_the_mode():
     def source(*overrides, device="cpu"):
         return type(make_source(load_config(None, list(overrides)), Ranks(), device))
 
-    gpus = ["train.gpus_per_worker=1", "rollout.num_gpus_per_replica=1"]
+    gpus = ["train.num_gpus_per_worker=1", "rollout.num_gpus_per_replica=1"]
     assert source() is DeviceGather  # CPU ranks, auto: the collective over gloo
     assert source(*gpus, "scheduler.layout=split", device="cuda:0") is DeviceGather  # NCCL
     assert source(*gpus, "scheduler.layout=colocate", device="cuda:0") is HostGather  # gloo between GPUs

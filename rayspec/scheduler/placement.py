@@ -4,7 +4,7 @@ role's bundles get, checked against the cluster before anything starts.
 Roles and their bundles (one resource dict per unit, from the config):
 
 - ``rollout``: ``rollout.num_replicas`` x {CPU: num_cpus_per_replica, GPU: num_gpus_per_replica}
-- ``train``:   ``train.num_workers``   x {CPU: cpus_per_worker, GPU: gpus_per_worker}
+- ``train``:   ``train.num_workers``   x {CPU: num_cpus_per_worker, GPU: num_gpus_per_worker}
 - ``draft``:   1 x {CPU: draft.num_cpus, GPU: draft.num_gpus} (when online draft training runs)
 
 Layouts:
@@ -204,7 +204,7 @@ def role_bundles(cfg) -> dict[str, list[dict[str, float]]]:
     roles = {
         "rollout": [res(cfg.rollout.num_cpus_per_replica, cfg.rollout.num_gpus_per_replica)]
         * cfg.rollout.num_replicas,
-        "train": [res(cfg.train.cpus_per_worker, cfg.train.gpus_per_worker)] * cfg.train.num_workers,
+        "train": [res(cfg.train.num_cpus_per_worker, cfg.train.num_gpus_per_worker)] * cfg.train.num_workers,
     }
     if draft_online(cfg):
         roles["draft"] = [res(cfg.draft.num_cpus, cfg.draft.num_gpus)]
@@ -313,7 +313,7 @@ def _plan_colocate(roles: dict[str, list[dict[str, float]]], nodes: list[NodeInf
     return PlacementPlan("colocate", list(nodes), bundles, cores)
 
 
-PAIRING_EXAMPLE = "rollout.num_gpus_per_replica=0.6 train.gpus_per_worker=0.3 draft.num_gpus=0.1"
+PAIRING_EXAMPLE = "rollout.num_gpus_per_replica=0.6 train.num_gpus_per_worker=0.3 draft.num_gpus=0.1"
 
 
 def _check_gpu_pairing(roles: dict[str, list[dict[str, float]]], use: list[NodeInfo],
@@ -343,7 +343,7 @@ def _check_gpu_pairing(roles: dict[str, list[dict[str, float]]], use: list[NodeI
         why.append(f"the shares of one device add up to {r + t + d:g} > 1 (replica {r:g} + Train worker "
                    f"{t:g} + DraftTrainer {d:g})")
     if not 2 * t > 1 - r:
-        why.append(f"train.gpus_per_worker={t:g} must be > (1 - {r:g}) / 2 (else a device takes two Train ranks)")
+        why.append(f"train.num_gpus_per_worker={t:g} must be > (1 - {r:g}) / 2 (else a device takes two Train ranks)")
     for n in use:
         reps, workers = (sum(b.node_id == n.node_id and b.role == role for b in bundles)
                          for role in ("rollout", "train"))

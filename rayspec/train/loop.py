@@ -129,7 +129,7 @@ def rl_worker_loop(config: dict) -> None:
     # The GPU Ray Train gave this worker. DeepSpeed would take cuda:<LOCAL_RANK>, but Ray
     # Train numbers local ranks per node IP and shares CUDA_VISIBLE_DEVICES per Ray node,
     # which disagree where one host runs several Ray nodes.
-    gpu_index = ray.train.torch.get_device().index if cfg.train.gpus_per_worker > 0 else None
+    gpu_index = ray.train.torch.get_device().index if cfg.train.num_gpus_per_worker > 0 else None
     device = torch.device("cuda", gpu_index) if gpu_index is not None else torch.device("cpu")
     draft = open_draft(cfg, ranks, config["aux_layer_ids"], config.get("draft_prior"))
     with ranks.stop_on(USER_ERRORS):  # the dataset and the reward functions load on rank 0
