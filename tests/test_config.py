@@ -385,6 +385,20 @@ def test_replica_env_puts_engine_env_over_the_cpu_backend_settings():
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # V1 unless asked: the runner vLLM's CI and the CPU run
 
 
+def test_an_engines_env_is_the_callers_again_once_it_started(monkeypatch):
+    """A spawned engine core inherits the environment at its start; the
+    caller's (a notebook's) is restored after, set keys and unset ones alike."""
+    from rayspec.rollout.engine import _engine_env
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
+    monkeypatch.delenv("NUMBA_THREADING_LAYER", raising=False)
+    with pytest.raises(RuntimeError):
+        with _engine_env({"VLLM_CPU_KVCACHE_SPACE": "1", "NUMBA_THREADING_LAYER": "workqueue"}):
+            assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1" and os.environ["NUMBA_THREADING_LAYER"] == "workqueue"
+            raise RuntimeError("the engine failed to start")
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "7" and "NUMBA_THREADING_LAYER" not in os.environ
+
+
 def test_an_in_process_engine_core_and_in_flight_updates_ask_for_the_engine_that_can():
     """vLLM's AsyncLLM always starts its engine core in a process of its
     own, and vllm.LLM takes one call at a time, so no refit meets requests in

@@ -85,17 +85,8 @@ where k > 0 (``draft_fraction``), and predicts a step's tokens with it
 made. Their drafts are the policy's own text, so
 for them a policy refit counts as a draft refit (``probe``).
 
-Model runners: the idle drafter and the plain sampler wrap vLLM 0.32's V1
-``GPUModelRunner`` and its drafters (the CPU runner subclasses it). CUDA
-vLLM builds EAGLE-3 and draft-model engines on its V2 runner by default,
-which has neither, so adaptive engines select V1 (``SpecVLLMEngine`` sets
-``VLLM_USE_V2_MODEL_RUNNER=0``). With CUDA graphs on, V1 captures piecewise
-graphs whenever a k schedule is set (vLLM overrides FULL to PIECEWISE for
-dynamic speculative decoding: a k switch changes the verification length,
-and attention runs outside the piecewise graphs), so every k in 0..K keeps a
-graph. The first schedule change checks, in the worker, that the hooks are
-in place, and raises ``VllmInternalsError`` naming the vLLM version when
-they are not (the plugin did not load, or the runner is V2).
+How the schedule reaches a running engine, which model runners carry it and
+what CUDA graphs it keeps: ``rayspec.vllm.spec_schedule``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
-from unittest import mock
 
 from rayspec.batch import RolloutBatch
 from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, MODEL_RUNNER_ENV, MODEL_RUNNERS
@@ -101,8 +100,16 @@ def _engine_env(env: dict[str, str]):
         os.environ.update(env)
         yield
         return
-    with mock.patch.dict(os.environ, env):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
         yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def replica_env(rollout) -> dict[str, str]:
