@@ -42,11 +42,12 @@ import time
 from pathlib import Path
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tool_use"
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 # suffix: the trajectory's own text (prompt, tool outputs, turns); suffix-group: also every response the
 # engine keeps (vLLM's window: the sibling trajectories' turns) and their tool outputs, as jobs.bench_rollout
 # names them
-METHODS = {"none": None, "ngram": NGRAM,
+# (SpeculativeConfig's keys; eagle3 also gets --head as its model)
+METHODS = {"none": {"method": None},
+           "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
            "suffix": {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0},
            "suffix-group": {"method": "suffix", "num_speculative_tokens": 8},
            "eagle3": {"method": "eagle3", "num_speculative_tokens": 3}}
@@ -77,11 +78,9 @@ def example_rows(n: int) -> list[dict]:
 
 def engine(model_dir: Path, method: str, head: str | None, max_turns: int):
     """A ``SpecVLLMEngine`` of ``method`` with the example's tool."""
-    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env, vllm_speculative_config
 
-    spec = dict(METHODS[method]) if METHODS[method] else None
-    if method == "eagle3":
-        spec["model"] = head
+    spec = vllm_speculative_config(**METHODS[method], **({"model": head} if method == "eagle3" else {}))
     return SpecVLLMEngine(str(model_dir), spec, dtype="float32", engine_cls="async", env=cpu_engine_env(1, "all"),
                           engine_kwargs={"enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 64, "seed": 0},
                           agent={"tools": [f"{EXAMPLE / 'tools.py'}:multiply"], "max_turns": max_turns})

@@ -33,8 +33,9 @@ from pathlib import Path
 
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 KINDS = {"shards": "offline", "units": "async"}  # -> rollout.engine_cls
-METHODS = {"none": None, "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
-                                   "prompt_lookup_min": 2},
+# SpeculativeConfig's keys
+METHODS = {"none": {"method": None},
+           "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
            "suffix": {"method": "suffix", "num_speculative_tokens": 8}}
 
 
@@ -56,9 +57,10 @@ def parse_args(argv):
 def replicas(kind: str, model_dir: Path, method: str, cores: list[int]):
     """Two engines of ``kind``, one per core (``cores``), as ``LocalReplicas``."""
     from rayspec.rollout.client import LocalReplicas
-    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env, vllm_speculative_config
 
-    engines = [SpecVLLMEngine(str(model_dir), METHODS[method], dtype="float32", engine_cls=KINDS[kind],
+    spec = vllm_speculative_config(**METHODS[method])
+    engines = [SpecVLLMEngine(str(model_dir), spec, dtype="float32", engine_cls=KINDS[kind],
                               env=cpu_engine_env(1, str(core)),
                               engine_kwargs={"enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 64,
                                              "seed": 0})

@@ -79,18 +79,18 @@ against concurrency per method (``--plot``, default beside ``--out``).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
 from rayspec.rollout.adaptive import format_schedule, geometric_rate, physical_limit, uniform
+from rayspec.tools.bench import (Cell, bench_speculative_config, draft_linear_dtypes, floats, ints, measure_cell,
+                                 untrained_head, work_dir_for)
 
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 METHODS = ("none", "eagle3", "eagle3-sampled", "draft_model", "ngram", "suffix", "suffix-group")
@@ -100,29 +100,6 @@ FULL = {"k": [1, 2, 3, 4, 5], "concurrency": [1, 8, 32, 128], "temperature": [1.
 QUICK = {"k": [1, 3], "concurrency": [1, 8, 32], "temperature": [1.0], "max_tokens": 32,
          "methods": ["none", "eagle3", "ngram"], "rollout_prompts": 4, "group_size": 4,
          "rollout_max_tokens": 128}
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x]
-
-
-def draft_linear_dtypes(ap: argparse.ArgumentParser, text: str) -> list[str]:
-    """``--draft-linear-dtype``'s comma-separated values; an unknown one
-    ends the job through ``ap.error``, naming it (``rayspec.vllm.cpu_fixes.draft_linear_dtype``)."""
-    from rayspec.config import DRAFT_LINEAR_DTYPE
-    from rayspec.vllm.cpu_fixes import draft_linear_dtype
-
-    values = [d for d in text.split(",") if d]
-    for d in values:
-        try:
-            draft_linear_dtype({DRAFT_LINEAR_DTYPE: d}, None)
-        except ValueError as e:
-            ap.error(f"--draft-linear-dtype: {e}")
-    return values
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -148,9 +125,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="vLLM additional_config.rayspec_draft_linear_dtype of the EAGLE-3 engines "
                          "(rayspec.vllm.cpu_fixes.draft_linear_dtype; the presets' CPU default is auto); "
                          "several, comma-separated: one engine each, its drafts named head@dtype")
-    ap.add_argument("--k", type=_ints, help="default 1,2,3,4,5")
-    ap.add_argument("--concurrency", type=_ints, help="sequences in flight; default 1,8,32,128")
-    ap.add_argument("--temperature", type=_floats, help="default 1.0,0 (0: greedy)")
+    ap.add_argument("--k", type=ints, help="default 1,2,3,4,5")
+    ap.add_argument("--concurrency", type=ints, help="sequences in flight; default 1,8,32,128")
+    ap.add_argument("--temperature", type=floats, help="default 1.0,0 (0: greedy)")
     ap.add_argument("--max-tokens", type=int, help="new tokens per sequence in fixed cells; default 64")
     ap.add_argument("--fixed-group-size", type=int, default=1,
                     help="samples of each prompt in the fixed cells (a GRPO group; 1: a prompt per sequence)")
@@ -188,47 +165,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--rollout-prompts: {args.rollout_prompts}, expected >= 0")
     args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
     return args
-
-
-class Cell(NamedTuple):
-    """One measured cell: vLLM's spec-decode counters, seconds per engine step
-    (exact when every sequence runs to max_tokens), tokens/s, SHA-1 of the
-    responses' token ids, response lengths (tokens)."""
-
-    stats: Any
-    step_s: float
-    tokens_per_s: float
-    digest: str
-    response_lens: list[int]
-
-
-def _cell(engine, prompts, conc: int, temperature: float, max_tokens: int, ignore_eos: bool) -> Cell:
-    """Run ``conc`` sequences, sequence i on ``prompts[i % len(prompts)]``
-    (see ``Cell``).
-
-    Sequence i samples with seed i, so cells that stop at EOS draw the same
-    responses wherever the engine samples the same way (no speculation, or a
-    speculative engine at k = 0): their tokens/s differ by engine cost only,
-    not by which sequences happened to run long."""
-    from vllm import SamplingParams, TokensPrompt
-
-    from rayspec.rollout.spec_stats import completion_stats
-
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos, seed=i)
-              for i in range(conc)]
-    batch = [TokensPrompt(prompt_token_ids=p) for p in (prompts * conc)[:conc]]
-    t0 = time.perf_counter()
-    outs = engine.llm.generate(batch, params)
-    wall = time.perf_counter() - t0
-    stats = completion_stats(outs, wall)
-    tokens = stats.output_tokens
-    # every engine step emits one token per sequence plus its accepted drafts;
-    # vLLM also counts drafts accepted past max_tokens, so a cell a few tokens
-    # long (a warm-up) can read no steps at all: at least one
-    steps = max(tokens - stats.num_accepted_tokens, conc) / conc
-    digest = hashlib.sha1(json.dumps([list(c.token_ids) for o in outs for c in o.outputs]).encode())
-    return Cell(stats, wall / steps, tokens / wall, digest.hexdigest(),
-                [len(c.token_ids) for o in outs for c in o.outputs])
 
 
 def _record(method: str, draft: str, k: int, conc, temperature: float, cell: Cell, shape: str,
@@ -375,23 +311,6 @@ def plot(cells: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def work_dir_for(work_dir: str, model_dir) -> Path:
-    """The policy's folder under ``--work-dir`` (one per policy path), where
-    its untrained head and truncated draft are made once."""
-    return Path(work_dir) / hashlib.sha1(str(Path(model_dir).resolve()).encode()).hexdigest()[:12]
-
-
-def untrained_head(model_dir, work: Path) -> Path:
-    """An untrained EAGLE-3 head for the policy, saved in ``work`` on first use."""
-    from rayspec.draft.eagle3 import init_head, save_head
-    from rayspec.models import load_policy
-
-    head = work / "untrained_head"
-    if not (head / "config.json").is_file():
-        save_head(init_head(load_policy(model_dir)), head)
-    return head
-
-
 def engine_units(methods: list[str], heads: dict[str, Path], draft_model, draft_layers: int) -> list:
     """[(method, [(draft name, draft dir), ...]), ...]: one engine each, in
     ``methods`` order. EAGLE-3 heads share an engine (swapped in by refit)
@@ -427,25 +346,6 @@ def with_draft_linear_dtypes(units: list, dtypes: list[str]) -> list:
             named = drafts if len(dtypes) == 1 else [(f"{name}@{d}", path) for name, path in drafts]
             out.append((method, named, {DRAFT_LINEAR_DTYPE: d}))
     return out
-
-
-def _speculative_config(method: str, draft_dir, kmax: int, max_seqs: int) -> dict | None:
-    """The engine's speculative_config: built with the largest k and a
-    batch-size schedule, so k changes at run time; None for no speculation."""
-    if method == "none":
-        return None
-    base = {"suffix-group": "suffix", "eagle3-sampled": "eagle3"}.get(method, method)
-    spec = {"method": base, "num_speculative_tokens": kmax,
-            "num_speculative_tokens_per_batch_size": uniform(kmax, max_seqs)}
-    if base in ("eagle3", "draft_model"):
-        spec["model"] = str(draft_dir)
-    if method == "eagle3-sampled":  # drafts sampled from the head's q, accepted with min(1, p/q)
-        spec["draft_sample_method"] = "probabilistic"
-    if method == "ngram":
-        spec.update(prompt_lookup_max=4, prompt_lookup_min=2)
-    if method == "suffix":  # the sequence's own text only; suffix-group keeps vLLM's window
-        spec["suffix_decoding_max_cached_requests"] = 0
-    return spec
 
 
 def fixed_cell_prompts(pool_size: int, grid: list[tuple], repeats: int, group_size: int,
@@ -543,11 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):
         cells: list[dict] = []
         for method, drafts, additional in units if r % 2 == 0 else units[::-1]:
-            spec = _speculative_config(method, drafts[0][1], kmax, max_seqs)
+            spec = bench_speculative_config(method, drafts[0][1], kmax, max_seqs)
             engine = SpecVLLMEngine(str(model_dir), spec, dtype=args.dtype, env=env,
                                     engine_kwargs={**engine_kwargs, "additional_config": additional})
             try:
-                _cell(engine, fixed[0, *grid[0]], 2, 1.0, 8, ignore_eos=True)  # first-call warm-up, untimed
+                measure_cell(engine, fixed[0, *grid[0]], 2, 1.0, 8, ignore_eos=True)  # first-call warm-up, untimed
                 for draft, d in drafts:
                     if method.startswith("eagle3") and d != drafts[0][1]:
                         engine.receive_refit("draft", vllm_state_dict(load_head(d)), engine.draft_version + 1)
@@ -557,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                         if spec is not None:
                             engine.set_k_schedule(uniform(k, max_seqs))
                         cells.append(_record(method, draft or method, k, c, t,
-                                             _cell(engine, fixed[r, t, c, k], c, t, args.max_tokens,
+                                             measure_cell(engine, fixed[r, t, c, k], c, t, args.max_tokens,
                                                    ignore_eos=True), "fixed"))
                     if args.rollout_prompts:
                         cells.extend(_rollout_cells(engine, method, draft or method, prompts, args, cells,
@@ -590,7 +490,7 @@ def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_se
     for t in args.temperature:
         if method == "none":
             out.append(_record("none", "none", 0, n, t,
-                               _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False),
+                               measure_cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False),
                                "rollout"))
             continue
         if (method, draft, t) not in k_best:
@@ -600,7 +500,7 @@ def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_se
                 mine, key=lambda c: (c["concurrency"] == max(args.concurrency), c["tokens_per_s"]))["k"]
         k = k_best[method, draft, t]
         engine.set_k_schedule(uniform(k, max_seqs))
-        cell = _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
+        cell = measure_cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False)
         out.append(_record(method, draft, k, n, t, cell, "rollout"))
         # a fresh controller, given this draft's acceptance at this temperature
         # and the rollout's shape from the fixed-k rollout just run (rates=[]:
@@ -619,7 +519,8 @@ def _rollout_cells(engine, method: str, draft: str, prompts, args, cells, max_se
             engine.adaptive.observe(cell.response_lens)
         costs[method, t] = engine.adaptive.cost
         out.append(_record("adaptive", draft, engine.adaptive.k_max, n, t,
-                           _cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False), "rollout",
+                           measure_cell(engine, rollout_prompts, n, t, args.rollout_max_tokens, ignore_eos=False),
+                           "rollout",
                            k_schedule=format_schedule(engine.k_schedule), rates_used=engine.adaptive.rates[:]))
         engine.adaptive = None
         engine.set_k_schedule(uniform(engine.speculative_config["num_speculative_tokens"], max_seqs))

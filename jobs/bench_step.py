@@ -53,7 +53,8 @@ import os
 from pathlib import Path
 from unittest import mock
 
-from jobs.bench_rollout import _cell, _ints, _speculative_config, draft_linear_dtypes, untrained_head, work_dir_for
+from rayspec.tools.bench import (bench_speculative_config, draft_linear_dtypes, ints, measure_cell,
+                                 untrained_head, work_dir_for)
 
 METHODS = ("none", "eagle3", "eagle3-sampled", "suffix", "suffix-group")
 MODELLED = ("none", "eagle3")  # what rayspec.perfmodel models a step of
@@ -70,8 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--draft-linear-dtype", default="auto",
                     help="vLLM additional_config.rayspec_draft_linear_dtype of the EAGLE-3 engines; several, "
                          "comma-separated: one engine each, in that order, named method@dtype")
-    ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
-    ap.add_argument("--k", type=_ints, default=[0, 1, 3])
+    ap.add_argument("--concurrency", type=ints, default=[1, 8, 32])
+    ap.add_argument("--k", type=ints, default=[0, 1, 3])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--data-path", help="GSM8K directory: its chat prompts instead of synthetic ones")
@@ -190,7 +191,7 @@ def _run(args, model_dir, method: str, head: Path | None, prompts: list[list[int
     target = ModelShape.from_hf_config(str(model_dir))
     model = Engine(target, hardware.get(args.hardware), "eagle3", target.eagle3_head())
     max_seqs = max(args.concurrency)
-    spec = _speculative_config(method, head, max(args.k), max_seqs)
+    spec = bench_speculative_config(method, head, max(args.k), max_seqs)
     engine = SpecVLLMEngine(str(model_dir), spec, dtype=args.dtype, env=cpu_engine_env(args.kv_cache_gib, "all"),
                             engine_kwargs={"enforce_eager": True, "max_num_seqs": max_seqs, "seed": 0,
                                            "max_model_len": max(map(len, prompts)) + args.max_tokens + 16,
@@ -205,9 +206,9 @@ def _run(args, model_dir, method: str, head: Path | None, prompts: list[list[int
             for k in (args.k if spec else [0]):
                 if spec:
                     engine.set_k_schedule(uniform(k, max_seqs))
-                _cell(engine, prompts[:b], b, 1.0, 4, ignore_eos=True)  # warm-up at this shape, untimed
+                measure_cell(engine, prompts[:b], b, 1.0, 4, ignore_eos=True)  # warm-up at this shape, untimed
                 with step_timers(k) as acc:
-                    cell = _cell(engine, prompts[:b], b, 1.0, args.max_tokens, ignore_eos=True)
+                    cell = measure_cell(engine, prompts[:b], b, 1.0, args.max_tokens, ignore_eos=True)
                 steps = acc["target"][1]
                 ms = {name: 1e3 * acc[name][0] / max(steps, 1) for name in ("target", "forward", "sampler", "sample_tokens", "drafter")}
                 s = cell.stats

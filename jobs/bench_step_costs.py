@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from jobs.bench_rollout import _ints, untrained_head, work_dir_for
+from rayspec.tools.bench import ints, untrained_head, work_dir_for
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of both methods (default 3)")
-    ap.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16, 32],
+    ap.add_argument("--batch-sizes", type=ints, default=[1, 4, 16, 32],
                     help="where the estimates are compared (default 1,4,16,32; the calibration times these)")
     ap.add_argument("--calibration-tokens", type=int, default=16)
     ap.add_argument("--calibration-rounds", type=int, default=3)
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayspec.data import arithmetic_problems, prompt_ids
     from rayspec.models import load_tokenizer, resolve_model_path
     from rayspec.rollout.adaptive import StepTimes
-    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
+    from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env, vllm_speculative_config
 
     model_dir = resolve_model_path(args.model, args.cache_dir)
     head = untrained_head(model_dir, work_dir_for(args.work_dir, model_dir))
@@ -201,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     # the default preset's task: one + or - of numbers up to 10
     prompts = [prompt_ids(tok, p) for p in arithmetic_problems(args.prompts, seed=1, max_operand=10, level=1)]
     seqs = max(args.batch_sizes + [args.prompts * args.group_size])
-    engine = SpecVLLMEngine(str(model_dir), {"method": "eagle3", "model": str(head), "num_speculative_tokens": args.k,
-                                             "draft_sample_method": "probabilistic"},
+    spec = vllm_speculative_config(method="eagle3", model=str(head), num_speculative_tokens=args.k,
+                                   draft_sample_method="probabilistic")
+    engine = SpecVLLMEngine(str(model_dir), spec,
                             dtype=args.dtype, env=cpu_engine_env(args.kv_cache_gib, "all"),
                             engine_kwargs={"enforce_eager": True, "max_num_seqs": seqs, "seed": 0,
                                            "max_model_len": 512},

@@ -78,6 +78,7 @@ def compare(reference: list[list[int]], other: list[list[int]]) -> tuple[int, li
 def speculative_config(method: str, model_dir: Path, args) -> dict:
     from rayspec.draft.eagle3 import init_head, save_head
     from rayspec.models import load_policy, truncated_copy
+    from rayspec.rollout.engine import vllm_speculative_config
 
     if method == "eagle3":
         head = args.eagle3
@@ -85,12 +86,12 @@ def speculative_config(method: str, model_dir: Path, args) -> dict:
             head = args.work_dir / "eagle3_head"
             if not (head / "config.json").is_file():
                 save_head(init_head(load_policy(model_dir)), head)
-        return {"method": "eagle3", "num_speculative_tokens": args.k, "model": str(head)}
+        return vllm_speculative_config(method="eagle3", num_speculative_tokens=args.k, model=str(head))
     if method == "draft_model":
         draft = truncated_copy(model_dir, args.work_dir / f"draft_{args.draft_layers}l", args.draft_layers)
-        return {"method": "draft_model", "num_speculative_tokens": args.k, "model": str(draft)}
-    return {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-            "prompt_lookup_min": 2}
+        return vllm_speculative_config(method="draft_model", num_speculative_tokens=args.k, model=str(draft))
+    return vllm_speculative_config(method="ngram", num_speculative_tokens=args.k, prompt_lookup_max=4,
+                                   prompt_lookup_min=2)
 
 
 def format_table(rows: list[dict]) -> str:

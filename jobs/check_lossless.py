@@ -138,21 +138,24 @@ def build_models(work: Path) -> dict[str, Path]:
 
 
 def speculative_config(case: str, paths: dict[str, Path], k: int) -> dict | None:
-    """The case's vLLM speculative_config (None: no speculation)."""
-    dm = lambda draft, **kw: {"method": "draft_model", "num_speculative_tokens": k,  # noqa: E731
-                              "model": str(paths[draft]), **kw}
-    return {"none": None,
-            "eagle3": {"method": "eagle3", "num_speculative_tokens": k, "model": str(paths["eagle3"])},
-            "eagle3_probabilistic": {"method": "eagle3", "num_speculative_tokens": k,
-                                     "model": str(paths["eagle3_reduced"]), "draft_sample_method": "probabilistic"},
+    """The case's vLLM speculative_config, through ``SpeculativeConfig`` as a
+    run's (None: no speculation)."""
+    from rayspec.rollout.engine import vllm_speculative_config
+
+    if case == "none":
+        return None
+    sampled = {"draft_sample_method": "probabilistic"}
+    dm = lambda draft, **kw: {"method": "draft_model", "model": str(paths[draft]), **kw}  # noqa: E731
+    keys = {"eagle3": {"method": "eagle3", "model": str(paths["eagle3"])},
+            "eagle3_probabilistic": {"method": "eagle3", "model": str(paths["eagle3_reduced"]), **sampled},
             "draft_target": dm("target"),
-            "draft_target_probabilistic": dm("target", draft_sample_method="probabilistic"),
+            "draft_target_probabilistic": dm("target", **sampled),
             "disjoint": dm("disjoint"),
-            "perturbed_probabilistic": dm("perturbed", draft_sample_method="probabilistic"),
-            "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
-                      "prompt_lookup_min": 1},
-            "suffix": {"method": "suffix", "num_speculative_tokens": k},
+            "perturbed_probabilistic": dm("perturbed", **sampled),
+            "ngram": {"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+            "suffix": {"method": "suffix"},
             "unpatched": dm("target")}[case]
+    return vllm_speculative_config(num_speculative_tokens=k, **keys)
 
 
 def _prompts(tokens: int) -> tuple[list[list[int]], int]:

@@ -37,15 +37,22 @@ def test_fixed_cells_run_groups_on_fresh_prompts():
         fixed_cell_prompts(9, grid, repeats=2, group_size=8, fresh=True)
 
 
-def test_suffix_drafts_from_its_own_text_and_suffix_group_from_the_window():
-    from jobs.bench_rollout import _speculative_config
+def test_suffix_drafts_from_its_own_text_and_suffix_group_from_the_window(tmp_path):
+    from rayspec.config import ConfigError
+    from rayspec.tools.bench import bench_speculative_config
 
-    own, group = (_speculative_config(m, None, 8, 32) for m in ("suffix", "suffix-group"))
+    own, group = (bench_speculative_config(m, None, 8, 32) for m in ("suffix", "suffix-group"))
     assert own["method"] == group["method"] == "suffix" and own["num_speculative_tokens"] == 8
     assert own["suffix_decoding_max_cached_requests"] == 0 and "suffix_decoding_max_cached_requests" not in group
-    greedy, sampled = (_speculative_config(m, "/heads/warm", 3, 32) for m in ("eagle3", "eagle3-sampled"))
-    assert greedy["method"] == sampled["method"] == "eagle3" and sampled["model"] == "/heads/warm"
+    assert own["num_speculative_tokens_per_batch_size"] == [(1, 32, 8)]
+    greedy, sampled = (bench_speculative_config(m, tmp_path, 3, 32) for m in ("eagle3", "eagle3-sampled"))
+    assert greedy["method"] == sampled["method"] == "eagle3" and sampled["model"] == str(tmp_path)
     assert "draft_sample_method" not in greedy and sampled["draft_sample_method"] == "probabilistic"
+    # built through SpeculativeConfig, as a run's: a k or a head directory it refuses, the bench refuses
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        bench_speculative_config("ngram", None, 17, 32)
+    with pytest.raises(ConfigError, match="speculative_config.model"):
+        bench_speculative_config("eagle3", tmp_path / "missing", 3, 32)
 
 
 def test_table_columns_line_up_where_a_figure_is_missing():

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rayspec.batch import RolloutBatch
-from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, MODEL_RUNNER_ENV, MODEL_RUNNERS
+from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, MODEL_RUNNER_ENV, MODEL_RUNNERS, SpeculativeConfig
 from rayspec.files import write_text_atomic
 from rayspec.models.acceptance import read_acceptance
 from rayspec.rollout import adaptive as adaptive_k_mod
@@ -133,6 +133,21 @@ def speculative_config_for_vllm(spec: dict[str, Any]) -> Optional[dict[str, Any]
     if out["method"] in ("ngram", "suffix"):
         out.pop("draft_sample_method", None)
     return out
+
+
+def vllm_speculative_config(**keys: Any) -> Optional[dict[str, Any]]:
+    """vLLM's ``speculative_config`` from ``SpeculativeConfig``'s keys (vLLM's
+    own names), validated as a run's ``rollout.speculative_config`` is: for
+    jobs and tests that start an engine without a run config. None where
+    ``method`` is None.
+
+    Raises:
+        ConfigError: a value out of range or a key of another method, named.
+        TypeError: a key ``SpeculativeConfig`` does not have.
+    """
+    spec = SpeculativeConfig(**keys)
+    spec.validate("speculative_config")
+    return speculative_config_for_vllm(vars(spec))
 
 
 def adaptive_engine_settings(spec: dict[str, Any], engine_kwargs: dict[str, Any], env: dict[str, str]) -> None:
