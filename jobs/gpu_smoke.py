@@ -81,7 +81,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -129,41 +128,6 @@ class Report:
         except Exception as e:  # a smoke test reports every failure and goes on
             self.add(name, False, f"{type(e).__name__}: {e}".splitlines()[0],
                      traceback=traceback.format_exc())
-
-
-class MemoryTrace:
-    """Device-wide GPU memory in use (``cudaMemGetInfo``), sampled every
-    ``period_s`` in a thread: [(epoch seconds, bytes)]."""
-
-    def __init__(self, period_s: float = 0.02):
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
-
-    def _run(self, period_s: float) -> None:
-        import torch
-
-        while not self._stop.is_set():
-            free, total = torch.cuda.mem_get_info(0)
-            self.samples.append((time.time(), total - free))
-            time.sleep(period_s)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def peak(self, intervals: list[list[float]]) -> int:
-        """Largest memory in use during any of ``intervals`` ([[start, end]],
-        epoch s): the samples inside them and the last one before each start
-        (what was in use as the phase began; a phase may be shorter than the
-        sampling period)."""
-        inside = [b for t, b in self.samples if any(s <= t <= e for s, e in intervals)]
-        before = [max(((t, b) for t, b in self.samples if t <= s), default=(0.0, 0))[1] for s, _ in intervals]
-        return max(inside + before, default=0)
 
 
 def _gb(n: float) -> str:
@@ -475,6 +439,7 @@ def check_suffix(report: Report, models: dict[str, Path]) -> None:
 
 def check_rl_step(report: Report, models: dict[str, Path], work: Path, layout: str) -> None:
     from rayspec.config import load_config
+    from rayspec.devices import MemoryTrace
     from rayspec.driver import run
 
     run_dir = work / f"rl_{layout}"

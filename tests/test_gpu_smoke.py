@@ -39,14 +39,6 @@ def test_without_a_gpu_it_exits_2_and_says_so(tmp_path, capsys):
     assert not out.exists() and not (tmp_path / "work").exists()  # nothing started, nothing written
 
 
-def test_memory_peak_reads_the_samples_of_a_phase():
-    trace = gpu_smoke.MemoryTrace()
-    trace.samples = [(1.0, 5), (2.0, 9), (3.0, 7), (4.0, 2)]
-    assert trace.peak([[1.5, 3.5]]) == 9 and trace.peak([[3.9, 4.1]]) == 7  # 7 in use as it began
-    assert trace.peak([[2.5, 2.6]]) == 9  # shorter than the sampling period
-    assert trace.peak([[0.0, 0.5]]) == 0
-
-
 def test_a_driver_older_than_r580_is_named_not_reported_as_no_gpu(tmp_path, monkeypatch, capsys):
     fake_driver(tmp_path, monkeypatch, "550.54.15")
     out = tmp_path / "r.json"
