@@ -157,7 +157,10 @@ def run_tests(table: Table, args: argparse.Namespace) -> None:
                         f"--gpu-cache-dir={args.cache_dir}",
                         "-s",  # the engines' logs stream while they run, between the table's lines
                         "-p", "no:terminal",  # the table is the output: pytest's progress would interleave
-                        "-p", "no:cacheprovider"],  # nothing written into the checkout
+                        "-p", "no:cacheprovider",  # nothing written into the checkout
+                        # no time limit, as before pytest ran the checks: pytest-timeout's stack dump needs
+                        # the terminal reporter, and fails the test with a bare AssertionError without it
+                        "-p", "no:timeout"],
                        plugins=[Collector(table, args.only)])
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
         table.add("pytest", "FAIL", f"pytest exited with {pytest.ExitCode(code).name} ({TESTS})")
