@@ -47,6 +47,7 @@ TESTS = Path(__file__).resolve().parents[1] / "tests" / "test_gpu_path.py"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The job's arguments, ``only`` as a list of ``CHECKS``; exits 2 on a name not among them."""
     ap = argparse.ArgumentParser(prog="python -m jobs.gpu_smoke", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu_smoke.json", help="JSON file of the results")
     ap.add_argument("--work-dir", default="/tmp/rayspec-gpu-smoke", help="models and run directories go here")
@@ -121,15 +122,18 @@ class Collector:
         self._seconds = 0.0
 
     def pytest_collection_modifyitems(self, config, items):
+        """Deselect the tests of the checks ``--only`` leaves out."""
         keep = [item for item in items if _check(item) in self.only]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
 
     def pytest_collectreport(self, report):
+        """A test file that does not import: the ``collect`` line's FAIL."""
         if report.failed:
             self.table.add("collect", "FAIL", _first_line(report), traceback=report.longreprtext)
 
     def pytest_runtest_logreport(self, report):
+        """Gather the running test's lines and seconds; at its teardown, put them in the table."""
         if isinstance(report, pytest.SubtestReport):
             figures = dict(dict(report.user_properties).get(report.context.msg, {}))
             detail = figures.pop("detail", "")
@@ -167,6 +171,7 @@ def run_tests(table: Table, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Check the node, run the gpu tests, print the table and write the JSON; returns the exit status."""
     args = parse_args(argv)
     from rayspec.tools import node_check
 
