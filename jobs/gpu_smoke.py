@@ -1,13 +1,11 @@
 """GPU smoke test: does rayspec's GPU path work on this node? One GPU, a few minutes.
 
     python -m jobs.gpu_smoke [--out gpu_smoke.json] [--work-dir /tmp/rayspec-gpu-smoke]
-        [--only versions,refit,adaptive_k,suffix,rl_colocate,rl_split]
+        [--cache-dir ~/.cache/rayspec] [--only versions,refit,adaptive_k,suffix,rl_colocate,rl_split]
 
 Run it after ``bash cluster/install_node.sh cuda``, on a node with at least
-one NVIDIA GPU (about 20 GB of GPU memory is plenty). It prints one line per
-check, ``PASS`` or ``FAIL`` with what was measured, and writes them as JSON.
-Every line can fail, and a check whose setup fails (the models, Ray) is that
-check's FAIL, not the end of the run:
+one NVIDIA GPU (about 20 GB of GPU memory is plenty). It first checks that
+the node can run CUDA at all:
 
 - ``driver``: the NVIDIA driver (``nvidia-smi``) is R580 or newer, or
   CUDA 13's forward-compatibility library is on ``LD_LIBRARY_PATH``
@@ -16,61 +14,18 @@ check's FAIL, not the end of the run:
   a GPU that CUDA initialises passes.
 - ``compilers``: a C and C++20 compiler and ``Python.h``, which Triton needs
   to build its launcher when an engine starts.
-- ``versions``: torch / CUDA / GPU / vLLM / DeepSpeed / Ray, and every vLLM
-  touch point of rayspec holds in the installed vLLM
-  (``rayspec.vllm.require_vllm``).
-- ``model runner``: the runner vLLM picked for a plain EAGLE-3 engine is
-  one of vLLM's two CUDA runners (V2 by default).
-- ``policy refit``: a ~1 GB fp32 policy, perturbed, loaded into a running
-  EAGLE-3 engine in place; mean |p_vllm / p_policy - 1| of the sampled
-  tokens (``token_mult_prob_error``) < 1e-3.
-- ``cuda_ipc refit``: the cuda_ipc transport, as colocated runs send: this
-  process exports its policy on the replica's GPU as CUDA IPC handles and
-  a replica built with vLLM's own ``ipc`` weight-transfer engine copies it
-  in on the device: error < 1e-3 and at least ``MIN_SYNC_GBPS``.
-- ``nccl refit`` (two GPUs or more): the collective transport over NCCL
-  from this process's weights on GPU 1 into the replica on GPU 0, packed
-  and broadcast from the device as sync split runs send: error < 1e-3 and
-  at least ``MIN_SYNC_GBPS``.
-- ``draft refit``: a perturbed head loaded into the drafter: its weights
-  are the head's, the verifier's error stays < 1e-3 and the engine drafts.
-- ``weight sync``: seconds and GB/s of the refit above, the production path:
-  ``ray.put`` of the host state dict, then the replica's load (object store
-  read, staging file, vLLM's in-place ``reload_weights``), and the
-  collective's; each at least ``MIN_SYNC_GBPS`` (below it, a 16 GB 8B refit
-  would take over 16 s a step).
-- ``adaptive k``: an adaptive engine (CUDA graphs on) drafts nothing at
-  k = 0, k tokens per step at k = 3, and nothing again at k = 0.
-  ``adaptive k async``: the same with vLLM's async scheduling on, which
-  adaptive engines turn off until this line passes
-  (``rayspec.rollout.engine.adaptive_engine_settings``).
-- ``suffix``: vLLM's suffix decoding with the ``arctic-inference`` that
-  ``install_node.sh cuda`` built against CUDA torch, adaptive (its k is each
-  draft's budget): greedy responses equal a plain engine's on the same (V1)
-  runner, drafts at k = 8 longer than 2 tokens, at most 2 at k = 2, none at
-  k = 0.
-- ``rl step colocate`` / ``rl step split``: two GRPO steps of a tiny model
-  through the real job (Serve replica, Ray Train + DeepSpeed bf16, online
-  EAGLE-3 draft training, refit), colocated on the GPU (replica 0.6, Train
-  worker 0.3, DraftTrainer 0.1 of it; refits through cuda_ipc) and split (the replica on the GPU,
-  training on the node's CPUs: one GPU cannot be split); the peak GPU memory
-  in use during each phase (device-wide, sampled every 20 ms, this process's
-  own CUDA context included). Colocated, the replica sleeps at level 2 and
-  the Train rank offloads its states: step 2's rollout must sample the
-  refit weights (``token_mult_prob_error`` below the warning threshold).
-- ``memory``: those colocated peaks against the memory plan of the same
-  run (``rayspec.memory_plan``): each phase's peak within the plan's
-  total plus ``MEMORY_SLACK``.
-- ``zero3 load``: a Train rank's load under ZeRO-3 (``zero3_init``): in a
-  one-rank NCCL group on the last GPU, with ``LOCAL_RANK`` 0 as Ray Train
-  may set it, the ~1 GB policy's partitions are built on that GPU, the
-  engine builds on them, and its gathered weights equal the checkpoint's.
+- ``cuda`` (only when it fails): torch sees no GPU although the driver is
+  new enough.
 
-The fp32 checks run Triton's fp32 dots in IEEE precision
-(``TRITON_F32_DEFAULT=ieee``): by default they use TF32, whose 10-bit
-mantissa alone moves log-probabilities by more than ``ERROR_BOUND``.
+Then it runs the ``gpu`` tests of tests/test_gpu_path.py through pytest
+(``--only`` names them by their marker's check; each test's docstring says
+what it measures) and prints one line per line a test reports: ``PASS``,
+``FAIL`` or ``SKIP``, the test's seconds, what was measured. Every line can
+fail, and a test whose setup fails (the models, Ray) is that test's FAIL,
+not the end of the run. The lines, their figures and the tracebacks of
+failures go to the JSON file.
 
-Exit status: 0 when every check passes, 1 when one fails (a driver too old
+Exit status: 0 when no line fails, 1 when one does (a driver too old
 included), 2 on a machine without an NVIDIA driver and GPU.
 """
 
@@ -78,27 +33,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import subprocess
 import sys
-import threading
 import time
-import traceback
 from pathlib import Path
 
+import pytest
+
+# the checks --only names: the gpu(check) markers of the tests, in their file's order
 CHECKS = ("versions", "draft_targets", "refit", "adaptive_k", "suffix", "rl_colocate", "rl_split", "zero3")
-ERROR_BOUND = 1e-3  # token_mult_prob_error after a refit, fp32
-MIN_SYNC_GBPS = 1.0  # a refit's floor, host memory to a replica on one node
-CUDA_RUNNERS = ("vllm.v1.worker.gpu.model_runner.GPUModelRunner",  # V2
-                "vllm.v1.worker.gpu_model_runner.GPUModelRunner")  # V1, adaptive engines (VLLM_USE_V2_MODEL_RUNNER=0)
-V1_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-MEMORY_SLACK = 2 * 2**30  # this process's CUDA context and the trace's own, beyond the plan
-# the step's timer phases (rayspec.train.loop.rl_step) and the plan's
-PLAN_PHASES = {"rollout": "rollout", "policy": "policy update", "sync": "refit", "draft": "draft training"}
-GIB = 2**30
+TESTS = Path(__file__).resolve().parents[1] / "tests" / "test_gpu_path.py"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The job's arguments, ``only`` as a list of ``CHECKS``; exits 2 on a name not among them."""
     ap = argparse.ArgumentParser(prog="python -m jobs.gpu_smoke", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu_smoke.json", help="JSON file of the results")
     ap.add_argument("--work-dir", default="/tmp/rayspec-gpu-smoke", help="models and run directories go here")
@@ -107,534 +56,131 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.only = [c for c in args.only.split(",") if c]
     unknown = sorted(set(args.only) - set(CHECKS))
-    if unknown:
-        ap.error(f"--only: unknown check(s) {unknown}; expected some of {list(CHECKS)}")
+    if unknown or not args.only:
+        ap.error(f"--only: unknown check(s) {unknown}; expected some of {list(CHECKS)}" if unknown
+                 else f"--only: name at least one of {list(CHECKS)}")
     return args
 
 
-class Report:
-    """PASS / FAIL lines as they come, and the JSON at the end."""
+class Table:
+    """The run's lines, printed as they come, and the JSON at the end."""
 
     def __init__(self):
         self.checks: list[dict] = []
 
-    def add(self, name: str, ok: bool, detail: str, **values) -> None:
-        self.checks.append({"name": name, "ok": bool(ok), "detail": detail, **values})
-        print(f"{'PASS' if ok else 'FAIL'}  {name:<17} {detail}", flush=True)
-
-    def run(self, name: str, fn, *args) -> None:
-        """Run one check function; an exception is that check's FAIL."""
-        try:
-            fn(self, *args)
-        except Exception as e:  # a smoke test reports every failure and goes on
-            self.add(name, False, f"{type(e).__name__}: {e}".splitlines()[0],
-                     traceback=traceback.format_exc())
-
-
-class MemoryTrace:
-    """Device-wide GPU memory in use (``cudaMemGetInfo``), sampled every
-    ``period_s`` in a thread: [(epoch seconds, bytes)]."""
-
-    def __init__(self, period_s: float = 0.02):
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
-
-    def _run(self, period_s: float) -> None:
-        import torch
-
-        while not self._stop.is_set():
-            free, total = torch.cuda.mem_get_info(0)
-            self.samples.append((time.time(), total - free))
-            time.sleep(period_s)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def peak(self, intervals: list[list[float]]) -> int:
-        """Largest memory in use during any of ``intervals`` ([[start, end]],
-        epoch s): the samples inside them and the last one before each start
-        (what was in use as the phase began; a phase may be shorter than the
-        sampling period)."""
-        inside = [b for t, b in self.samples if any(s <= t <= e for s, e in intervals)]
-        before = [max(((t, b) for t, b in self.samples if t <= s), default=(0.0, 0))[1] for s, _ in intervals]
-        return max(inside + before, default=0)
-
-
-def _gb(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
-def check_driver(report: Report) -> None:
-    from rayspec.tools import node_check
-
-    ok, line = node_check.check_driver(node_check.driver_version())
-    report.add("driver", ok, line)
-
-
-def check_compilers(report: Report) -> None:
-    from rayspec.tools import node_check
-
-    ok, line = node_check.check_compilers()
-    report.add("compilers", ok, line)
-
-
-def check_versions(report: Report) -> None:
-    import deepspeed
-    import ray
-    import torch
-
-    from rayspec.vllm import VllmInternalsError, require_vllm, vllm_version
-
-    detail = (f"vLLM {vllm_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-              f"{torch.cuda.get_device_name(0)} {_gb(torch.cuda.get_device_properties(0).total_memory)}, "
-              f"DeepSpeed {deepspeed.__version__}, Ray {ray.__version__}")
-    try:
-        require_vllm()
-        ok = True
-    except VllmInternalsError as e:
-        ok, detail = False, f"{detail}; {e}"
-    report.add("versions", ok, detail, vllm=vllm_version(), torch=torch.__version__, cuda=torch.version.cuda)
-
-
-def _models(work: Path, cache_dir: str) -> dict[str, Path]:
-    """The bundled tokenizer, a tiny Llama (RL steps, adaptive k) and a
-    ~1 GB fp32 one (refit, weight sync), with fresh EAGLE-3 heads."""
-    from rayspec.draft.eagle3 import init_head, save_head
-    from rayspec.models import load_policy, make_tiny_llama, materialize_bundled_model
-
-    tok = materialize_bundled_model(cache_dir)
-    out = {}
-    for name, kw in (("tiny", {}), ("1gb", {"hidden_size": 1024, "num_layers": 20})):
-        model = work / f"model_{name}"
-        if not (model / "config.json").is_file():
-            make_tiny_llama(model, tok, **kw)
-        head = work / f"head_{name}"
-        if not (head / "config.json").is_file():
-            save_head(init_head(load_policy(model)), head)
-        out[name], out[f"{name}_head"] = model, head
-    return out
-
-
-def _engine_kwargs(gpu_memory_utilization: float) -> dict:
-    # CUDA graphs on: the GPU default (config.apply_defaults)
-    return {"max_model_len": 512, "max_num_seqs": 16, "seed": 0, "enforce_eager": False,
-            "gpu_memory_utilization": gpu_memory_utilization}
-
-
-def _prob_error(engine, policy, prompts: list[list[int]]) -> tuple[float, int]:
-    """token_mult_prob_error of ``engine``'s samples (T = 1) under ``policy``
-    (an HF model on the GPU), and the drafts of that rollout."""
-    import torch
-
-    from rayspec.train.grpo import token_logprobs, token_mult_prob_error
-
-    batch, stats = engine.generate(prompts, n=2, temperature=1.0, max_tokens=48)
-    t = batch.to_padded(0, "cuda")
-    with torch.no_grad():
-        logits = policy(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits
-    lp = token_logprobs(logits, t["input_ids"], 1.0)
-    return token_mult_prob_error(lp, t["rollout_logprobs"], t["response_mask"]), stats.num_drafts
-
-
-def check_refit(report: Report, models: dict[str, Path]) -> None:
-    import ray
-    import torch
-
-    from rayspec.devices import to_host
-    from rayspec.draft.eagle3 import load_head, vllm_state_dict
-    from rayspec.models import load_policy, load_tokenizer
-    from rayspec.rollout.engine import SpecVLLMEngine
-    from rayspec.rollout.client import LocalReplicas, RolloutClient
-    from rayspec.vllm.worker_ext import RefitExtension
-    from rayspec.buckets import state_dict_nbytes
-    from rayspec.sync import CollectiveSender
-
-    tok = load_tokenizer(models["1gb"])
-    prompts = [tok(p)["input_ids"] for p in ("What is 12 plus 30?", "Name three prime numbers.")]
-    # the collective transport between colocated GPUs: rayspec's gloo weight-transfer engine
-    engine = SpecVLLMEngine(str(models["1gb"]), {"method": "eagle3", "num_speculative_tokens": 3,
-                                                 "model": str(models["1gb_head"])},
-                            dtype="float32",
-                            engine_kwargs={**_engine_kwargs(0.5), "weight_transfer_config": {"backend": "gloo"}})
-    try:
-        report.add("model runner", engine.model_runner in CUDA_RUNNERS, f"EAGLE-3 engine: {engine.model_runner}",
-                   runner=engine.model_runner)
-        torch.manual_seed(0)
-        policy = load_policy(models["1gb"], torch.float32).cuda().eval()
-        with torch.no_grad():  # a policy the engine has not seen
-            for p in policy.parameters():
-                p.add_(torch.randn_like(p), alpha=0.01)
-        sd = to_host(policy.state_dict())
-        nbytes = state_dict_nbytes(sd)
-        t0 = time.perf_counter()
-        ref = ray.put(sd)
-        t1 = time.perf_counter()
-        engine.receive_refit("policy", ref, 1)
-        t2 = time.perf_counter()
-        del ref, sd
-        err, _ = _prob_error(engine, policy, prompts)
-        # again through the collective transport: gloo from this process's host copy into the
-        # replica's GPU (NCCL needs two GPUs: on one, NCCL refuses this process and the replica)
-        with torch.no_grad():
-            for p in policy.parameters():
-                p.add_(torch.randn_like(p), alpha=0.01)
-        sd = to_host(policy.state_dict())
-        transport = CollectiveSender(RolloutClient(LocalReplicas([engine]), 1), "gloo", 256 << 20, timeout_s=600)
-        transport.send("policy", sd, 2).results()  # forms the group, then a timed refit
-        with torch.no_grad():
-            for p in policy.parameters():
-                p.add_(torch.randn_like(p), alpha=0.01)
-        sd = to_host(policy.state_dict())
-        t3 = time.perf_counter()
-        transport.send("policy", sd, 3).results()
-        t4 = time.perf_counter()
-        transport.close()
-        del sd
-        err_c, _ = _prob_error(engine, policy, prompts)
-        report.add("policy refit", max(err, err_c) < ERROR_BOUND,
-                   f"token_mult_prob_error {err:.2e} (object store), {err_c:.2e} (collective, gloo) "
-                   f"(< {ERROR_BOUND:g}, fp32)", token_mult_prob_error=err, token_mult_prob_error_collective=err_c)
-        gbps = min(nbytes / 1e9 / (t2 - t0), nbytes / 1e9 / (t4 - t3))
-        report.add("weight sync", gbps >= MIN_SYNC_GBPS, f"{nbytes / 1e9:.2f} GB: object store {t2 - t0:.2f} s "
-                   f"({nbytes / 1e9 / (t2 - t0):.2f} GB/s; ray.put {t1 - t0:.2f} s, replica load {t2 - t1:.2f} s), "
-                   f"collective gloo {t4 - t3:.2f} s ({nbytes / 1e9 / (t4 - t3):.2f} GB/s)",
-                   bytes=nbytes, seconds=t2 - t0, put_s=t1 - t0, load_s=t2 - t1, collective_s=t4 - t3)
-
-
-        head = load_head(models["1gb_head"])
-        with torch.no_grad():  # a head the drafter has not seen
-            for p in head.parameters():
-                p.mul_(1.05)
-        weights = vllm_state_dict(head)
-
-        def norm_sum() -> float:  # the head's final norm (vLLM's CPU backend repacks linears away)
-            sums = engine.llm.collective_rpc(RefitExtension.rayspec_weight_sums.__name__, args=("draft",))
-            return sums[0]["model.norm.weight"]
-
-        before = norm_sum()
-        engine.receive_refit("draft", weights, 1)
-        landed, want = norm_sum(), float(weights["norm.weight"].float().sum())
-        err, drafts = _prob_error(engine, policy, prompts)
-        tol = 1e-5 * max(1.0, abs(want))  # fp32 sums of the same bf16 values
-        ok = abs(landed - want) <= tol < abs(before - want) and err < ERROR_BOUND and drafts > 0
-        report.add("draft refit", ok, f"drafter norm sum {before:.4f} -> {landed:.4f} (head {want:.4f}); "
-                   f"verifier's token_mult_prob_error {err:.2e}; {drafts} drafts", token_mult_prob_error=err)
-    finally:
-        engine.shutdown()
-    try:
-        report.run("cuda_ipc refit", check_ipc_refit, models, policy, prompts)
-        if torch.cuda.device_count() >= 2:
-            report.run("nccl refit", check_nccl_refit, models, policy, prompts)
-    finally:
-        policy = None
-        torch.cuda.empty_cache()  # the split run's replica asks for 90% of the device
-
-
-def check_ipc_refit(report: Report, models: dict[str, Path], policy, prompts: list[list[int]]) -> None:
-    """The cuda_ipc transport, as colocated runs send: this process plays a
-    Train rank on the GPU a replica uses, exports its policy
-    (``DeviceExport``: CUDA IPC handles to the weights themselves, keyed by
-    the GPU's UUID), and the replica, built with vLLM's own ``ipc``
-    weight-transfer engine (``rayspec.config.replica_transfer_backend``),
-    loads them in vLLM's round (its worker rebuilds the tensors on the
-    device and copies them in); timed from the export to the export
-    dropped, rank 0's host copy for catching up included."""
-    import torch
-
-    from rayspec.rollout.client import LocalReplicas, RolloutClient
-    from rayspec.rollout.engine import SpecVLLMEngine
-    from rayspec.sync import CudaIpcSender, DeviceExport
-    from rayspec.sync.interfaces import resident
-    from rayspec.train.ranks import Ranks
-
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn_like(p), alpha=0.01)
-    engine = SpecVLLMEngine(str(models["1gb"]), None, dtype="float32",
-                            engine_kwargs={**_engine_kwargs(0.5), "weight_transfer_config": {"backend": "ipc"}})
-    export = DeviceExport(Ranks(), torch.device("cuda", torch.cuda.current_device()))
-    sender = CudaIpcSender(RolloutClient(LocalReplicas([engine]), 1))
-    try:
-        t0 = time.perf_counter()
-        weights = export.collect(resident(policy.state_dict()), torch.float32)
-        sender.send("policy", weights, 4).results()
-        export.done()
-        seconds = time.perf_counter() - t0
-        nbytes = weights.nbytes
-        del weights
-        err, _ = _prob_error(engine, policy, prompts)
-    finally:
-        export.done()
-        sender.close()
-        engine.shutdown()
-    gbps = nbytes / 1e9 / seconds
-    report.add("cuda_ipc refit", err < ERROR_BOUND and gbps >= MIN_SYNC_GBPS,
-               f"{nbytes / 1e9:.2f} GB: {seconds:.2f} s ({gbps:.2f} GB/s, the host copy for catching up "
-               f"included); token_mult_prob_error {err:.2e}", seconds=seconds, token_mult_prob_error=err)
-
-
-def check_nccl_refit(report: Report, models: dict[str, Path], policy, prompts: list[list[int]]) -> None:
-    """The collective transport over NCCL, as split runs in sync mode use
-    it: vLLM's own ``nccl`` weight-transfer engines, this process playing
-    rank 0 with its weights on GPU 1 (``DeviceGather``: packed and
-    broadcast from there, no host copy) into a replica on GPU 0; timed on
-    the second refit (the first forms the group)."""
-    import torch
-
-    from rayspec.rollout.client import LocalReplicas, RolloutClient
-    from rayspec.rollout.engine import SpecVLLMEngine
-    from rayspec.buckets import state_dict_nbytes
-    from rayspec.sync import CollectiveSender, DeviceGather
-    from rayspec.sync.interfaces import resident
-    from rayspec.train.ranks import Ranks
-
-    engine = SpecVLLMEngine(str(models["1gb"]), None, dtype="float32",
-                            engine_kwargs={**_engine_kwargs(0.5), "weight_transfer_config": {"backend": "nccl"}})
-    transport = CollectiveSender(RolloutClient(LocalReplicas([engine]), 1), "nccl", 256 << 20, timeout_s=600,
-                                 device="cuda:1")
-    try:
-        for version in (10, 11):
-            with torch.no_grad():
-                for p in policy.parameters():
-                    p.add_(torch.randn_like(p), alpha=0.01)
-            on_gpu1 = {k: v.to("cuda:1") for k, v in policy.state_dict().items()}
-            sd = DeviceGather(Ranks()).collect(resident(on_gpu1), torch.float32)
-            t0 = time.perf_counter()
-            transport.send("policy", sd, version).results()
-            seconds = time.perf_counter() - t0
-        err, _ = _prob_error(engine, policy, prompts)
-    finally:
-        transport.close()
-        engine.shutdown()
-    gbps = state_dict_nbytes(sd) / 1e9 / seconds
-    report.add("nccl refit", err < ERROR_BOUND and gbps >= MIN_SYNC_GBPS,
-               f"GPU 1 -> replica on GPU 0: {seconds:.2f} s ({gbps:.2f} GB/s); token_mult_prob_error {err:.2e}",
-               seconds=seconds, token_mult_prob_error=err)
-
-
-def check_adaptive_k(report: Report, models: dict[str, Path], async_scheduling: bool = False) -> None:
-    from rayspec.rollout.adaptive import uniform
-    from rayspec.rollout.engine import SpecVLLMEngine
-
-    engine = SpecVLLMEngine(str(models["tiny"]), {"method": "eagle3", "num_speculative_tokens": 3,
-                                                  "model": str(models["tiny_head"])},
-                            dtype="bfloat16",
-                            engine_kwargs={**_engine_kwargs(0.3), "async_scheduling": async_scheduling},
-                            adaptive_k={})
-    try:
-        prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
-        got = []
-        for k in (0, 3, 0):
-            engine.set_k_schedule(uniform(k, engine.max_num_seqs))
-            _, stats = engine.generate(prompts, n=2, max_tokens=24)
-            got.append((k, stats.num_drafts, stats.num_draft_tokens))
-        ok = all((drafts > 0) == (k > 0) and tokens == k * drafts for k, drafts, tokens in got)
-        report.add("adaptive k async" if async_scheduling else "adaptive k", ok,
-                   f"runner {engine.model_runner}; (k, drafts, draft tokens): {got}",
-                   runner=engine.model_runner, steps=got)
-    finally:
-        engine.shutdown()
-
-
-def check_suffix(report: Report, models: dict[str, Path]) -> None:
-    from importlib.metadata import version
-
-    from rayspec.rollout.adaptive import uniform
-    from rayspec.rollout.engine import SpecVLLMEngine
-
-    prompts = [[1, 504, 2118, 314, 216] * 6, [1, 9151, 28, 253, 1848, 30] * 5]  # repeats the tree can match
-    # float32: greedy equality across verification shapes, not bf16 ties
-    # on the runner the adaptive suffix engine gets (V1), so the comparison is of the drafting alone
-    plain = SpecVLLMEngine(str(models["tiny"]), None, dtype="float32", engine_kwargs=_engine_kwargs(0.3), env=V1_ENV)
-    try:
-        want, _ = plain.generate(prompts, temperature=0.0, max_tokens=24)
-    finally:
-        plain.shutdown()
-    engine = SpecVLLMEngine(str(models["tiny"]), {"method": "suffix", "num_speculative_tokens": 8},
-                            dtype="float32", engine_kwargs=_engine_kwargs(0.3), adaptive_k={})
-    try:
-        got, same = [], True
-        for k in (8, 2, 0):
-            engine.set_k_schedule(uniform(k, engine.max_num_seqs))
-            batch, stats = engine.generate(prompts, temperature=0.0, max_tokens=24)
-            same &= batch.response_ids == want.response_ids
-            got.append((k, stats.num_drafts, stats.num_draft_tokens))
-        (_, d8, t8), (_, d2, t2), (_, d0, _) = got
-        ok = same and t8 > 2 * d8 > 0 and 0 < d2 and t2 <= 2 * d2 and d0 == 0
-        report.add("suffix", ok, f"arctic-inference {version('arctic-inference')}, runner {engine.model_runner}; "
-                   f"greedy equal to plain: {same}; (k, drafts, draft tokens): {got}", steps=got)
-    finally:
-        engine.shutdown()
-
-
-def check_rl_step(report: Report, models: dict[str, Path], work: Path, layout: str) -> None:
-    from rayspec.config import load_config
-    from rayspec.driver import run
-
-    run_dir = work / f"rl_{layout}"
-    shares = (["rollout.num_gpus_per_replica=0.6", "train.num_gpus_per_worker=0.3", "draft.num_gpus=0.1",
-               "rollout.weight_sync.transport=cuda_ipc"]
-              if layout == "colocate" else
-              # one GPU cannot be split: the replica takes it, training the CPUs
-              ["rollout.num_gpus_per_replica=1", "train.num_gpus_per_worker=0", "draft.num_gpus=0",
-               "train.deepspeed.optimizer.params.torch_adam=true"])
-    cfg = load_config(None, [f"model.path={models['tiny']}", "trainer.steps=2", f"trainer.run_dir={run_dir}",
-                             "trainer.save_steps=1", "data.prompts_per_step=2", "grpo.max_new_tokens=32",
-                             "train.num_workers=1", "train.num_cpus_per_worker=1", "rollout.num_cpus_per_replica=1",
-                             "draft.num_cpus=1", "draft.steps_per_rl_step=2", f"scheduler.layout={layout}",
-                             "rollout.engine_kwargs.max_model_len=512", "rollout.engine_kwargs.max_num_seqs=16",
-                             *shares])
-    if run_dir.exists():
-        import shutil
-
-        shutil.rmtree(run_dir)
-    t0 = time.perf_counter()
-    with MemoryTrace() as trace:
-        run(cfg)
-    wall = time.perf_counter() - t0
-    first, rec = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    peaks = {phase: trace.peak(iv) for phase, iv in rec["phase_intervals"].items()}
-    err = rec.get("token_mult_prob_error", float("nan"))
-    ok = (rec["step"] == 2 and rec["rollout_tokens"] > 0 and rec.get("draft_alive", 1) == 1
-          and err < cfg.logging.warn_token_mult_prob_error
-          and rec["weight_sync_transport"] == cfg.rollout.weight_sync.transport.replace("auto", "collective"))
-    report.add(f"rl step {layout}", ok,
-               f"{rec['time_step_s']:.1f} s step 2 ({wall:.0f} s with start-up); peak GPU memory "
-               + ", ".join(f"{p} {_gb(b)}" for p, b in peaks.items())
-               + f"; step 2's token_mult_prob_error {err:.2e} (< {cfg.logging.warn_token_mult_prob_error:g})",
-               step_s=rec["time_step_s"], peak_bytes=peaks, token_mult_prob_error=err)
-    if layout == "colocate":
-        check_memory(report, cfg, models["tiny"], peaks)
-
-
-def check_memory(report: Report, cfg, model: Path, peaks: dict[str, int]) -> None:
-    """The measured peak per phase against the memory plan's total."""
-    import torch
-
-    from rayspec.memory_plan import plan
-    from rayspec.model_shape import ModelShape
-
-    (device,) = plan(cfg, ModelShape.from_hf_config(model), "h100", gpus_per_node=1,
-                     device_bytes=torch.cuda.get_device_properties(0).total_memory).devices[:1]
-    rows = [(PLAN_PHASES[p], b, device.used(PLAN_PHASES[p])) for p, b in peaks.items() if p in PLAN_PHASES]
-    ok = bool(rows) and all(b <= planned + MEMORY_SLACK for _, b, planned in rows)
-    report.add("memory", ok, "peak / plan: " + ", ".join(f"{p} {_gb(b)} / {_gb(planned)}" for p, b, planned in rows)
-               + f" (slack {_gb(MEMORY_SLACK)})", rows=rows)
-
-
-def check_zero3_load(report: Report, models: dict[str, Path]) -> None:
-    """``zero3_init`` on a GPU: the partitions land on the GPU given, not
-    ``LOCAL_RANK``'s, and the engine's gathered weights are the checkpoint's
-    (bf16: ``make_tiny_llama``'s weights are exact in it)."""
-    import socket
-
-    import torch
-    import torch.distributed as dist
-    from safetensors.torch import load_file
-
-    from rayspec.config import load_config
-    from rayspec.models import load_policy
-    from rayspec.train.loop import training_load_dtype
-    from rayspec.train.policy import build_engine, deepspeed_config, full_parameters, zero3_init
-
-    gpu = torch.cuda.device_count() - 1
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", gpu))
-    try:
-        cfg = load_config(None, ["data.prompts_per_step=2", "grpo.group_size=2", "train.num_workers=1",
-                                 "train.num_gpus_per_worker=1", "rollout.num_gpus_per_replica=1",
-                                 "train.deepspeed.zero_optimization.stage=3"])
-        ds_config = deepspeed_config(cfg, 1)
-        with zero3_init(ds_config, gpu):
-            policy = load_policy(models["1gb"], training_load_dtype(cfg))
-        placed = {str(p.ds_tensor.device) for p in policy.parameters()}
-        engine = build_engine(policy, ds_config, device_rank=gpu)
-        want = load_file(models["1gb"] / "model.safetensors")
-        names, equal = set(), True
-        for name, t, _ in full_parameters(engine):
-            if name in want:
-                names.add(name)
-                equal &= torch.equal(t.cpu(), want[name].to(t.dtype))
-    finally:
-        dist.destroy_process_group()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    params = {n for n, _ in engine.module.named_parameters()}
-    report.add("zero3 load", placed == {f"cuda:{gpu}"} and equal and params <= names,
-               f"partitions on {sorted(placed)} (cuda:{gpu} given, LOCAL_RANK 0); gathered weights "
-               f"{'equal' if equal else 'differ from'} the checkpoint's ({len(names)} tensors)")
-
-
-def check_draft_targets(report: Report) -> None:
-    """The draft targets' logits on the GPU (``loss.shipped_logits``:
-    cuBLAS's bf16 GEMM with fp32 output) at Qwen3-8B's output layer: the
-    Train ranks' normalisers against an fp64 reference (log-normaliser
-    within 1e-3, argmax equal but for near-ties), and their time within 4x
-    the bf16 GEMM of the same shape (an fp32 GEMM on the CUDA cores takes
-    about 15x)."""
-    import torch
-
-    from rayspec.draft.loss import verifier_normalizers
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    n, H, V = 2048, 4096, 151936
-    hidden = torch.randn(1, n + 1, H, device="cuda", generator=g).bfloat16()
-    weight = (torch.randn(V, H, device="cuda", generator=g) * 0.05).bfloat16()
-    mask = torch.ones(1, n, device="cuda")
-    got = verifier_normalizers(hidden, mask, weight)
-    z = hidden[0, :n].double() @ weight.double().T  # exact products, fp64 sums
-    lse_err = (got["target_lse"][0, :n, 0].double() - torch.logsumexp(z, -1)).abs().max().item()
-    top_share = (got["target_top"][0, :n] == z.argmax(-1)).float().mean().item()
-    del z
-
-    def timed(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t) / 3
-
-    ours = timed(lambda: verifier_normalizers(hidden, mask, weight))
-    bf16 = timed(lambda: hidden[0, :n] @ weight.T)
-    report.add("draft targets", lse_err < 1e-3 and top_share >= 0.999 and ours <= 4 * bf16,
-               f"normalisers of {n} positions over {V} tokens: |lse - fp64| <= {lse_err:.1e}, argmax equal "
-               f"at {top_share:.2%}; {ours * 1e3:.1f} ms, {ours / bf16:.1f}x the bf16 GEMM's {bf16 * 1e3:.1f} ms",
-               lse_error=lse_err, top_share=top_share, seconds=ours, bf16_gemm_seconds=bf16)
-
-
-def _finish(report: Report, out: str, t0: float) -> int:
-    failed = [c["name"] for c in report.checks if not c["ok"]]
-    print(f"{len(report.checks) - len(failed)}/{len(report.checks)} passed in {time.perf_counter() - t0:.0f} s"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
-    Path(out).write_text(json.dumps({"checks": report.checks}, indent=1))
-    return 1 if failed else 0
+    def add(self, name: str, result: str, detail: str, wall_s: float | None = None, **figures) -> None:
+        """One line: ``result`` is PASS, FAIL or SKIP, ``wall_s`` the seconds of what produced the line
+        (a test: its setup, call and teardown; None on a test's further lines, which share its first
+        line's), ``figures`` what the check measured, for the JSON."""
+        self.checks.append({"name": name, "result": result, "ok": result == "PASS", "detail": detail,
+                            "wall_s": wall_s, **figures})
+        shown = "" if wall_s is None else f"{wall_s:.1f} s"
+        print(f"{result}  {name:<17} {shown:>8}  {detail}", flush=True)
+
+    def finish(self, out: str, t0: float) -> int:
+        """Print the summary, write ``out``; the exit status: 1 when a line failed, else 0."""
+        failed = [c["name"] for c in self.checks if c["result"] == "FAIL"]
+        skipped = sum(c["result"] == "SKIP" for c in self.checks)
+        ran = len(self.checks) - skipped
+        print(f"{ran - len(failed)}/{ran} passed" + (f", {skipped} skipped" if skipped else "")
+              + f" in {time.perf_counter() - t0:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""))
+        Path(out).write_text(json.dumps({"checks": self.checks}, indent=1))
+        return 1 if failed else 0
+
+
+def _check(item: pytest.Item) -> str | None:
+    """The check a test belongs to: its ``gpu`` marker's argument."""
+    marker = item.get_closest_marker("gpu")
+    return marker.args[0] if marker and marker.args else None
+
+
+def _line_name(nodeid: str) -> str:
+    """A test's own line (a skip, an exception): ``...::test_adaptive_k[async]`` -> ``adaptive k async``."""
+    name = nodeid.rsplit("::", 1)[-1].removeprefix("test_")
+    return name.replace("[", " ").rstrip("]").replace("_", " ")
+
+
+def _first_line(report: pytest.TestReport | pytest.CollectReport) -> str:
+    """An error's one-line summary, ``Type: message``: a test's crash, or the last line of a collection
+    error (where pytest puts the exception, after the import's traceback)."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash:
+        return crash.message.splitlines()[0]
+    lines = report.longreprtext.strip().splitlines()
+    return lines[-1].removeprefix("E").strip() if lines else ""
+
+
+class Collector:
+    """A pytest plugin: keeps the tests of the checks ``--only`` names and turns each test's reports into
+    the table's lines when the test ends: one per line it reported (a subtest, its detail and figures
+    from the test's property of the same name), one for an exception outside them (setup, call or
+    teardown), one for a skip."""
+
+    def __init__(self, table: Table, only: list[str]):
+        self.table, self.only = table, only
+        self._lines: list[tuple[str, str, str, dict]] = []  # the running test's
+        self._seconds = 0.0
+
+    def pytest_collection_modifyitems(self, config, items):
+        """Deselect the tests of the checks ``--only`` leaves out."""
+        keep = [item for item in items if _check(item) in self.only]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+
+    def pytest_collectreport(self, report):
+        """A test file that does not import: the ``collect`` line's FAIL."""
+        if report.failed:
+            self.table.add("collect", "FAIL", _first_line(report), traceback=report.longreprtext)
+
+    def pytest_runtest_logreport(self, report):
+        """Gather the running test's lines and seconds; at its teardown, put them in the table."""
+        if isinstance(report, pytest.SubtestReport):
+            figures = dict(dict(report.user_properties).get(report.context.msg, {}))
+            detail = figures.pop("detail", "")
+            self._lines.append((report.context.msg, "PASS" if report.passed else "FAIL", detail, figures))
+            return
+        self._seconds += report.duration
+        if report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self._lines.append((_line_name(report.nodeid), "SKIP", reason.removeprefix("Skipped: "), {}))
+        elif report.failed:
+            where = "" if report.when == "call" else f"{report.when}: "
+            self._lines.append((_line_name(report.nodeid), "FAIL", where + _first_line(report),
+                                {"traceback": report.longreprtext}))
+        if report.when == "teardown":
+            for i, (name, result, detail, figures) in enumerate(self._lines):
+                self.table.add(name, result, detail, self._seconds if i == 0 else None, test=report.nodeid,
+                               **figures)
+            self._lines, self._seconds = [], 0.0
+
+
+def run_tests(table: Table, args: argparse.Namespace) -> None:
+    """The gpu tests of the checks ``args.only`` names, through pytest; their lines go to ``table``, and
+    a run pytest itself cannot finish (a usage or internal error) is the ``pytest`` line's FAIL."""
+    code = pytest.main([str(TESTS), "-m", "gpu", f"--gpu-work-dir={args.work_dir}",
+                        f"--gpu-cache-dir={args.cache_dir}",
+                        "-s",  # the engines' logs stream while they run, between the table's lines
+                        "-p", "no:terminal",  # the table is the output: pytest's progress would interleave
+                        "-p", "no:cacheprovider",  # nothing written into the checkout
+                        # no time limit, as before pytest ran the checks: pytest-timeout's stack dump needs
+                        # the terminal reporter, and fails the test with a bare AssertionError without it
+                        "-p", "no:timeout"],
+                       plugins=[Collector(table, args.only)])
+    if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+        table.add("pytest", "FAIL", f"pytest exited with {pytest.ExitCode(code).name} ({TESTS})")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Check the node, run the gpu tests, print the table and write the JSON; returns the exit status."""
     args = parse_args(argv)
     from rayspec.tools import node_check
 
-    report, t0 = Report(), time.perf_counter()
+    table, t0 = Table(), time.perf_counter()
     try:
         driver = node_check.driver_version()
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-        report.add("driver", False, str(e))
-        return _finish(report, args.out, t0)
+        table.add("driver", "FAIL", str(e), time.perf_counter() - t0)
+        return table.finish(args.out, t0)
     import torch
 
     if driver is None and not torch.cuda.is_available():
@@ -643,57 +189,27 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if driver is None:  # no nvidia-smi (some containers), yet CUDA initialises: the driver can load it
-        report.add("driver", True, f"nvidia-smi not found; torch {torch.__version__} initialises CUDA "
-                   f"{torch.version.cuda} on {torch.cuda.get_device_name(0)}")
+        table.add("driver", "PASS", f"nvidia-smi not found; torch {torch.__version__} initialises CUDA "
+                  f"{torch.version.cuda} on {torch.cuda.get_device_name(0)}", time.perf_counter() - t0)
     else:
-        report.run("driver", check_driver)
-    report.run("compilers", check_compilers)
-    if not report.checks[0]["ok"]:
-        return _finish(report, args.out, t0)  # CUDA 13 cannot load: every other line would say only that
+        ok, line = node_check.check_driver(driver)
+        table.add("driver", "PASS" if ok else "FAIL", line, time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    try:
+        ok, line = node_check.check_compilers()
+    except Exception as e:  # a compiler that hangs or cannot start: this line's FAIL, as any check's
+        ok, line = False, f"{type(e).__name__}: {e}".splitlines()[0]
+    table.add("compilers", "PASS" if ok else "FAIL", line, time.perf_counter() - t1)
+    if table.checks[0]["result"] == "FAIL":
+        return table.finish(args.out, t0)  # CUDA 13 cannot load: every other line would say only that
     if not torch.cuda.is_available():
-        report.add("cuda", False, f"torch.cuda.is_available() is False with driver {driver}: torch "
-                   f"{torch.__version__} (CUDA {torch.version.cuda}); `bash cluster/install_node.sh cuda` "
-                   "checks the venv's torch")
-        return _finish(report, args.out, t0)
-    import logging
-
+        table.add("cuda", "FAIL", f"torch.cuda.is_available() is False with driver {driver}: torch "
+                  f"{torch.__version__} (CUDA {torch.version.cuda}); `bash cluster/install_node.sh cuda` "
+                  "checks the venv's torch")
+        return table.finish(args.out, t0)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # read when a kernel compiles: engines started below
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    if "versions" in args.only:
-        report.run("versions", check_versions)
-    if "draft_targets" in args.only:
-        report.run("draft targets", check_draft_targets)
-    setup: dict = {}
-    report.run("setup", _setup, setup, work, args.cache_dir)
-    if "models" not in setup:
-        return _finish(report, args.out, t0)  # every check below needs the models and Ray
-    models = setup["models"]
-    if "refit" in args.only:
-        report.run("refit", check_refit, models)
-    if "adaptive_k" in args.only:
-        report.run("adaptive k", check_adaptive_k, models)
-        report.run("adaptive k async", check_adaptive_k, models, True)
-    if "suffix" in args.only:
-        report.run("suffix", check_suffix, models)
-    for layout in ("colocate", "split"):
-        if f"rl_{layout}" in args.only:
-            report.run(f"rl step {layout}", check_rl_step, models, work, layout)
-    if "zero3" in args.only:  # last: it leaves DeepSpeed's communication state in this process
-        report.run("zero3 load", check_zero3_load, models)
-    return _finish(report, args.out, t0)
-
-
-def _setup(report: Report, setup: dict, work: Path, cache_dir: str) -> None:
-    """The models and Ray: a failure here is the ``setup`` line's FAIL."""
-    from rayspec.config import load_config
-    from rayspec.driver import init_ray
-
-    models = _models(work, cache_dir)
-    # the runs below and the weight sync's ray.put (a 1 GB state dict) share it
-    init_ray(load_config(None, [f"ray.object_store_memory={4 * GIB}"]))
-    setup["models"] = models
+    run_tests(table, args)
+    return table.finish(args.out, t0)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ torch tensors with torch's own reducer, so a CUDA tensor put by one process
 is restored onto a CUDA device by whichever process reads it (a Serve replica
 whose GPU vLLM already fills, or a DraftTrainer on a GPU-less node, which
 cannot deserialize it at all).
+
+``MemoryTrace`` samples how much of a GPU is in use over time: the GPU
+checks (``jobs.gpu_smoke``) read each phase's peak of an RL step from it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import ctypes
 import functools
 import os
 import platform
+import threading
+import time
 from typing import Optional
 
 import torch
@@ -111,3 +116,45 @@ def trim_host_heap() -> Optional[bool]:
     """
     trim = _malloc_trim()
     return None if trim is None else bool(trim(0))
+
+
+class MemoryTrace:
+    """Device-wide memory in use on CUDA device 0, sampled in a thread while
+    the ``with`` block runs: ``samples`` is [(epoch seconds, bytes)].
+
+    Read from ``cudaMemGetInfo`` (total minus free), so it counts every
+    process on the device (a colocated run's replica, Train rank and
+    DraftTrainer) and this process's own CUDA context, which
+    ``torch.cuda.max_memory_allocated`` would miss.
+
+    Args:
+        period_s: seconds between samples.
+    """
+
+    def __init__(self, period_s: float = 0.02):
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
+
+    def _run(self, period_s: float) -> None:
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info(0)
+            self.samples.append((time.time(), total - free))
+            time.sleep(period_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def peak(self, intervals: list[list[float]]) -> int:
+        """Largest memory in use (bytes) during any of ``intervals`` ([[start, end]],
+        epoch s): the samples inside them and the last one before each start
+        (what was in use as the phase began; a phase may be shorter than the
+        sampling period). 0 without samples."""
+        inside = [b for t, b in self.samples if any(s <= t <= e for s, e in intervals)]
+        before = [max(((t, b) for t, b in self.samples if t <= s), default=(0.0, 0))[1] for s, _ in intervals]
+        return max(inside + before, default=0)

@@ -34,12 +34,32 @@ def start_ray() -> None:
         init_ray(load_config(None, ["ray.num_cpus=2", f"ray.object_store_memory={1 << 30}"]))
 
 
+def pytest_addoption(parser):
+    """Where the ``gpu`` tests (tests/test_gpu_path.py) put what they build;
+    ``jobs.gpu_smoke`` passes its ``--work-dir`` and ``--cache-dir`` here."""
+    parser.addoption("--gpu-work-dir", default="/tmp/rayspec-gpu-smoke",
+                     help="gpu tests: the test models and RL run directories")
+    parser.addoption("--gpu-cache-dir", default=CACHE_DIR, help="gpu tests: the bundled model's cache (tokenizer)")
+
+
 def pytest_collection_modifyitems(config, items):
     """The tests on the shared Ray session run last, one after the other (in
     their modules' order): the session starts once, and its daemons (GCS,
     raylet, dashboard: about 13% of a core while idle) never run beside the
-    tests that do not need it."""
+    tests that do not need it.
+
+    Without a CUDA device the ``gpu`` tests are skipped, before any of their
+    fixtures (models, engines, Ray) is set up."""
     items.sort(key=lambda item: "ray_session" in getattr(item, "fixturenames", ()))
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            skip = pytest.mark.skip(reason=f"needs a CUDA GPU; torch {torch.__version__} sees none "
+                                    "(on a GPU node: python -m jobs.gpu_smoke, docs/gpu.md)")
+            for item in gpu:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

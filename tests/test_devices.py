@@ -239,3 +239,11 @@ def test_trim_host_heap_gives_freed_tensors_back_to_the_os():
     assert mib["freed"] - mib["start"] > 400, mib  # free() kept the pages: what the trim is for
     assert mib["released"] is True
     assert mib["freed"] - mib["trimmed"] > 400, mib
+
+
+def test_memory_peak_reads_the_samples_of_a_phase():
+    trace = devices_mod.MemoryTrace()
+    trace.samples = [(1.0, 5), (2.0, 9), (3.0, 7), (4.0, 2)]
+    assert trace.peak([[1.5, 3.5]]) == 9 and trace.peak([[3.9, 4.1]]) == 7  # 7 in use as it began
+    assert trace.peak([[2.5, 2.6]]) == 9  # shorter than the sampling period
+    assert trace.peak([[0.0, 0.5]]) == 0
