@@ -18,6 +18,7 @@ import torch
 from rayspec.batch import RolloutBatch
 from rayspec.config import RunConfig
 from rayspec.data import PromptSource, prompt_ids, train_and_heldout
+from rayspec.draft.client import DraftStep, HeadWeights
 from rayspec.reward.pool import RewardPool, RewardResult
 from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, step_record
 from rayspec.rollout.client import RolloutClient, shard_seed
@@ -215,26 +216,33 @@ class Coordinator:
                      if all(slept) else "vLLM has no sleep mode on this platform; rollout, "
                      "training and draft time-slice the same cores")
 
-    def refit(self, target: str, weights: dict[str, torch.Tensor], version: int) -> None:
-        """Send ``target``'s (``policy`` | ``draft``) weights (host tensors)
-        to every replica through the weight transport; sync mode waits for
-        them to land, async leaves them queued behind the rollouts in flight."""
+    def refit(self, version: int, weights, head: HeadWeights | None = None) -> None:
+        """Send the policy's ``weights`` (``PolicyWorker.refit_weights``) as
+        ``version``, then the draft ``head`` where one is given, to every
+        replica through the weight transport; sync mode waits for each to
+        land, async leaves them queued behind the rollouts in flight."""
+        self._send("policy", weights, version)
+        if head is not None:
+            self._send("draft", head.weights, head.version)
+
+    def _send(self, target: str, weights, version: int) -> None:
         self.pipeline.refit(self.sender.send(target, weights, version))
         if self.cfg.scheduler.mode == "sync":
             self.pipeline.wait_refits()
 
-    def record(self, step: int, rollout: Rollout, train_metrics: dict[str, Any], draft_result: dict[str, Any],
-               draft_fields: dict[str, Any], draft_version: int, timer: PhaseTimer, start: float,
-               end: float) -> dict[str, Any]:
-        """The step's record (``metrics.step_record``), with each replica's
-        engine work over the step and the refits that landed, and
-        ``acceptance_collapse`` where a replica's acceptance collapsed
-        (``AcceptanceWatch``; logged, naming the replica)."""
-        record = step_record(step, self.cfg, rollout, train_metrics, draft_result, draft_fields, draft_version,
-                             timer, start, end, self.rollouts.busy_intervals(start), self.sender.take_stats())
+    def record(self, step: int, rollout: Rollout, train_metrics: dict[str, Any], draft: DraftStep,
+               timer: PhaseTimer) -> dict[str, Any]:
+        """The step's record (``metrics.step_record``), over the step's
+        window (the timer's start to now), with each replica's engine work
+        over it and the refits that landed, and ``acceptance_collapse`` where
+        a replica's acceptance collapsed (``AcceptanceWatch``; logged,
+        naming the replica)."""
+        end = time.time()
+        record = step_record(step, self.cfg, rollout, train_metrics, draft, timer, end,
+                             self.rollouts.busy_intervals(timer.start), self.sender.take_stats())
         # the head the replicas held as this step's rollouts drafted: the last step's (in async
         # mode a batch generated ahead may have drafted with an older one)
-        used, self._draft_drafted_with = self._draft_drafted_with, draft_version
+        used, self._draft_drafted_with = self._draft_drafted_with, draft.version
         collapsed = self.acceptance_watch.observe(rollout.stats, used)
         for c in collapsed:
             log.warning("step %d: replica %s's acceptance collapsed: position-1 rate %.3f against a median of "
@@ -362,10 +370,10 @@ class Follower:
     def release_replicas(self, refit_next: bool = True) -> None:
         pass
 
-    def refit(self, target: str, weights, version: int) -> None:
+    def refit(self, version: int, weights, head=None) -> None:
         pass
 
-    def record(self, *args, **kwargs) -> None:
+    def record(self, step: int, rollout, train_metrics, draft, timer) -> None:
         return None
 
     def finish_step(self, version: int, record) -> None:

@@ -14,7 +14,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,38 +44,36 @@ USER_ERRORS = (ConfigError, DataFileError, RewardError, RewardFunctionError)
 
 def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: PolicyWorker,
             draft: DraftClient | NullDraft) -> dict[str, Any] | None:
-    """One GRPO step training policy ``version`` (collective over the Train
-    ranks): rollout -> reward -> advantages -> policy update, the draft head
-    training beside it -> refit. Returns rank 0's record (None elsewhere)."""
-    timer, start = PhaseTimer(), time.time()
-    with timer("rollout"):
-        with policy.ranks.stop_on(USER_ERRORS):  # a reward function that raises stops every rank
+    """One GRPO step training policy ``version``, collective over the Train
+    ranks. Its phases, each timed (the record's ``time_<phase>_s``): rollout,
+    reward, advantages, policy (the update, the draft head training beside
+    it on the verifier's features), draft (its training beyond the update)
+    and sync (the refit of both). Returns rank 0's record (None elsewhere)."""
+    timer = PhaseTimer()
+    with policy.ranks.stop_on(USER_ERRORS):  # a reward function that raises stops every rank
+        with timer("rollout"):
             rollout = coord.next_rollout(version)  # generated ahead of this step in async mode
+        with timer("reward"):
             coord.reward(rollout)
+        with timer("advantages"):
             coord.advantages(rollout)
-        coord.release_replicas()  # colocated: replicas sleep while the policy trains
-        draft.begin(rollout)
-        shard = policy.share(rollout)
-    features = draft.start(policy, shard)
     with timer("policy"):
-        train_metrics, feature_refs = policy.update(shard, features)
+        coord.release_replicas()  # colocated: replicas sleep while the policy trains
+        features = draft.begin(rollout)  # where the verifier's features go; None: the head does not train
+        metrics = policy.update(policy.share(rollout), features)
+    with timer("draft"):
+        drafted = draft.finish()
     with timer("sync"):
         with timer("gather"):  # the weight source: rank 0's host copy, its device weights or every rank's export
             weights = policy.refit_weights()
-        coord.refit("policy", weights, version + 1)
+        coord.refit(version + 1, weights, drafted.head)
         del weights
         policy.refit_sent()  # colocated: the device back before the next rollout
-    with timer("draft"):
-        draft_result = draft.finish()
-    with timer("sync"):
-        draft.refit(coord, draft_result)
-    policy.barrier(feature_refs)  # feature ObjectRefs are owned by their ranks: alive until used
-    end = time.time()
-    return coord.record(step, rollout, train_metrics, draft_result, draft.record(draft_result, start, end),
-                        draft.version, timer, start, end)
+    return coord.record(step, rollout, metrics, drafted, timer)
 
 
-def run_steps(cfg: RunConfig, coord, policy: PolicyWorker, draft, version: int) -> None:
+def run_steps(cfg: RunConfig, coord: Coordinator | Follower, policy: PolicyWorker, draft: DraftClient | NullDraft,
+              version: int) -> None:
     """RL steps after ``version`` up to ``trainer.steps``: each step's record
     is finished by rank 0 (evaluation, log), and a checkpoint is written
     every ``trainer.save_steps`` and after the last."""
@@ -226,16 +223,14 @@ def resume(checkpoint, policy: PolicyWorker, coord, draft) -> int:
     if policy.ranks.is_driver:
         coord.restore(state)
         draft.load_state_dict(state)
-        coord.refit("policy", weights, version)
-        del weights
-        if draft_version is not None:
-            draft.send_weights(coord, draft_version)
-        elif draft.alive:
+        if draft_version is None and draft.alive:
             log.warning("checkpoint %s holds no draft state: the DraftTrainer continues from its current head",
                         checkpoint.path)
+        coord.refit(version, weights, draft.head(draft_version))
         log.info("resumed from %s after step %d (policy version %d, draft version %d, prompt cursor %s)",
                  checkpoint.path, state["step"], version, draft.version, state["prompts"])
         coord.wait_refits()
+    del weights
     policy.refit_sent()
     return version
 
@@ -253,13 +248,13 @@ def start_over(policy: PolicyWorker, coord, draft) -> None:
         trained = draft.reset()
         stale = trained or any(v["policy"] != 0 or (draft.alive and v["draft"] != 0)
                                for v in coord.replica_versions())
+        if stale:
+            log.warning("no checkpoint to restore: the run starts over from step 1 and resets the replicas%s",
+                        " and the draft head" if draft.alive else "")
     if policy.ranks.broadcast(stale):
         weights = policy.refit_weights()
         if policy.ranks.is_driver:
-            log.warning("no checkpoint to restore: the run starts over from step 1 and resets the replicas%s",
-                        " and the draft head" if draft.alive else "")
-            coord.refit("policy", weights, 0)
-            draft.send_weights(coord, 0)
+            coord.refit(0, weights, draft.head(0))
             coord.wait_refits()
         del weights
         policy.refit_sent()
