@@ -7,6 +7,7 @@ and the notebooks."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import threading
@@ -108,9 +109,10 @@ class FakeEngine:
 
 
 class FakePolicy:
-    """One rank's policy that does not train: where the head trains, it
-    hands the feature sink the output layer's rows the sink asks for and two
-    micro-batches of features, and it reports what a DeepSpeed step would."""
+    """One rank's policy (``rayspec.train.policy.Policy``) that does not
+    train: where the head trains, it hands the feature sink the output
+    layer's rows the sink asks for and two micro-batches of features, and it
+    reports what a DeepSpeed step would."""
 
     def __init__(self, calls: list):
         self.calls, self.ranks, self.version = calls, Ranks(), 0
@@ -197,6 +199,24 @@ class FakeDraftTrainer:
 
     def node_and_gpu(self):
         return ("node", None)
+
+
+def test_the_fake_policy_and_the_policy_worker_are_the_policy_the_loop_uses():
+    """``FakePolicy`` and ``PolicyWorker`` have every member of the loop's
+    ``Policy`` protocol, its methods with the same parameters (names, kinds,
+    defaults): the fake runs below call the step as it calls the real policy."""
+    from rayspec.train.policy import Policy, PolicyWorker
+
+    def params(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    methods = sorted(n for n, v in vars(Policy).items() if callable(v) and not n.startswith("_"))
+    assert methods == ["checkpoint", "refit_sent", "refit_weights", "report", "restore", "share", "update"]
+    worker = PolicyWorker(None, SimpleNamespace(trainer=SimpleNamespace(seed=0)), Ranks(), 0, torch.float32)
+    for policy in (FakePolicy([]), worker):
+        assert isinstance(policy, Policy)  # runtime_checkable: each member (ranks too) is there
+        for name in methods:
+            assert params(getattr(type(policy), name)) == params(getattr(Policy, name)), (type(policy), name)
 
 
 def test_prompt_groups_go_as_request_units_spread_over_the_replicas():

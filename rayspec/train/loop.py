@@ -32,7 +32,7 @@ from rayspec.train.checkpoint import checkpoints
 from rayspec.scheduler.placement import ClusterFitError, check_device_sharing
 from rayspec.sync import make_source
 from rayspec.train.coordinator import Coordinator, Follower
-from rayspec.train.policy import PolicyWorker, build_engine, deepspeed_config, zero3_init
+from rayspec.train.policy import Policy, PolicyWorker, build_engine, deepspeed_config, zero3_init
 from rayspec.train.ranks import Ranks, RunAborted, report_aborts
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ REPORTED = ("step", "policy_version", "reward_mean", "acceptance_length", "time_
 USER_ERRORS = (ConfigError, DataFileError, RewardError, RewardFunctionError)
 
 
-def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: PolicyWorker,
+def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: Policy,
             draft: DraftClient | NullDraft) -> dict[str, Any] | None:
     """One GRPO step training policy ``version``, collective over the Train
     ranks. Its phases, each timed (the record's ``time_<phase>_s``): rollout,
@@ -72,7 +72,7 @@ def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: Poli
     return coord.record(step, rollout, metrics, drafted, timer)
 
 
-def run_steps(cfg: RunConfig, coord: Coordinator | Follower, policy: PolicyWorker, draft: DraftClient | NullDraft,
+def run_steps(cfg: RunConfig, coord: Coordinator | Follower, policy: Policy, draft: DraftClient | NullDraft,
               version: int) -> None:
     """RL steps after ``version`` up to ``trainer.steps``: each step's record
     is finished by rank 0 (evaluation, log), and a checkpoint is written
@@ -213,7 +213,7 @@ def check_devices(cfg: RunConfig, coord, draft, ranks: Ranks, gpu_index: int | N
         raise RunAborted(f"ClusterFitError: {error}")
 
 
-def resume(checkpoint, policy: PolicyWorker, coord, draft) -> int:
+def resume(checkpoint, policy: Policy, coord, draft) -> int:
     """Restore a checkpoint (a resumed run, or Train workers restarted after a
     failure) and send its weights to the replicas; returns the policy version
     (= the last step the checkpoint finished). Collective."""
@@ -235,7 +235,7 @@ def resume(checkpoint, policy: PolicyWorker, coord, draft) -> int:
     return version
 
 
-def start_over(policy: PolicyWorker, coord, draft) -> None:
+def start_over(policy: Policy, coord, draft) -> None:
     """Starting at version 0 (no checkpoint): the records of an attempt that
     failed before any checkpoint are discarded, and where the replicas hold
     a later policy or draft, or the DraftTrainer a trained head (the worker

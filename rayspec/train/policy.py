@@ -9,7 +9,7 @@ import dataclasses
 import os
 import sys
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import ray
 import torch
@@ -22,6 +22,7 @@ from rayspec.draft.client import FeatureSink
 from rayspec.draft.loss import verifier_normalizers
 from rayspec.sync.interfaces import HostGather, host_copies, resident
 from rayspec.train.grpo import grpo_loss, token_logprobs, token_mult_prob_error
+from rayspec.train.ranks import Ranks
 
 
 def deepspeed_config(cfg, world_size: int) -> dict[str, Any]:
@@ -279,6 +280,38 @@ def verifier_output_weights(engine, rank: int, rows: torch.Tensor | None = None)
         if params[1] is not params[0]:
             out["lm_head_rows"] = params[1] if rows is None else params[1][rows.to(params[1].device)]
         return to_host(out, torch.bfloat16)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A Train rank's policy as the RL loop uses it (``rayspec.train.loop``:
+    the step, checkpoints, resume): ``PolicyWorker``, and the fake policy
+    of ``tests/test_step.py``, whose methods a test holds to these. Every
+    method is collective (every rank calls it, in the same order)."""
+
+    ranks: Ranks
+
+    def share(self, rollout) -> RolloutBatch:
+        """Rank 0's rollout (None elsewhere) on every rank, as this rank's shard."""
+
+    def update(self, shard: RolloutBatch, features: FeatureSink | None = None) -> dict[str, float]:
+        """One GRPO optimizer step on ``shard``; the verifier's features to ``features``; its metrics."""
+
+    def refit_weights(self) -> Any:
+        """What a policy refit sends (rank 0; None elsewhere)."""
+
+    def refit_sent(self) -> None:
+        """After rank 0 sent the refit: what the weight source holds is let go."""
+
+    def checkpoint(self, metrics: dict[str, Any], trainer_state: dict[str, Any] | None,
+                   stage_draft: Callable[[Any], None] | None) -> None:
+        """Write and report a checkpoint (rank 0 gives ``trainer_state`` and ``stage_draft``)."""
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        """Report a step's metrics to Ray Train without a checkpoint."""
+
+    def restore(self, checkpoint, restore_draft: Callable[..., Any] | None = None) -> tuple[dict[str, Any], Any]:
+        """Load ``checkpoint``: (its trainer state, what ``restore_draft`` returned)."""
 
 
 class PolicyWorker:
