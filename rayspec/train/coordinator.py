@@ -24,6 +24,7 @@ from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_ste
 from rayspec.rollout.client import RolloutClient, shard_seed
 from rayspec.rollout.spec_stats import AcceptanceWatch, SpecStats
 from rayspec.scheduler.pipeline import RolloutPipeline
+from rayspec.scheduler.placement import ClusterFitError, check_device_sharing
 from rayspec.sync import WeightSender
 from rayspec.train.evaluate import eval_due, read_baseline, score_eval, write_baseline
 from rayspec.train.grpo import group_advantages, overlong_penalty
@@ -252,6 +253,20 @@ class Coordinator:
             record["acceptance_collapse"] = collapsed
         return record
 
+    def check_devices(self, train: list, draft) -> str | None:
+        """The devices of every role checked against the layout
+        (``check_device_sharing``): the replicas', the Train ranks' ``train``
+        [(node id, GPU id or None)] and ``draft.node_and_gpu()``; the device
+        table is logged. Returns the ClusterFitError's message, or None."""
+        occupants = {"rollout": self.rollouts.node_and_gpu(), "train": train, "draft": draft.node_and_gpu()}
+        try:
+            table = check_device_sharing(self.cfg.scheduler.layout, {k: v for k, v in occupants.items() if v})
+        except ClusterFitError as e:
+            return str(e)
+        if table:
+            log.info("GPUs (%s):\n%s", self.cfg.scheduler.layout, table)
+        return None
+
     def finish_step(self, version: int, record: dict[str, Any]) -> None:
         """After the step that made ``version``: evaluate it if due, then
         write, export and print the record."""
@@ -356,7 +371,8 @@ class Coordinator:
 
 
 class Follower:
-    """A Train rank other than 0: the step's rank-0 calls do nothing here."""
+    """A Train rank other than 0: the coordinator's calls do nothing here
+    (and give None where the coordinator returns something)."""
 
     def next_rollout(self, version: int) -> None:
         return None
@@ -373,10 +389,28 @@ class Follower:
     def refit(self, version: int, weights, head=None) -> None:
         pass
 
+    def wait_refits(self) -> None:
+        pass
+
     def record(self, step: int, rollout, train_metrics, draft, timer) -> None:
         return None
 
+    def check_devices(self, train: list, draft) -> None:
+        return None
+
     def finish_step(self, version: int, record) -> None:
+        pass
+
+    def evaluate(self, version: int) -> None:
+        pass
+
+    def trainer_state(self, step: int, version: int, draft_state) -> None:
+        return None
+
+    def restore(self, state) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 

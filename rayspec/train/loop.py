@@ -29,7 +29,6 @@ from rayspec.metrics import PhaseTimer, plot_run
 from rayspec.reward.functions import RewardFunctionError
 from rayspec.reward.pool import RewardError
 from rayspec.train.checkpoint import checkpoints
-from rayspec.scheduler.placement import ClusterFitError, check_device_sharing
 from rayspec.sync import make_source
 from rayspec.train.coordinator import Coordinator, Follower
 from rayspec.train.policy import Policy, PolicyWorker, build_engine, deepspeed_config, zero3_init
@@ -86,10 +85,7 @@ def run_steps(cfg: RunConfig, coord: Coordinator | Follower, policy: Policy, dra
         metrics = {k: v for k, v in (record or {"step": step}).items() if k in REPORTED}
         every = cfg.trainer.save_steps
         if step == cfg.trainer.steps or (every and step % every == 0):
-            policy.checkpoint(metrics, coord.trainer_state(step, version, draft.state_dict())
-                              if policy.ranks.is_driver else None, draft.stage(step))
-            if policy.ranks.is_driver:
-                log.info("step %d: checkpoint saved", step)
+            policy.checkpoint(metrics, coord.trainer_state(step, version, draft.state_dict()), draft.stage(step))
         else:
             policy.report(metrics)
 
@@ -153,8 +149,7 @@ def rl_worker_loop(config: dict) -> None:
         version = 0
         start_over(policy, coord, draft)
     run_steps(cfg, coord, policy, draft, version)
-    if ranks.is_driver:
-        coord.close()
+    coord.close()
     save_policy(policy, tokenizer, Path(cfg.trainer.run_dir) / "policy")
     if ranks.is_driver:
         log.info("curves: %s", plot_run(cfg.trainer.run_dir))
@@ -185,7 +180,7 @@ def open_draft(cfg: RunConfig, ranks: Ranks, aux_layer_ids, prior) -> DraftClien
                          checkpoint_dirs=lambda: checkpoints(cfg.trainer.run_dir))
     if lost:
         client.lost()
-    elif ranks.is_driver:
+    else:
         client.connect()
     return client
 
@@ -199,43 +194,32 @@ def check_devices(cfg: RunConfig, coord, draft, ranks: Ranks, gpu_index: int | N
     does not allow."""
     gpu = assigned_gpu(gpu_index) if gpu_index is not None else None
     train = ranks.all_gather((ray.get_runtime_context().get_node_id(), gpu))
-    error = None
-    if ranks.is_driver:
-        occupants = {"rollout": coord.rollouts.node_and_gpu(), "train": train, "draft": draft.node_and_gpu()}
-        try:
-            table = check_device_sharing(cfg.scheduler.layout, {k: v for k, v in occupants.items() if v})
-            if table:
-                log.info("GPUs (%s):\n%s", cfg.scheduler.layout, table)
-        except ClusterFitError as e:
-            error = str(e)
-    error = ranks.broadcast(error)
+    error = ranks.broadcast(coord.check_devices(train, draft))
     if error:  # on every rank; a restart would place the roles the same way
         raise RunAborted(f"ClusterFitError: {error}")
 
 
-def resume(checkpoint, policy: Policy, coord, draft) -> int:
+def resume(checkpoint, policy: Policy, coord: Coordinator | Follower, draft: DraftClient | NullDraft) -> int:
     """Restore a checkpoint (a resumed run, or Train workers restarted after a
     failure) and send its weights to the replicas; returns the policy version
     (= the last step the checkpoint finished). Collective."""
     state, draft_version = policy.restore(checkpoint, draft.restore())
     version = state["policy_version"]
-    weights = policy.refit_weights()
+    coord.restore(state)
+    draft.load_state_dict(state)
+    coord.refit(version, policy.refit_weights(), draft.head(draft_version))
+    coord.wait_refits()
+    policy.refit_sent()
     if policy.ranks.is_driver:
-        coord.restore(state)
-        draft.load_state_dict(state)
         if draft_version is None and draft.alive:
             log.warning("checkpoint %s holds no draft state: the DraftTrainer continues from its current head",
                         checkpoint.path)
-        coord.refit(version, weights, draft.head(draft_version))
         log.info("resumed from %s after step %d (policy version %d, draft version %d, prompt cursor %s)",
                  checkpoint.path, state["step"], version, draft.version, state["prompts"])
-        coord.wait_refits()
-    del weights
-    policy.refit_sent()
     return version
 
 
-def start_over(policy: Policy, coord, draft) -> None:
+def start_over(policy: Policy, coord: Coordinator | Follower, draft: DraftClient | NullDraft) -> None:
     """Starting at version 0 (no checkpoint): the records of an attempt that
     failed before any checkpoint are discarded, and where the replicas hold
     a later policy or draft, or the DraftTrainer a trained head (the worker
@@ -252,15 +236,11 @@ def start_over(policy: Policy, coord, draft) -> None:
             log.warning("no checkpoint to restore: the run starts over from step 1 and resets the replicas%s",
                         " and the draft head" if draft.alive else "")
     if policy.ranks.broadcast(stale):
-        weights = policy.refit_weights()
-        if policy.ranks.is_driver:
-            coord.refit(0, weights, draft.head(0))
-            coord.wait_refits()
-        del weights
+        coord.refit(0, policy.refit_weights(), draft.head(0))
+        coord.wait_refits()
         policy.refit_sent()
     with policy.ranks.stop_on(USER_ERRORS):
-        if policy.ranks.is_driver:
-            coord.evaluate(0)
+        coord.evaluate(0)
 
 
 def save_policy(policy: PolicyWorker, tokenizer, out: Path) -> None:
