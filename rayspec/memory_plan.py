@@ -434,11 +434,12 @@ def _gpu_devices(cfg, shape: ModelShape, s: _GpuSizes, device_bytes: float,
     devices, layout_problems = [], []
     with_draft = dr.enabled and dr.num_gpus > 0
     # The DraftTrainer trains on each micro-batch's features as the update
-    # makes them, and on after the refit (rayspec.train.loop.rl_step).
+    # makes them; the step waits for it before the refit (rayspec.train.loop.
+    # rl_step), the Train ranks still holding what the update left in torch's cache.
     if s.colocated:
         phases = {"rollout": replica_awake + train_released,
                   "policy update": replica_asleep + train_resident + train_peak,
-                  "draft training": replica_refit + train_released,
+                  "draft training": replica_asleep + train_resident + train_peak,
                   "refit": replica_refit + train_refit + transport}
     else:
         replicas = ro.num_replicas
@@ -446,7 +447,7 @@ def _gpu_devices(cfg, shape: ModelShape, s: _GpuSizes, device_bytes: float,
             "rollout": replica_awake, "policy update": replica_awake, "draft training": replica_awake,
             "refit": replica_awake + transport}))
         phases = {"rollout": train_released, "policy update": train_resident + train_peak,
-                  "draft training": train_released, "refit": train_refit + transport}
+                  "draft training": train_resident + train_peak, "refit": train_refit + transport}
         if refit_from_trainer_memory(cfg):
             # NCCL broadcasts rank 0's weights from its device (rayspec.sync.DeviceGather): its states
             # stay there through the refit, with a copy where the serving dtype is not the module's (on

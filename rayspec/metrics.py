@@ -23,12 +23,14 @@ class PhaseTimer:
     """Wall-clock seconds per named phase: ``with timer("rollout"): ...``.
 
     Attributes:
+        start: when the timer was made (epoch seconds): the step's start.
         seconds: {phase: total seconds}.
         intervals: {phase: [[start, end], ...]} in epoch seconds (a timeline,
             e.g. to read a device-memory trace by phase).
     """
 
     def __init__(self):
+        self.start = time.time()
         self.seconds: dict[str, float] = {}
         self.intervals: dict[str, list[list[float]]] = {}
 
@@ -47,8 +49,7 @@ def _overlap(intervals, t0: float, t1: float) -> float:
     return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in intervals)
 
 
-def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_result: dict[str, Any],
-                draft_fields: dict[str, Any], draft_version: int, timer: PhaseTimer, start: float, end: float,
+def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft, timer: PhaseTimer, end: float,
                 replicas_busy: list[list[tuple[float, float]]], sync_stats: dict[str, Any]) -> dict[str, Any]:
     """One RL step's metrics.jsonl record (docs/configuration.md, "The step record": every key).
 
@@ -60,16 +61,18 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
             policy lag, retried shards).
         train_metrics: the policy update's (``policy_update``: loss, clip
             fraction, KL, token_mult_prob_error, ...), merged in last.
-        draft_result: the DraftTrainer's ``train`` result ({} where the head
-            did not train this step).
-        draft_fields: the draft's lifecycle keys (``DraftClient.record``).
-        draft_version: the head's version the replicas hold.
-        timer: the step's phase timer (seconds and intervals per phase).
-        start / end: the step's wall-clock window (epoch seconds).
+        draft: the draft head's part of the step
+            (``rayspec.draft.client.DraftStep``: the DraftTrainer's result,
+            the head's version the replicas hold, the lifecycle keys, when
+            the DraftTrainer trained).
+        timer: the step's phase timer (its start, seconds and intervals per
+            phase: ``rl_step``'s).
+        end: the step's end (epoch seconds).
         replicas_busy: each replica's engine-work intervals over the step.
         sync_stats: the refits that landed (``WeightSender.take_stats``).
     """
     batch, stats, problems = rollout.batch, rollout.stats, rollout.problems
+    start, result = timer.start, draft.result
     window = end - start
     seconds = timer.seconds
     rollout_busy = sum(_overlap(iv, start, end) for iv in replicas_busy) / max(1, len(replicas_busy))
@@ -89,9 +92,12 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
         # what the trainer waited for the batch (all of its generation in sync mode)
         "time_rollout_s": seconds.get("rollout", 0.0),
         "rollout_generation_s": stats.wall_s,
+        # scoring (with grpo.dynamic_sampling also the refill rounds, generated and scored)
+        "time_reward_s": seconds.get("reward", 0.0),
+        "time_advantages_s": seconds.get("advantages", 0.0),
         "time_policy_s": seconds.get("policy", 0.0),
         # the DraftTrainer's own seconds; the part the step waited for after the policy update:
-        "time_draft_s": draft_result.get("time_s", 0.0),
+        "time_draft_s": result.get("time_s", 0.0),
         "time_draft_exposed_s": seconds.get("draft", 0.0),
         "time_sync_s": seconds.get("sync", 0.0),
         "time_sync_gather_s": seconds.get("gather", 0.0),
@@ -102,15 +108,15 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
         "idle_rollout_s": max(0.0, window - rollout_busy),
         "idle_train_s": max(0.0, window - seconds.get("policy", 0.0) - seconds.get("gather", 0.0)),
         "policy_version": batch.policy_version,
-        "draft_version": draft_version,
-        "draft_loss": draft_result.get("draft_loss", float("nan")),
+        "draft_version": draft.version,
+        "draft_loss": result.get("draft_loss", float("nan")),
         # the verifier features this step's chunks carried to the DraftTrainer (object store)
-        "draft_feature_bytes": draft_result.get("draft_feature_bytes", 0),
-        "draft_top1_per_step": draft_result.get("draft_top1_per_step", []),
-        "draft_acceptance_estimate": draft_result.get("draft_acceptance_estimate", []),
-        "draft_acceptance_se": draft_result.get("draft_acceptance_se", 0.0),
-        "draft_acceptance_clusters": draft_result.get("draft_acceptance_clusters", 0),
-        "draft_acceptance_by_share": draft_result.get("draft_acceptance_by_share", []),
+        "draft_feature_bytes": result.get("draft_feature_bytes", 0),
+        "draft_top1_per_step": result.get("draft_top1_per_step", []),
+        "draft_acceptance_estimate": result.get("draft_acceptance_estimate", []),
+        "draft_acceptance_se": result.get("draft_acceptance_se", 0.0),
+        "draft_acceptance_clusters": result.get("draft_acceptance_clusters", 0),
+        "draft_acceptance_by_share": result.get("draft_acceptance_by_share", []),
         "num_drafts": stats.num_drafts,
         "draft_stale_repairs": stats.draft_stale_repairs,
         "num_draft_tokens": stats.num_draft_tokens,
@@ -137,7 +143,9 @@ def step_record(step: int, cfg, rollout, train_metrics: dict[str, Any], draft_re
         record["groups_dropped"], record["sampling_rounds"] = rollout.groups_dropped, rollout.sampling_rounds
     if rollout.overlong_penalty is not None:  # reward_mean includes it; the task's reward is the difference
         record["overlong_penalty_mean"] = sum(rollout.overlong_penalty) / len(rollout.overlong_penalty)
-    record.update(draft_fields)
+    record.update(draft.fields)
+    if draft.busy is not None:  # a DraftTrainer was alive at the step's start
+        record["idle_draft_s"] = max(0.0, window - _overlap(draft.busy, start, end))
     record.update(trajectory_fields(batch))
     return record
 
@@ -192,7 +200,8 @@ def format_step_line(m: dict[str, Any]) -> str:
         line += (f"draft est {m['draft_acceptance_length_estimate']:.2f}"
                  + (f" ({age} step{'s' * (age > 1)} old)" if age else "") + " | ")
     line += (f"rollout {m['rollout_tokens_per_s']:.0f} tok/s | "
-             f"t rollout {m['time_rollout_s']:.1f}s policy {m['time_policy_s']:.1f}s "
+             f"t rollout {m['time_rollout_s']:.1f}s reward {m.get('time_reward_s', 0.0):.1f}s "
+             f"policy {m['time_policy_s']:.1f}s "
              + (f"draft {m['time_draft_s']:.1f}s " if m.get("draft_trained", 1) else "draft idle ")
              + f"sync {m['time_sync_s']:.1f}s")
     # adaptive speculation: k per batch-size range and why, each distinct schedule once
@@ -277,6 +286,7 @@ class MetricsLog:
 
 # (record key, phase tag) of the step's seconds, as in the step line
 PHASES = (("time_rollout_s", "rollout"), ("rollout_generation_s", "rollout_generation"),
+          ("time_reward_s", "reward"), ("time_advantages_s", "advantages"),
           ("time_policy_s", "policy"), ("time_draft_s", "draft"),
           ("time_draft_exposed_s", "draft_exposed"), ("time_sync_s", "sync"),
           ("time_step_s", "step"))
@@ -297,8 +307,8 @@ class DashboardMetrics:
 
     and per run: ``rayspec_reward_mean``, ``rayspec_policy_version`` (the
     version that sampled the step), ``rayspec_step``, ``rayspec_phase_seconds``
-    (tag ``phase``: rollout, rollout_generation, policy, draft, draft_exposed,
-    sync, step), ``rayspec_kl`` (the policy's drift: per-token KL to the
+    (tag ``phase``: rollout, rollout_generation, reward, advantages, policy,
+    draft, draft_exposed, sync, step), ``rayspec_kl`` (the policy's drift: per-token KL to the
     initial policy on the step's samples, where ``grpo.kl_coef`` > 0) and
     ``rayspec_eval_reward`` (the last held-out evaluation's mean reward, tag
     ``mode``: greedy, sampled). The histogram ``rayspec_response_tokens``
@@ -431,8 +441,9 @@ def plot_run(run_dir: str | os.PathLike) -> Path:
         ax[0, 2].legend()
     ax[0, 2].set(title="policy drift", xlabel="RL step")
     bottom = [0.0] * len(recs)
-    # stacked wall time of the step: draft training overlapping the sync is not counted twice
-    for label, key in (("rollout", "time_rollout_s"), ("policy", "time_policy_s"),
+    # stacked wall time of the step: of the draft's training only what the step waited for after the update
+    for label, key in (("rollout", "time_rollout_s"), ("reward", "time_reward_s"),
+                       ("advantages", "time_advantages_s"), ("policy", "time_policy_s"),
                        ("draft (exposed)", "time_draft_exposed_s"), ("sync", "time_sync_s")):
         vals = [r.get(key, 0.0) for r in recs]
         ax[1, 1].bar(steps, vals, bottom=bottom, label=label)

@@ -16,8 +16,9 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 CACHE_DIR = os.environ.get("RAYSPEC_CACHE_DIR", "~/.cache/rayspec")
 # what every metrics.jsonl record holds (docs/configuration.md, "The step record")
 STEP_RECORD_KEYS = {"step", "reward_mean", "acceptance_length", "acceptance_rate_per_pos",
-                    "rollout_tokens_per_s", "time_rollout_s", "time_policy_s", "time_draft_s",
-                    "time_sync_s", "policy_version", "response_lens", "prompt_len_mean", "sample",
+                    "rollout_tokens_per_s", "time_rollout_s", "time_reward_s", "time_advantages_s",
+                    "time_policy_s", "time_draft_s", "time_sync_s", "policy_version", "response_lens",
+                    "prompt_len_mean", "sample",
                     "weight_sync_transport", "weight_sync_bytes", "time_sync_gather_s", "time_sync_transfer_s",
                     "time_sync_load_s", "rewards", "reward_errors"}
 

@@ -430,9 +430,14 @@ def test_restart_before_the_first_checkpoint_resets_the_draft_head(ray_session, 
     draft = DraftClient(actor, Ranks(), [1, 2, 3], 1, TrainingCadence(0, 0.0))
     held = [{"policy": 0, "draft": 0}]
     refits = []
+
+    def refit(version, weights, head=None):  # as the Coordinator sends them: the policy, then the head
+        refits.append(("policy", weights, version))
+        if head is not None:
+            refits.append(("draft", head.weights, head.version))
+
     coord = SimpleNamespace(log=SimpleNamespace(discard_after=lambda step: 0), replica_versions=lambda: held,
-                            refit=lambda target, weights, version: refits.append((target, weights, version)),
-                            wait_refits=lambda: None, evaluate=lambda version: None)
+                            refit=refit, wait_refits=lambda: None, evaluate=lambda version: None)
     weights = {"w": torch.ones(2)}
     policy = SimpleNamespace(ranks=Ranks(), refit_weights=lambda: weights, refit_sent=lambda: None)
 

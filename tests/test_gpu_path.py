@@ -27,8 +27,9 @@ CUDA_RUNNERS = ("vllm.v1.worker.gpu.model_runner.GPUModelRunner",  # V2
                 "vllm.v1.worker.gpu_model_runner.GPUModelRunner")  # V1, adaptive engines (VLLM_USE_V2_MODEL_RUNNER=0)
 V1_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 MEMORY_SLACK = 2 * 2**30  # this process's CUDA context and the trace's own, beyond the plan
-# the step's timer phases (rayspec.train.loop.rl_step) and the plan's
-PLAN_PHASES = {"rollout": "rollout", "policy": "policy update", "sync": "refit", "draft": "draft training"}
+# the step's timer phases (rayspec.train.loop.rl_step) and the plan's (scoring runs beside awake replicas)
+PLAN_PHASES = {"rollout": "rollout", "reward": "rollout", "advantages": "rollout", "policy": "policy update",
+               "sync": "refit", "draft": "draft training"}
 GIB = 2**30
 
 

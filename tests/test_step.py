@@ -7,6 +7,7 @@ and the notebooks."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import threading
@@ -108,31 +109,31 @@ class FakeEngine:
 
 
 class FakePolicy:
-    """One rank's policy that does not train: it hands the draft client two
-    micro-batches of features and reports what a DeepSpeed step would."""
+    """One rank's policy (``rayspec.train.policy.Policy``) that does not
+    train: where the head trains, it hands the feature sink the output
+    layer's rows the sink asks for and two micro-batches of features, and it
+    reports what a DeepSpeed step would."""
 
     def __init__(self, calls: list):
         self.calls, self.ranks, self.version = calls, Ranks(), 0
         self.states: dict[int, dict] = {}  # rank 0's trainer state at each checkpoint, by step
 
-    def restore(self, checkpoint, draft_state):
+    def restore(self, checkpoint, restore_draft=None):
         self.version = checkpoint.state["policy_version"]
         return checkpoint.state, None
 
     def share(self, rollout):
         return rollout.batch.shard(0, 1)
 
-    def feature_chunks(self, shard):
-        return 2
-
-    def update(self, shard, features):
+    def update(self, shard, features=None):
         self.calls.append(("update", len(shard), features is not None))
-        refs = [ray.put({"chunk": torch.tensor([m])}) for m in range(2)]
-        if features is not None:
-            for m, ref in enumerate(refs):
-                features.submit(ref, m)
+        if features is not None:  # as PolicyWorker.update: the verifier's output layer, then the features
+            self.calls.append(("output_weights", features.rows.tolist()))
+            features.start({"embed": torch.zeros(1)}, 2)
+            for m in range(2):
+                features.submit(ray.put({"chunk": torch.tensor([m])}), m)
         self.version += 1
-        return {"loss": 0.25, "clip_frac": 0.0}, refs
+        return {"loss": 0.25, "clip_frac": 0.0}
 
     def refit_weights(self):
         self.calls.append(("release",))  # HostGather: the device is given back before the refit
@@ -141,16 +142,9 @@ class FakePolicy:
     def refit_sent(self):
         pass
 
-    def output_weights(self, rows=None):
-        self.calls.append(("output_weights", None if rows is None else rows.tolist()))
-        return {"embed": torch.zeros(1)}
-
-    def barrier(self, refs):
-        pass
-
-    def checkpoint(self, metrics, state, stage_draft):
-        self.calls.append(("checkpoint", metrics["step"], state["policy_version"], stage_draft is not None))
-        self.states[metrics["step"]] = json.loads(json.dumps(state))  # as trainer_state.json holds it
+    def checkpoint(self, metrics, trainer_state, stage_draft):
+        self.calls.append(("checkpoint", metrics["step"], trainer_state["policy_version"], stage_draft is not None))
+        self.states[metrics["step"]] = json.loads(json.dumps(trainer_state))  # as trainer_state.json holds it
 
     def report(self, metrics):
         self.calls.append(("report", metrics["step"]))
@@ -205,6 +199,24 @@ class FakeDraftTrainer:
 
     def node_and_gpu(self):
         return ("node", None)
+
+
+def test_the_fake_policy_and_the_policy_worker_are_the_policy_the_loop_uses():
+    """``FakePolicy`` and ``PolicyWorker`` have every member of the loop's
+    ``Policy`` protocol, its methods with the same parameters (names, kinds,
+    defaults): the fake runs below call the step as it calls the real policy."""
+    from rayspec.train.policy import Policy, PolicyWorker
+
+    def params(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    methods = sorted(n for n, v in vars(Policy).items() if callable(v) and not n.startswith("_"))
+    assert methods == ["checkpoint", "refit_sent", "refit_weights", "report", "restore", "share", "update"]
+    worker = PolicyWorker(None, SimpleNamespace(trainer=SimpleNamespace(seed=0)), Ranks(), 0, torch.float32)
+    for policy in (FakePolicy([]), worker):
+        assert isinstance(policy, Policy)  # runtime_checkable: each member (ranks too) is there
+        for name in methods:
+            assert params(getattr(type(policy), name)) == params(getattr(Policy, name)), (type(policy), name)
 
 
 def test_prompt_groups_go_as_request_units_spread_over_the_replicas():
@@ -379,18 +391,23 @@ def test_a_restarted_draft_trainer_rejoins_from_the_newest_checkpoint_with_a_dra
     draft.version = 3  # what the replicas hold: one update after checkpoint_1's
     rollout = SimpleNamespace(stats=SimpleNamespace(drafted_share=1.0))
     refits = []
-    coord = SimpleNamespace(refit=lambda target, weights, version: refits.append((target, version)))
+
+    def refit():  # the step's end: the head its refit sends, if any
+        step = draft.finish()
+        if step.head is not None:
+            refits.append(("draft", step.head.version))
+        return step.fields
+
     try:
         assert draft.begin(rollout) and draft.restarts == 0  # the same start: nothing to do
         ray.get(actor.restart.remote())
         assert draft.begin(rollout)
         assert ray.get(actor.incarnation.remote()) == ("first+", True)
         assert (draft.version, draft.restarts, draft.versions_lost) == (4, 1, 1)
-        draft.refit(coord, {})  # not trained this step: the restored head still goes out
+        refit()  # not trained this step: the restored head still goes out
         assert refits == [("draft", 4)]
-        draft.refit(coord, {})
+        rec = refit()
         assert refits == [("draft", 4)]
-        rec = draft.record({}, 0.0, 1.0)
         assert (rec["draft_alive"], rec["draft_restarts"], rec["draft_versions_lost"]) == (1, 1, 1)
         assert draft.state_dict()["draft_restarts"] == 1
         # restarted again right after a checkpoint of the head the replicas hold: nothing lost, nothing sent
@@ -399,7 +416,7 @@ def test_a_restarted_draft_trainer_rejoins_from_the_newest_checkpoint_with_a_dra
         save_draft_state(({"head.w": torch.ones(2)}, {"version": 4, "rng": [3, [1, 2], None]}), ckpts[-1])
         ray.get(actor.restart.remote())
         assert draft.begin(rollout)
-        draft.refit(coord, {})
+        refit()
         assert (draft.version, draft.restarts, draft.versions_lost, refits) == (4, 2, 1, [("draft", 4)])
     finally:
         ray.kill(actor)
@@ -411,7 +428,7 @@ def test_a_restarted_draft_trainer_rejoins_from_the_newest_checkpoint_with_a_dra
         assert not draft.begin(rollout) and not draft.begin(rollout)
     said = [r.getMessage() for r in caplog.records if r.name == "rayspec.draft.client" and r.levelno >= logging.ERROR]
     assert len(said) == 1 and "NO LONGER TRAINED" in said[0]
-    assert draft.record({}, 0.0, 1.0)["draft_alive"] == 0
+    assert draft.finish().fields["draft_alive"] == 0
 
 
 def test_without_online_training_the_step_is_the_same_minus_the_draft(ray_session, tmp_path):

@@ -1,21 +1,25 @@
 """The DraftTrainer as the RL step sees it: one object for the draft head's
-whole lifecycle in a run (whether it trains this step, the verifier's
-features flowing to it, its result and refit, its checkpoint state, and its
-death), and ``NullDraft`` with the same methods for runs without online
-training, so the step never branches on the draft.
+whole lifecycle in a run (whether it trains this step, where the verifier's
+features go, the step's result and the head to send at the refit, its
+checkpoint state, and its death), and ``NullDraft`` with the same methods for
+runs without online training, so the step never branches on the draft.
 
 Every Train rank holds one: all of them submit features; rank 0 decides,
-waits and refits.
+waits and fetches the head. The client never calls the policy or the
+replicas: the policy update is handed a ``FeatureSink``, and the step's
+refit takes the head from the ``DraftStep`` that ``finish`` returns.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import ray
+import torch
 
 from rayspec.draft.state import restore_draft_state, stage_draft_state
 from rayspec.draft.trainer import TrainingCadence
@@ -27,17 +31,74 @@ RESTART_WAIT_S = 120.0  # how long a step's start waits for a restarting DraftTr
 
 
 class FeatureSink:
-    """Where a rank's verifier features go during the policy update: the
-    layers to capture and the DraftTrainer's ``submit_features``."""
+    """Where one rank's verifier features go during a step's policy update,
+    where the head trains that step (``DraftClient.begin``).
 
-    def __init__(self, actor, aux_layer_ids: list[int]):
-        self.actor, self.aux_layer_ids = actor, aux_layer_ids
+    The update ``start``s it with the verifier's output layer, then
+    ``submit``s each micro-batch's features; the sink keeps this rank's
+    feature ObjectRefs alive until ``DraftClient.finish`` (the DraftTrainer
+    reads them while the update runs and after).
+
+    Args:
+        actor: the DraftTrainer's actor handle.
+        aux_layer_ids: the verifier layers to capture.
+        rows: rank 0: the draft vocabulary's token ids ([N] int64, draft
+            order), the rows of the verifier's output layer the head needs;
+            None on the other ranks.
+        steps: the head's optimizer steps this RL step.
+    """
+
+    def __init__(self, actor, aux_layer_ids: list[int], rows: Optional[torch.Tensor], steps: int):
+        self.actor, self.aux_layer_ids, self.rows, self.steps = actor, aux_layer_ids, rows, steps
+        self.call = None  # rank 0: the DraftTrainer's train call (an ObjectRef of its result)
+        self.refs: list = []  # this rank's feature ObjectRefs (owned here: alive while held)
+
+    def start(self, verifier: Optional[dict[str, torch.Tensor]], chunks: int) -> None:
+        """Start the DraftTrainer's training before the first micro-batch:
+        on rank 0, which gives ``verifier``
+        (``rayspec.train.policy.verifier_output_weights``: the embedding and
+        the output layer's ``rows``, bf16 host tensors), with the step's
+        ``chunks`` (every rank's micro-batches), which it trains on as they
+        come; the other ranks pass None and start nothing."""
+        if verifier is not None:
+            self.call = self.actor.train.remote(ray.put(verifier), self.steps, expect=chunks)
 
     def submit(self, ref, chunk: int) -> None:
         """Hand the DraftTrainer one micro-batch's features (an ObjectRef) as
         chunk ``chunk`` of the step (micro-batch-major over the ranks: the
         same order whatever the ranks' timing)."""
+        self.refs.append(ref)
         self.actor.submit_features.remote([ref], [chunk])
+
+
+@dataclass
+class HeadWeights:
+    """A draft head to send to the replicas: vLLM-named host tensors, as ``version``."""
+
+    version: int
+    weights: dict[str, torch.Tensor]
+
+
+@dataclass
+class DraftStep:
+    """The draft head's part of one RL step, as the refit and the step record take it.
+
+    Attributes:
+        version: the head's version the replicas hold once the step's refit landed.
+        result: the DraftTrainer's ``train`` result ({} where the head did
+            not train this step, or the DraftTrainer died meanwhile).
+        head: the head the refit sends (rank 0), or None: nothing to send.
+        fields: the record's lifecycle keys (``DraftClient.finish``).
+        busy: [(start, end)] epoch seconds the DraftTrainer trained during
+            the step, or None where none was alive at its start (the record
+            then has no ``idle_draft_s``).
+    """
+
+    version: int = 0
+    result: dict[str, Any] = field(default_factory=dict)
+    head: Optional[HeadWeights] = None
+    fields: dict[str, Any] = field(default_factory=dict)
+    busy: Optional[list[tuple[float, float]]] = None
 
 
 class NullDraft:
@@ -48,29 +109,20 @@ class NullDraft:
     version = 0  # the head's version the replicas hold
     acceptance: Optional[tuple] = None  # (version, rates, by share) the next rollouts carry
 
-    def begin(self, rollout) -> bool:
-        return False
-
-    def start(self, policy, shard) -> Optional[FeatureSink]:
+    def begin(self, rollout) -> Optional[FeatureSink]:
         return None
 
-    def finish(self) -> dict[str, Any]:
-        return {}
+    def finish(self) -> DraftStep:
+        return DraftStep()
 
-    def refit(self, coordinator, result: dict[str, Any]) -> None:
-        pass
-
-    def record(self, result: dict[str, Any], start: float, end: float) -> dict[str, Any]:
-        return {}
+    def head(self, version: Optional[int]) -> Optional[HeadWeights]:
+        return None
 
     def stage(self, step: int):
         return None
 
     def restore(self):
         return None
-
-    def send_weights(self, coordinator, version: int) -> bool:
-        return False
 
     def reset(self) -> bool:
         return False
@@ -136,13 +188,15 @@ class DraftClient(NullDraft):
         self._resend = False  # rank 0: a restored head the replicas have yet to get
         self._training = False  # this step trains the head
         self._alive_at_start = True  # rank 0: the DraftTrainer was alive when the step began
-        self._call = None  # rank 0: the step's DraftTrainer.train call
+        self._sink: Optional[FeatureSink] = None  # where this step's features go, while the head trains
         self._ids = None  # rank 0: (DraftTrainer.draft_ids(),) once asked (_check_incarnation)
 
     def connect(self) -> None:
-        """Rank 0, as the Train workers start: note the DraftTrainer's
+        """As the Train workers start, rank 0 notes the DraftTrainer's
         incarnation (one that does not answer is taken over at a step's
-        start, ``begin``)."""
+        start, ``begin``); nothing on the other ranks."""
+        if not self.ranks.is_driver:
+            return
         try:
             self._incarnation = ray.get(self.actor.incarnation.remote(), timeout=RESTART_WAIT_S)[0]
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
@@ -152,10 +206,11 @@ class DraftClient(NullDraft):
         """The DraftTrainer died for good before these Train workers started."""
         self.alive, self._given_up = False, True
 
-    def begin(self, rollout) -> bool:
-        """Whether this step trains the head (collective: rank 0 decides from
-        the rollout's drafted share, ``TrainingCadence.due``, after taking
-        over a DraftTrainer Ray restarted; never while it is dead)."""
+    def begin(self, rollout) -> Optional[FeatureSink]:
+        """Where this rank's verifier features go this step, or None where
+        the head does not train (collective: rank 0 decides from the
+        rollout's drafted share, ``TrainingCadence.due``, after taking over a
+        DraftTrainer Ray restarted; never while it is dead)."""
         due = None
         if self.ranks.is_driver:
             if not self._given_up:
@@ -163,7 +218,11 @@ class DraftClient(NullDraft):
             self._alive_at_start = self.alive
             due = self.alive and self.steps_per_rl_step > 0 and self.cadence.due(rollout.stats.drafted_share)
         self._training = bool(self.ranks.broadcast(due))
-        return self._training
+        # rank 0: the draft vocabulary's rows (asked with the incarnation, _check_incarnation)
+        rows = self._ids[0] if self.ranks.is_driver and self._training else None
+        self._sink = FeatureSink(self.actor, self.aux_layer_ids, rows, self.steps_per_rl_step) \
+            if self._training else None
+        return self._sink
 
     def _check_incarnation(self) -> None:
         deadline = time.monotonic() + RESTART_WAIT_S
@@ -229,27 +288,45 @@ class DraftClient(NullDraft):
                     max(0, held - restored), f", sent to the replicas as version {self.version}" if self._resend
                     else ": the head the replicas hold")
 
-    def start(self, policy, shard) -> Optional[FeatureSink]:
-        """Start the head's training beside the policy update (collective):
-        rank 0 sends the verifier's output layer before the update (the
-        features come from it) and the DraftTrainer then trains on each
-        micro-batch's features as they come. Returns where this rank's
-        features go, or None where the head does not train this step."""
-        if not self._training:
-            return None
-        # rank 0: the draft vocabulary's rows (asked with the incarnation, _check_incarnation)
-        verifier = policy.output_weights(self._ids[0] if self.ranks.is_driver else None)
-        if self.ranks.is_driver:
-            self._call = self.actor.train.remote(ray.put(verifier), self.steps_per_rl_step,
-                                                 expect=policy.feature_chunks(shard))
-        return FeatureSink(self.actor, self.aux_layer_ids)
+    def finish(self) -> DraftStep:
+        """The head's part of the step (collective where it trained: rank 0
+        waits for the DraftTrainer's result, and every rank keeps its feature
+        ObjectRefs until then). Rank 0 fetches the head the step trained, or
+        a restarted DraftTrainer's restored one, for the refit (``head``).
 
-    def finish(self) -> dict[str, Any]:
-        """Rank 0: wait for the step's training; returns its result ({} where
-        it did not train or the DraftTrainer died meanwhile)."""
-        call, self._call = self._call, None
-        if call is None:
-            return {}
+        ``fields`` holds ``draft_alive``, ``draft_restarts`` and
+        ``draft_versions_lost`` (so far in the run),
+        ``draft_acceptance_length_estimate`` and ``draft_estimate_age`` (the
+        last estimate of the head's acceptance length, 1 + the sum of its
+        per-position rates, and the steps since: 0 where this step made it;
+        absent before the first), and where the DraftTrainer was alive at the
+        step's start ``draft_trained``; ``busy`` then says when it trained.
+        """
+        sink, self._sink = self._sink, None
+        result = {}
+        if sink is not None:
+            result = self._result(sink.call) if sink.call is not None else {}
+            self.ranks.barrier()  # the DraftTrainer has read every rank's features (sink.refs) by now
+        head = self._fetch_head(self.version, "the refit") if (result or self._resend) and self.alive else None
+        if head is not None:
+            self._resend = False
+        rates = result.get("draft_acceptance_estimate")
+        if rates:
+            self.estimate = (1.0 + sum(rates), 0)
+        elif self.estimate is not None:
+            self.estimate = (self.estimate[0], self.estimate[1] + 1)
+        fields = {"draft_alive": int(self.alive), "draft_restarts": self.restarts,
+                  "draft_versions_lost": self.versions_lost}
+        if self.estimate is not None:
+            fields.update(draft_acceptance_length_estimate=self.estimate[0], draft_estimate_age=self.estimate[1])
+        busy = None
+        if self._alive_at_start:
+            fields["draft_trained"] = int(self._training)
+            busy = [(result["start_time"], result["end_time"])] if result else []
+        return DraftStep(self.version, result, head, fields, busy)
+
+    def _result(self, call) -> dict[str, Any]:
+        """Rank 0: the step's training result ({} where the DraftTrainer died meanwhile)."""
         try:
             result = ray.get(call)
         except ray.exceptions.RayActorError as e:
@@ -263,41 +340,13 @@ class DraftClient(NullDraft):
         self.acceptance = (self.version, result["draft_acceptance_estimate"], result["draft_acceptance_by_share"])
         return result
 
-    def refit(self, coordinator, result: dict[str, Any]) -> None:
-        """Send the head the step trained, or a restarted DraftTrainer's
-        restored one, to the replicas (rank 0)."""
-        if not (result or self._resend) or not self.alive:
-            return
+    def _fetch_head(self, version: int, when: str) -> Optional[HeadWeights]:
+        """Rank 0: the DraftTrainer's head as ``version``, or None where it died."""
         try:
-            weights = ray.get(self.actor.vllm_weights.remote())
+            return HeadWeights(version, ray.get(self.actor.vllm_weights.remote()))
         except ray.exceptions.RayActorError as e:
-            self._died("the refit", e)
-            return
-        self._resend = False
-        coordinator.refit("draft", weights, self.version)
-
-    def record(self, result: dict[str, Any], start: float, end: float) -> dict[str, Any]:
-        """The step record's lifecycle fields: ``draft_alive``,
-        ``draft_restarts`` and ``draft_versions_lost`` (so far in the run),
-        ``draft_acceptance_length_estimate`` and ``draft_estimate_age`` (the
-        last estimate of the head's acceptance length, 1 + the sum of its
-        per-position rates, and the steps since: 0 where this step made it;
-        absent before the first), and where the DraftTrainer was alive at
-        the step's start ``draft_trained`` and ``idle_draft_s`` (seconds of
-        [start, end] it was not training)."""
-        rates = result.get("draft_acceptance_estimate")
-        if rates:
-            self.estimate = (1.0 + sum(rates), 0)
-        elif self.estimate is not None:
-            self.estimate = (self.estimate[0], self.estimate[1] + 1)
-        out = {"draft_alive": int(self.alive), "draft_restarts": self.restarts,
-               "draft_versions_lost": self.versions_lost}
-        if self.estimate is not None:
-            out.update(draft_acceptance_length_estimate=self.estimate[0], draft_estimate_age=self.estimate[1])
-        if self._alive_at_start:
-            busy = max(0.0, min(result["end_time"], end) - max(result["start_time"], start)) if result else 0.0
-            out.update(draft_trained=int(self._training), idle_draft_s=max(0.0, (end - start) - busy))
-        return out
+            self._died(when, e)
+            return None
 
     def stage(self, step: int):
         """What a checkpoint after ``step`` calls to write the DraftTrainer's
@@ -327,23 +376,20 @@ class DraftClient(NullDraft):
 
         return restore_draft
 
-    def send_weights(self, coordinator, version: int) -> bool:
-        """Rank 0: send the DraftTrainer's head to the replicas as ``version``
-        (a resume, or a reset); False where it died."""
-        if not self.alive:
-            return False
-        try:
-            self.version = version
-            coordinator.refit("draft", ray.get(self.actor.vllm_weights.remote()), version)
-            return True
-        except ray.exceptions.RayActorError as e:
-            self._died("a refit", e)
-            return False
+    def head(self, version: Optional[int]) -> Optional[HeadWeights]:
+        """Rank 0: the DraftTrainer's head, numbered ``version`` from now on,
+        for a refit outside the steps (a resume, a reset); None where
+        ``version`` is None (a checkpoint without draft state), the
+        DraftTrainer died, or on the other ranks."""
+        if version is None or not (self.ranks.is_driver and self.alive):
+            return None
+        self.version = version
+        return self._fetch_head(version, "a refit")
 
     def reset(self) -> bool:
         """Rank 0: back to the initial head (``DraftTrainer.reset``); True
-        where it had trained."""
-        if not self.alive:
+        where it had trained. False on the other ranks."""
+        if not (self.ranks.is_driver and self.alive):
             return False
         try:
             return bool(ray.get(self.actor.reset.remote()))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import random
 import shutil
 import tempfile
@@ -34,6 +35,8 @@ import numpy as np
 import torch
 
 from rayspec.files import json_tuples
+
+log = logging.getLogger(__name__)
 
 TRAIN_STORAGE, TRAIN_NAME = "ray_train", "train"  # <run_dir>/ray_train/train/checkpoint_*
 
@@ -58,8 +61,8 @@ def _set_rng_state(s: dict[str, Any]) -> None:
 def report_checkpoint(metrics: dict[str, Any], engine, rank: int,
                       trainer_state: dict[str, Any] | None,
                       stage_draft: Callable[[Path], Any] | None) -> None:
-    """Write this rank's part of a checkpoint and report it with ``metrics``.
-    Collective: every rank calls it at the same step.
+    """Write this rank's part of a checkpoint and report it with ``metrics``
+    (rank 0 logs it). Collective: every rank calls it at the same step.
 
     Args:
         metrics: numeric metrics of the step (``ray.train.report``).
@@ -96,6 +99,8 @@ def report_checkpoint(metrics: dict[str, Any], engine, rank: int,
                           f"free there (TMPDIR moves the staging directory): {type(e).__name__}: {e}") from e
         # Ray Train copies the directory into the run's storage before returning
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+    if trainer_state is not None:
+        log.info("step %d: checkpoint saved", trainer_state["step"])
 
 
 def restore_checkpoint(checkpoint, engine, rank: int,

@@ -18,11 +18,13 @@ import torch
 from rayspec.batch import RolloutBatch
 from rayspec.config import RunConfig
 from rayspec.data import PromptSource, prompt_ids, train_and_heldout
+from rayspec.draft.client import DraftStep, HeadWeights
 from rayspec.reward.pool import RewardPool, RewardResult
 from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, step_record
 from rayspec.rollout.client import RolloutClient, shard_seed
 from rayspec.rollout.spec_stats import AcceptanceWatch, SpecStats
 from rayspec.scheduler.pipeline import RolloutPipeline
+from rayspec.scheduler.placement import ClusterFitError, check_device_sharing
 from rayspec.sync import WeightSender
 from rayspec.train.evaluate import eval_due, read_baseline, score_eval, write_baseline
 from rayspec.train.grpo import group_advantages, overlong_penalty
@@ -215,26 +217,33 @@ class Coordinator:
                      if all(slept) else "vLLM has no sleep mode on this platform; rollout, "
                      "training and draft time-slice the same cores")
 
-    def refit(self, target: str, weights: dict[str, torch.Tensor], version: int) -> None:
-        """Send ``target``'s (``policy`` | ``draft``) weights (host tensors)
-        to every replica through the weight transport; sync mode waits for
-        them to land, async leaves them queued behind the rollouts in flight."""
+    def refit(self, version: int, weights, head: HeadWeights | None = None) -> None:
+        """Send the policy's ``weights`` (``PolicyWorker.refit_weights``) as
+        ``version``, then the draft ``head`` where one is given, to every
+        replica through the weight transport; sync mode waits for each to
+        land, async leaves them queued behind the rollouts in flight."""
+        self._send("policy", weights, version)
+        if head is not None:
+            self._send("draft", head.weights, head.version)
+
+    def _send(self, target: str, weights, version: int) -> None:
         self.pipeline.refit(self.sender.send(target, weights, version))
         if self.cfg.scheduler.mode == "sync":
             self.pipeline.wait_refits()
 
-    def record(self, step: int, rollout: Rollout, train_metrics: dict[str, Any], draft_result: dict[str, Any],
-               draft_fields: dict[str, Any], draft_version: int, timer: PhaseTimer, start: float,
-               end: float) -> dict[str, Any]:
-        """The step's record (``metrics.step_record``), with each replica's
-        engine work over the step and the refits that landed, and
-        ``acceptance_collapse`` where a replica's acceptance collapsed
-        (``AcceptanceWatch``; logged, naming the replica)."""
-        record = step_record(step, self.cfg, rollout, train_metrics, draft_result, draft_fields, draft_version,
-                             timer, start, end, self.rollouts.busy_intervals(start), self.sender.take_stats())
+    def record(self, step: int, rollout: Rollout, train_metrics: dict[str, Any], draft: DraftStep,
+               timer: PhaseTimer) -> dict[str, Any]:
+        """The step's record (``metrics.step_record``), over the step's
+        window (the timer's start to now), with each replica's engine work
+        over it and the refits that landed, and ``acceptance_collapse`` where
+        a replica's acceptance collapsed (``AcceptanceWatch``; logged,
+        naming the replica)."""
+        end = time.time()
+        record = step_record(step, self.cfg, rollout, train_metrics, draft, timer, end,
+                             self.rollouts.busy_intervals(timer.start), self.sender.take_stats())
         # the head the replicas held as this step's rollouts drafted: the last step's (in async
         # mode a batch generated ahead may have drafted with an older one)
-        used, self._draft_drafted_with = self._draft_drafted_with, draft_version
+        used, self._draft_drafted_with = self._draft_drafted_with, draft.version
         collapsed = self.acceptance_watch.observe(rollout.stats, used)
         for c in collapsed:
             log.warning("step %d: replica %s's acceptance collapsed: position-1 rate %.3f against a median of "
@@ -243,6 +252,20 @@ class Coordinator:
         if collapsed:
             record["acceptance_collapse"] = collapsed
         return record
+
+    def check_devices(self, train: list, draft) -> str | None:
+        """The devices of every role checked against the layout
+        (``check_device_sharing``): the replicas', the Train ranks' ``train``
+        [(node id, GPU id or None)] and ``draft.node_and_gpu()``; the device
+        table is logged. Returns the ClusterFitError's message, or None."""
+        occupants = {"rollout": self.rollouts.node_and_gpu(), "train": train, "draft": draft.node_and_gpu()}
+        try:
+            table = check_device_sharing(self.cfg.scheduler.layout, {k: v for k, v in occupants.items() if v})
+        except ClusterFitError as e:
+            return str(e)
+        if table:
+            log.info("GPUs (%s):\n%s", self.cfg.scheduler.layout, table)
+        return None
 
     def finish_step(self, version: int, record: dict[str, Any]) -> None:
         """After the step that made ``version``: evaluate it if due, then
@@ -348,7 +371,8 @@ class Coordinator:
 
 
 class Follower:
-    """A Train rank other than 0: the step's rank-0 calls do nothing here."""
+    """A Train rank other than 0: the coordinator's calls do nothing here
+    (and give None where the coordinator returns something)."""
 
     def next_rollout(self, version: int) -> None:
         return None
@@ -362,13 +386,31 @@ class Follower:
     def release_replicas(self, refit_next: bool = True) -> None:
         pass
 
-    def refit(self, target: str, weights, version: int) -> None:
+    def refit(self, version: int, weights, head=None) -> None:
         pass
 
-    def record(self, *args, **kwargs) -> None:
+    def wait_refits(self) -> None:
+        pass
+
+    def record(self, step: int, rollout, train_metrics, draft, timer) -> None:
+        return None
+
+    def check_devices(self, train: list, draft) -> None:
         return None
 
     def finish_step(self, version: int, record) -> None:
+        pass
+
+    def evaluate(self, version: int) -> None:
+        pass
+
+    def trainer_state(self, step: int, version: int, draft_state) -> None:
+        return None
+
+    def restore(self, state) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 

@@ -14,7 +14,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +29,9 @@ from rayspec.metrics import PhaseTimer, plot_run
 from rayspec.reward.functions import RewardFunctionError
 from rayspec.reward.pool import RewardError
 from rayspec.train.checkpoint import checkpoints
-from rayspec.scheduler.placement import ClusterFitError, check_device_sharing
 from rayspec.sync import make_source
 from rayspec.train.coordinator import Coordinator, Follower
-from rayspec.train.policy import PolicyWorker, build_engine, deepspeed_config, zero3_init
+from rayspec.train.policy import Policy, PolicyWorker, build_engine, deepspeed_config, zero3_init
 from rayspec.train.ranks import Ranks, RunAborted, report_aborts
 
 log = logging.getLogger(__name__)
@@ -43,40 +41,38 @@ REPORTED = ("step", "policy_version", "reward_mean", "acceptance_length", "time_
 USER_ERRORS = (ConfigError, DataFileError, RewardError, RewardFunctionError)
 
 
-def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: PolicyWorker,
+def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: Policy,
             draft: DraftClient | NullDraft) -> dict[str, Any] | None:
-    """One GRPO step training policy ``version`` (collective over the Train
-    ranks): rollout -> reward -> advantages -> policy update, the draft head
-    training beside it -> refit. Returns rank 0's record (None elsewhere)."""
-    timer, start = PhaseTimer(), time.time()
-    with timer("rollout"):
-        with policy.ranks.stop_on(USER_ERRORS):  # a reward function that raises stops every rank
+    """One GRPO step training policy ``version``, collective over the Train
+    ranks. Its phases, each timed (the record's ``time_<phase>_s``): rollout,
+    reward, advantages, policy (the update, the draft head training beside
+    it on the verifier's features), draft (its training beyond the update)
+    and sync (the refit of both). Returns rank 0's record (None elsewhere)."""
+    timer = PhaseTimer()
+    with policy.ranks.stop_on(USER_ERRORS):  # a reward function that raises stops every rank
+        with timer("rollout"):
             rollout = coord.next_rollout(version)  # generated ahead of this step in async mode
+        with timer("reward"):
             coord.reward(rollout)
+        with timer("advantages"):
             coord.advantages(rollout)
-        coord.release_replicas()  # colocated: replicas sleep while the policy trains
-        draft.begin(rollout)
-        shard = policy.share(rollout)
-    features = draft.start(policy, shard)
     with timer("policy"):
-        train_metrics, feature_refs = policy.update(shard, features)
+        coord.release_replicas()  # colocated: replicas sleep while the policy trains
+        features = draft.begin(rollout)  # where the verifier's features go; None: the head does not train
+        metrics = policy.update(policy.share(rollout), features)
+    with timer("draft"):
+        drafted = draft.finish()
     with timer("sync"):
         with timer("gather"):  # the weight source: rank 0's host copy, its device weights or every rank's export
             weights = policy.refit_weights()
-        coord.refit("policy", weights, version + 1)
+        coord.refit(version + 1, weights, drafted.head)
         del weights
         policy.refit_sent()  # colocated: the device back before the next rollout
-    with timer("draft"):
-        draft_result = draft.finish()
-    with timer("sync"):
-        draft.refit(coord, draft_result)
-    policy.barrier(feature_refs)  # feature ObjectRefs are owned by their ranks: alive until used
-    end = time.time()
-    return coord.record(step, rollout, train_metrics, draft_result, draft.record(draft_result, start, end),
-                        draft.version, timer, start, end)
+    return coord.record(step, rollout, metrics, drafted, timer)
 
 
-def run_steps(cfg: RunConfig, coord, policy: PolicyWorker, draft, version: int) -> None:
+def run_steps(cfg: RunConfig, coord: Coordinator | Follower, policy: Policy, draft: DraftClient | NullDraft,
+              version: int) -> None:
     """RL steps after ``version`` up to ``trainer.steps``: each step's record
     is finished by rank 0 (evaluation, log), and a checkpoint is written
     every ``trainer.save_steps`` and after the last."""
@@ -89,10 +85,7 @@ def run_steps(cfg: RunConfig, coord, policy: PolicyWorker, draft, version: int) 
         metrics = {k: v for k, v in (record or {"step": step}).items() if k in REPORTED}
         every = cfg.trainer.save_steps
         if step == cfg.trainer.steps or (every and step % every == 0):
-            policy.checkpoint(metrics, coord.trainer_state(step, version, draft.state_dict())
-                              if policy.ranks.is_driver else None, draft.stage(step))
-            if policy.ranks.is_driver:
-                log.info("step %d: checkpoint saved", step)
+            policy.checkpoint(metrics, coord.trainer_state(step, version, draft.state_dict()), draft.stage(step))
         else:
             policy.report(metrics)
 
@@ -156,8 +149,7 @@ def rl_worker_loop(config: dict) -> None:
         version = 0
         start_over(policy, coord, draft)
     run_steps(cfg, coord, policy, draft, version)
-    if ranks.is_driver:
-        coord.close()
+    coord.close()
     save_policy(policy, tokenizer, Path(cfg.trainer.run_dir) / "policy")
     if ranks.is_driver:
         log.info("curves: %s", plot_run(cfg.trainer.run_dir))
@@ -188,7 +180,7 @@ def open_draft(cfg: RunConfig, ranks: Ranks, aux_layer_ids, prior) -> DraftClien
                          checkpoint_dirs=lambda: checkpoints(cfg.trainer.run_dir))
     if lost:
         client.lost()
-    elif ranks.is_driver:
+    else:
         client.connect()
     return client
 
@@ -202,45 +194,32 @@ def check_devices(cfg: RunConfig, coord, draft, ranks: Ranks, gpu_index: int | N
     does not allow."""
     gpu = assigned_gpu(gpu_index) if gpu_index is not None else None
     train = ranks.all_gather((ray.get_runtime_context().get_node_id(), gpu))
-    error = None
-    if ranks.is_driver:
-        occupants = {"rollout": coord.rollouts.node_and_gpu(), "train": train, "draft": draft.node_and_gpu()}
-        try:
-            table = check_device_sharing(cfg.scheduler.layout, {k: v for k, v in occupants.items() if v})
-            if table:
-                log.info("GPUs (%s):\n%s", cfg.scheduler.layout, table)
-        except ClusterFitError as e:
-            error = str(e)
-    error = ranks.broadcast(error)
+    error = ranks.broadcast(coord.check_devices(train, draft))
     if error:  # on every rank; a restart would place the roles the same way
         raise RunAborted(f"ClusterFitError: {error}")
 
 
-def resume(checkpoint, policy: PolicyWorker, coord, draft) -> int:
+def resume(checkpoint, policy: Policy, coord: Coordinator | Follower, draft: DraftClient | NullDraft) -> int:
     """Restore a checkpoint (a resumed run, or Train workers restarted after a
     failure) and send its weights to the replicas; returns the policy version
     (= the last step the checkpoint finished). Collective."""
     state, draft_version = policy.restore(checkpoint, draft.restore())
     version = state["policy_version"]
-    weights = policy.refit_weights()
+    coord.restore(state)
+    draft.load_state_dict(state)
+    coord.refit(version, policy.refit_weights(), draft.head(draft_version))
+    coord.wait_refits()
+    policy.refit_sent()
     if policy.ranks.is_driver:
-        coord.restore(state)
-        draft.load_state_dict(state)
-        coord.refit("policy", weights, version)
-        del weights
-        if draft_version is not None:
-            draft.send_weights(coord, draft_version)
-        elif draft.alive:
+        if draft_version is None and draft.alive:
             log.warning("checkpoint %s holds no draft state: the DraftTrainer continues from its current head",
                         checkpoint.path)
         log.info("resumed from %s after step %d (policy version %d, draft version %d, prompt cursor %s)",
                  checkpoint.path, state["step"], version, draft.version, state["prompts"])
-        coord.wait_refits()
-    policy.refit_sent()
     return version
 
 
-def start_over(policy: PolicyWorker, coord, draft) -> None:
+def start_over(policy: Policy, coord: Coordinator | Follower, draft: DraftClient | NullDraft) -> None:
     """Starting at version 0 (no checkpoint): the records of an attempt that
     failed before any checkpoint are discarded, and where the replicas hold
     a later policy or draft, or the DraftTrainer a trained head (the worker
@@ -253,19 +232,15 @@ def start_over(policy: PolicyWorker, coord, draft) -> None:
         trained = draft.reset()
         stale = trained or any(v["policy"] != 0 or (draft.alive and v["draft"] != 0)
                                for v in coord.replica_versions())
-    if policy.ranks.broadcast(stale):
-        weights = policy.refit_weights()
-        if policy.ranks.is_driver:
+        if stale:
             log.warning("no checkpoint to restore: the run starts over from step 1 and resets the replicas%s",
                         " and the draft head" if draft.alive else "")
-            coord.refit("policy", weights, 0)
-            draft.send_weights(coord, 0)
-            coord.wait_refits()
-        del weights
+    if policy.ranks.broadcast(stale):
+        coord.refit(0, policy.refit_weights(), draft.head(0))
+        coord.wait_refits()
         policy.refit_sent()
     with policy.ranks.stop_on(USER_ERRORS):
-        if policy.ranks.is_driver:
-            coord.evaluate(0)
+        coord.evaluate(0)
 
 
 def save_policy(policy: PolicyWorker, tokenizer, out: Path) -> None:

@@ -9,7 +9,7 @@ import dataclasses
 import os
 import sys
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import ray
 import torch
@@ -18,9 +18,11 @@ from rayspec.batch import RolloutBatch
 from rayspec.config import target_temperatures
 from rayspec.devices import to_host
 from rayspec.draft.capture import capture_eagle3_features
+from rayspec.draft.client import FeatureSink
 from rayspec.draft.loss import verifier_normalizers
 from rayspec.sync.interfaces import HostGather, host_copies, resident
 from rayspec.train.grpo import grpo_loss, token_logprobs, token_mult_prob_error
+from rayspec.train.ranks import Ranks
 
 
 def deepspeed_config(cfg, world_size: int) -> dict[str, Any]:
@@ -280,6 +282,38 @@ def verifier_output_weights(engine, rank: int, rows: torch.Tensor | None = None)
         return to_host(out, torch.bfloat16)
 
 
+@runtime_checkable
+class Policy(Protocol):
+    """A Train rank's policy as the RL loop uses it (``rayspec.train.loop``:
+    the step, checkpoints, resume): ``PolicyWorker``, and the fake policy
+    of ``tests/test_step.py``, whose methods a test holds to these. Every
+    method is collective (every rank calls it, in the same order)."""
+
+    ranks: Ranks
+
+    def share(self, rollout) -> RolloutBatch:
+        """Rank 0's rollout (None elsewhere) on every rank, as this rank's shard."""
+
+    def update(self, shard: RolloutBatch, features: FeatureSink | None = None) -> dict[str, float]:
+        """One GRPO optimizer step on ``shard``; the verifier's features to ``features``; its metrics."""
+
+    def refit_weights(self) -> Any:
+        """What a policy refit sends (rank 0; None elsewhere)."""
+
+    def refit_sent(self) -> None:
+        """After rank 0 sent the refit: what the weight source holds is let go."""
+
+    def checkpoint(self, metrics: dict[str, Any], trainer_state: dict[str, Any] | None,
+                   stage_draft: Callable[[Any], None] | None) -> None:
+        """Write and report a checkpoint (rank 0 gives ``trainer_state`` and ``stage_draft``)."""
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        """Report a step's metrics to Ray Train without a checkpoint."""
+
+    def restore(self, checkpoint, restore_draft: Callable[..., Any] | None = None) -> tuple[dict[str, Any], Any]:
+        """Load ``checkpoint``: (its trainer state, what ``restore_draft`` returned)."""
+
+
 class PolicyWorker:
     """This Train rank's part of the policy: its DeepSpeed ZeRO engine, the
     frozen reference policy (KL term), and the collectives of an RL step.
@@ -337,29 +371,34 @@ class PolicyWorker:
                                      if rollout is not None else None)
         return batch.shard(self.ranks.rank, self.ranks.world)
 
-    def feature_chunks(self, shard: RolloutBatch) -> int:
-        """Feature chunks the whole group makes from shards of this size (one per micro-batch)."""
-        return self.ranks.world * num_micro_batches(self.engine, len(shard))
-
-    def update(self, shard: RolloutBatch, features=None) -> tuple[dict[str, float], list]:
-        """One GRPO optimizer step on this rank's shard (``policy_update``).
+    def update(self, shard: RolloutBatch, features: FeatureSink | None = None) -> dict[str, float]:
+        """One GRPO optimizer step on this rank's shard (``policy_update``;
+        collective).
 
         Args:
-            features: where the verifier's EAGLE-3 features go
-                (``rayspec.draft.FeatureSink``: its ``aux_layer_ids`` are
-                captured and each micro-batch's ObjectRef handed to it), or
-                None for no capture.
+            shard: this rank's rows (``share``), advantages set.
+            features: where the verifier's EAGLE-3 features go where the
+                draft head trains this step (``DraftClient.begin``): first
+                the verifier's output layer, for the DraftTrainer to start
+                on (``verifier_output_weights`` of the sink's ``rows``;
+                collective under ZeRO-3), then each micro-batch's features
+                (its ``aux_layer_ids`` captured), which the sink holds.
+                None: no capture.
 
         Returns:
-            (metrics, the feature ObjectRefs this rank owns: keep them until
-            every rank is done, ``barrier``).
+            the update's metrics, averaged over micro-batches.
         """
         self._reload()
         if features is None:
-            return policy_update(self.engine, shard, self.cfg, self.pad_id, None, self.ref_model)
+            return policy_update(self.engine, shard, self.cfg, self.pad_id, None, self.ref_model)[0]
         world, rank = self.ranks.world, self.ranks.rank
-        return policy_update(self.engine, shard, self.cfg, self.pad_id, features.aux_layer_ids, self.ref_model,
-                             lambda ref, micro: features.submit(ref, micro * world + rank), self.capture_rng)
+        # the DraftTrainer starts before the first micro-batch and trains on each as it arrives
+        features.start(verifier_output_weights(self.engine, rank, features.rows),
+                       world * num_micro_batches(self.engine, len(shard)))
+        metrics, _ = policy_update(self.engine, shard, self.cfg, self.pad_id, features.aux_layer_ids,
+                                   self.ref_model, lambda ref, micro: features.submit(ref, micro * world + rank),
+                                   self.capture_rng)
+        return metrics
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full policy in the serving dtype as host copies on rank 0
@@ -386,18 +425,6 @@ class PolicyWorker:
         given back (``release``)."""
         self.source.done()
         self.release()
-
-    def output_weights(self, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
-        """``verifier_output_weights``: the embedding and the output layer's
-        ``rows`` on rank 0 (collective under ZeRO-3)."""
-        self._reload()
-        return verifier_output_weights(self.engine, self.ranks.rank, rows)
-
-    def barrier(self, refs: list) -> None:
-        """Wait for every rank; ``refs`` (this rank's feature ObjectRefs, owned
-        by this process) stay alive until then."""
-        self.ranks.barrier()
-        del refs
 
     def checkpoint(self, metrics: dict[str, Any], trainer_state: dict[str, Any] | None, stage_draft) -> None:
         """Write and report a checkpoint (collective, ``report_checkpoint``)."""
