@@ -387,7 +387,8 @@ def test_replica_env_puts_engine_env_over_the_cpu_backend_settings():
 
 def test_an_engines_env_is_the_callers_again_once_it_started(monkeypatch):
     """A spawned engine core inherits the environment at its start; the
-    caller's (a notebook's) is restored after, set keys and unset ones alike."""
+    caller's (a notebook's) is restored after, set keys and unset ones alike,
+    and what the start set goes too."""
     from rayspec.rollout.engine import _engine_env
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
@@ -395,8 +396,10 @@ def test_an_engines_env_is_the_callers_again_once_it_started(monkeypatch):
     with pytest.raises(RuntimeError):
         with _engine_env({"VLLM_CPU_KVCACHE_SPACE": "1", "NUMBA_THREADING_LAYER": "workqueue"}):
             assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1" and os.environ["NUMBA_THREADING_LAYER"] == "workqueue"
+            os.environ["RAYSPEC_SET_BY_THE_START"] = "1"  # what the start itself sets in this process
             raise RuntimeError("the engine failed to start")
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "7" and "NUMBA_THREADING_LAYER" not in os.environ
+    assert "RAYSPEC_SET_BY_THE_START" not in os.environ
 
 
 def test_an_in_process_engine_core_and_in_flight_updates_ask_for_the_engine_that_can():

@@ -1,29 +1,11 @@
 """Adaptive speculation: choose k (0 = no speculation) per batch size from
 measured acceptance and measured step cost, and apply it to a running engine.
 
-vLLM 0.32 chooses k per step from a batch-size schedule,
-``speculative_config["num_speculative_tokens_per_batch_size"] = [(lo, hi, k), ...]``
-(dynamic speculative decoding; the scheduler looks k up by the number of
-sequences in the step and the proposer drafts that many), but the schedule is
-fixed when the engine is built and there is no API to change it. Rebuilding
-an engine costs tens of seconds and its KV cache, so this module adds one
-utility method to vLLM's ``EngineCore`` (installed through the
-``vllm.general_plugins`` entry point, in vLLM's own engine process) that
-rebuilds the scheduler's lookup with vLLM's own
-``build_dynamic_sd_schedule_lookup``. The engine must be built with a schedule
-(any), so its scheduler runs the dynamic path.
-
-At k = 0 vLLM 0.32 still runs the drafter's forward over every step's tokens
-(``SpecDecodeBaseProposer.propose``: "to keep the drafter KV cache in sync"),
-so a sequence can draft again when its batch shrinks into a k > 0 range.
-When the schedule is 0 at every batch size, no sequence can draft before the
-schedule changes, so the utility also marks the drafter idle and a wrapped
-``propose`` returns no drafts without that forward (on 2 CPU cores it was
-3-4 ms a step, 7% of a step at one sequence). Leaving the idle state resets
-the prefix cache: blocks cached meanwhile hold no draft KV. rayspec changes
-the schedule only between ``generate`` calls, with no request in flight. A
-step in which no request drafts samples with the plain sampler, not vLLM's
-rejection sampler (``_plain_sample_without_drafts``).
+vLLM 0.32 chooses k per step from a batch-size schedule
+(``num_speculative_tokens_per_batch_size``) fixed at engine build;
+``rayspec.vllm.spec_schedule`` switches it on a running engine, idles the
+drafter where k is 0 everywhere and samples draft-free steps with the plain
+sampler.
 
 Controller (``AdaptiveK``): with per-position acceptance rates r_i (P(draft
 position i accepted), vLLM's ``spec_decode_num_accepted_tokens_per_pos`` /

@@ -560,7 +560,7 @@ class SuffixReplay:
     def draft(self, tokens: list[int], t: int, tool: set[int]) -> tuple[list[int], list[bool]]:
         d = self.cache.speculate(self.turn, tokens[max(0, t + 1 - self.depth):t + 1], max_spec_tokens=self.k,
                                  max_spec_factor=self.factor, min_token_prob=self.min_prob)
-        ends = sorted(e for e in tool if e <= t)
+        ends = [e for e in tool if e <= t]
         text = tokens[t + 1 - d.match_len:t + 1] + list(d.token_ids)
         return list(d.token_ids), [any(e + 1 >= n and tokens[e + 1 - n:e + 1] == text[:n] for e in ends)
                                    for n in range(d.match_len + 1, len(text) + 1)]

@@ -100,16 +100,13 @@ def _engine_env(env: dict[str, str]):
         os.environ.update(env)
         yield
         return
-    saved = {k: os.environ.get(k) for k in env}
+    saved = dict(os.environ)  # whole: what the engine's start sets in this process goes too
     os.environ.update(env)
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def replica_env(rollout) -> dict[str, str]:

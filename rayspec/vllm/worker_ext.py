@@ -210,7 +210,7 @@ class RefitExtension:
                 what vLLM 0.32 has (``drafter``, ``suffix_cache``).
         """
         drafter = tp.require(self.model_runner, "drafter", tp.GROUP_SUFFIX)
-        cache = tp.require(drafter, tp.SUFFIX_CACHE.symbol.rsplit(".", 1)[1], tp.GROUP_SUFFIX)
+        cache = tp.require(drafter, "suffix_cache", tp.GROUP_SUFFIX)
         if cache.max_cached_requests == 0:
             return False
         text = f"rayspec-text-{uuid.uuid4().hex}"  # never a vLLM request id
