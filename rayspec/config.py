@@ -415,8 +415,8 @@ class RolloutConfig:
             before vLLM starts (e.g. ``VLLM_ENABLE_V1_MULTIPROCESSING: "0"``
             with ``engine_kwargs.distributed_executor_backend: uni`` and
             ``engine_cls: offline`` runs the engine core in the replica's
-            process: rollouts then repeat exactly for a given seed, see
-            docs/faults.md).
+            process: a seeded rollout's logprobs then repeat to the bit too,
+            not only its tokens, see docs/faults.md).
         model_runner: vLLM's model runner on GPUs (``VLLM_USE_V2_MODEL_RUNNER``):
             ``v1``, the runner vLLM's own CI runs for speculative decoding
             and the CPU runner subclasses (adaptive k's hooks wrap it), or

@@ -102,8 +102,8 @@ def gsm8k_dir() -> Path:
 
 # Overrides that run a replica's vLLM engine core in the replica's own
 # process (vllm.LLM: AsyncLLM always starts one of its own): ~20 s less to
-# start per replica here, and a reseeded rollout repeats exactly
-# (docs/faults.md).
+# start per replica here, and a seeded rollout repeats bit for bit, its
+# logprobs included (docs/faults.md).
 IN_PROCESS = ["rollout.engine_env.VLLM_ENABLE_V1_MULTIPROCESSING=0", "rollout.engine_cls=offline",
               "rollout.engine_kwargs.distributed_executor_backend=uni"]
 

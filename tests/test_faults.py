@@ -4,14 +4,12 @@ DeepSpeed ZeRO-2, the DraftTrainer), each compared with an uninterrupted run.
 The colocated runs refit through the cuda_ipc transport's CPU twin (rank 0's
 export in shared memory, opened by the replica).
 
-Rollouts are reseeded per step and shard. With the engine core in the
-replica's process this CPU engine then samples bit-identically across
-engine instances, so the resume test compares samples, losses and draft
-losses as equal. (With vLLM's default engine-core process it does not: the
-core may start stepping before all of a call's requests have reached it, so
-the random stream is split differently; the same seeded request gave 2
-different outputs in 3 fresh engines.) The fault test compares what must be
-equal whatever the engine draws: steps, prompts, samples per prompt.
+Each request samples with its own seed (per step, prompt and sample). With
+the engine core in the replica's process this CPU engine then computes
+bit-identical logprobs across engine instances too, so the resume test
+compares samples, losses and draft losses as equal. The fault test compares
+what must be equal whatever the engine computes: steps, prompts, samples
+per prompt.
 """
 
 from __future__ import annotations

@@ -223,9 +223,9 @@ def test_prompt_groups_go_as_request_units_spread_over_the_replicas():
     """For replicas that batch calls continuously (AsyncEngine), each
     prompt's group is one request unit (its samples together, seeded by its
     own index), spread over the replicas; the batch comes back in prompt
-    order with every replica's stats summed. Otherwise: one shard per replica."""
-    from rayspec.rollout.client import shard_seed
-
+    order with every replica's stats summed. Otherwise: one shard per replica.
+    Each unit carries the rollout's seed, which the replica's requests derive
+    theirs from with their prompt's index (the group offset onward)."""
     units = []
 
     class Replica(FakeEngine):
@@ -237,13 +237,13 @@ def test_prompt_groups_go_as_request_units_spread_over_the_replicas():
     replicas[1].replica_id = "fake-1"
     prompts = [[7], [8], [9]]
     batch, stats = RolloutClient(LocalReplicas(replicas), 2, by_group=True).generate(prompts, n=2, seed=5)
-    assert sorted(u[1:] for u in units) == [(1, i, shard_seed(5, i)) for i in range(3)]
+    assert sorted(u[1:] for u in units) == [(1, i, 5) for i in range(3)]
     assert {u[0] for u in units} == {"fake-0", "fake-1"}
     assert batch.group == [0, 0, 1, 1, 2, 2] and [p[0] for p in batch.prompt_ids] == [7, 7, 8, 8, 9, 9]
     assert stats.num_drafts == 12 and set(stats.replicas) == {"fake-0", "fake-1"}
     units.clear()
     RolloutClient(LocalReplicas(replicas), 2).generate(prompts, n=2, seed=5)
-    assert sorted(u[1:] for u in units) == [(1, 2, shard_seed(5, 2)), (2, 0, shard_seed(5, 0))]
+    assert sorted(u[1:] for u in units) == [(1, 2, 5), (2, 0, 5)]
 
 
 def _run(tmp_path, draft_online: bool, steps: int = 3, overrides: tuple = (), records: list | None = None,

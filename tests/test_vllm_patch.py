@@ -297,12 +297,20 @@ def test_drafter_linear_dtype_resolves_auto_by_the_cpu_and_names_a_bad_value(mon
 
 
 @pytest.mark.slow
-def test_ngram_worker_runs_one_openmp_runtime(tiny_llama_dir, monkeypatch):
+def test_ngram_worker_runs_one_openmp_runtime_and_seeded_samples_repeat_however_batched(tiny_llama_dir,
+                                                                                        monkeypatch):
     """An n-gram engine's worker must not load numba's OpenMP pool (a second
     libgomp beside torch's; the worker's decode steps then run on one core:
     ``rollout.engine.cpu_engine_env``). Read from the live worker process's
     memory map, so it fails if the engine's environment loses the setting.
-    The setting does not leak into the caller's environment."""
+    The setting does not leak into the caller's environment.
+
+    The same engine (one start for both) then shows the seeded-request
+    rewind (``cpu_fixes._sample_rewinding_dropped_rows``): with a 128-token
+    budget, a prompt's prefill is cut into other chunks beside another
+    prompt than alone, and its seeded samples (T = 1, drafted) are the same
+    tokens either way. Unpatched, the first partial prefill killed the
+    engine (``CPU Generator does not use offset``)."""
     import psutil
 
     from rayspec.rollout.engine import SpecVLLMEngine, cpu_engine_env
@@ -313,7 +321,8 @@ def test_ngram_worker_runs_one_openmp_runtime(tiny_llama_dir, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     eng = SpecVLLMEngine(str(tiny_llama_dir), {"method": "ngram", "num_speculative_tokens": 2,
                                               "prompt_lookup_max": 3, "prompt_lookup_min": 2},
-                         dtype="float32", engine_kwargs=engine_kwargs(max_num_seqs=4), env=env)
+                         dtype="float32", engine_kwargs=engine_kwargs(max_num_seqs=4, max_num_batched_tokens=128),
+                         env=env)
     try:
         # the worker got the engine's environment (below); the caller keeps its own
         assert not set(env) & set(os.environ)
@@ -325,5 +334,17 @@ def test_ngram_worker_runs_one_openmp_runtime(tiny_llama_dir, monkeypatch):
             assert any("numba/np/ufunc/workqueue" in p for p in libs)  # numba's pool is loaded...
             assert not any("numba/np/ufunc/omppool" in p for p in libs), "numba's OpenMP layer was loaded"
             assert len({p.rsplit("/", 1)[-1] for p in libs if "libgomp" in p and "sentencepiece" not in p}) == 1
+
+        prompts = [[100 + t % 7 for t in range(90)], [300 + t % 5 for t in range(90)]]  # n-gram drafts these
+
+        def sample(prompts, seed, group_offset=0):
+            batch, stats = eng.generate(prompts, n=2, temperature=1.0, max_tokens=12, seed=seed,
+                                        group_offset=group_offset)
+            return batch.response_ids, stats
+
+        together, stats = sample(prompts, seed=7)
+        alone, _ = sample(prompts[1:], seed=7, group_offset=1)
+        assert stats.num_drafts > 0 and together[2:] == alone
+        assert sample(prompts[1:], seed=8, group_offset=1)[0] != alone  # the seed is what they share
     finally:
         eng.shutdown()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
-import random
 from typing import Any, Callable, Optional
 
 import ray
@@ -26,12 +25,6 @@ from rayspec.rollout.spec_stats import SpecStats
 log = logging.getLogger(__name__)
 
 
-def shard_seed(seed: int, *keys: int) -> int:
-    """A 62-bit seed for (seed, keys...), e.g. (trainer.seed, RL step, first prompt)."""
-    # a str seed is hashed with SHA-512: stable across processes, unlike hash()
-    return random.Random(":".join(map(str, (seed, *keys)))).getrandbits(62)
-
-
 class PendingRollout:
     """Rollout request units (prompt groups, or shards of them) in flight on
     the replicas (``RolloutClient.submit``); ``result()`` joins them.
@@ -39,8 +32,8 @@ class PendingRollout:
     A shard whose replica dies mid-generation is sent again through the
     handle (Serve routes it to a live replica, or queues it until the
     controller has replaced the dead one); the lost attempt returns nothing,
-    so no sample is duplicated, and with a per-shard seed the retry draws
-    the same samples.
+    so no sample is duplicated, and with a seed the retry draws the same
+    samples (each request has its own generator).
 
     A shard that reaches a replica outside the weight-sync group, holding
     older weights (``ReplicaBehind``), is sent again with ``catch_up``'s
@@ -128,7 +121,9 @@ class RolloutClient:
 
         Args:
             prompt_ids: token ids per prompt.
-            seed: each unit samples with ``shard_seed(seed, its first prompt)``
+            seed: the rollout's seed: each prompt's samples draw from their
+                own generators, seeded by it and the prompt's index
+                (``SpecVLLMEngine.generate``), however the prompts are split
                 (None: the replicas' own random streams).
             catch_up: see PendingRollout.
             rows: per prompt, its dataset row (multi-turn rollouts,
@@ -140,7 +135,7 @@ class RolloutClient:
         bounds = [round(i * len(prompt_ids) / num_shards) for i in range(num_shards + 1)]
         return PendingRollout(self.handle, [
             {"prompt_ids": prompt_ids[a:b], "group_offset": a,
-             "seed": None if seed is None else shard_seed(seed, a), **kwargs,
+             "seed": seed, **kwargs,
              **({"rows": rows[a:b]} if rows is not None else {})}
             for a, b in zip(bounds, bounds[1:]) if b > a], catch_up=catch_up)
 

