@@ -218,12 +218,13 @@ class Coordinator:
                      if all(slept) else "vLLM has no sleep mode on this platform; rollout, "
                      "training and draft time-slice the same cores")
 
-    def refit(self, version: int, weights, head: HeadWeights | None = None) -> None:
+    def refit(self, version: int, weights=None, head: HeadWeights | None = None) -> None:
         """Send the policy's ``weights`` (``PolicyWorker.refit_weights``) as
-        ``version``, then the draft ``head`` where one is given, to every
+        ``version``, then the draft ``head``, each where given, to every
         replica through the weight transport; sync mode waits for each to
         land, async leaves them queued behind the rollouts in flight."""
-        self._send("policy", weights, version)
+        if weights is not None:
+            self._send("policy", weights, version)
         if head is not None:
             self._send("draft", head.weights, head.version)
 
@@ -387,7 +388,7 @@ class Follower:
     def release_replicas(self, refit_next: bool = True) -> None:
         pass
 
-    def refit(self, version: int, weights, head=None) -> None:
+    def refit(self, version: int, weights=None, head=None) -> None:
         pass
 
     def wait_refits(self) -> None:

@@ -46,8 +46,9 @@ def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: Poli
     """One GRPO step training policy ``version``, collective over the Train
     ranks. Its phases, each timed (the record's ``time_<phase>_s``): rollout,
     reward, advantages, policy (the update, the draft head training beside
-    it on the verifier's features), draft (its training beyond the update)
-    and sync (the refit of both). Returns rank 0's record (None elsewhere)."""
+    it on the verifier's features), draft (its training beyond the update
+    and the policy's refit) and sync (the refit: the policy's weights, then
+    the head's). Returns rank 0's record (None elsewhere)."""
     timer = PhaseTimer()
     with policy.ranks.stop_on(USER_ERRORS):  # a reward function that raises stops every rank
         with timer("rollout"):
@@ -60,14 +61,16 @@ def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: Poli
         coord.release_replicas()  # colocated: replicas sleep while the policy trains
         features = draft.begin(rollout)  # where the verifier's features go; None: the head does not train
         metrics = policy.update(policy.share(rollout), features)
-    with timer("draft"):
-        drafted = draft.finish()
     with timer("sync"):
         with timer("gather"):  # the weight source: rank 0's host copy, its device weights or every rank's export
             weights = policy.refit_weights()
-        coord.refit(version + 1, weights, drafted.head)
+        coord.refit(version + 1, weights)  # the policy's weights first: the head's last steps train meanwhile
         del weights
         policy.refit_sent()  # colocated: the device back before the next rollout
+    with timer("draft"):
+        drafted = draft.finish()
+    with timer("sync"):
+        coord.refit(version + 1, head=drafted.head)
     return coord.record(step, rollout, metrics, drafted, timer)
 
 
