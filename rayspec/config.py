@@ -625,19 +625,21 @@ class OverlongBufferConfig:
     Eq. 13), as verl's ``overlong_buffer``: a response longer than
     ``grpo.max_new_tokens - len`` tokens gets a penalty growing linearly to
     ``penalty_factor`` at ``grpo.max_new_tokens``, added to its reward.
+    ``enabled`` is verl's ``enable``, spelled as rayspec's other switches
+    (``draft.enabled``, ``rollout.adaptive_k.enabled``, DeepSpeed's).
 
     Args:
-        enable: add the penalty to the rewards.
+        enabled: add the penalty to the rewards.
         len: the buffer (tokens), less than ``grpo.max_new_tokens``.
         penalty_factor: the penalty at the length cap (reward units).
     """
 
-    enable: bool = False
+    enabled: bool = False
     len: int = 0
     penalty_factor: float = 1.0
 
     def validate(self, key: str, max_new_tokens: int) -> None:
-        if not self.enable:
+        if not self.enabled:
             return
         _check(_is_int(self.len) and 0 < self.len < max_new_tokens, f"{key}.len", self.len,
                f"must be an integer in (0, grpo.max_new_tokens={max_new_tokens}) (tokens)")
@@ -1005,13 +1007,17 @@ class RunConfig:
 # Old spellings, refused naming the new key: a count of Ray resources is spelled as Ray spells it
 # (num_cpus / num_gpus, per replica or per worker), in every section.
 RENAMED = {"train.cpus_per_worker": "train.num_cpus_per_worker",
-           "train.gpus_per_worker": "train.num_gpus_per_worker"}
+           "train.gpus_per_worker": "train.num_gpus_per_worker",
+           "grpo.overlong_buffer.enable": "grpo.overlong_buffer.enabled"}
 
 
 def _refuse_renamed(part: DictConfig, source: str) -> None:
     for old, new in RENAMED.items():
-        section, name = old.split(".")
-        if isinstance(part.get(section), DictConfig) and name in part[section]:
+        *sections, name = old.split(".")
+        node = part
+        for section in sections:
+            node = node.get(section) if isinstance(node, DictConfig) else None
+        if isinstance(node, DictConfig) and name in node:
             raise ConfigError(f"invalid {source}: key '{old}' is now '{new}': rename it")
 
 

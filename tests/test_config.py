@@ -276,8 +276,8 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
 
 def test_an_old_spelling_names_the_new_key_and_writes_nothing(tmp_path):
     """Ray's resource counts are spelled as Ray spells them in every section
-    (num_cpus / num_gpus): the old train keys are refused, in a preset or an
-    override, naming the new key."""
+    (num_cpus / num_gpus), and every switch ``enabled``: the old keys are
+    refused, in a preset or an override, naming the new key."""
     preset = tmp_path / "old.yaml"
     preset.write_text("train:\n  gpus_per_worker: 1\n")
     with pytest.raises(ConfigError, match=r"'train.gpus_per_worker' is now 'train.num_gpus_per_worker'") as e:
@@ -285,6 +285,8 @@ def test_an_old_spelling_names_the_new_key_and_writes_nothing(tmp_path):
     assert str(preset) in str(e.value)
     with pytest.raises(ConfigError, match=r"override 'train.cpus_per_worker=1'.*'train.num_cpus_per_worker'"):
         load_config(None, ["train.cpus_per_worker=1"])
+    with pytest.raises(ConfigError, match=r"'grpo.overlong_buffer.enable' is now 'grpo.overlong_buffer.enabled'"):
+        load_config(None, ["grpo.overlong_buffer.enable=true"])
     assert load_config(None, ["train.num_gpus_per_worker=1", "train.num_cpus_per_worker=1",
                               "rollout.num_gpus_per_replica=1"]).train.num_gpus_per_worker == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.yaml"]

@@ -170,9 +170,9 @@ def test_overlong_penalty_by_hand():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["grpo.overlong_buffer.enable=true"], "grpo.overlong_buffer.len=0: must be an integer in (0, grpo.max_new_tokens=128)"),
-    (["grpo.overlong_buffer.enable=true", "grpo.overlong_buffer.len=128"], "grpo.overlong_buffer.len=128"),
-    (["grpo.overlong_buffer.enable=true", "grpo.overlong_buffer.len=16", "grpo.overlong_buffer.penalty_factor=-1"],
+    (["grpo.overlong_buffer.enabled=true"], "grpo.overlong_buffer.len=0: must be an integer in (0, grpo.max_new_tokens=128)"),
+    (["grpo.overlong_buffer.enabled=true", "grpo.overlong_buffer.len=128"], "grpo.overlong_buffer.len=128"),
+    (["grpo.overlong_buffer.enabled=true", "grpo.overlong_buffer.len=16", "grpo.overlong_buffer.penalty_factor=-1"],
      "grpo.overlong_buffer.penalty_factor=-1"),
 ])
 def test_overlong_buffer_keys_are_checked(overrides, message):
@@ -180,7 +180,7 @@ def test_overlong_buffer_keys_are_checked(overrides, message):
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
-    assert load_config(None, overrides[1:]).grpo.overlong_buffer.enable is False  # off: not checked
+    assert load_config(None, overrides[1:]).grpo.overlong_buffer.enabled is False  # off: not checked
 
 
 def test_gather_keeps_chosen_groups_renumbered_and_sequential_rounds_add_their_seconds():

@@ -436,7 +436,7 @@ def test_without_online_training_the_step_is_the_same_minus_the_draft(ray_sessio
     against a cap of 4 with a buffer of 2: only the 3-token one, half-way
     into the buffer, is penalised (-0.5)."""
     _, calls, records = _run(tmp_path, draft_online=False, steps=2, overrides=(
-        "grpo.max_new_tokens=4", "grpo.overlong_buffer.enable=true", "grpo.overlong_buffer.len=2"))
+        "grpo.max_new_tokens=4", "grpo.overlong_buffer.enabled=true", "grpo.overlong_buffer.len=2"))
     assert [c for c in calls if c[0] in ("update", "refit")] == [
         ("update", 4, False), ("refit", "policy", 1, ["w"]), ("update", 4, False), ("refit", "policy", 2, ["w"])]
     for r in records:

@@ -137,7 +137,7 @@ class Coordinator:
             self.drop_and_refill(rollout)
         rewards = rollout.scores.rewards
         buffer = self.cfg.grpo.overlong_buffer
-        if buffer.enable:
+        if buffer.enabled:
             rollout.overlong_penalty = overlong_penalty([len(r) for r in rollout.batch.response_ids],
                                                         self.cfg.grpo.max_new_tokens, buffer.len,
                                                         buffer.penalty_factor)
