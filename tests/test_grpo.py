@@ -170,7 +170,8 @@ def test_overlong_penalty_by_hand():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["grpo.overlong_buffer.enabled=true"], "grpo.overlong_buffer.len=0: must be an integer in (0, grpo.max_new_tokens=128)"),
+    (["grpo.overlong_buffer.enabled=true"],
+     "grpo.overlong_buffer.len=0: must be an integer in (0, grpo.max_new_tokens=128)"),
     (["grpo.overlong_buffer.enabled=true", "grpo.overlong_buffer.len=128"], "grpo.overlong_buffer.len=128"),
     (["grpo.overlong_buffer.enabled=true", "grpo.overlong_buffer.len=16", "grpo.overlong_buffer.penalty_factor=-1"],
      "grpo.overlong_buffer.penalty_factor=-1"),
