@@ -27,7 +27,7 @@ from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, RunConfig, draft_online,
 from rayspec.data import load_problems
 from rayspec.models import load_policy
 from rayspec.models.acceptance import ACCEPTANCE_FILE
-from rayspec.preflight import check_inputs, check_memory_plan, check_resume, check_run_dir
+from rayspec.preflight import check_inputs, check_memory_plan, check_nodes_see_inputs, check_resume, check_run_dir
 from rayspec.scheduler.placement import cluster_nodes, plan_placement
 from rayspec.train.checkpoint import TRAIN_NAME, TRAIN_STORAGE
 
@@ -55,15 +55,18 @@ def init_ray(cfg: RunConfig) -> None:
 
 
 def _absolute(cfg: RunConfig) -> RunConfig:
-    """Resolve relative paths against the driver's cwd (workers run elsewhere)."""
+    """Resolve relative paths against the driver's cwd (workers run
+    elsewhere). ``model.cache_dir`` keeps a leading ``~``: each node expands
+    it to its own HOME (a cache is a node's own)."""
     def absp(p):
         return p if p is None or "://" in p or p.startswith("bundled:") or not os.path.exists(p) \
             else str(Path(p).expanduser().resolve())
+    cache = cfg.model.cache_dir
     return dataclasses.replace(
         cfg, trainer=dataclasses.replace(cfg.trainer, run_dir=str(Path(cfg.trainer.run_dir).expanduser().resolve())),
         data=dataclasses.replace(cfg.data, path=absp(cfg.data.path)),
         model=dataclasses.replace(cfg.model, path=absp(cfg.model.path),
-                                  cache_dir=str(Path(cfg.model.cache_dir).expanduser())))
+                                  cache_dir=cache if cache.startswith("~") else str(Path(cache).resolve())))
 
 
 def prepare_draft(cfg: RunConfig, model_dir: str, run_dir: Path) -> tuple[str | None, list[int] | None]:
@@ -180,9 +183,11 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
             and name).
 
     Raises:
-        ConfigError: bad config, model, draft or data (``check_inputs``), or
+        ConfigError: bad config, model, draft or data (``check_inputs``),
             a checkpoint where none is expected / none where resume is
-            (``check_resume``).
+            (``check_resume``), or on several nodes, a node that runs a role
+            and does not see the run directory or an input
+            (``check_nodes_see_inputs``).
         ClusterFitError: the layout does not fit the cluster.
         All before any role is started.
         RunAborted: the Train workers met a bad input a restart would meet
@@ -209,6 +214,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     nodes = cluster_nodes()
     plan = plan_placement(cfg, nodes)
     check_memory_plan(cfg, model_dir, nodes)
+    check_nodes_see_inputs(cfg, plan, model_dir)
     log.info("scheduler mode %s%s; %s", cfg.scheduler.mode,
              f" (max_policy_lag {cfg.scheduler.max_policy_lag})" if cfg.scheduler.mode == "async" else "",
              plan.describe())
@@ -221,7 +227,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     t0 = time.perf_counter()
     log.info("deploying %d rollout replica(s) (speculative_config=%s)", cfg.rollout.num_replicas,
              cfg.rollout.speculative_config)
-    deploy_rollout(cfg, model_dir, draft_dir, plan)
+    deploy_rollout(cfg, cfg.model.path, draft_dir, plan)
     draft, draft_prior = None, None
     if draft_online(cfg):
         spec = cfg.rollout.speculative_config
@@ -244,11 +250,11 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     try:
         trainer = TorchTrainer(
             rl_worker_loop,
-            train_loop_config={"cfg": cfg, "model_dir": model_dir,
+            train_loop_config={"cfg": cfg,
                                "aux_layer_ids": aux_ids if draft is not None else None,
                                "cores": plan.cores.get("train", {}), "draft_prior": draft_prior},
             scaling_config=plan.scaling_config(),
-            # storage_path must be shared by all nodes (NFS, or a cloud URI) on a multi-node cluster
+            # on several nodes every node sees it (check_nodes_see_inputs)
             run_config=TrainRunConfig(
                 name=TRAIN_NAME, storage_path=str(run_dir / TRAIN_STORAGE),
                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.trainer.num_to_keep),

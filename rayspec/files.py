@@ -64,3 +64,27 @@ def import_object(spec: str, key: str, error: type[Exception] = ValueError) -> A
     if not hasattr(module, name):
         raise error(f"{key}: {where} has no {name!r}")
     return getattr(module, name)
+
+
+def content_digest(path: str | os.PathLike, edge_bytes: int = 1 << 20) -> str | None:
+    """A digest of what is at ``path``, to tell whether two nodes hold the
+    same file or directory there without reading gigabytes: each file's
+    path (relative to ``path``), size, and first and last ``edge_bytes``
+    bytes, in sorted order. None where nothing is there."""
+    root = Path(path).expanduser()
+    if root.is_file():
+        files = [root]
+    elif root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.is_file())
+    else:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(root) if f != root else f.name}\0{size}\0".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(edge_bytes))
+            if size > 2 * edge_bytes:
+                fh.seek(size - edge_bytes)
+                h.update(fh.read(edge_bytes))
+    return h.hexdigest()

@@ -2,17 +2,20 @@
 failure a ``ConfigError`` (or ``ClusterFitError``) that names the key or
 file at fault: the policy, the draft and the dataset (``check_inputs``), a
 multi-turn run's tools and template (``check_agent``), the reward
-functions' signatures, the run directory, a resume, and the memory plan on
-the cluster's own devices (``check_memory_plan``). ``rayspec.driver.run``
-calls them in that order before it starts a role."""
+functions' signatures, the run directory, a resume, the memory plan on
+the cluster's own devices (``check_memory_plan``), and on several nodes that
+every node running a role sees what its roles read (``check_nodes_see_inputs``).
+``rayspec.driver.run`` calls them in that order before it starts a role."""
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -21,7 +24,8 @@ from rayspec.data import load_problems, train_and_heldout
 from rayspec.draft.eagle3 import WEIGHT_FILES, aux_layer_ids
 from rayspec.models import check_causal_lm_dir, resolve_model_path
 from rayspec.models.acceptance import read_acceptance
-from rayspec.scheduler.placement import ClusterFitError, NodeInfo
+from rayspec.files import content_digest
+from rayspec.scheduler.placement import ClusterFitError, NodeInfo, PlacementPlan
 from rayspec.train.checkpoint import TRAIN_NAME, TRAIN_STORAGE, checkpoints
 from rayspec.vllm import require_vllm
 
@@ -264,7 +268,7 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
             log.warning("memory plan of CPU roles not checked: %s", e)
             return None
         if host_bytes is None:
-            import psutil  # a Ray dependency
+            import psutil
 
             host_bytes = psutil.virtual_memory().total
         result, what, hardware = cpu_plan(cfg, shape, host_bytes), "this node's host memory", \
@@ -312,3 +316,111 @@ def gpu_memory_by_node(nodes: list[NodeInfo]) -> dict[str, Optional[int]]:
     refs = [query.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote()
             for n in nodes]
     return dict(zip((n.node_id for n in nodes), ray.get(refs, timeout=120)))
+
+
+def node_inputs(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(config key, path) of each local file or directory a role reads,
+    besides the policy and the run directory: the dataset's files (on rank
+    0), the reward functions' and the tools' Python files (in reward workers
+    beside rank 0 and in the replicas), a draft model (in the replicas; a
+    given EAGLE-3 head is copied into the run directory). Paths that name
+    nothing here (a hub dataset id) are left out."""
+    out = []
+    for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+        if path and "://" not in path:
+            out += [(key, p) for p in (sorted(glob.glob(path)) if glob.has_magic(path) else [path])
+                    if os.path.exists(p)]
+    specs = [(f"reward.functions[{i}]", s) for i, s in enumerate(cfg.reward.functions)] + \
+            [(f"rollout.tools[{i}]", s) for i, s in enumerate(cfg.rollout.tools)] + \
+            [("rollout.environment", s) for s in [cfg.rollout.environment] if s]
+    # as given: a role resolves a relative path in its own working directory (under `ray job submit`, the
+    # job's working_dir, unpacked on every node), as the check's task on the node does
+    out += [(key, s.rsplit(":", 1)[0]) for key, s in specs if s.rsplit(":", 1)[0].endswith(".py")]
+    spec = cfg.rollout.speculative_config
+    if spec.method == "draft_model" and spec.model:
+        out.append(("rollout.speculative_config.model", spec.model))
+    return out
+
+
+def _what_this_node_sees(model_path: str, cache_dir: str, paths: list[str], marker: str) -> dict:
+    """On one node: whether it sees ``marker``, the digest of each of
+    ``paths`` (None: not there) and of the policy as this node resolves it
+    (a bundled model: dequantised into this node's ``cache_dir`` now, once,
+    before the roles start), or why it cannot."""
+    out = {"marker": os.path.exists(marker), "paths": [content_digest(p) for p in paths]}
+    try:
+        out["model"] = content_digest(resolve_model_path(model_path, cache_dir))
+    except (ConfigError, OSError) as e:
+        out["model_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def check_nodes_see_inputs(cfg: RunConfig, plan: PlacementPlan, model_dir: str, timeout_s: float = 900.0) -> None:
+    """On several nodes, before any role starts: every node the plan gives a
+    role (other than the driver's) sees what the run's roles read, through
+    Ray, in a zero-CPU task on it:
+
+    - ``trainer.run_dir`` itself, not a copy: the replicas read the draft
+      head there, rank 0 and the DraftTrainer write records, checkpoints
+      and the trained policy there (a marker the driver writes must show);
+    - the policy, with the driver's content: a bundled model is resolved in
+      the node's own ``model.cache_dir`` (its HOME's, as
+      ``cluster/install_node.sh`` made it), a path must hold the same files;
+    - each of ``node_inputs`` with the driver's content (shared storage, or
+      the same copy at the same path).
+
+    Raises:
+        ConfigError: naming the key, the path, the node (id, address and
+            its roles) and what it sees instead; the directory the check
+            created, if any, is removed again.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [n for n in plan.nodes if n.node_id != here and any(b.node_id == n.node_id for b in plan.bundles)]
+    if not nodes:
+        return
+    inputs = node_inputs(cfg)
+    want = {"model": content_digest(model_dir), "paths": [content_digest(p) for _, p in inputs]}
+    run_dir = Path(cfg.trainer.run_dir)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    marker = run_dir / f".rayspec-node-check-{uuid.uuid4().hex[:12]}"
+    marker.touch()
+    probe = ray.remote(num_cpus=0)(_what_this_node_sees)
+    try:
+        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote(
+            cfg.model.path, cfg.model.cache_dir, [p for _, p in inputs], str(marker)) for n in nodes]
+        seen = ray.get(refs, timeout=timeout_s)
+    finally:
+        marker.unlink()
+    problems = []
+    for n, got in zip(nodes, seen):
+        where = f"node {n.node_id[:8]} ({n.address or '?'}; runs " + ", ".join(
+            sorted({b.role for b in plan.bundles if b.node_id == n.node_id})) + ")"
+        if not got["marker"]:
+            problems.append(f"trainer.run_dir={run_dir}: {where} does not see this directory (it is local to the "
+                            "driver's node); on several nodes the run directory must be storage every node "
+                            "mounts (NFS, a cluster filesystem): the replicas read the draft head from it, rank 0 and "
+                            "the DraftTrainer write records, checkpoints (Ray Train's storage_path, "
+                            f"<run_dir>/{TRAIN_STORAGE}) and the trained policy into it")
+        if "model_error" in got:
+            problems.append(f"model.path={cfg.model.path}: {where} cannot load it: {got['model_error']}")
+        elif got["model"] != want["model"]:
+            problems.append(f"model.path={cfg.model.path}: {where} holds other files at "
+                            f"{'its model.cache_dir' if cfg.model.path.startswith('bundled:') else 'that path'} "
+                            "than the driver's node (another release, or a partial copy)")
+        for (key, path), have, expect in zip(inputs, got["paths"], want["paths"]):
+            if have != expect:
+                problems.append(f"{key}={path}: {where} " + ("does not see it" if have is None else
+                                                              "holds another file or directory there"))
+    if problems:
+        if created:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+        raise ConfigError("on several nodes every node that runs a role reads the run's inputs (put them on "
+                          "storage every node mounts, or the same copy at the same path on each node):\n  "
+                          + "\n  ".join(problems))
+    log.info("inputs: %d node(s) besides the driver's see the run directory, the policy and %d input file(s)",
+             len(nodes), len(inputs))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayspec.config import RewardConfig
 from rayspec.reward.functions import RewardFunctionError, accepted_kwargs, resolve
@@ -122,7 +123,10 @@ class RewardPool:
         self.workers = [self._start() for _ in range(reward.num_workers)]
 
     def _start(self):
-        worker = RewardWorker.options(scheduling_strategy="DEFAULT").remote(  # not in the Train group's bundles
+        # on this process's node (rank 0's: it sees the reward functions' files, checked before the run), and
+        # not in the Train group's bundles
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        worker = RewardWorker.options(scheduling_strategy=here).remote(
             list(self.cfg.functions), self.cfg.format_pattern,
             self.columns + (["environments"] if self.environments else []))  # TRL's keyword, passed as a column
         try:

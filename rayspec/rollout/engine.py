@@ -284,6 +284,13 @@ def _replica_id() -> str:
         return "local"
 
 
+def _node() -> str:
+    """This process's Ray node (the id's first 8 hex digits), or empty outside Ray."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()[:8] if ray.is_initialized() else ""
+
+
 @dataclasses.dataclass
 class _Window:
     """The ``generate`` calls an engine runs together, from the first call
@@ -512,6 +519,7 @@ class SpecVLLMEngine:
             kwargs.setdefault("sleep_preserve_parameter_names", ["draft.*"])
         self._discarded = False  # a level-2 sleep dropped the weights; a policy refit restores them
         self.replica_id = _replica_id()
+        self.node = _node()
         if engine_cls is None:
             engine_cls = "offline" if {**os.environ, **env}.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "async"
         engine_cls = engine_class(engine_cls) if isinstance(engine_cls, str) else engine_cls
@@ -607,7 +615,7 @@ class SpecVLLMEngine:
             if rates:
                 log.info("adaptive k: starting from the draft's recorded acceptance rates %s",
                          [round(r, 3) for r in rates])
-        self._cost_file = Path(cost_cache) / f"{self.cost_key(temperature)}.json" if cost_cache else None
+        self._cost_file = Path(cost_cache).expanduser() / f"{self.cost_key(temperature)}.json" if cost_cache else None
         if cost is None:
             cost = _read_step_cost(self._cost_file)
             if cost is not None:
@@ -763,7 +771,7 @@ class SpecVLLMEngine:
         stats.k_schedule = window.schedule if self.adaptive is not None else []
         stats.k_reason = window.reason
         stats.draft_stale_repairs = repairs
-        stats.replicas = {self.replica_id: dataclasses.replace(stats)}
+        stats.replicas = {self.replica_id: dataclasses.replace(stats, node=self.node)}
         return batch, stats
 
     def _trajectories(self, prompt_ids: list[list[int]], rows: list[dict[str, Any]], n: int, params,

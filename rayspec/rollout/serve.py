@@ -10,6 +10,7 @@ from pathlib import Path
 from ray import serve
 
 from rayspec.config import replica_transfer_backend
+from rayspec.models import resolve_model_path
 from rayspec.rollout.engine import SpecVLLMEngine, replica_env
 
 APP_NAME = "rayspec-rollout"
@@ -25,12 +26,17 @@ class SpecVLLMReplica(SpecVLLMEngine):
     5 on a 1-CPU replica.
 
     Args:
+        model: ``model.path``: an HF directory (every replica's node sees
+            it), or the bundled model, which the replica's node resolves in
+            its own ``model_cache_dir`` (``resolve_model_path``).
+        model_cache_dir: ``model.cache_dir``; a leading ``~`` is this
+            node's HOME.
         max_ongoing_requests: the deployment's (threads in the pool).
         kwargs: ``SpecVLLMEngine``'s.
     """
 
-    def __init__(self, max_ongoing_requests: int = 1, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, model: str, model_cache_dir: str, max_ongoing_requests: int = 1, **kwargs):
+        super().__init__(model=str(resolve_model_path(model, model_cache_dir)), **kwargs)
         self._units = concurrent.futures.ThreadPoolExecutor(max_ongoing_requests,
                                                             thread_name_prefix="rayspec-request-unit")
 
@@ -40,13 +46,15 @@ class SpecVLLMReplica(SpecVLLMEngine):
             self._units, functools.partial(SpecVLLMEngine.generate, self, **kwargs))
 
 
-def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
+def deploy_rollout(cfg, model: str, draft_dir: str | None,
                    plan=None) -> serve.handle.DeploymentHandle:
     """Start (or replace) the rollout app: ``cfg.rollout.num_replicas`` vLLM replicas.
 
     Args:
         cfg: RunConfig.
-        model_dir: HF directory of the policy.
+        model: the policy: an HF directory, or ``model.path``'s bundled
+            model (each replica resolves it on its node, in
+            ``cfg.model.cache_dir``).
         draft_dir: EAGLE-3 head / draft model directory (overrides
             ``speculative_config.model``), or None.
         plan: ``PlacementPlan`` giving the replicas their nodes, resources
@@ -84,12 +92,12 @@ def deploy_rollout(cfg, model_dir: str, draft_dir: str | None,
     )
     ak = cfg.rollout.adaptive_k
     adaptive = ({"margin": ak.margin, "probe_every": ak.probe_every, "temperature": cfg.grpo.temperature,
-                 "cost_cache": str(Path(cfg.model.cache_dir).expanduser() / "step_costs")
+                 "cost_cache": str(Path(cfg.model.cache_dir) / "step_costs")  # ~: the replica's node's
                  if ak.cache_step_costs else None} if ak.enabled else None)
     # the rollout app is reached through handles only: no HTTP proxy (no-op
     # where Serve already runs)
     serve.start(proxy_location="Disabled")
-    app = deployment.bind(model=model_dir, speculative_config=spec, dtype=cfg.model.dtype,
+    app = deployment.bind(model=model, model_cache_dir=cfg.model.cache_dir, speculative_config=spec, dtype=cfg.model.dtype,
                           engine_kwargs=engine_kwargs, env=env, cpu_cores_by_node=cores,
                           adaptive_k=adaptive, log_level=cfg.logging.level, engine_cls=cfg.rollout.engine_cls,
                           max_ongoing_requests=cfg.rollout.max_ongoing_requests,

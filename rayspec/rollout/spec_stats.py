@@ -26,6 +26,8 @@ class SpecStats:
         draft_stale_repairs: times a replica found the draft weights it
             held were not those of its last refit (lost in a sleep / wake
             or a refit) and loaded them again before generating.
+        node: a replica's Ray node (the id's first 8 hex digits, as the
+            placement plan prints it); empty outside Ray and in sums.
     """
 
     num_drafts: int = 0
@@ -38,6 +40,7 @@ class SpecStats:
     k_schedule: list = field(default_factory=list)
     draft_stale_repairs: int = 0
     k_reason: str = ""
+    node: str = ""
 
     @property
     def acceptance_length(self) -> float:
@@ -68,6 +71,8 @@ class SpecStats:
         if self.k_schedule:
             out["k_schedule"] = [list(r) for r in self.k_schedule]
             out["k_reason"] = self.k_reason
+        if self.node:
+            out["node"] = self.node
         return out
 
     def then(self, other: "SpecStats") -> "SpecStats":
@@ -95,6 +100,7 @@ class SpecStats:
             self.k_schedule or other.k_schedule,
             self.draft_stale_repairs + other.draft_stale_repairs,
             self.k_reason or other.k_reason,
+            self.node if self.node == other.node else "",  # one replica's entries summed keep its node
         )
 
 

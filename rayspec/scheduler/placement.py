@@ -60,6 +60,7 @@ class NodeInfo:
         cpus / gpus: Ray resources of the node (logical CPUs, GPUs).
         memory: Ray ``memory`` resource (bytes).
         cores: CPU core ids on the node (for thread pinning).
+        address: the node's IP address, as Ray knows it.
     """
 
     node_id: str
@@ -67,10 +68,11 @@ class NodeInfo:
     gpus: float = 0.0
     memory: float = 0.0
     cores: tuple[int, ...] = ()
+    address: str = ""
 
     def describe(self) -> str:
-        return (f"node {self.node_id[:8]}: {self.cpus:g} CPUs, {self.gpus:g} GPUs, "
-                f"{self.memory / 2**30:.1f} GiB")
+        return (f"node {self.node_id[:8]}{f' ({self.address})' if self.address else ''}: {self.cpus:g} CPUs, "
+                f"{self.gpus:g} GPUs, {self.memory / 2**30:.1f} GiB")
 
 
 @dataclass(frozen=True)
@@ -173,25 +175,41 @@ def _fmt(res: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in res.items()) + "}" if res else "{}"
 
 
-def cluster_nodes() -> list[NodeInfo]:
-    """Alive nodes of the connected Ray cluster, head node first.
+def _affinity() -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(0)))
 
-    Core ids are this process's CPU affinity for the node it runs on, else
-    0..CPUs-1.
+
+def cluster_nodes(timeout_s: float = 120.0) -> list[NodeInfo]:
+    """Alive nodes of the connected Ray cluster, the driver's node first.
+
+    Core ids are the CPU affinity of a process on the node: this one's on
+    the driver's node, elsewhere a zero-CPU task's, run on each node (its
+    raylet's affinity, which its workers inherit), so the cores a role is
+    pinned to are that node's own.
+
+    Raises:
+        ClusterFitError: a node did not answer within ``timeout_s`` (named).
     """
     import ray
 
     here = ray.get_runtime_context().get_node_id()
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    probe = ray.remote(num_cpus=0)(_affinity)
+    refs = {n["NodeID"]: probe.options(label_selector={NODE_LABEL: n["NodeID"]}).remote()
+            for n in alive if n["NodeID"] != here}
     out = []
-    for n in ray.nodes():
-        if not n.get("Alive"):
-            continue
+    for n in alive:
         res = n.get("Resources", {})
-        cpus = float(res.get("CPU", 0.0))
-        cores = tuple(sorted(os.sched_getaffinity(0))) if n["NodeID"] == here \
-            else tuple(range(int(cpus)))
-        out.append(NodeInfo(n["NodeID"], cpus, float(res.get("GPU", 0.0)),
-                            float(res.get("memory", 0.0)), cores))
+        if n["NodeID"] == here:
+            cores = _affinity()
+        else:
+            try:
+                cores = ray.get(refs[n["NodeID"]], timeout=timeout_s)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
+                raise ClusterFitError(f"node {n['NodeID'][:8]} ({n.get('NodeManagerAddress')}) did not say which "
+                                      f"CPU cores it has within {timeout_s:g} s: {type(e).__name__}") from e
+        out.append(NodeInfo(n["NodeID"], float(res.get("CPU", 0.0)), float(res.get("GPU", 0.0)),
+                            float(res.get("memory", 0.0)), cores, n.get("NodeManagerAddress", "")))
     out.sort(key=lambda x: x.node_id != here)
     return out
 

@@ -99,7 +99,7 @@ def rl_worker_loop(config: dict) -> None:
     it without a failure: ``report_aborts``).
 
     Args:
-        config: {"cfg": RunConfig, "model_dir": str, "aux_layer_ids": list | None,
+        config: {"cfg": RunConfig, "aux_layer_ids": list | None,
             "cores": {node id: CPU cores} of the train role, or absent,
             "draft_prior": the head's recorded acceptance length
             (``TrainingCadence``'s prior), None or absent}.
@@ -107,7 +107,7 @@ def rl_worker_loop(config: dict) -> None:
     import ray.train
     import ray.train.torch
 
-    from rayspec.models import load_policy, load_tokenizer
+    from rayspec.models import load_policy, load_tokenizer, resolve_model_path
 
     cfg: RunConfig = config["cfg"]
     cores = (config.get("cores") or {}).get(ray.get_runtime_context().get_node_id())
@@ -121,7 +121,9 @@ def rl_worker_loop(config: dict) -> None:
     torch.manual_seed(cfg.trainer.seed)
     tctx = ray.train.get_context()
     ranks = Ranks(tctx.get_world_rank(), tctx.get_world_size())
-    tokenizer = load_tokenizer(config["model_dir"])
+    # the policy as this node has it: a bundled model is in this node's own model.cache_dir
+    model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    tokenizer = load_tokenizer(model_dir)
     # The GPU Ray Train gave this worker. DeepSpeed would take cuda:<LOCAL_RANK>, but Ray
     # Train numbers local ranks per node IP and shares CUDA_VISIBLE_DEVICES per Ray node,
     # which disagree where one host runs several Ray nodes.
@@ -135,13 +137,13 @@ def rl_worker_loop(config: dict) -> None:
     check_devices(cfg, coord, draft, ranks, gpu_index)
     ds_config = deepspeed_config(cfg, ranks.world)
     with zero3_init(ds_config, gpu_index):
-        model = load_policy(config["model_dir"], training_load_dtype(cfg))
+        model = load_policy(model_dir, training_load_dtype(cfg))
     if cfg.train.gradient_checkpointing:  # the EAGLE-3 capture hooks are gone before the recompute
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = build_engine(model, ds_config, device_rank=gpu_index)
     ref_model = None
     if cfg.grpo.kl_coef > 0:  # frozen, beside the policy on its device, in its compute dtype
-        ref_model = load_policy(config["model_dir"], next(engine.module.parameters()).dtype)
+        ref_model = load_policy(model_dir, next(engine.module.parameters()).dtype)
         ref_model = ref_model.eval().requires_grad_(False).to(engine.device)
     policy = PolicyWorker(engine, cfg, ranks, tokenizer.pad_token_id, _dtype(cfg.model.dtype), ref_model,
                           make_source(cfg, ranks, device))

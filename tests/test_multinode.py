@@ -1,0 +1,147 @@
+"""Across Ray nodes, on simulated nodes of one host (``rayspec.tools.local_cluster``:
+each with a HOME, CPU cores, ``/dev/shm`` and a view of the filesystem of its own, the
+driver's directory hidden from the others): what each node has, the check that every
+node running a role sees the run's inputs, and the main job split over two nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from rayspec.config import ConfigError, load_config
+from rayspec.files import content_digest
+from rayspec.preflight import node_inputs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_content_digest_tells_files_and_directories_apart(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.json").write_text("{}")
+    (tmp_path / "a" / "w.bin").write_bytes(os.urandom(3 << 20))
+    d = content_digest(tmp_path / "a")
+    assert d is not None and content_digest(tmp_path / "a") == d
+    assert content_digest(tmp_path / "missing") is None
+    (tmp_path / "a" / "x.json").write_text("{ }")
+    assert content_digest(tmp_path / "a") != d
+    # the middle of a large file is not read: its size and edges are
+    f = tmp_path / "a" / "w.bin"
+    before = content_digest(f)
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))
+    assert content_digest(f) != before
+
+
+def test_node_inputs_lists_what_roles_read_from_files(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    cfg = load_config(None, ["data.name=files", f"data.path={data}",
+                             f"reward.functions=[math_verify,{tmp_path}/r.py:fn]",
+                             f"rollout.tools=[{tmp_path}/t.py:mul]", "rollout.engine_cls=async"])
+    assert node_inputs(cfg) == [("data.path", str(data)), ("reward.functions[1]", f"{tmp_path}/r.py"),
+                                ("rollout.tools[0]", f"{tmp_path}/t.py")]
+    assert node_inputs(load_config(None, [])) == []  # the built-in task and rewards: nothing to read
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """A head (the driver's node, no CPUs for roles) and two 1-CPU nodes,
+    node1 on host core 0 and node2 on core 1."""
+    import ray
+
+    from rayspec.driver import NAMESPACE
+    from rayspec.tools.local_cluster import LocalCluster, NodeSpec
+
+    ray.shutdown()  # a cluster of its own (the shared session's tests run last)
+    cluster = LocalCluster(tmp_path_factory.mktemp("lc", numbered=True), NodeSpec(0))
+    try:
+        for cores in ((0,), (1,)):
+            cluster.add_node(NodeSpec(1, cores, 512 << 20))
+        ray.init(address=cluster.address, namespace=NAMESPACE)
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_simulated_nodes_have_cores_homes_and_directories_of_their_own(two_nodes):
+    import ray
+
+    from rayspec.scheduler.placement import cluster_nodes
+
+    secret = two_nodes.root / "head" / "driver-only.txt"
+    secret.write_text("x")
+
+    def facts():
+        return os.environ["HOME"], sorted(os.sched_getaffinity(0)), secret.exists()
+
+    probe = ray.remote(num_cpus=0)(facts)
+    nodes = {n.node_id: n for n in cluster_nodes()}
+    for name, core in (("node1", 0), ("node2", 1)):
+        node = two_nodes.node_id(name)
+        home, cores, sees = ray.get(probe.options(label_selector={"ray.io/node-id": node}).remote())
+        assert (home, cores, sees) == (str(two_nodes.home(name)), [core], False)
+        assert nodes[node].cores == (core,) and nodes[node].cpus == 1
+
+
+@pytest.mark.slow
+def test_every_node_with_a_role_must_see_the_run_dir_the_policy_and_the_inputs(two_nodes, tiny_llama_dir,
+                                                                                tmp_path):
+    from rayspec.preflight import check_nodes_see_inputs
+    from rayspec.scheduler import plan_placement
+    from rayspec.scheduler.placement import cluster_nodes
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "What is 1+1?", "answer": "2"}\n')
+    shared = [f"model.path={tiny_llama_dir}", "scheduler.layout=split", "data.name=files", f"data.path={data}"]
+    plan = plan_placement(load_config(None, shared), cluster_nodes())
+    assert {b.node_id for b in plan.bundles} == {two_nodes.node_id("node1"), two_nodes.node_id("node2")}
+    check_nodes_see_inputs(load_config(None, shared + [f"trainer.run_dir={tmp_path / 'run'}"]), plan,
+                           str(tiny_llama_dir))
+
+    # on the driver's node only: the run directory (created for the check, then removed), a data file
+    private = two_nodes.root / "head"
+    (private / "train.jsonl").write_text(data.read_text())
+    run_dir = private / "run"
+    cfg = load_config(None, shared + [f"trainer.run_dir={run_dir}", f"data.path={private / 'train.jsonl'}"])
+    with pytest.raises(ConfigError) as e:
+        check_nodes_see_inputs(cfg, plan, str(tiny_llama_dir))
+    msg = str(e.value)
+    for name in ("node1", "node2"):
+        node = two_nodes.node_id(name)[:8]
+        assert f"trainer.run_dir={run_dir}: node {node}" in msg and f"data.path={private / 'train.jsonl'}: node {node}" in msg
+    assert "runs rollout)" in msg and "runs draft, train)" in msg
+    assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_the_main_job_split_over_two_nodes_reads_nothing_from_the_drivers_node(two_nodes, tmp_path, monkeypatch):
+    """The default preset (shortened) with ``scheduler.layout=split``: the
+    replica on one node, the Train workers and the DraftTrainer on the
+    other. The driver's HOME is the head's, which no other node sees: each
+    node dequantises the bundled policy into its own HOME."""
+    from rayspec import driver
+    from rayspec.scheduler import plan_placement
+    from rayspec.scheduler.placement import cluster_nodes
+
+    monkeypatch.setenv("HOME", str(two_nodes.home("head")))
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, ["scheduler.layout=split", "trainer.steps=2", "trainer.eval_every=0",
+                             "grpo.max_new_tokens=16", "data.prompts_per_step=2", "grpo.group_size=4",
+                             f"trainer.run_dir={run_dir}"])
+    plan = plan_placement(cfg, cluster_nodes())
+    (rollout_node,) = {b.node_id[:8] for b in plan.role("rollout")}
+    assert {b.node_id for b in plan.role("train") + plan.role("draft")} == \
+        {two_nodes.node_id("node1"), two_nodes.node_id("node2")} - {plan.role("rollout")[0].node_id}
+    driver.run(cfg)
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2]
+    assert all([e["node"] for e in r["replicas"].values()] == [rollout_node] for r in recs)
+    for name in ("head", "node1", "node2"):
+        assert (two_nodes.home(name) / ".cache" / "rayspec" / "models" / "smollm2-135m-instruct"
+                / "model.safetensors").is_file()
+    assert (run_dir / "policy" / "model.safetensors").is_file() and (run_dir / "draft_head" / "config.json").is_file()
