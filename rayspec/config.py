@@ -869,12 +869,17 @@ class SchedulerConfig:
             records which versions made which of its tokens. Off: a refit
             waits for the replica's requests in flight to end. Needs
             ``rollout.engine_cls`` other than ``offline``.
+        node_wait_s: seconds a run waits for nodes to join when a node died
+            and the nodes left cannot hold the layout (the placement is made
+            again on every join); then it stops, naming what the layout
+            lacks, with its last checkpoint kept (``docs/faults.md``, "Nodes").
     """
 
     layout: str = "colocate"
     mode: str = "sync"
     max_policy_lag: int = 1
     in_flight_updates: bool = False
+    node_wait_s: float = 300.0
 
     def validate(self, key: str = "scheduler") -> None:
         _check(self.layout in LAYOUTS, f"{key}.layout", self.layout, f"expected one of {LAYOUTS}")
@@ -886,6 +891,7 @@ class SchedulerConfig:
                "so there is nothing to overlap")
         _check(not self.in_flight_updates or self.mode == "async", f"{key}.in_flight_updates", True,
                f"needs {key}.mode=async (in sync mode no refit meets a rollout in flight)")
+        _check(self.node_wait_s >= 0, f"{key}.node_wait_s", self.node_wait_s, "must be >= 0 (seconds)")
 
 
 @dataclass(frozen=True)

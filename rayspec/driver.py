@@ -7,7 +7,8 @@ Each role declares its own resources in the config (rollout:
 ``num_cpus_per_worker`` / ``num_gpus_per_worker``; draft: ``num_cpus`` /
 ``num_gpus``); ``scheduler.layout`` decides how they share the cluster
 (``rayspec.scheduler.placement``) and ``scheduler.mode`` when rollouts run
-(``rayspec.scheduler.pipeline``).
+(``rayspec.scheduler.pipeline``). A node that dies mid-run is placed around
+(``NodeWatch``, ``rayspec.scheduler.recovery``).
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from pathlib import Path
 import ray
 from omegaconf import OmegaConf
 
-from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, RunConfig, draft_online, dtype_reason
+from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, ConfigError, RunConfig, draft_online, dtype_reason
 from rayspec.data import load_problems
 from rayspec.models import load_policy
 from rayspec.models.acceptance import ACCEPTANCE_FILE
 from rayspec.preflight import check_inputs, check_memory_plan, check_nodes_see_inputs, check_resume, check_run_dir
-from rayspec.scheduler.placement import cluster_nodes, plan_placement
+from rayspec.scheduler.placement import ROLES, ClusterFitError, cluster_nodes, plan_placement
+from rayspec.scheduler.recovery import alive_node_ids, dead_nodes, moved_roles, plan_without, start_node_events
 from rayspec.train.checkpoint import TRAIN_NAME, TRAIN_STORAGE
 
 log = logging.getLogger(__name__)
@@ -173,8 +175,235 @@ def save_draft_head(draft, first_start, out: Path) -> bool:
     return why is None
 
 
+class Roles:
+    """The run's roles where the placement plan puts them: the rollout
+    deployment (Ray Serve), the DraftTrainer (a Ray actor) and the Train
+    workers' ``TorchTrainer`` (one per attempt); ``follow`` moves them to a
+    new plan after a node died.
+
+    Args:
+        cfg: the run's config (paths absolute).
+        plan: the placement plan.
+        draft_dir: the draft the replicas start with (``prepare_draft``).
+        aux_ids: the verifier layers the EAGLE-3 head reads, or None.
+    """
+
+    def __init__(self, cfg: RunConfig, plan, draft_dir: str | None, aux_ids: list[int] | None):
+        from rayspec.rollout.serve import deploy_rollout
+
+        self.cfg, self.plan, self.draft_dir = cfg, plan, draft_dir
+        t0 = time.perf_counter()
+        log.info("deploying %d rollout replica(s) (speculative_config=%s)", cfg.rollout.num_replicas,
+                 cfg.rollout.speculative_config)
+        deploy_rollout(cfg, cfg.model.path, draft_dir, plan)
+        self.draft = self.first_start = self.draft_prior = None
+        self.aux_ids = aux_ids if draft_online(cfg) else None
+        if draft_online(cfg):
+            self.lr, why, self.draft_prior = draft_start(cfg, draft_dir)
+            log.info("draft head learning rate %.3g: %s; recorded acceptance length %s", self.lr, why,
+                     "none (a fresh head)" if self.draft_prior is None else f"{self.draft_prior:.3f}")
+            self._start_draft()
+        log.info("rollout ready in %.0fs", time.perf_counter() - t0)
+
+    def _start_draft(self) -> None:
+        from rayspec.draft.client import DRAFT_TRAINER_NAME
+        from rayspec.draft.trainer import DraftTrainer
+
+        cfg, spec = self.cfg, self.cfg.rollout.speculative_config
+        # threaded: features arrive (submit_features) while train() runs
+        self.draft = ray.remote(DraftTrainer).options(
+            name=DRAFT_TRAINER_NAME, max_concurrency=2, max_restarts=cfg.draft.max_restarts,
+            **self.plan.draft_options()).remote(
+            self.draft_dir, self.lr, cfg.draft.ttt_steps, cfg.draft.torch_threads,
+            cfg.draft.buffer_steps, cfg.trainer.seed,
+            self.plan.cores.get("draft", {}).get(self.plan.role("draft")[0].node_id),
+            device="cuda" if cfg.draft.num_gpus > 0 else "cpu",
+            num_speculative_tokens=spec.num_speculative_tokens,
+            draft_sample_method=spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
+            temperature=cfg.grpo.temperature, tv_loss_weight=cfg.draft.tv_loss_weight)
+        self.first_start = self.draft.incarnation.remote()  # runs on the first start, whatever happens later
+
+    def trainer(self):
+        """A ``TorchTrainer`` of the RL loop on the plan's Train bundles. Its
+        storage path and name are the run's, so it resumes from the run's
+        latest checkpoint where there is one (a resume, or the Train workers
+        of a dead node restarted elsewhere)."""
+        from ray.train import CheckpointConfig, FailureConfig
+        from ray.train import RunConfig as TrainRunConfig
+        from ray.train.torch import TorchTrainer
+
+        from rayspec.train.loop import rl_worker_loop
+
+        cfg = self.cfg
+        return TorchTrainer(
+            rl_worker_loop,
+            train_loop_config={"cfg": cfg, "aux_layer_ids": self.aux_ids,
+                               "cores": self.plan.cores.get("train", {}), "draft_prior": self.draft_prior},
+            scaling_config=self.plan.scaling_config(),
+            # on several nodes every node sees it (check_nodes_see_inputs)
+            run_config=TrainRunConfig(
+                name=TRAIN_NAME, storage_path=str(Path(cfg.trainer.run_dir) / TRAIN_STORAGE),
+                checkpoint_config=CheckpointConfig(num_to_keep=cfg.trainer.num_to_keep),
+                # a worker group pinned to a dead node never starts: Ray Train's retries (every
+                # RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) would go on for ever, so the first
+                # one that fails ends the attempt and the driver places the group again
+                failure_config=FailureConfig(max_failures=cfg.trainer.max_failures, controller_failure_limit=0)))
+
+    def follow(self, plan) -> dict[str, list[str]]:
+        """Move to ``plan``: the rollout deployment is deployed again where
+        a replica moved (Serve replaces its replicas, which catch up on the
+        newest weights before their first rollout), the DraftTrainer started
+        again where it moved (the next step restores it from the newest
+        checkpoint); the Train workers take the plan at the next
+        ``trainer()``. Returns ``moved_roles``."""
+        from rayspec.rollout.serve import deploy_rollout
+
+        moved = moved_roles(self.plan, plan)
+        self.plan = plan
+        if "rollout" in moved:
+            deploy_rollout(self.cfg, self.cfg.model.path, self.draft_dir, plan)
+        if "draft" in moved and self.draft is not None:
+            ray.kill(self.draft, no_restart=True)
+            self._start_draft()
+        return moved
+
+    def stop_rollout(self) -> None:
+        """Delete the rollout deployment (a run that cannot go on: rank 0's
+        rollouts then fail instead of waiting for replicas)."""
+        from ray import serve
+
+        from rayspec.rollout.serve import APP_NAME
+
+        serve.delete(APP_NAME)
+
+    def stop(self) -> None:
+        """End of run: the rollout deployment and the DraftTrainer go; Serve
+        stops unless other apps use it, so a later ``jobs.serve`` starts it
+        with its HTTP options."""
+        from ray import serve
+
+        self.stop_rollout()
+        if not serve.status().applications:
+            serve.shutdown()
+        if self.draft is not None:
+            ray.kill(self.draft)
+
+
+class NodeWatch:
+    """While an attempt's Train workers run, a thread asks Ray every
+    ``poll_s`` seconds whether a node of the plan died. When one did, the
+    roles move to the plan without it (``plan_without``: what ran elsewhere
+    stays, waiting up to ``scheduler.node_wait_s`` for nodes where the nodes
+    left cannot hold the layout), after the new nodes pass
+    ``check_nodes_see_inputs``; the loss is logged and posted for the next
+    step record (``NodeEvents``) once its roles run again: at once for the
+    rollout and the DraftTrainer, when the next attempt starts where Train
+    workers moved (``take_train_moves``).
+
+    Attributes:
+        losses: the losses met in this attempt (each an event dict).
+        error: why the run cannot go on (the nodes left cannot hold the
+            layout, or a new node does not see the inputs); the rollout
+            deployment is then deleted, so the attempt ends.
+    """
+
+    def __init__(self, roles: Roles, events, model_dir: str, poll_s: float = 2.0):
+        import threading
+
+        self.roles, self.events, self.model_dir, self.poll_s = roles, events, model_dir, poll_s
+        self.losses: list[dict] = []
+        self.error: Exception | None = None
+        self._train_moves: list[dict] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rayspec-node-watch", daemon=True)
+
+    def __enter__(self) -> "NodeWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s) and self.error is None:
+            try:
+                self.check()
+            except Exception as e:  # noqa: BLE001 - a failure to move is the run's end, not the thread's
+                log.exception("placing the roles of a dead node again failed")
+                self.error = e
+                self.roles.stop_rollout()
+
+    def check(self) -> dict | None:
+        """One look: the event of a node loss handled now, or None."""
+        with self._lock:
+            if self.error is not None:
+                return None
+            plan = self.roles.plan
+            dead = dead_nodes(plan, alive_node_ids())
+            if not dead:
+                return None
+            detected = time.time()
+            lost = {r: [b.index for b in plan.role(r) if b.node_id in dead] for r in ROLES
+                    if any(b.node_id in dead for b in plan.role(r))}
+            names = ", ".join(f"{n[:8]} ({next(x.address for x in plan.nodes if x.node_id == n) or '?'})"
+                              for n in dead)
+            log.warning("node(s) %s died, holding %s: placing those roles again", names,
+                        "; ".join(f"{r} {idx}" for r, idx in lost.items()))
+            try:
+                new = plan_without(self.roles.cfg, plan, cluster_nodes, self.roles.cfg.scheduler.node_wait_s)
+                check_nodes_see_inputs(self.roles.cfg, new, self.model_dir)
+            except (ClusterFitError, ConfigError) as e:
+                self.error = e
+                log.error("the run stops: %s", e)
+                self.roles.stop_rollout()
+                return None
+            moved = self.roles.follow(new)
+            event = {"nodes": [n[:8] for n in dead], "lost": lost, "moved": moved, "detected_at": detected,
+                     "recovered_s": time.time() - detected}
+            self.losses.append(event)
+            log.warning("the roles of node(s) %s run again (%.0f s): %s; placement now:\n%s", names,
+                        event["recovered_s"], ", ".join(f"{r} on {', '.join(n)}" for r, n in moved.items())
+                        or "nothing moved", new.describe())
+            if "train" in moved:  # posted once the Train workers start again
+                self._train_moves.append(event)
+            else:
+                self.events.post.remote(event)
+            return event
+
+    def wait_for_loss(self, grace_s: float) -> None:
+        """After the attempt failed: look for a node loss for up to
+        ``grace_s`` seconds (Ray marks a node dead once its health checks
+        fail, which may come after Ray Train gave its workers up)."""
+        deadline = time.monotonic() + grace_s
+        while not self.losses and self.error is None and time.monotonic() < deadline:
+            self.check()
+            time.sleep(self.poll_s)
+
+    def take_train_moves(self) -> None:
+        """The next attempt starts: the losses that moved Train workers are
+        posted, their ``recovered_s`` counted up to now."""
+        for event in self._train_moves:
+            event["recovered_s"] = time.time() - event["detected_at"]
+            self.events.post.remote(event)
+        self._train_moves = []
+
+
+# Ray marks a node dead after its health checks fail for 15 s (health_check_period_ms 3000 x
+# health_check_failure_threshold 5): an attempt that failed looks for a loss this long
+NODE_DEATH_GRACE_S = 30.0
+
+
 def run(cfg: RunConfig, resume: bool = False) -> Path:
     """Run GRPO steps up to ``cfg.trainer.steps``; returns the run directory.
+
+    A node that dies mid-run is placed around (``NodeWatch``): its rollout
+    replicas and the DraftTrainer start again on the nodes left, its Train
+    workers restart there from the last checkpoint (a new attempt, as
+    ``resume``); where the nodes left cannot hold the layout, the run waits
+    up to ``scheduler.node_wait_s`` for nodes to join, then stops with a
+    ``ClusterFitError`` (the checkpoints written stay).
 
     Args:
         cfg: the run's config.
@@ -190,20 +419,17 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
             (``check_nodes_see_inputs``).
         ClusterFitError: the layout does not fit the cluster.
         All before any role is started.
+        ClusterFitError: a node died and the nodes left (with those that
+            joined within ``scheduler.node_wait_s``) cannot hold the layout.
         RunAborted: the Train workers met a bad input a restart would meet
             again (a reward function that raised, a data file's bad row;
             ``rayspec.train.ranks.RunAborted``); the records and
             checkpoints written before it stay.
+        ray.train.TrainingFailedError: the Train workers failed more than
+            ``trainer.max_failures`` times with every node alive.
     """
-    from ray import serve
-    from ray.train import CheckpointConfig, FailureConfig
-    from ray.train import RunConfig as TrainRunConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train import TrainingFailedError
 
-    from rayspec.draft.trainer import DraftTrainer
-    from rayspec.rollout.serve import APP_NAME as ROLLOUT_APP, deploy_rollout
-    from rayspec.draft.client import DRAFT_TRAINER_NAME
-    from rayspec.train.loop import rl_worker_loop
     from rayspec.train.ranks import RunAborted
 
     cfg = _absolute(cfg)
@@ -224,54 +450,30 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
     draft_dir, aux_ids = prepare_draft(cfg, model_dir, run_dir)
 
-    t0 = time.perf_counter()
-    log.info("deploying %d rollout replica(s) (speculative_config=%s)", cfg.rollout.num_replicas,
-             cfg.rollout.speculative_config)
-    deploy_rollout(cfg, cfg.model.path, draft_dir, plan)
-    draft, draft_prior = None, None
-    if draft_online(cfg):
-        spec = cfg.rollout.speculative_config
-        lr, why, draft_prior = draft_start(cfg, draft_dir)
-        log.info("draft head learning rate %.3g: %s; recorded acceptance length %s", lr, why,
-                 "none (a fresh head)" if draft_prior is None else f"{draft_prior:.3f}")
-        # threaded: features arrive (submit_features) while train() runs
-        draft = ray.remote(DraftTrainer).options(
-            name=DRAFT_TRAINER_NAME, max_concurrency=2, max_restarts=cfg.draft.max_restarts,
-            **plan.draft_options()).remote(
-            draft_dir, lr, cfg.draft.ttt_steps, cfg.draft.torch_threads,
-            cfg.draft.buffer_steps, cfg.trainer.seed,
-            plan.cores.get("draft", {}).get(plan.role("draft")[0].node_id),
-            device="cuda" if cfg.draft.num_gpus > 0 else "cpu",
-            num_speculative_tokens=spec.num_speculative_tokens,
-            draft_sample_method=spec.draft_sample_method or DEFAULT_DRAFT_SAMPLE_METHOD,
-            temperature=cfg.grpo.temperature, tv_loss_weight=cfg.draft.tv_loss_weight)
-        first_start = draft.incarnation.remote()  # runs on the first start, whatever happens later
-    log.info("rollout ready in %.0fs", time.perf_counter() - t0)
+    events = start_node_events()
+    roles = Roles(cfg, plan, draft_dir, aux_ids)
     try:
-        trainer = TorchTrainer(
-            rl_worker_loop,
-            train_loop_config={"cfg": cfg,
-                               "aux_layer_ids": aux_ids if draft is not None else None,
-                               "cores": plan.cores.get("train", {}), "draft_prior": draft_prior},
-            scaling_config=plan.scaling_config(),
-            # on several nodes every node sees it (check_nodes_see_inputs)
-            run_config=TrainRunConfig(
-                name=TRAIN_NAME, storage_path=str(run_dir / TRAIN_STORAGE),
-                checkpoint_config=CheckpointConfig(num_to_keep=cfg.trainer.num_to_keep),
-                failure_config=FailureConfig(max_failures=cfg.trainer.max_failures)),
-        )
-        aborted = trainer.fit().return_value  # the workers stopped on a bad input (rl_worker_loop)
+        while True:
+            with NodeWatch(roles, events, model_dir) as watch:
+                try:
+                    aborted = roles.trainer().fit().return_value  # the workers stopped on a bad input
+                    break
+                except TrainingFailedError as e:
+                    failed = e
+                    watch.wait_for_loss(NODE_DEATH_GRACE_S)
+            if watch.error is not None:
+                raise watch.error
+            if not watch.losses:
+                raise failed
+            log.warning("attempt failed after losing node(s) %s (%s): the Train workers start again on the "
+                        "plan without them, from the last checkpoint",
+                        ", ".join(n for e in watch.losses for n in e["nodes"]), type(failed).__name__)
+            watch.take_train_moves()
         if aborted:
             raise RunAborted(aborted)
-        if draft is not None:
-            save_draft_head(draft, first_start, run_dir / "draft_head")
+        if roles.draft is not None:
+            save_draft_head(roles.draft, roles.first_start, run_dir / "draft_head")
     finally:
-        serve.delete(ROLLOUT_APP)
-        # Serve was started for the rollout app (without HTTP proxies): shut it
-        # down unless other apps use it, so a later `jobs.serve` can start it
-        # with its HTTP options.
-        if not serve.status().applications:
-            serve.shutdown()
-        if draft is not None:
-            ray.kill(draft)
+        roles.stop()
+        ray.kill(events)
     return run_dir

@@ -265,13 +265,13 @@ class MetricsLog:
         """Write out every TensorBoard event (the end of the run)."""
         self.tb.close()
 
-    def discard_after(self, step: int) -> int:
+    def discard_after(self, step: int) -> list[dict[str, Any]]:
         """Move the records of steps after ``step`` (an attempt that failed
         after the checkpoint being resumed) to ``metrics.discarded.jsonl``, so
-        metrics.jsonl holds one record per step; returns how many moved.
+        metrics.jsonl holds one record per step; returns the records moved.
         metrics.jsonl is replaced atomically (TensorBoard keeps both)."""
         if not self.path.is_file():
-            return 0
+            return []
         keep, drop = [], []
         for line in self.path.read_text().splitlines(keepends=True):
             (drop if json.loads(line)["step"] > step else keep).append(line)
@@ -281,7 +281,7 @@ class MetricsLog:
                 f.flush()
                 os.fsync(f.fileno())
             write_text_atomic(self.path, "".join(keep))
-        return len(drop)
+        return [json.loads(line) for line in drop]
 
 
 # (record key, phase tag) of the step's seconds, as in the step line

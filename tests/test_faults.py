@@ -434,7 +434,7 @@ def test_restart_before_the_first_checkpoint_resets_the_draft_head(ray_session, 
         if head is not None:
             refits.append(("draft", head.weights, head.version))
 
-    coord = SimpleNamespace(log=SimpleNamespace(discard_after=lambda step: 0), replica_versions=lambda: held,
+    coord = SimpleNamespace(discard_after=lambda step: 0, replica_versions=lambda: held,
                             refit=refit, wait_refits=lambda: None, evaluate=lambda version: None)
     weights = {"w": torch.ones(2)}
     policy = SimpleNamespace(ranks=Ranks(), refit_weights=lambda: weights, refit_sent=lambda: None)

@@ -148,9 +148,9 @@ def test_discard_after_moves_later_steps_aside(tmp_path):
     log = MetricsLog(tmp_path)
     for step in range(1, 5):
         log.write({"step": step, "reward_mean": step / 10})
-    assert log.discard_after(2) == 2
+    assert [r["step"] for r in log.discard_after(2)] == [3, 4]
     assert steps("metrics.jsonl") == [1, 2]
     assert steps("metrics.discarded.jsonl") == [3, 4]
     log.write({"step": 3, "reward_mean": 0.5})
     assert steps("metrics.jsonl") == [1, 2, 3]
-    assert log.discard_after(3) == 0
+    assert log.discard_after(3) == []

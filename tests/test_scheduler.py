@@ -14,7 +14,7 @@ from rayspec.batch import RolloutBatch
 from rayspec.config import ConfigError, load_config
 from rayspec.scheduler import ClusterFitError, plan_placement
 from rayspec.scheduler.pipeline import PolicyLagError, RolloutPipeline
-from rayspec.scheduler.placement import NODE_LABEL, NodeInfo, check_device_sharing
+from rayspec.scheduler.placement import NODE_LABEL, NodeInfo, check_device_sharing, replan
 
 ONE_NODE = [NodeInfo("a" * 56, cpus=2, memory=24 * 2**30, cores=(0, 1))]
 TWO_GPU_NODES = [NodeInfo("0" * 56, cpus=16, gpus=8), NodeInfo("1" * 56, cpus=16, gpus=8)]
@@ -133,6 +133,51 @@ def test_too_small_cluster_names_role_ask_and_what_there_is(overrides, role, mat
     if role:
         assert f"role '{role}'" in str(e.value)
     assert "2 CPUs, 0 GPUs" in str(e.value)
+
+
+def _cpu_nodes(*cpus):
+    """A head with no CPUs (the driver's) and one node of ``c`` CPUs (cores 0..c-1) per entry."""
+    return [NodeInfo("h" * 56, cpus=0)] + [NodeInfo(str(i) * 56, cpus=c, cores=tuple(range(int(c))))
+                                          for i, c in enumerate(cpus, 1)]
+
+
+def test_replan_moves_only_what_ran_on_the_dead_node_onto_a_free_one():
+    head, n1, n2, n3 = _cpu_nodes(1, 1, 1)
+    cfg = _cfg("scheduler.layout=split")
+    plan = plan_placement(cfg, [head, n1, n2, n3])
+    assert (_nodes(plan, "rollout"), set(_nodes(plan, "train") + _nodes(plan, "draft"))) == \
+        ([n1.node_id], {n2.node_id})
+    assert replan(cfg, plan, [head, n1, n2, n3]) is plan  # nobody died
+    after = replan(cfg, plan, [head, n2, n3])  # the rollout's node died
+    assert _nodes(after, "rollout") == [n3.node_id] and after.cores["rollout"] == {n3.node_id: [0]}
+    assert [b for b in after.bundles if b.role != "rollout"] == [b for b in plan.bundles if b.role != "rollout"]
+    after = replan(cfg, plan, [head, n1, n3])  # the Train workers' and the DraftTrainer's
+    assert _nodes(after, "train") == [n3.node_id] * 2 and _nodes(after, "draft") == [n3.node_id]
+    assert after.cores["train"] == {n3.node_id: [0]} and after.role("rollout") == plan.role("rollout")
+    assert [b.index for b in after.role("train")] == [0, 1]
+
+
+def test_replan_of_colocated_roles_moves_a_replica_and_its_train_rank_together():
+    head, n1, n2, n3 = _cpu_nodes(2, 2, 2)
+    cfg = _cfg("rollout.num_replicas=2")
+    plan = plan_placement(cfg, [head, n1, n2, n3])
+    assert _nodes(plan, "rollout") == _nodes(plan, "train") == [n1.node_id, n2.node_id]
+    after = replan(cfg, plan, [head, n2, n3])
+    assert _nodes(after, "rollout") == _nodes(after, "train") == [n3.node_id, n2.node_id]
+    assert _nodes(after, "draft") == [n3.node_id]  # it was beside replica 0 and rank 0
+    assert after.serve_options()["ray_actor_options"]["label_selector"] == {NODE_LABEL: f"in({n2.node_id},{n3.node_id})"}
+
+
+def test_replan_without_a_free_node_plans_again_or_names_what_is_missing():
+    head, n1, n2 = _cpu_nodes(1, 2)
+    cfg = _cfg("scheduler.layout=split")
+    plan = plan_placement(cfg, [head, n1, n2])
+    assert _nodes(plan, "rollout") == [n1.node_id]
+    after = replan(cfg, plan, [head, n2])  # n2 alone holds both sides on disjoint cores
+    assert {b.node_id for b in after.bundles} == {n2.node_id}
+    assert after.cores["rollout"] == {n2.node_id: [0]} and after.cores["train"] == {n2.node_id: [1]}
+    with pytest.raises(ClusterFitError, match=r"layout 'split': role 'rollout' asks 1 x \{CPU: 0.5\}.*role 'train'"):
+        replan(cfg, plan_placement(cfg, [head, n1, n2]), [head, n1])
 
 
 def test_gpu_roles_do_not_fit_a_cpu_cluster():
@@ -362,3 +407,72 @@ def test_job_stops_on_a_too_small_cluster_before_anything_starts(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "error: layout 'split'" in proc.stderr and "role 'train' asks 2 x {CPU: 1}" in proc.stderr
     assert not run_dir.exists()  # nothing written, no role started
+
+
+def test_plan_without_waits_for_a_node_to_join_then_gives_up_naming_the_wait():
+    from rayspec.scheduler.recovery import plan_without
+
+    head, n1, n2, n3 = _cpu_nodes(1, 1, 1)
+    cfg = _cfg("scheduler.layout=split")
+    plan = plan_placement(cfg, [head, n1, n2])
+    asked = []
+
+    def joins_on_third_ask():
+        asked.append(1)
+        return [head, n1] + ([n3] if len(asked) >= 3 else [])
+
+    after = plan_without(cfg, plan, joins_on_third_ask, wait_s=5, poll_s=0.01)
+    assert len(asked) == 3 and _nodes(after, "train") == [n3.node_id] * 2
+    with pytest.raises(ClusterFitError, match=r"role 'train'.*Waited 0.05 s for nodes to join \(scheduler.node_wait_s\)"):
+        plan_without(cfg, plan, lambda: [head, n1], wait_s=0.05, poll_s=0.01)
+
+
+def test_the_node_watch_moves_a_dead_nodes_roles_and_posts_the_loss(monkeypatch):
+    """``NodeWatch.check`` on fakes of Ray's node table and of the roles:
+    the rollout moves at once and its loss is posted; a Train move is posted
+    when the next attempt starts; a layout the nodes left cannot hold stops
+    the rollout and is the watch's error."""
+    from types import SimpleNamespace
+
+    from rayspec import driver
+
+    head, n1, n2, n3 = _cpu_nodes(1, 1, 1)
+    cfg = _cfg("scheduler.layout=split", "scheduler.node_wait_s=0")
+    alive = {head, n1, n2, n3}
+    monkeypatch.setattr(driver, "alive_node_ids", lambda: {n.node_id for n in alive})
+    monkeypatch.setattr(driver, "cluster_nodes", lambda: [n for n in (head, n1, n2, n3) if n in alive])
+    monkeypatch.setattr(driver, "check_nodes_see_inputs", lambda cfg, plan, model_dir: None)
+    posted, stopped = [], []
+
+    class FakeRoles:
+        def __init__(self):
+            self.cfg, self.plan = cfg, plan_placement(cfg, [head, n1, n2, n3])
+
+        def follow(self, plan):
+            moved = driver.moved_roles(self.plan, plan)
+            self.plan = plan
+            return moved
+
+        def stop_rollout(self):
+            stopped.append(True)
+
+    roles = FakeRoles()
+    events = SimpleNamespace(post=SimpleNamespace(remote=posted.append))
+    watch = driver.NodeWatch(roles, events, "model")
+    assert watch.check() is None and posted == []
+    alive.discard(n1)  # the rollout's node
+    event = watch.check()
+    assert (event["nodes"], event["lost"], event["moved"]) == ([n1.node_id[:8]], {"rollout": [0]},
+                                                              {"rollout": [n3.node_id[:8]]})
+    assert posted == [event] and watch.check() is None
+    alive.discard(n2)  # the training node: nowhere to go
+    assert watch.check() is None and stopped == [True]
+    assert isinstance(watch.error, ClusterFitError) and "role 'train'" in str(watch.error)
+    # a Train move is posted when the next attempt starts
+    watch2 = driver.NodeWatch(FakeRoles(), events, "model")
+    alive.update({n1, n2})
+    alive.discard(n2)
+    event = watch2.check()
+    assert event["moved"] == {"train": [n3.node_id[:8]] * 2, "draft": [n3.node_id[:8]]} and posted[-1] is not event
+    watch2.take_train_moves()
+    assert posted[-1] is event

@@ -345,7 +345,8 @@ def test_an_async_run_restarted_from_a_checkpoint_trains_each_step_once_on_the_s
     trains steps 3-6 on the uninterrupted run's prompts, each step on one
     batch, within the lag bound (lag 0 at step 3: its batch is generated
     again with the restored policy), and its records say which batches the
-    failed attempt had drawn; its record of step 3 is set aside."""
+    failed attempt had drawn; its record of step 3 is set aside, the node
+    loss it held carried into the new step 3."""
     mode = ("scheduler.layout=split", "scheduler.mode=async", f"scheduler.max_policy_lag={lag}",
             "trainer.eval_every=0")
     states: dict = {}
@@ -356,7 +357,10 @@ def test_an_async_run_restarted_from_a_checkpoint_trains_each_step_once_on_the_s
     run_dir = tmp_path / "restarted"
     run_dir.mkdir()
     lines = (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (run_dir / "metrics.jsonl").write_text("".join(lines[:3]))  # the failed attempt had recorded step 3
+    # the failed attempt had recorded step 3, and in it a node lost
+    lost = {"nodes": ["0123abcd"], "lost": {"rollout": [0]}, "moved": {"rollout": ["4567ef01"]}}
+    (run_dir / "metrics.jsonl").write_text("".join(lines[:2]) + json.dumps({**json.loads(lines[2]),
+                                                                             "node_failures": [lost]}) + "\n")
     _, _, got = _run(run_dir, draft_online=False, steps=6, overrides=mode, resume=states[2])
     assert [r["step"] for r in got] == list(range(1, 7))
     assert [r["problem_ids"] for r in got] == [r["problem_ids"] for r in want]
@@ -368,6 +372,8 @@ def test_an_async_run_restarted_from_a_checkpoint_trains_each_step_once_on_the_s
     assert [r["rollout_regenerated"] for r in got] == {1: [0, 0, 1, 1, 1, 0], 2: [0, 0, 1, 1, 1, 1]}[lag]
     discarded = [json.loads(line) for line in (run_dir / "metrics.discarded.jsonl").read_text().splitlines()]
     assert [r["step"] for r in discarded] == [3]
+    # the record set aside said a node was lost: the step that takes its place says it
+    assert [r.get("node_failures") for r in got] == [None, None, [lost], None, None, None]
 
 
 def test_a_restarted_draft_trainer_rejoins_from_the_newest_checkpoint_with_a_draft_state(ray_session, tmp_path,

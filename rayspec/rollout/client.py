@@ -145,8 +145,8 @@ class RolloutClient:
 
     def _broadcast(self, method: Callable, *args):
         """Start ``SpecVLLMEngine.<method>`` on every replica; the response's
-        ``results()`` waits for them."""
-        return self.handle.broadcast(method.__name__, *args)
+        ``results()`` waits for them (none where no replica runs)."""
+        return _Broadcast(self.handle.broadcast(method.__name__, *args))
 
     def sleep(self, level: int = 1) -> list[bool]:
         """Every replica releases its memory (``SpecVLLMEngine.sleep`` at
@@ -204,6 +204,26 @@ class RolloutClient:
     def receive_weights(self, *args):
         """Every replica receives a refit in the group (``SpecVLLMEngine.receive_weights``)."""
         return self._broadcast(SpecVLLMEngine.receive_weights, *args)
+
+
+class _Broadcast:
+    """A broadcast's response whose ``results()`` are empty where Serve has
+    no replica running (it is replacing them all, e.g. after their node
+    died; Serve raises ``DeploymentUnavailableError``): a refit then reaches
+    nobody, and the replacements catch up on the newest weights before
+    their first rollout (``refits``)."""
+
+    def __init__(self, response):
+        self._response = response
+
+    def results(self, *args, **kwargs) -> list:
+        from ray.serve.exceptions import DeploymentUnavailableError
+
+        try:
+            return self._response.results(*args, **kwargs)
+        except DeploymentUnavailableError:
+            log.warning("no rollout replica is running (Serve is replacing them): nothing to call")
+            return []
 
 
 class _Future:

@@ -281,8 +281,12 @@ def plan_placement(cfg, nodes: list[NodeInfo]) -> PlacementPlan:
         ClusterFitError: a role (or the roles sharing a node) asks for more
             CPUs/GPUs than the cluster or the node has.
     """
-    layout = cfg.scheduler.layout
-    roles = role_bundles(cfg)
+    return _place(cfg.scheduler.layout, role_bundles(cfg), nodes)
+
+
+def _place(layout: str, roles: dict[str, list[dict[str, float]]], nodes: list[NodeInfo]) -> PlacementPlan:
+    """``roles``' bundles placed on ``nodes`` by ``layout``'s rule (a role
+    may be absent: ``replan`` places the lost bundles only)."""
     if not nodes:
         raise ClusterFitError("the Ray cluster has no alive nodes")
     for role, bs in roles.items():
@@ -295,6 +299,44 @@ def plan_placement(cfg, nodes: list[NodeInfo]) -> PlacementPlan:
     return _plan_split(roles, nodes)
 
 
+def replan(cfg, plan: PlacementPlan, nodes: list[NodeInfo]) -> PlacementPlan:
+    """The plan once some of ``plan``'s nodes are gone: what ran on the
+    nodes still alive stays there; the bundles of the dead nodes are placed
+    by the layout's own rule on the nodes no role uses (their cores those
+    nodes' own). Where those cannot hold them, the whole plan is made again
+    on the nodes alive (``plan_placement``: every role may move).
+
+    Args:
+        cfg: the run's config.
+        plan: the plan the roles run on.
+        nodes: the cluster's alive nodes (``cluster_nodes()``).
+
+    Returns:
+        The new plan (``plan`` itself where none of its nodes died).
+
+    Raises:
+        ClusterFitError: the nodes alive cannot hold the layout (naming
+            what it asks and what is there).
+    """
+    alive = {n.node_id for n in nodes}
+    lost = [b for b in plan.bundles if b.node_id not in alive]
+    if not lost:
+        return plan
+    kept = [b for b in plan.bundles if b.node_id in alive]
+    free = [n for n in nodes if not any(b.node_id == n.node_id for b in kept)]
+    roles = {r: [b.resources for b in lost if b.role == r] for r in ROLES if any(b.role == r for b in lost)}
+    try:
+        sub = _place(plan.layout, roles, free)
+    except ClusterFitError:
+        return plan_placement(cfg, nodes)
+    moved = [Bundle(b.role, b.index, b.resources, new.node_id)
+             for r in roles for b, new in zip([b for b in lost if b.role == r], sub.role(r))]
+    bundles = sorted(kept + moved, key=lambda b: (ROLES.index(b.role), b.index))
+    cores = {r: {**{n: c for n, c in plan.cores.get(r, {}).items() if n in alive}, **sub.cores.get(r, {})}
+             for r in {*plan.cores, *sub.cores}}
+    return PlacementPlan(plan.layout, list(nodes), bundles, cores)
+
+
 def _usable(bs: list[dict[str, float]], nodes: list[NodeInfo]) -> list[NodeInfo]:
     """Nodes that can host one of these bundles at all (GPU roles: GPU nodes)."""
     return [n for n in nodes if n.cpus + _EPS >= bs[0].get("CPU", 0.0)
@@ -304,15 +346,16 @@ def _usable(bs: list[dict[str, float]], nodes: list[NodeInfo]) -> list[NodeInfo]
 def _plan_colocate(roles: dict[str, list[dict[str, float]]], nodes: list[NodeInfo]) -> PlacementPlan:
     # The rollout and train roles spread over the same nodes (those able to
     # host both); the DraftTrainer joins the first of them.
-    shared = [n for n in _usable(roles["rollout"], nodes) if n in _usable(roles["train"], nodes)]
+    paired = [r for r in ("rollout", "train") if roles.get(r)] or ["draft"]
+    shared = [n for n in nodes if all(n in _usable(roles[r], nodes) for r in paired)]
     if not shared:
         raise ClusterFitError(
-            f"layout 'colocate': no node can host both a rollout replica and a Train worker "
-            f"({_asks('rollout', roles['rollout'])}; {_asks('train', roles['train'])}); {_has(nodes)}")
+            "layout 'colocate': no node can host " + " and ".join(f"a {r} bundle" for r in paired) + " ("
+            + "; ".join(_asks(r, roles[r]) for r in paired) + f"); {_has(nodes)}")
     # as many nodes as the larger role needs, so both line up node by node
-    n_nodes = min(len(shared), max(len(roles["rollout"]), len(roles["train"])))
+    n_nodes = min(len(shared), max(len(roles[r]) for r in paired))
     use = shared[:n_nodes]
-    bundles = _spread("rollout", roles["rollout"], use) + _spread("train", roles["train"], use)
+    bundles = [b for r in ("rollout", "train") if roles.get(r) for b in _spread(r, roles[r], use)]
     if "draft" in roles:
         bundles.append(Bundle("draft", 0, dict(roles["draft"][0]), use[0].node_id))
     _check_gpu_pairing(roles, use, bundles)
@@ -350,6 +393,8 @@ def _check_gpu_pairing(roles: dict[str, list[dict[str, float]]], use: list[NodeI
     Raises:
         ClusterFitError: naming the keys, the shares and an example that pairs.
     """
+    if not (roles.get("rollout") and roles.get("train")):
+        return  # a replan that moves one of the two: the other's devices hold their pairing already
     r, t = (roles[role][0].get("GPU", 0.0) for role in ("rollout", "train"))
     d = roles["draft"][0].get("GPU", 0.0) if "draft" in roles else 0.0
     if not (r and t) or (r >= 1 and t >= 1):
@@ -415,11 +460,11 @@ def check_device_sharing(layout: str, occupants: dict[str, list[tuple[str, str |
 
 def _plan_split(roles: dict[str, list[dict[str, float]]], nodes: list[NodeInfo]) -> PlacementPlan:
     free = {n.node_id: {"CPU": n.cpus, "GPU": n.gpus} for n in nodes}
-    rollout = _first_fit("rollout", roles["rollout"], nodes, free)
+    rollout = _first_fit("rollout", roles.get("rollout", []), nodes, free)
     if rollout is None:
         raise ClusterFitError(f"layout 'split': {_asks('rollout', roles['rollout'])}; {_has(nodes)}")
     cores: dict[str, dict[str, list[int]]] = {r: {} for r in roles}
-    train_side = roles["train"] + roles.get("draft", [])
+    train_side = roles.get("train", []) + roles.get("draft", [])
     # CPU-only nodes: the rollout side takes whole cores; what it leaves
     # (whole cores) is the training side's.
     for n in nodes:
@@ -438,13 +483,14 @@ def _plan_split(roles: dict[str, list[dict[str, float]]], nodes: list[NodeInfo])
     order = [n for n in nodes if n.node_id not in rollout_nodes] + \
             [n for n in nodes if n.node_id in rollout_nodes]
     left = {k: sum(v[k] for v in free.values()) for k in ("CPU", "GPU")}
-    train = _first_fit("train", roles["train"], order, free)
+    train = _first_fit("train", roles.get("train", []), order, free)
     draft = _first_fit("draft", roles["draft"], order, free) if "draft" in roles else []
     if train is None or draft is None:
+        asks = [_asks(r, roles[r]) for r in ("train", "draft") if roles.get(r)]
         raise ClusterFitError(
-            f"layout 'split': {_asks('rollout', roles['rollout'])} on its own resources, then "
-            f"{_asks('train', roles['train'])}"
-            + (f" and {_asks('draft', roles['draft'])}" if "draft" in roles else "")
+            "layout 'split': " + (f"{_asks('rollout', roles['rollout'])} on its own resources, then "
+                                   if roles.get("rollout") else "")
+            + " and ".join(asks)
             + f" ({_total(train_side, 'CPU'):g} CPUs, {_total(train_side, 'GPU'):g} GPUs) do not fit "
             f"in what is left ({left['CPU']:g} CPUs, {left['GPU']:g} GPUs, "
             f"whole cores on CPU-only nodes); {_has(nodes)}")

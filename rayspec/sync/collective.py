@@ -213,9 +213,12 @@ class CollectiveSender(WeightSender):
         port = listener.getsockname()[1]
         where = where.replace(f"at {host} ", f"at {host}:{port} ", 1)
         client = _Members(self, barrier, joining)
+        forming = _in_daemon_thread(trainer_engine, self.backend, host, listener, world, self.bucket_bytes,
+                                    self.timeout_s, client, self._source)
         try:
-            engine = trainer_engine(self.backend, host, listener, world, self.bucket_bytes, self.timeout_s,
-                                    client, self._source)
+            engine = self._rendezvous(forming, ids, where)
+        except ray.exceptions.RayActorError:
+            raise
         except Exception as e:
             listener.close()  # where the store did not take it over
             raise WeightSyncError(f"{where} did not form within {self.timeout_s:.0f} s ({type(e).__name__}: {e}); "
@@ -224,6 +227,26 @@ class CollectiveSender(WeightSender):
         self._draft_shared = tuple(members[0].get("draft_shared", ()))
         log.info("weight sync: %s group of %d ranks formed at %s:%d (replicas %s)", self.backend, world,
                  host, port, sorted(offsets))
+
+    def _rendezvous(self, forming: concurrent.futures.Future, ids: frozenset, where: str, poll_s: float = 0.5):
+        """The trainer engine once every member joined the rendezvous. A
+        member that died after the barrier's go (its node, say) would hold
+        rank 0 there for ``timeout_s``: rank 0 leaves the rendezvous to its
+        thread (it gives up at its timeout) and raises, and the group forms
+        again from the live replicas (``_ensure_group``). A live member
+        already in that rendezvous waits out its timeout too (vLLM's
+        rendezvous has no abort), its engine locked.
+
+        Raises:
+            ray.exceptions.ActorDiedError: Serve runs fewer replicas than joined.
+        """
+        while True:
+            try:
+                return forming.result(timeout=poll_s)
+            except concurrent.futures.TimeoutError:
+                if not self._alive(ids):
+                    log.warning("weight sync: a replica died in the rendezvous of %s; leaving it", where)
+                    raise ray.exceptions.ActorDiedError() from None
 
     def _alive(self, ids: frozenset) -> bool:
         """Whether Serve still runs as many replicas as ``ids`` (a dead one's
@@ -274,6 +297,23 @@ class RefitSource:
 
     def _names(self) -> list[str]:
         return [name for bucket in plan_buckets(self.weights, 1 << 62) for name, _, _ in bucket]
+
+
+def _in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` in a daemon thread of its own: one that may be left
+    blocked (a pool's threads are joined when the process exits)."""
+    import threading
+
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="rayspec-weight-sync-rendezvous", daemon=True).start()
+    return future
 
 
 def trainer_engine(backend: str, host: str, listener: socket.socket, world_size: int, bucket_bytes: int,

@@ -25,6 +25,7 @@ from rayspec.rollout.client import RolloutClient
 from rayspec.rollout.engine import derive_seed
 from rayspec.rollout.spec_stats import AcceptanceWatch, SpecStats
 from rayspec.scheduler.pipeline import RolloutPipeline
+from rayspec.scheduler.recovery import take_node_events
 from rayspec.scheduler.placement import ClusterFitError, check_device_sharing
 from rayspec.sync import WeightSender
 from rayspec.train.evaluate import eval_due, read_baseline, score_eval, write_baseline
@@ -99,6 +100,7 @@ class Coordinator:
         self.batches = 0  # batches drawn: the RL step the last submitted batch trains at
         self.redrawn_until = 0  # after a restore: the last step whose batch a failed attempt had drawn
         self.acceptance_watch = AcceptanceWatch()
+        self._carried_losses: list = []  # node losses of records discarded by a restore: the next record's
         self._draft_drafted_with = 0  # the draft version the replicas held during this step's rollout
 
     @classmethod
@@ -237,9 +239,10 @@ class Coordinator:
                timer: PhaseTimer) -> dict[str, Any]:
         """The step's record (``metrics.step_record``), over the step's
         window (the timer's start to now), with each replica's engine work
-        over it and the refits that landed, and ``acceptance_collapse`` where
+        over it and the refits that landed, ``acceptance_collapse`` where
         a replica's acceptance collapsed (``AcceptanceWatch``; logged,
-        naming the replica)."""
+        naming the replica), and ``node_failures``: the nodes lost since the
+        last record kept, as the driver posted them (``NodeEvents``)."""
         end = time.time()
         record = step_record(step, self.cfg, rollout, train_metrics, draft, timer, end,
                              self.rollouts.busy_intervals(timer.start), self.sender.take_stats())
@@ -253,6 +256,9 @@ class Coordinator:
                         "that replica?)", step, c["replica"], c["rate"], c["median"], c["steps"], used)
         if collapsed:
             record["acceptance_collapse"] = collapsed
+        lost, self._carried_losses = self._carried_losses + take_node_events(), []
+        if lost:
+            record["node_failures"] = lost
         return record
 
     def check_devices(self, train: list, draft) -> str | None:
@@ -351,11 +357,19 @@ class Coordinator:
         step = state["step"]
         self.prompts.load_state_dict(state["prompts"])
         self.batches = step
-        discarded = self.log.discard_after(step)
+        discarded = self.discard_after(step)
         last = state.get("steps")  # the failed attempt drew no batch past its trainer.steps (older checkpoints: ?)
         if last is None or step < last:  # a run's last checkpoint: it drew nothing past it
             drawn = step + discarded + 1 + self.pipeline.max_policy_lag
             self.redrawn_until = drawn if last is None else min(drawn, last)
+
+    def discard_after(self, step: int) -> int:
+        """Move the records of steps after ``step`` aside
+        (``MetricsLog.discard_after``); the node losses they held go into
+        the next record. Returns how many moved."""
+        moved = self.log.discard_after(step)
+        self._carried_losses += [e for r in moved for e in r.get("node_failures", [])]
+        return len(moved)
 
     def replica_versions(self) -> list[dict[str, int]]:
         return self.rollouts.versions()

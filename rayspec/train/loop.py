@@ -233,7 +233,7 @@ def start_over(policy: Policy, coord: Coordinator | Follower, draft: DraftClient
     then the initial policy is evaluated. Collective."""
     stale = False
     if policy.ranks.is_driver:
-        coord.log.discard_after(0)
+        coord.discard_after(0)
         trained = draft.reset()
         stale = trained or any(v["policy"] != 0 or (draft.alive and v["draft"] != 0)
                                for v in coord.replica_versions())
