@@ -29,6 +29,16 @@ every cell) (a list of cells: transport, bytes, replicas, seconds,
 gb_per_s, peak_host_bytes, ...) and ``<run-dir>/refit.png``.
 
 ``--quick``: 0.1 and 1 GB, one replica (under 10 minutes on 2 cores).
+
+``--across-nodes``: on two simulated nodes of this host
+(``rayspec.tools.local_cluster``: host core 0 for the head, where this
+process plays rank 0, core 1 for the other; a ``/dev/shm`` each), one
+replica, on the head (``same node``) and on the other node (``across
+nodes``), in paired rounds (same, across, across, same, ...; each round a
+fresh deployment). The nodes share the host's network, so the collective's
+TCP is loopback either way; what crosses is the object store (a copy from
+the head's store into the other's), and ``shared_memory`` cannot reach the
+other node's ``/dev/shm`` (its error is the cell's result).
 """
 
 from __future__ import annotations
@@ -149,7 +159,8 @@ def bench_cell(deploy, sd: dict, replicas: int, rounds: int, bucket_bytes: int) 
             seconds[name].append(time.perf_counter() - t0)
             peaks[name].append(max(m.stop() for m in meters))
         except Exception as e:  # noqa: BLE001 - recorded in the results, the bench goes on
-            errors[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+            # the message, not Ray's remote traceback around it
+            errors[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
             print(f"{nbytes / 1e9:.2f} GB, {replicas} replicas, {name}: FAILED ({errors[name]})", flush=True)
             for t in transports.values():
                 t.close()
@@ -172,17 +183,40 @@ def bench_cell(deploy, sd: dict, replicas: int, rounds: int, bucket_bytes: int) 
     return cells
 
 
-def format_table(cells: list[dict]) -> str:
-    lines = [f"{'GB':>5}{'replicas':>9}  {'transport':<15}{'seconds (rounds)':<26}{'GB/s':>7}"
-             f"{'peak host GB / replica':>24}{'vs object_store':>25}"]
-    by = {(c["bytes"], c["replicas"], c["transport"]): c for c in cells}
+def merge_rounds(cells: list[dict]) -> list[dict]:
+    """Cells of the same size, replica count, placement and transport from
+    rounds run apart (``bench_cell`` once per round) as one: their rounds'
+    seconds in order, the median, the largest peak, the first error."""
+    merged: dict[tuple, dict] = {}
     for c in cells:
-        head = f"{c['bytes'] / 1e9:>5.2f}{c['replicas']:>9}  {c['transport']:<15}"
+        key = (c["bytes"], c["replicas"], c.get("placement"), c["transport"])
+        m = merged.setdefault(key, {k: v for k, v in c.items() if k not in ("seconds", "seconds_rounds", "gb_per_s",
+                                                                            "peak_host_bytes", "error")})
+        m["seconds_rounds"] = m.get("seconds_rounds", []) + c.get("seconds_rounds", [])
+        if "peak_host_bytes" in c:
+            m["peak_host_bytes"] = max(m.get("peak_host_bytes", 0), c["peak_host_bytes"])
+        if "error" in c:
+            m.setdefault("error", c["error"])
+    for m in merged.values():
+        if m["seconds_rounds"]:
+            m["seconds"] = statistics.median(m["seconds_rounds"])
+            m["gb_per_s"] = m["bytes"] / m["seconds"] / 1e9
+        else:
+            del m["seconds_rounds"]
+    return list(merged.values())
+
+
+def format_table(cells: list[dict]) -> str:
+    lines = [f"{'GB':>5}{'replicas':>9}  {'placement':<14}{'transport':<15}{'seconds (rounds)':<26}{'GB/s':>7}"
+             f"{'peak host GB / replica':>24}{'vs object_store':>25}"]
+    by = {(c["bytes"], c["replicas"], c.get("placement"), c["transport"]): c for c in cells}
+    for c in cells:
+        head = f"{c['bytes'] / 1e9:>5.2f}{c['replicas']:>9}  {c.get('placement') or 'one node':<14}{c['transport']:<15}"
         if "seconds" not in c:
             lines.append(f"{head}failed: {c['error']}")
             continue
         rounds = " ".join(f"{s:.2f}" for s in c["seconds_rounds"]) + (" (then failed)" if "error" in c else "")
-        store = by.get((c["bytes"], c["replicas"], "object_store"), {})
+        store = by.get((c["bytes"], c["replicas"], c.get("placement"), "object_store"), {})
         ratio = f"{store['seconds'] / c['seconds']:.2f}x faster" \
             if c["transport"] != "object_store" and "seconds" in store else ""
         lines.append(f"{head}{rounds:<26}{c['gb_per_s']:>7.3f}{c['peak_host_bytes'] / 1e9:>24.2f}{ratio:>25}")
@@ -196,14 +230,15 @@ def plot(cells: list[dict], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    series = sorted({(c["replicas"], c.get("placement") or "") for c in cells})
     for name, marker in zip(TRANSPORTS, "os^"):
-        for replicas, style in ((1, "-"), (2, "--")):
+        for (replicas, placement), style in zip(series, ("-", "--", ":", "-.")):
             pts = sorted(((c["bytes"] / 1e9, c) for c in cells
-                          if c["transport"] == name and c["replicas"] == replicas and "seconds" in c),
-                         key=lambda p: p[0])
+                          if c["transport"] == name and (c["replicas"], c.get("placement") or "") ==
+                          (replicas, placement) and "seconds" in c), key=lambda p: p[0])
             if not pts:
                 continue
-            label = f"{name}, {replicas} replica{'s' * (replicas > 1)}"
+            label = f"{name}, {replicas} replica{'s' * (replicas > 1)}" + (f", {placement}" if placement else "")
             ax[0].plot([g for g, _ in pts], [c["seconds"] for _, c in pts], marker + style, label=label)
             ax[1].plot([g for g, _ in pts], [c["peak_host_bytes"] / 1e9 for _, c in pts], marker + style,
                        label=label)
@@ -228,9 +263,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="collective bucket size (default: rollout.weight_sync's)")
     ap.add_argument("--out", default="bench_refit.json", help="JSON results file")
     ap.add_argument("--run-dir", default="runs/bench_refit", help="models and the plot go here")
+    ap.add_argument("--across-nodes", action="store_true",
+                    help="one replica on this process's node and on another simulated node, paired rounds")
     ns = ap.parse_args(argv)
-    sizes = ns.sizes_gb or (QUICK_SIZES_GB if ns.quick else SIZES_GB)
-    replica_counts = ns.replicas or ([1] if ns.quick else [1, 2])
+    sizes = ns.sizes_gb or (QUICK_SIZES_GB if ns.quick or ns.across_nodes else SIZES_GB)
+    replica_counts = [1] if ns.across_nodes else ns.replicas or ([1] if ns.quick else [1, 2])
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
     import ray
@@ -243,13 +280,19 @@ def main(argv: list[str] | None = None) -> int:
     from rayspec.rollout.serve import APP_NAME, deploy_rollout
     from rayspec.driver import init_ray
 
-    root = Path(ns.run_dir)
-    cfg = load_config(None, ["ray.num_cpus=2", f"ray.object_store_memory={int(max(sizes) * 1.6e9) + (1 << 30)}",
+    root = Path(ns.run_dir).resolve()
+    store = int(max(sizes) * 1.6e9) + (1 << 30)
+    cfg = load_config(None, ["ray.num_cpus=2", f"ray.object_store_memory={store}",
                              "rollout.speculative_config.method=null", "model.dtype=float32",
                              "rollout.cpu_kvcache_space_gib=1"])
     bucket = ns.packed_buffer_size_bytes or cfg.rollout.weight_sync.packed_buffer_size_bytes
     tokenizer_dir = materialize_bundled_model(Path(cfg.model.cache_dir).expanduser())
-    init_ray(cfg)
+    cluster = None
+    if ns.across_nodes:
+        cluster, placements = _two_nodes(root, store)
+    else:
+        init_ray(cfg)
+        placements = {None: None}
     cells: list[dict] = []
     try:
         for gb in sizes:
@@ -257,18 +300,54 @@ def main(argv: list[str] | None = None) -> int:
             sd = to_host(load_policy(model_dir).state_dict(), torch.float32)
             for replicas in replica_counts:
                 run = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_replicas=replicas))
-                cells += bench_cell(lambda: deploy_rollout(run, str(model_dir), None), sd, replicas, ns.rounds,
-                                    bucket)
-                serve.delete(APP_NAME)
-                print(format_table(cells[-len(TRANSPORTS):]).split("\n", 1)[1], flush=True)
+                got = []
+                # the placements alternate by round (A B B A): each round a deployment of its own
+                for r in range(ns.rounds if ns.across_nodes else 1):
+                    for placement, plan in (list(placements.items())[::1 if r % 2 == 0 else -1]):
+                        got += [{**c, **({"placement": placement} if placement else {})} for c in bench_cell(
+                            lambda: deploy_rollout(run, str(model_dir), None, plan), sd, replicas,
+                            1 if ns.across_nodes else ns.rounds, bucket)]
+                        serve.delete(APP_NAME)
+                got = merge_rounds(got)
+                cells += got
+                print(format_table(got).split("\n", 1)[1], flush=True)
                 Path(ns.out).write_text(json.dumps(cells, indent=2) + "\n")  # what is done survives a crash
             del sd
     finally:
         serve.shutdown()
         ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
     print(format_table(cells))
     print(f"wrote {ns.out} and {plot(cells, root / 'refit.png')}")
     return 0
+
+
+def _two_nodes(root: Path, store: int):
+    """A cluster of two simulated nodes, this process on the first (host
+    core 0, where it plays rank 0), joined; returns it and {placement: a
+    plan putting one replica on that node}."""
+    import os
+
+    import ray
+
+    from rayspec.driver import NAMESPACE
+    from rayspec.scheduler.placement import Bundle, PlacementPlan, cluster_nodes
+    from rayspec.tools.local_cluster import LocalCluster, NodeSpec
+
+    cluster = LocalCluster(root / "nodes", NodeSpec(1, (0,), store), dashboard=True)  # list_actors: the pids
+    other = cluster.add_node(NodeSpec(1, (1,), store))
+    os.sched_setaffinity(0, {0})
+    ray.init(address=cluster.address, namespace=NAMESPACE)
+    nodes = cluster_nodes()
+    here = nodes[0].node_id
+
+    def on(node: str) -> PlacementPlan:
+        info = next(n for n in nodes if n.node_id == node)
+        return PlacementPlan("split", nodes, [Bundle("rollout", 0, {"CPU": 0.5}, node)],
+                             {"rollout": {node: list(info.cores)}})
+
+    return cluster, {"same node": on(here), "across nodes": on(other)}
 
 
 if __name__ == "__main__":

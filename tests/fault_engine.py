@@ -5,7 +5,7 @@ fault tests' replica kill, plugged in through ``rollout.engine_cls``
 Killing a replica from outside at the right moment needs a guess at when it
 generates (a replica taking one call at a time cannot be asked), and a guess
 that hit a replica loading a refit instead left the run with no shard to
-retry (CI, the async fault run). The engine itself knows.
+retry (CI, an async fault run). The engine itself knows.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from rayspec.vllm.engines import AsyncEngine, OfflineEngine
+from rayspec.vllm.engines import OfflineEngine
 
 KILL_FILE_ENV = "RAYSPEC_TEST_KILL_FILE"
 
@@ -82,6 +82,3 @@ class DyingEngine(_Dying, OfflineEngine):
     """``OfflineEngine`` (its engine core in the replica's process where
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) that dies when armed (``_Dying``)."""
 
-
-class DyingAsyncEngine(_Dying, AsyncEngine):
-    """``AsyncEngine`` (the replicas' default) that dies when armed (``_Dying``)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import shutil
 import signal
 import threading
@@ -32,8 +31,8 @@ from rayspec.config import ConfigError, load_config
 from rayspec.draft.client import DRAFT_TRAINER_NAME
 from rayspec.driver import run
 from rayspec.train.checkpoint import checkpoints
-from tests.conftest import IN_PROCESS, STEP_RECORD_KEYS
-from tests.fault_engine import KILL_FILE_ENV, DyingAsyncEngine, DyingEngine, arm, killed
+from tests.conftest import IN_PROCESS
+from tests.fault_engine import KILL_FILE_ENV, DyingEngine, arm, killed
 
 STEPS = 4
 
@@ -174,11 +173,11 @@ def _kill(pid: int) -> None:
             p.send_signal(signal.SIGKILL)
 
 
-def _dying(tmp_path, engine: type = DyingEngine):
-    """Overrides for replicas of ``engine`` (a ``tests.fault_engine`` class)
-    that die on ``fault_engine.arm(trigger, n)``, and the trigger's path."""
+def _dying(tmp_path):
+    """Overrides for replicas of ``tests.fault_engine.DyingEngine``, which
+    die on ``fault_engine.arm(trigger, n)``, and the trigger's path."""
     trigger = tmp_path / "kill-replica"
-    return [f"rollout.engine_cls=tests.fault_engine:{engine.__name__}",
+    return [f"rollout.engine_cls=tests.fault_engine:{DyingEngine.__name__}",
             f"rollout.engine_env.{KILL_FILE_ENV}={trigger}"], trigger
 
 
@@ -263,120 +262,6 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
     assert json.loads((ckpts[-1] / "trainer_state.json").read_text())["step"] == STEPS
     assert json.loads((ckpts[-1] / "draft.json").read_text())["version"] == 5
     assert (run_dir / "draft_head").is_dir()  # the restart was taken over: its head is the final one
-
-
-@pytest.mark.slow
-def test_async_run_survives_a_train_worker_a_replica_and_the_draft_trainer_dying(ray_session, tiny_llama_dir,
-                                                                                tmp_path, monkeypatch):
-    """The main job async on the split layout (``max_policy_lag`` 1, two
-    replicas of vLLM's AsyncLLM, the replicas' default engine, its core in
-    a process of its own; the shared_memory transport; held-out evaluations
-    every 2 steps); 6 steps, a checkpoint every 2. A Train worker is killed
-    in step 3 (the batch generated ahead for step 4 dies with rank 0's
-    queue; the worker group restarts from step 2's checkpoint), then one
-    replica while it generates a batch of the restored attempt, then the
-    DraftTrainer 1 s into step 5 (it trains beside the policy update).
-
-    Every step trains on exactly one batch of the prompts an uninterrupted
-    run draws, within the lag bound; the regenerated batches, the retried
-    request units and the DraftTrainer's restart are in the records; the
-    killed rank 0's refit files are removed. The run itself: batches
-    generated while the previous step trained, their prompt groups spread
-    over both replicas, each reporting its own stats; evaluations of
-    versions 0, 2, 4 and 6, each once its weights landed behind the batch
-    generating ahead. (Lag 2 under a restart on fakes:
-    ``test_step::test_an_async_run_restarted_…``.)"""
-    from rayspec.data import PromptSource, train_and_heldout
-    from rayspec.sync.shared_memory import PREFIX, SHM
-
-    steps, lag = 6, 1
-    run_dir = tmp_path / "async-faults"
-    dying, trigger = _dying(tmp_path, DyingAsyncEngine)
-    cfg = _cfg(tiny_llama_dir, run_dir, steps, "rollout.num_replicas=2", "scheduler.layout=split",
-               "scheduler.mode=async", f"scheduler.max_policy_lag={lag}", "trainer.eval_every=2",
-               "rollout.weight_sync.transport=shared_memory", "data.eval_num_problems=6", "trainer.eval_samples=2",
-               "rollout.engine_env.VLLM_ENABLE_V1_MULTIPROCESSING=1", *dying)
-    injected: list[str] = []
-    errors: list[BaseException] = []
-    ranks_0: list = []
-
-    def inject():
-        try:
-            _wait(lambda: len(_records(run_dir)) >= 1)
-            train_worker = _actor_pid("RayTrainWorker")  # looked up before step 3 starts
-            ranks_0.extend(d.name for d in Path(SHM).glob(f"{PREFIX}*"))
-            _wait(lambda: _registered(run_dir) >= 1)  # step 2's checkpoint; step 3 is running
-            assert len(_records(run_dir)) == 2, "step 3 ended before the Train worker could be killed"
-            _kill(train_worker)
-            injected.append("train worker")
-            _wait(lambda: len(_records(run_dir)) >= 3)
-            # step 4 of the restored attempt starts by submitting step 5's batch (step 4's was generated
-            # during step 3, maybe not yet to its end): a replica dies generating one of them
-            arm(trigger, cfg.grpo.group_size)
-            _wait(lambda: killed(trigger))
-            injected.append("replica")
-            _wait(lambda: len(_records(run_dir)) >= 4)
-            time.sleep(1.0)  # into step 5's policy update, which the DraftTrainer trains beside
-            _kill(_actor_pid("DraftTrainer"))
-            injected.append("draft trainer")
-        except BaseException as e:
-            errors.append(e)
-            raise
-
-    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # see test_run_survives_…
-    thread = threading.Thread(target=inject, daemon=True)
-    thread.start()
-    run(cfg)
-    thread.join(timeout=5)
-    assert not errors, f"fault injection failed after {injected}: {errors[0]!r}"
-    assert injected == ["train worker", "replica", "draft trainer"]
-    got = _records(run_dir)
-    source = PromptSource(train_and_heldout(cfg.data, cfg.data.eval_num_problems)[0], cfg.data.prompts_per_step,
-                          cfg.data.seed)
-    assert [r["step"] for r in got] == list(range(1, steps + 1))
-    assert [r["problem_ids"] for r in got] == [[p.index for p in source.next_batch()] for _ in range(steps)]
-    assert all(len(r["response_lens"]) == 4 * len(r["problem_ids"]) for r in got)
-    for r in got:
-        assert 0 <= r["policy_lag"] <= lag and r["policy_version"] == r["step"] - 1 - r["policy_lag"], r["step"]
-    assert [r["policy_lag"] for r in got[:3]] == [0, 1, 0]  # step 3's batch generated again, by the restored policy
-    # the failed attempt had drawn the batches of steps 3 (training) and 4 (ahead)
-    assert [r["rollout_regenerated"] for r in got] == [0, 0, 1, 1, 0, 0]
-    # the killed replica's request units (one per prompt group) are retried, each within PendingRollout's
-    # 2 retries (a retry Serve routes to the dead replica before its controller has seen it die counts too),
-    # in the restored attempt's batches
-    retries = [r["rollout_retries"] for r in got]
-    assert retries[:3] == [0, 0, 0] and 1 <= sum(retries) <= 2 * 2 * cfg.data.prompts_per_step, retries
-    assert got[-1]["draft_alive"] == 1 and got[-1]["draft_restarts"] == 1
-    assert got[-1]["draft_version"] > got[3]["draft_version"]
-    assert ranks_0 and not any((Path(SHM) / d).exists() for d in ranks_0)  # the killed sender's files
-
-    # held-out evaluations once each version's weights landed (the restored attempt evaluates from step 4)
-    assert [[e["policy_version"] for e in r.get("evals", [])] for r in got] == [[0], [2], [], [4], [], [6]]
-    for e in (e for r in got if "evals" in r for e in r["evals"]):
-        assert 0.0 <= e["reward_greedy"] <= 1.0 and 0.0 <= e["reward_sampled"] <= 1.0
-        assert e["response_len_greedy"] > 0 and e["acceptance_length"] >= 1.0
-    assert got[0]["evals"][0]["greedy_changed"] == 0.0  # the baseline is version 0's own greedy answers
-    assert json.loads((run_dir / "eval_baseline.json").read_text())["prompts"][0]
-    for r in got:
-        assert STEP_RECORD_KEYS <= r.keys()
-        assert (r["layout"], r["mode"], r["weight_sync_transport"]) == ("split", "async", "shared_memory")
-        for role in ("rollout", "train", "draft"):
-            assert 0 <= r[f"idle_{role}_s"] <= r["time_step_s"]
-        est = r["draft_acceptance_estimate"]
-        if r["draft_alive"]:  # the DraftTrainer's replayed acceptance, one rate per draft position
-            assert len(est) == cfg.rollout.speculative_config.num_speculative_tokens and all(0 <= x <= 1 for x in est)
-            shares = [share for share, _, _ in r["draft_acceptance_by_share"]]
-            assert shares == sorted(shares, reverse=True) and all(s == 2.0 ** round(math.log2(s)) <= 1 for s in shares)
-        # each replica's own stats (Serve spreads a batch's prompt groups over the free replicas: one or both)
-        assert sum(s["output_tokens"] for s in r["replicas"].values()) == r["rollout_tokens"], r["step"]
-        # every sample's tokens came from one policy version (refits wait for the rollouts: no in-flight updates)
-        assert all(len(spans) == 1 for spans in r["weight_versions"]), r["step"]
-    assert any(len(r["replicas"]) == 2 for r in got)
-    # the batches of steps 4-6 were generated while the step before trained: the trainer waited less than
-    # generating them took (unless a replica was killed while it generated the batch: the wait holds the retry)
-    for r in got[3:]:
-        if r["rollout_retries"] == 0:
-            assert r["time_rollout_s"] < r["rollout_generation_s"] + r["time_policy_s"], r["step"]
 
 
 def test_workers_started_after_the_draft_trainer_died_go_on_without_it(ray_session):

@@ -1,7 +1,8 @@
 """Across Ray nodes, on simulated nodes of one host (``rayspec.tools.local_cluster``:
 each with a HOME, CPU cores, ``/dev/shm`` and a view of the filesystem of its own, the
 driver's directory hidden from the others): what each node has, the check that every
-node running a role sees the run's inputs, and the main job split over two nodes."""
+node running a role sees the run's inputs, the main job colocated over two nodes, and nodes
+that die mid-run."""
 
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def test_node_inputs_lists_what_roles_read_from_files(tmp_path):
     assert node_inputs(cfg) == [("data.path", str(data)), ("reward.functions[1]", f"{tmp_path}/r.py"),
                                 ("rollout.tools[0]", f"{tmp_path}/t.py")]
     assert node_inputs(load_config(None, [])) == []  # the built-in task and rewards: nothing to read
+
+
+def _records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    path = run_dir / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 @pytest.fixture(scope="module")
@@ -119,37 +125,47 @@ def test_every_node_with_a_role_must_see_the_run_dir_the_policy_and_the_inputs(t
 
 
 @pytest.mark.slow
-def test_the_main_job_split_over_two_nodes_reads_nothing_from_the_drivers_node(two_nodes, tmp_path, monkeypatch):
-    """The default preset (shortened) with ``scheduler.layout=split``: the
-    replica on one node, the Train workers and the DraftTrainer on the
-    other. The driver's HOME is the head's, which no other node sees: each
-    node dequantises the bundled policy into its own HOME."""
+def test_each_node_resolves_the_bundled_policy_in_its_own_home(two_nodes, smollm2_dir, tmp_path):
+    """The bundled policy, dequantised on the driver's node, is dequantised
+    again on a node that runs a role, into that node's own HOME (as
+    ``cluster/install_node.sh`` does on a real node), with the same files."""
+    from rayspec.preflight import check_nodes_see_inputs
+    from rayspec.scheduler.placement import Bundle, PlacementPlan, cluster_nodes
+
+    node1 = two_nodes.node_id("node1")
+    plan = PlacementPlan("split", cluster_nodes(), [Bundle("rollout", 0, {"CPU": 0.5}, node1)])
+    cfg = load_config(None, [f"trainer.run_dir={tmp_path / 'run'}"])  # model.path: the bundled one, ~/.cache
+    check_nodes_see_inputs(cfg, plan, str(smollm2_dir))
+    model = Path(".cache/rayspec/models/smollm2-135m-instruct/model.safetensors")
+    assert (two_nodes.home("node1") / model).is_file() and not (two_nodes.home("node2") / model).exists()
+
+
+@pytest.mark.slow
+def test_the_main_job_colocated_over_two_nodes(two_nodes, tiny_llama_dir, tmp_path):
+    """The main job with one replica and one Train worker on each node (the
+    DraftTrainer beside rank 0's): each record's replicas ran on the nodes
+    planned, the refits reached both over the collective, and the trained
+    policy and head are saved."""
     from rayspec import driver
     from rayspec.scheduler import plan_placement
     from rayspec.scheduler.placement import cluster_nodes
+    from tests.conftest import IN_PROCESS
 
-    monkeypatch.setenv("HOME", str(two_nodes.home("head")))
     run_dir = tmp_path / "run"
-    cfg = load_config(None, ["scheduler.layout=split", "trainer.steps=2", "trainer.eval_every=0",
-                             "grpo.max_new_tokens=16", "data.prompts_per_step=2", "grpo.group_size=4",
-                             f"trainer.run_dir={run_dir}"])
+    cfg = load_config(None, [f"model.path={tiny_llama_dir}", "model.dtype=float32", "rollout.num_replicas=2",
+                             "rollout.num_cpus_per_replica=0.4", "trainer.steps=2", "trainer.eval_every=0",
+                             "grpo.max_new_tokens=12", "data.prompts_per_step=2", "grpo.group_size=4",
+                             f"trainer.run_dir={run_dir}", *IN_PROCESS])
     plan = plan_placement(cfg, cluster_nodes())
-    (rollout_node,) = {b.node_id[:8] for b in plan.role("rollout")}
-    assert {b.node_id for b in plan.role("train") + plan.role("draft")} == \
-        {two_nodes.node_id("node1"), two_nodes.node_id("node2")} - {plan.role("rollout")[0].node_id}
+    workers = {two_nodes.node_id("node1"), two_nodes.node_id("node2")}
+    assert {b.node_id for b in plan.role("rollout")} == {b.node_id for b in plan.role("train")} == workers
     driver.run(cfg)
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = _records(run_dir)
     assert [r["step"] for r in recs] == [1, 2]
-    assert all([e["node"] for e in r["replicas"].values()] == [rollout_node] for r in recs)
-    for name in ("head", "node1", "node2"):
-        assert (two_nodes.home(name) / ".cache" / "rayspec" / "models" / "smollm2-135m-instruct"
-                / "model.safetensors").is_file()
+    # one shard per replica (the in-process engine): both nodes served every rollout
+    assert all({e["node"] for e in r["replicas"].values()} == {n[:8] for n in workers} for r in recs)
+    assert all(r["weight_sync_transport"] == "collective" and r["layout"] == "colocate" for r in recs)
     assert (run_dir / "policy" / "model.safetensors").is_file() and (run_dir / "draft_head" / "config.json").is_file()
-
-
-def _records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
-    path = run_dir / name
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 @pytest.mark.slow
@@ -174,7 +190,7 @@ def test_nodes_that_die_mid_run_lose_no_step(tiny_llama_dir, tmp_path, monkeypat
     from rayspec.scheduler import plan_placement
     from rayspec.scheduler.placement import cluster_nodes
     from rayspec.tools.local_cluster import LocalCluster, NodeSpec
-    from tests.conftest import IN_PROCESS
+    from tests.conftest import IN_PROCESS, STEP_RECORD_KEYS
 
     ray.shutdown()
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")  # a group pinned to a dead node: give up soon
@@ -187,10 +203,10 @@ def test_nodes_that_die_mid_run_lose_no_step(tiny_llama_dir, tmp_path, monkeypat
         nodes = {name: cluster.add_node(NodeSpec(1, (core,), 384 << 20)) for name, core in cores.items()}
         ray.init(address=cluster.address, namespace=NAMESPACE)
         cfg = load_config(None, [f"model.path={tiny_llama_dir}", "model.dtype=float32", f"trainer.steps={steps}",
-                                 f"trainer.run_dir={run_dir}", "trainer.save_steps=2", "trainer.eval_every=0",
-                                 "grpo.max_new_tokens=12", "data.prompts_per_step=2", "grpo.group_size=4",
-                                 "draft.steps_per_rl_step=2", "scheduler.layout=split", "scheduler.mode=async",
-                                 *IN_PROCESS])
+                                 f"trainer.run_dir={run_dir}", "trainer.save_steps=2", "trainer.eval_every=2",
+                                 "data.eval_num_problems=4", "trainer.eval_samples=1", "grpo.max_new_tokens=12",
+                                 "data.prompts_per_step=2", "grpo.group_size=4", "draft.steps_per_rl_step=2",
+                                 "scheduler.layout=split", "scheduler.mode=async", *IN_PROCESS])
         plan = plan_placement(cfg, cluster_nodes())  # the driver's own plan of the same nodes
         by_id = {node: n for n, node in nodes.items()}
         rollout, train = by_id[plan.role("rollout")[0].node_id], by_id[plan.role("train")[0].node_id]
@@ -213,7 +229,7 @@ def test_nodes_that_die_mid_run_lose_no_step(tiny_llama_dir, tmp_path, monkeypat
                 cluster.kill_node(train)
                 done.append(train)
                 cluster.wait_dead(nodes[train])
-                time.sleep(5)  # the run waits for a node (the one left holds the rollout)
+                time.sleep(2)  # the run waits for a node (the one left holds the rollout)
                 nodes["node4"] = cluster.add_node(NodeSpec(1, (1 - cores[free],), 384 << 20))
                 done.append("node4")
             except BaseException as e:
@@ -229,7 +245,8 @@ def test_nodes_that_die_mid_run_lose_no_step(tiny_llama_dir, tmp_path, monkeypat
         cluster.shutdown()
     assert not errors and done == [rollout, train, "node4"], (done, errors)
     got = _records(run_dir)
-    source = PromptSource(train_and_heldout(cfg.data, 0)[0], cfg.data.prompts_per_step, cfg.data.seed)
+    source = PromptSource(train_and_heldout(cfg.data, cfg.data.eval_num_problems)[0], cfg.data.prompts_per_step,
+                          cfg.data.seed)
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     assert [r["problem_ids"] for r in got] == [[p.index for p in source.next_batch()] for _ in range(steps)]
     for r in got:
@@ -248,6 +265,13 @@ def test_nodes_that_die_mid_run_lose_no_step(tiny_llama_dir, tmp_path, monkeypat
     assert any(r["rollout_regenerated"] for r in got[2:])
     versions = [r["draft_version"] for r in got]
     assert versions == sorted(versions) and versions[-1] > versions[1] and got[-1]["draft_alive"] == 1
+    # held-out evaluations of versions 0, 2, 4 and the last, once each (the restored attempt evaluates after it)
+    assert sorted(e["policy_version"] for r in got for e in r.get("evals", [])) == [0, 2, 4, steps]
+    for r in got:
+        assert STEP_RECORD_KEYS <= r.keys()
+        assert (r["layout"], r["mode"], r["weight_sync_transport"]) == ("split", "async", "collective")
+        for role in ("rollout", "train", "draft"):
+            assert 0 <= r[f"idle_{role}_s"] <= r["time_step_s"]
     assert (run_dir / "policy" / "model.safetensors").is_file() and (run_dir / "draft_head" / "config.json").is_file()
     print(f"\nthe run with two node losses: {elapsed:.0f} s; recovered in "
           + ", ".join(f"{e['recovered_s']:.0f} s" for e in losses))

@@ -67,6 +67,8 @@ class LocalCluster:
         head: the head node, whose raylet the driver (this process) joins.
         system_config: Ray ``_system_config`` of the cluster (e.g. shorter
             ``health_check_*`` to notice a dead node sooner).
+        dashboard: start Ray's dashboard on the head (what ``ray.util.state``
+            asks; off: one process less).
 
     Attributes:
         address: the GCS address (``ray.init(address=...)``).
@@ -78,7 +80,8 @@ class LocalCluster:
             CAP_SYS_ADMIN).
     """
 
-    def __init__(self, root: str | os.PathLike, head: NodeSpec, system_config: dict | None = None):
+    def __init__(self, root: str | os.PathLike, head: NodeSpec, system_config: dict | None = None,
+                 dashboard: bool = False):
         from ray.cluster_utils import Cluster
 
         self.root = Path(root)
@@ -88,7 +91,7 @@ class LocalCluster:
         home, tmp = self._dirs("head")
         with _affinity(head.cores):
             node = self._cluster.add_node(num_cpus=head.num_cpus, object_store_memory=head.object_store_memory,
-                                          env_vars=self._env(home, tmp), include_dashboard=False,
+                                          env_vars=self._env(home, tmp), include_dashboard=dashboard,
                                           _system_config=system_config or {})
         self._head = node
         self.names[node.node_id] = "head"
