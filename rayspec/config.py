@@ -38,6 +38,7 @@ DATASET_KEYS = {"arithmetic": ("level", "max_operand"), "gsm8k": ("path", "split
 DEFAULT_SYSTEM_PROMPT = "You are a careful math tutor."  # the built-in tasks' system message
 BUILTIN_REWARDS = ("last_number", "math_verify", "format")  # rayspec.reward.builtins
 ON_ERROR = ("raise", "zero")
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")  # trainer.report_to (rayspec.tracking)
 WEIGHT_SYNC_TRANSPORTS = ("auto", "collective", "shared_memory", "cuda_ipc")
 LAYOUTS = ("colocate", "split")
 MODES = ("sync", "async")
@@ -916,6 +917,19 @@ class TrainerConfig:
             ``eval_samples`` samples per problem at ``grpo.temperature``,
             through the rollout replicas; see ``rayspec.train.evaluate``.
         eval_samples: samples per held-out problem at the RL temperature.
+        report_to: the experiment trackers each step's record goes to from
+            the driver (TRL's name; ``rayspec.tracking``): any of
+            ``tensorboard`` (``<run_dir>/tensorboard``), ``wandb``, ``mlflow``
+            (extras ``rayspec[wandb]``, ``rayspec[mlflow]``), or ``[none]``.
+        project_name: W&B project / MLflow experiment (verl's name; null:
+            ``WANDB_PROJECT`` / ``MLFLOW_EXPERIMENT_NAME``, else rayspec).
+        run_name: the trackers' run name (null: the run directory's name).
+        tags: the trackers' run tags.
+        tracking_uri: MLflow's tracking URI (null: ``MLFLOW_TRACKING_URI``,
+            else a file store in ``<run_dir>/mlruns``).
+        wandb_mode: W&B's mode, ``online``, ``offline`` (files under
+            ``<run_dir>/wandb`` for ``wandb sync``) or ``disabled`` (null:
+            ``WANDB_MODE``, else online).
     """
 
     steps: int = 10
@@ -926,6 +940,12 @@ class TrainerConfig:
     max_failures: int = 1
     eval_every: int = 0
     eval_samples: int = 4
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    project_name: Optional[str] = None
+    run_name: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    tracking_uri: Optional[str] = None
+    wandb_mode: Optional[str] = None
 
     def validate(self, key: str = "trainer") -> None:
         _check(self.steps >= 1, f"{key}.steps", self.steps, "must be >= 1")
@@ -936,6 +956,15 @@ class TrainerConfig:
         _check(self.eval_every >= 0, f"{key}.eval_every", self.eval_every, "must be >= 0 (0: no evaluation)")
         if self.eval_every:
             _check(self.eval_samples >= 1, f"{key}.eval_samples", self.eval_samples, "must be >= 1")
+        for name in self.report_to:
+            _check(name in REPORT_TO, f"{key}.report_to", list(self.report_to), f"unknown tracker {name!r}: "
+                   f"expected a list of {', '.join(REPORT_TO[:-1])}, or [none]")
+        _check("none" not in self.report_to or len(self.report_to) == 1, f"{key}.report_to",
+               list(self.report_to), "none excludes every other tracker")
+        _check(len(set(self.report_to)) == len(self.report_to), f"{key}.report_to", list(self.report_to),
+               "names a tracker twice")
+        _check(self.wandb_mode in (None, "online", "offline", "disabled"), f"{key}.wandb_mode", self.wandb_mode,
+               "expected online, offline or disabled")
 
 
 @dataclass(frozen=True)

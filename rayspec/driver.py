@@ -31,6 +31,7 @@ from rayspec.models.acceptance import ACCEPTANCE_FILE
 from rayspec.preflight import check_inputs, check_memory_plan, check_nodes_see_inputs, check_resume, check_run_dir
 from rayspec.scheduler.placement import ROLES, ClusterFitError, cluster_nodes, plan_placement
 from rayspec.scheduler.recovery import alive_node_ids, dead_nodes, moved_roles, plan_without, start_node_events
+from rayspec.tracking import RecordFollower, check_trackers_installed, open_trackers
 from rayspec.train.checkpoint import TRAIN_NAME, TRAIN_STORAGE
 
 log = logging.getLogger(__name__)
@@ -428,13 +429,10 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
         ray.train.TrainingFailedError: the Train workers failed more than
             ``trainer.max_failures`` times with every node alive.
     """
-    from ray.train import TrainingFailedError
-
-    from rayspec.train.ranks import RunAborted
-
     cfg = _absolute(cfg)
     check_resume(cfg, resume)
     model_dir = check_inputs(cfg)
+    check_trackers_installed(cfg)
     check_run_dir(cfg)
     init_ray(cfg)
     nodes = cluster_nodes()
@@ -448,8 +446,26 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
-    draft_dir, aux_ids = prepare_draft(cfg, model_dir, run_dir)
+    follower = RecordFollower(run_dir, open_trackers(cfg, run_dir), skip_existing=resume)
+    failed = True
+    try:
+        with follower:  # on leaving, the records written since its last look
+            _run_roles(cfg, plan, model_dir, run_dir)
+        failed = False
+    finally:
+        follower.finish({"curves": run_dir / "curves.png", "policy": run_dir / "policy",
+                         "draft_head": run_dir / "draft_head"}, failed)
+    return run_dir
 
+
+def _run_roles(cfg: RunConfig, plan, model_dir: str, run_dir: Path) -> None:
+    """``run``'s roles started where ``plan`` puts them and its attempts run
+    to the end (see ``run``)."""
+    from ray.train import TrainingFailedError
+
+    from rayspec.train.ranks import RunAborted
+
+    draft_dir, aux_ids = prepare_draft(cfg, model_dir, run_dir)
     events = start_node_events()
     roles = Roles(cfg, plan, draft_dir, aux_ids)
     try:
@@ -476,4 +492,3 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     finally:
         roles.stop()
         ray.kill(events)
-    return run_dir

@@ -1,5 +1,6 @@
-"""Per-step metrics: phase timers, the step line, metrics.jsonl, TensorBoard,
-and the Ray dashboard (``ray.util.metrics``)."""
+"""Per-step metrics: phase timers, the step line, metrics.jsonl and the Ray
+dashboard (``ray.util.metrics``). TensorBoard, W&B and MLflow follow
+metrics.jsonl from the driver (``rayspec.tracking``)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,6 @@ from typing import Any
 
 from rayspec.files import write_text_atomic
 from rayspec.rollout.adaptive import format_schedule
-
-# record keys holding one rate per draft position -> their TensorBoard tag
-PER_POSITION_TAGS = {"acceptance_rate_per_pos": "acceptance_rate", "draft_acceptance_estimate": "acceptance_estimate"}
-GROUPED_TAGS = ("rewards",)  # record keys holding {name: number}: TensorBoard tags <key>/<name>
-
 
 class PhaseTimer:
     """Wall-clock seconds per named phase: ``with timer("rollout"): ...``.
@@ -219,23 +215,17 @@ def format_step_line(m: dict[str, Any]) -> str:
 
 
 class MetricsLog:
-    """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` and the
-    numeric values as TensorBoard scalars under ``<run_dir>/tensorboard``.
+    """Appends one JSON object per step to ``<run_dir>/metrics.jsonl``, which
+    the driver's trackers follow (``rayspec.tracking.RecordFollower``).
 
     Each JSON line is written and flushed whole, so a crash never leaves a
     partial record behind earlier steps. Non-finite floats are written as null.
     """
 
     def __init__(self, run_dir: str | os.PathLike):
-        from tensorboardX import SummaryWriter
-
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # tensorboardX writes events from a queue on its own thread; flush()
-        # does not wait for it, so TensorBoard would lag by up to flush_secs
-        # (120 s by default); close() writes everything
-        self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), flush_secs=5)
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -244,32 +234,12 @@ class MetricsLog:
             f.write(json.dumps(clean) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        step = record["step"]
-        for k, v in clean.items():
-            if isinstance(v, (int, float)) and k != "step":
-                self.tb.add_scalar(k, v, step)
-            elif k in PER_POSITION_TAGS:
-                for i, r in enumerate(v):
-                    self.tb.add_scalar(f"{PER_POSITION_TAGS[k]}/pos{i + 1}", r, step)
-            elif k in GROUPED_TAGS:  # {name: number}, e.g. each reward function's mean
-                for name, r in v.items():
-                    if isinstance(r, (int, float)):
-                        self.tb.add_scalar(f"{k}/{name}", r, step)
-        for ev in clean.get("evals", []):  # held-out scores, at the policy version they score
-            for k, v in ev.items():
-                if isinstance(v, (int, float)) and k != "policy_version":
-                    self.tb.add_scalar(f"eval/{k}", v, ev["policy_version"])
-        self.tb.flush()
-
-    def close(self) -> None:
-        """Write out every TensorBoard event (the end of the run)."""
-        self.tb.close()
 
     def discard_after(self, step: int) -> list[dict[str, Any]]:
         """Move the records of steps after ``step`` (an attempt that failed
         after the checkpoint being resumed) to ``metrics.discarded.jsonl``, so
         metrics.jsonl holds one record per step; returns the records moved.
-        metrics.jsonl is replaced atomically (TensorBoard keeps both)."""
+        metrics.jsonl is replaced atomically (the trackers keep both)."""
         if not self.path.is_file():
             return []
         keep, drop = [], []

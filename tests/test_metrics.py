@@ -1,4 +1,5 @@
-"""metrics.jsonl, TensorBoard scalars, the step line and the curves plot."""
+"""metrics.jsonl, the TensorBoard scalars the driver's follower writes from
+it, the step line and the curves plot."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import pytest
 
 from rayspec.metrics import MetricsLog, format_step_line, plot_run, read_metrics
+from rayspec.tracking import RecordFollower, TensorBoardTracker
 
 
 def _record(step: int) -> dict:
@@ -24,7 +26,9 @@ def test_log_writes_jsonl_tensorboard_and_plot(tmp_path):
     assert [r["step"] for r in recs] == [1, 2]
     assert recs[0]["draft_loss"] is None  # NaN is not JSON
     assert recs[1]["acceptance_rate_per_pos"] == pytest.approx([0.2, 0.0, 0.0])
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    tb = _follow(tmp_path)
+    assert tb["acceptance_rate/pos1"] == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2))]
+    assert "draft_loss" not in tb  # NaN: no point
     png = plot_run(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     line = format_step_line(recs[1])
@@ -34,6 +38,15 @@ def test_log_writes_jsonl_tensorboard_and_plot(tmp_path):
         format_step_line({**recs[1], "rewards": {"math_verify": 0.25, "boxed_once": None}, "reward_errors": 2,
                           "groups_dropped": 3, "sampling_rounds": 2})
     assert "reward 0.500 | accept_len" in format_step_line({**recs[1], "rewards": {"last_number": 0.5}})
+
+
+def _follow(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """The driver's TensorBoard tracker follows ``run_dir``'s metrics.jsonl
+    to the end; returns its scalars (``_scalars``)."""
+    follower = RecordFollower(run_dir, [TensorBoardTracker(run_dir)])
+    assert follower.poll() == len(read_metrics(run_dir)) and follower.poll() == 0  # each record once
+    follower.finish({})
+    return _scalars(run_dir / "tensorboard")
 
 
 def _scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
@@ -60,8 +73,7 @@ def test_evaluations_go_to_tensorboard_at_their_policy_version_and_into_the_plot
     ev = {"reward_greedy": 0.25, "reward_sampled": 0.125, "acceptance_length": 1.5, "time_s": 3.0}
     log.write({**_record(1), "kl": 0.0, "evals": [{"policy_version": 0, **ev, "greedy_changed": 0.0}]})
     log.write({**_record(2), "kl": 0.02, "evals": [{"policy_version": 2, **ev, "greedy_changed": 0.5}]})
-    log.tb.close()  # tensorboardX writes from a queue: flush() alone may leave the last events in it
-    tb = _scalars(tmp_path / "tensorboard")
+    tb = _follow(tmp_path)
     assert tb["eval/greedy_changed"] == [(0, 0.0), (2, 0.5)]
     assert tb["eval/reward_greedy"] == [(0, 0.25), (2, 0.25)]
     assert tb["kl"] == [(1, 0.0), (2, pytest.approx(0.02))]
@@ -73,8 +85,7 @@ def test_each_reward_function_and_the_dynamic_sampling_counts_go_to_tensorboard(
     log = MetricsLog(tmp_path)
     log.write({**_record(1), "rewards": {"math_verify": 0.5, "boxed_once": None}, "reward_errors": 1,
                "groups_dropped": 3, "sampling_rounds": 2})
-    log.tb.close()
-    tb = _scalars(tmp_path / "tensorboard")
+    tb = _follow(tmp_path)
     assert tb["rewards/math_verify"] == [(1, 0.5)] and "rewards/boxed_once" not in tb  # applied to no sample
     assert tb["reward_errors"] == [(1, 1.0)] and tb["groups_dropped"] == [(1, 3.0)]
     assert tb["sampling_rounds"] == [(1, 2.0)]
@@ -133,9 +144,8 @@ def test_the_draft_estimate_is_on_every_step_line_and_plotted_against_the_measur
     log = MetricsLog(tmp_path)
     log.write({**_record(1), "num_drafts": 0})  # measured nothing: not plotted as 1.0
     log.write(rec)
-    log.close()
     plot_run(tmp_path)
-    assert _scalars(tmp_path / "tensorboard")["draft_acceptance_length_estimate"] == [(2, pytest.approx(1.234))]
+    assert _follow(tmp_path)["draft_acceptance_length_estimate"] == [(2, pytest.approx(1.234))]
 
 
 def test_discard_after_moves_later_steps_aside(tmp_path):

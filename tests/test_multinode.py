@@ -15,6 +15,7 @@ import pytest
 from rayspec.config import ConfigError, load_config
 from rayspec.files import content_digest
 from rayspec.preflight import node_inputs
+from tests.test_tracking import wandb_offline_history
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,7 +146,10 @@ def test_the_main_job_colocated_over_two_nodes(two_nodes, tiny_llama_dir, tmp_pa
     """The main job with one replica and one Train worker on each node (the
     DraftTrainer beside rank 0's): each record's replicas ran on the nodes
     planned, the refits reached both over the collective, and the trained
-    policy and head are saved."""
+    policy and head are saved. The driver (on the head node) reports every
+    step to W&B (offline) and MLflow (SQLite), read back with their readers."""
+    from mlflow.tracking import MlflowClient
+
     from rayspec import driver
     from rayspec.scheduler import plan_placement
     from rayspec.scheduler.placement import cluster_nodes
@@ -155,7 +159,8 @@ def test_the_main_job_colocated_over_two_nodes(two_nodes, tiny_llama_dir, tmp_pa
     cfg = load_config(None, [f"model.path={tiny_llama_dir}", "model.dtype=float32", "rollout.num_replicas=2",
                              "rollout.num_cpus_per_replica=0.4", "trainer.steps=2", "trainer.eval_every=0",
                              "grpo.max_new_tokens=12", "data.prompts_per_step=2", "grpo.group_size=4",
-                             f"trainer.run_dir={run_dir}", *IN_PROCESS])
+                             f"trainer.run_dir={run_dir}", "trainer.report_to=[tensorboard,wandb,mlflow]",
+                             "trainer.wandb_mode=offline", *IN_PROCESS])
     plan = plan_placement(cfg, cluster_nodes())
     workers = {two_nodes.node_id("node1"), two_nodes.node_id("node2")}
     assert {b.node_id for b in plan.role("rollout")} == {b.node_id for b in plan.role("train")} == workers
@@ -166,6 +171,13 @@ def test_the_main_job_colocated_over_two_nodes(two_nodes, tiny_llama_dir, tmp_pa
     assert all({e["node"] for e in r["replicas"].values()} == {n[:8] for n in workers} for r in recs)
     assert all(r["weight_sync_transport"] == "collective" and r["layout"] == "colocate" for r in recs)
     assert (run_dir / "policy" / "model.safetensors").is_file() and (run_dir / "draft_head" / "config.json").is_file()
+    rows, _, summary = wandb_offline_history(run_dir)
+    assert [(r["step"], r["reward_mean"]) for r in rows if "reward_mean" in r] == [(r["step"], r["reward_mean"])
+                                                                                  for r in recs]
+    assert summary["draft_head_path"] == str(run_dir / "draft_head")
+    mlflow_run = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    history = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}").get_metric_history(mlflow_run, "time_step_s")
+    assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["time_step_s"])) for r in recs]
 
 
 @pytest.mark.slow

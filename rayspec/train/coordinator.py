@@ -106,8 +106,8 @@ class Coordinator:
     @classmethod
     def start(cls, cfg: RunConfig, tokenizer, device: torch.device, draft_acceptance) -> "Coordinator":
         """The production coordinator: the running Serve deployment's
-        replicas, the configured weight transport, metrics.jsonl,
-        TensorBoard and the Ray dashboard."""
+        replicas, the configured weight transport, metrics.jsonl (which
+        the driver's trackers follow) and the Ray dashboard."""
         from rayspec.rollout.serve import rollout_client
         from rayspec.sync import make_sender
 
@@ -379,11 +379,10 @@ class Coordinator:
 
     def close(self) -> None:
         """End of run: drop the batches generated ahead, stop the sender and
-        the reward workers, write out the TensorBoard events."""
+        the reward workers."""
         self.pipeline.close()
         self.sender.close()
         self.rewards.close()
-        self.log.close()
 
 
 class Follower:
