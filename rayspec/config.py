@@ -38,7 +38,8 @@ DATASET_KEYS = {"arithmetic": ("level", "max_operand"), "gsm8k": ("path", "split
 DEFAULT_SYSTEM_PROMPT = "You are a careful math tutor."  # the built-in tasks' system message
 BUILTIN_REWARDS = ("last_number", "math_verify", "format")  # rayspec.reward.builtins
 ON_ERROR = ("raise", "zero")
-REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")  # trainer.report_to (rayspec.tracking)
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
+NAMESPACE = "rayspec"  # the Ray namespace of a run's named actors (rayspec.driver.init_ray)  # trainer.report_to (rayspec.tracking)
 WEIGHT_SYNC_TRANSPORTS = ("auto", "collective", "shared_memory", "cuda_ipc")
 LAYOUTS = ("colocate", "split")
 MODES = ("sync", "async")
@@ -992,9 +993,16 @@ class LoggingConfig:
         warn_token_mult_prob_error: warn when the mean |p_train/p_rollout - 1|
             of the step's tokens exceeds this (the rollout engine is not
             sampling the policy being trained; see docs/correctness.md, "Precision").
+        verbose: the libraries' output (vLLM, Ray Serve, Ray Train,
+            DeepSpeed: every role's stdout and stderr) on the driver's
+            console too, as Ray streams it (``ray.init(log_to_driver=True)``);
+            off, it stays in Ray's worker logs and the console holds
+            rayspec's own lines, a progress bar and rayspec's warnings from
+            every role (``rayspec.console``).
     """
 
     level: str = "INFO"
+    verbose: bool = False
     warn_token_mult_prob_error: float = 0.1
 
     def validate(self, key: str = "logging") -> None:

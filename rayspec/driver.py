@@ -23,38 +23,73 @@ from pathlib import Path
 
 import ray
 from omegaconf import OmegaConf
+from tqdm.contrib.logging import logging_redirect_tqdm
 
-from rayspec.config import DEFAULT_DRAFT_SAMPLE_METHOD, ConfigError, RunConfig, draft_online, dtype_reason
+from rayspec.config import (DEFAULT_DRAFT_SAMPLE_METHOD, NAMESPACE, ConfigError, RunConfig, draft_online,
+                            dtype_reason)
 from rayspec.data import load_problems
 from rayspec.models import load_policy
 from rayspec.models.acceptance import ACCEPTANCE_FILE
 from rayspec.preflight import check_inputs, check_memory_plan, check_nodes_see_inputs, check_resume, check_run_dir
 from rayspec.scheduler.placement import ROLES, ClusterFitError, cluster_nodes, plan_placement
 from rayspec.scheduler.recovery import alive_node_ids, dead_nodes, moved_roles, plan_without, start_node_events
+from rayspec.console import Console
+from rayspec.relay import start_console_relay
+from rayspec.metrics import read_metrics
 from rayspec.tracking import RecordFollower, check_trackers_installed, open_trackers
 from rayspec.train.checkpoint import TRAIN_NAME, TRAIN_STORAGE
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "rayspec"
 
 
-def init_ray(cfg: RunConfig) -> None:
-    """Join ``ray.address`` or start an embedded cluster sized by the config.
+def init_ray(cfg: RunConfig) -> Path | None:
+    """Join ``ray.address`` or start an embedded cluster sized by the config,
+    streaming the roles' output to this process only with
+    ``logging.verbose`` (``rayspec.console``).
 
     Under ``ray job submit`` the job's driver joins its cluster (address
     ``auto`` is implied by RAY_ADDRESS).
+
+    Returns:
+        The directory of Ray's logs on this node (its session's ``logs``),
+        or None where Ray was already up (started by the caller).
     """
     if ray.is_initialized():
-        return
+        return None
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+    # the libraries' output on this console only where asked for (rayspec.console)
+    common = {"namespace": NAMESPACE, "runtime_env": env, "log_to_driver": cfg.logging.verbose}
     if cfg.ray.address is not None or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=cfg.ray.address, namespace=NAMESPACE, runtime_env=env)
+        ctx = ray.init(address=cfg.ray.address, **common)
     else:
         # "local": always a new embedded cluster, never a stray `ray start` one
-        ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(),
-                 object_store_memory=cfg.ray.object_store_memory,
-                 namespace=NAMESPACE, runtime_env=env)
+        ctx = ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(),
+                       object_store_memory=cfg.ray.object_store_memory, **common)
+    if not cfg.logging.verbose:
+        # Serve's client in this process logs its start and connections at INFO; importing
+        # ray.serve sets that logger up (Ray 2.60: configure_default_serve_logger), so first
+        from ray import serve  # noqa: F401
+
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    session = ctx.address_info.get("session_dir")
+    return Path(session) / "logs" if session else None
+
+
+def link_ray_logs(run_dir: Path, logs: Path | None, verbose: bool) -> None:
+    """``<run_dir>/ray_logs``: a link to Ray's logs on this node (every
+    role's stdout and stderr there, the libraries' output included), named
+    on the console once."""
+    where = "`ray logs cluster` lists every node's, the dashboard's Logs view shows them"
+    if logs is not None:
+        link = run_dir / "ray_logs"
+        if link.is_symlink():
+            link.unlink()  # a resumed run's: the session before
+        if not link.exists():
+            link.symlink_to(logs, target_is_directory=True)
+            where = f"{link} -> {logs} on this node; {where}"
+    log.info("the libraries' output (vLLM, Ray Serve, Ray Train, DeepSpeed) is in Ray's worker logs: %s%s", where,
+             "" if verbose else "; logging.verbose=true shows it here too")
 
 
 def _absolute(cfg: RunConfig) -> RunConfig:
@@ -434,7 +469,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     model_dir = check_inputs(cfg)
     check_trackers_installed(cfg)
     check_run_dir(cfg)
-    init_ray(cfg)
+    ray_logs = init_ray(cfg)
     nodes = cluster_nodes()
     plan = plan_placement(cfg, nodes)
     check_memory_plan(cfg, model_dir, nodes)
@@ -446,10 +481,16 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
-    follower = RecordFollower(run_dir, open_trackers(cfg, run_dir), skip_existing=resume)
+    link_ray_logs(run_dir, ray_logs, cfg.logging.verbose)
+    trackers = open_trackers(cfg, run_dir)
+    done = max((r["step"] for r in read_metrics(run_dir)), default=0) \
+        if resume and (run_dir / "metrics.jsonl").is_file() else 0
+    console = Console(cfg.trainer.steps, done, lines=not cfg.logging.verbose,
+                      relay=None if cfg.logging.verbose else start_console_relay())
+    follower = RecordFollower(run_dir, [console, *trackers], skip_existing=resume)
     failed = True
     try:
-        with follower:  # on leaving, the records written since its last look
+        with logging_redirect_tqdm(), follower:  # on leaving, the records written since its last look
             _run_roles(cfg, plan, model_dir, run_dir)
         failed = False
     finally:

@@ -214,6 +214,18 @@ def format_step_line(m: dict[str, Any]) -> str:
     return line + f" | v{m['policy_version']}"
 
 
+def format_eval_line(ev: dict[str, Any]) -> str:
+    """One held-out evaluation (a record's ``evals`` item) as a line: the
+    policy version, the problems, reward greedy and at the RL temperature,
+    the fraction of greedy answers changed since the initial policy, the
+    sampled pass's acceptance length and seconds."""
+    changed = ev.get("greedy_changed")
+    return (f"eval v{ev['policy_version']} ({ev.get('num_problems', '?')} held-out problems): reward greedy "
+            f"{ev['reward_greedy']:.3f}, T={ev.get('temperature', '?')} {ev['reward_sampled']:.3f} | greedy changed "
+            f"{'n/a' if changed is None else f'{changed:.2f}'} | accept_len {ev['acceptance_length']:.2f} | "
+            f"{ev['time_s']:.1f}s")
+
+
 class MetricsLog:
     """Appends one JSON object per step to ``<run_dir>/metrics.jsonl``, which
     the driver's trackers follow (``rayspec.tracking.RecordFollower``).

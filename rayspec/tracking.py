@@ -102,6 +102,9 @@ class Tracker:
         """Log one step record (its ``scalars``)."""
         raise NotImplementedError
 
+    def tick(self) -> None:
+        """Called at every look at metrics.jsonl, new records or not."""
+
     def finish(self, outputs: dict[str, Path], failed: bool = False) -> None:
         """End of run: ``outputs`` {name: path} that exist (``curves``: the
         picture, logged as an artifact; ``policy``, ``draft_head``: their
@@ -370,12 +373,19 @@ class RecordFollower:
                 try:
                     t.log(record)
                 except Exception as e:  # noqa: BLE001 - a tracker's failure is not the run's
-                    log.warning("trainer.report_to: %s failed at step %s (%s: %s); the run goes on without it, "
-                                "every record stays in %s", t.name, record.get("step"), type(e).__name__, e,
-                                self.path)
-                    self.trackers.remove(t)
-                    _finish_quietly(t)
+                    self._drop(t, f"at step {record.get('step')}", e)
+        for t in list(self.trackers):
+            try:
+                t.tick()
+            except Exception as e:  # noqa: BLE001
+                self._drop(t, "", e)
         return len(new)
+
+    def _drop(self, t: Tracker, when: str, e: Exception) -> None:
+        log.warning("trainer.report_to: %s failed%s (%s: %s); the run goes on without it, every record stays "
+                    "in %s", t.name, f" {when}" if when else "", type(e).__name__, e, self.path)
+        self.trackers.remove(t)
+        _finish_quietly(t)
 
     def finish(self, outputs: dict[str, Path], failed: bool = False) -> None:
         """Close every tracker with the run's ``outputs`` that exist

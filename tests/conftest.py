@@ -25,14 +25,16 @@ STEP_RECORD_KEYS = {"step", "reward_mean", "acceptance_length", "acceptance_rate
 
 def start_ray() -> None:
     """The suite's one embedded Ray cluster (2 CPUs, 1 GiB object store), as
-    ``jobs.grpo`` starts one; nothing if Ray is up."""
+    ``jobs.grpo`` starts one, with every role's output streamed to the
+    suite's (``logging.verbose``: a failure's log is in CI's); nothing if
+    Ray is up."""
     import ray
 
     from rayspec.config import load_config
     from rayspec.driver import init_ray
 
     if not ray.is_initialized():
-        init_ray(load_config(None, ["ray.num_cpus=2", f"ray.object_store_memory={1 << 30}"]))
+        init_ray(load_config(None, ["ray.num_cpus=2", f"ray.object_store_memory={1 << 30}", "logging.verbose=true"]))
 
 
 def pytest_addoption(parser):

@@ -23,6 +23,7 @@ import os
 import re
 import shlex
 import subprocess
+import types
 from pathlib import Path
 
 import jsonschema
@@ -83,7 +84,8 @@ def _driver_runtime_env(monkeypatch) -> dict:
 
     seen = {}
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    # ray.init returns the session's RayContext (its address_info: where the session's logs are)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw) or types.SimpleNamespace(address_info={}))
     driver.init_ray(load_config(None, ["ray.address=auto"]))
     return seen["runtime_env"]
 

@@ -113,6 +113,9 @@ class DraftTrainer:
                  device: str = "cpu", num_speculative_tokens: int | None = None,
                  draft_sample_method: str = DEFAULT_DRAFT_SAMPLE_METHOD, temperature: float = 1.0,
                  tv_loss_weight: float = 0.0):
+        from rayspec.relay import relay_warnings
+
+        relay_warnings()  # as an actor, its warnings reach the driver's console
         if cores:
             os.sched_setaffinity(0, cores)
             num_threads = min(num_threads, len(cores))

@@ -58,6 +58,9 @@ def _log_to_serve_replica(level: str) -> None:
         h.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
         ours.addHandler(h)
     ours.propagate = False  # not also Python's last-resort handler (warnings)
+    from rayspec.relay import relay_warnings
+
+    relay_warnings()  # warnings also to the driver's console
 
 
 class _ReplicaStderr(logging.StreamHandler):

@@ -20,7 +20,8 @@ from rayspec.config import RunConfig
 from rayspec.data import PromptSource, prompt_ids, train_and_heldout
 from rayspec.draft.client import DraftStep, HeadWeights
 from rayspec.reward.pool import RewardPool, RewardResult
-from rayspec.metrics import DashboardMetrics, MetricsLog, PhaseTimer, format_step_line, step_record
+from rayspec.metrics import (DashboardMetrics, MetricsLog, PhaseTimer, format_eval_line, format_step_line,
+                             step_record)
 from rayspec.rollout.client import RolloutClient
 from rayspec.rollout.engine import derive_seed
 from rayspec.rollout.spec_stats import AcceptanceWatch, SpecStats
@@ -327,13 +328,9 @@ class Coordinator:
             self.eval_baseline = greedy.response_ids
         rewards = [self.score(b, self.eval_problems).rewards for b in (greedy, sampled)]
         rec = {**score_eval(self.eval_problems, greedy, sampled, stats, self.eval_baseline, *rewards),
-               "time_s": time.perf_counter() - t0}
+               "num_problems": len(prompts), "temperature": cfg.grpo.temperature, "time_s": time.perf_counter() - t0}
         self.evals.append(rec)
-        log.info("eval v%d (%d held-out problems): reward greedy %.3f, T=%g %.3f | greedy changed %s | "
-                 "accept_len %.2f | %.1fs", rec["policy_version"], len(prompts), rec["reward_greedy"],
-                 cfg.grpo.temperature, rec["reward_sampled"],
-                 f"{rec['greedy_changed']:.2f}" if "greedy_changed" in rec else "n/a",
-                 rec["acceptance_length"], rec["time_s"])
+        log.info(format_eval_line(rec))
 
     def trainer_state(self, step: int, version: int, draft_state: dict[str, Any]) -> dict[str, Any]:
         """What a checkpoint after ``step`` resumes from. Batches generated

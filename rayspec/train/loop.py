@@ -21,6 +21,7 @@ import ray
 import torch
 
 from rayspec.config import ConfigError, RunConfig
+from rayspec.relay import relay_warnings
 from rayspec.data.files import DataFileError
 from rayspec.devices import assigned_gpu
 from rayspec.draft.client import DraftClient, NullDraft, find_draft_trainer
@@ -116,6 +117,7 @@ def rl_worker_loop(config: dict) -> None:
     # Ray Train gives the root logger its console handler (and routes print()
     # through it too, twice on some stdout setups): log, and add no handler.
     logging.getLogger("rayspec").setLevel(cfg.logging.level)
+    relay_warnings()  # and to the driver's console (rayspec.console)
     if cfg.train.torch_threads_per_worker:
         torch.set_num_threads(cfg.train.torch_threads_per_worker)
     torch.manual_seed(cfg.trainer.seed)
@@ -219,8 +221,9 @@ def resume(checkpoint, policy: Policy, coord: Coordinator | Follower, draft: Dra
         if draft_version is None and draft.alive:
             log.warning("checkpoint %s holds no draft state: the DraftTrainer continues from its current head",
                         checkpoint.path)
-        log.info("resumed from %s after step %d (policy version %d, draft version %d, prompt cursor %s)",
-                 checkpoint.path, state["step"], version, draft.version, state["prompts"])
+        # a warning: after a failure, the console's only word that the Train workers restarted (rayspec.console)
+        log.warning("the Train workers resumed from %s after step %d (policy version %d, draft version %d, "
+                    "prompt cursor %s)", checkpoint.path, state["step"], version, draft.version, state["prompts"])
     return version
 
 

@@ -387,7 +387,7 @@ def register() -> None:
     if _KERNEL in registry:
         register_kernels({_KERNEL: _expand_kernel_impl})
     _applied = True
-    log.warning("rayspec: patched vLLM %s CPU expand_kernel (speculative sampling "
+    log.info("rayspec: patched vLLM %s CPU expand_kernel (speculative sampling "
                 "was lossy at temperature > 0: float output never written) and "
                 "sample_recovered_tokens (noise drawn once, only for requests with drafts), "
                 "samples EAGLE-3 drafts over the draft vocabulary, computes the drafter's "
