@@ -452,7 +452,8 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
             a checkpoint where none is expected / none where resume is
             (``check_resume``), or on several nodes, a node that runs a role
             and does not see the run directory or an input
-            (``check_nodes_see_inputs``).
+            (``check_nodes_see_inputs``), or a tracker of
+            ``trainer.report_to`` that cannot start (``open_trackers``).
         ClusterFitError: the layout does not fit the cluster.
         All before any role is started.
         ClusterFitError: a node died and the nodes left (with those that
