@@ -45,6 +45,8 @@ class Console(Tracker):
 
         self.lines, self.relay, self.file = lines, relay, file or sys.stderr
         self.bar = tqdm(total=steps, initial=done, desc="RL steps", unit="step", file=self.file, dynamic_ncols=True,
+                        # ETA from recent steps (half weight on the last): the first interval holds the start-up
+                        smoothing=0.5,
                         bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}")
         self.bar.set_postfix_str("first step: rollout, policy update, refit")
         self._live = type(self.bar).__module__ == "tqdm.notebook" or bool(getattr(self.file, "isatty", bool)())
