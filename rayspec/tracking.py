@@ -276,12 +276,12 @@ def open_trackers(cfg: RunConfig, run_dir: Path) -> list[Tracker]:
     ``<run_dir>/trackers.json``.
 
     Raises:
-        ConfigError: a tracker's library is missing, or its run cannot be
-            started (an unreachable tracking URI, W&B without a login in
-            online mode), naming ``trainer.report_to`` and the library's
-            error. The trackers already started are closed.
+        ConfigError: a tracker's run cannot be started (its library
+            missing: ``check_trackers_installed`` says so earlier, before
+            Ray; an unreachable tracking URI; W&B without a login in online
+            mode), naming ``trainer.report_to`` and the library's error. The
+            trackers already started are closed.
     """
-    check_trackers_installed(cfg)
     ids_path = run_dir / TRACKER_IDS
     ids = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
     kinds = {"tensorboard": lambda _: TensorBoardTracker(run_dir),
