@@ -476,3 +476,31 @@ def test_the_node_watch_moves_a_dead_nodes_roles_and_posts_the_loss(monkeypatch)
     assert event["moved"] == {"train": [n3.node_id[:8]] * 2, "draft": [n3.node_id[:8]]} and posted[-1] is not event
     watch2.take_train_moves()
     assert posted[-1] is event
+
+
+def test_a_replica_that_dies_during_a_broadcast_is_left_out_and_other_errors_still_raise():
+    """A query broadcast (``busy_intervals``, ``versions``) that meets a
+    replica whose node just died answers with the others; a refit's
+    bookkeeping (``return_exceptions``) still sees the death; an error of a
+    live replica raises; no replica running at all answers nothing."""
+    import ray
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    from rayspec.rollout.client import _Broadcast
+
+    class Response:
+        def __init__(self, out):
+            self.out = out
+
+        def results(self, return_exceptions=False):
+            if isinstance(self.out, BaseException):
+                raise self.out
+            assert return_exceptions
+            return list(self.out)
+
+    died = ray.exceptions.ActorDiedError()
+    assert _Broadcast(Response([{"policy": 3}, died])).results() == [{"policy": 3}]
+    assert _Broadcast(Response([1, died])).results(return_exceptions=True) == [1, died]
+    with pytest.raises(ValueError, match="bad"):
+        _Broadcast(Response([1, ValueError("bad")])).results()
+    assert _Broadcast(Response(DeploymentUnavailableError("rayspec-rollout"))).results() == []

@@ -211,19 +211,32 @@ class _Broadcast:
     no replica running (it is replacing them all, e.g. after their node
     died; Serve raises ``DeploymentUnavailableError``): a refit then reaches
     nobody, and the replacements catch up on the newest weights before
-    their first rollout (``refits``)."""
+    their first rollout (``refits``). A replica that dies during the call
+    (its node died between Serve's listing and the answer) is left out of
+    ``results()``; with ``return_exceptions`` its error is returned, as
+    Serve does, for the refit's bookkeeping (``all_landed``)."""
 
     def __init__(self, response):
         self._response = response
 
-    def results(self, *args, **kwargs) -> list:
+    def results(self, return_exceptions: bool = False, **kwargs) -> list:
         from ray.serve.exceptions import DeploymentUnavailableError
 
         try:
-            return self._response.results(*args, **kwargs)
+            out = self._response.results(return_exceptions=True, **kwargs)
         except DeploymentUnavailableError:
             log.warning("no rollout replica is running (Serve is replacing them): nothing to call")
             return []
+        if return_exceptions:
+            return out
+        dead = [r for r in out if isinstance(r, ray.exceptions.RayActorError)]
+        if dead:
+            log.warning("%d rollout replica(s) died during the call (%s): left out; Serve replaces them",
+                        len(dead), type(dead[0]).__name__)
+        for r in out:
+            if isinstance(r, Exception) and r not in dead:
+                raise r
+        return [r for r in out if r not in dead]
 
 
 class _Future:
