@@ -430,7 +430,9 @@ class RolloutConfig:
             policy trains, where a policy refit ends the sleep: 2 drops the
             weights the refit overwrites (the draft's own weights are kept),
             1 copies them to host memory and back. The first sleep, before
-            the Train workers build their engines, is level 1.
+            the Train workers build their engines, is level 1. null: 2, or 1
+            for a LoRA policy (``train.lora``: its refits carry the adapter
+            only, never the base weights level 2 would drop).
         tools: multi-turn rollouts with tools (``rayspec.rollout.agent``,
             TRL's ``tools``): each ``path/to/file.py:fn`` or
             ``package.module:fn``, a function with type hints and a
@@ -467,7 +469,7 @@ class RolloutConfig:
     model_runner: str = "v1"
     adaptive_k: AdaptiveKConfig = field(default_factory=AdaptiveKConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    sleep_level: int = 2
+    sleep_level: Optional[int] = None
     tools: list[str] = field(default_factory=list)
     environment: Optional[str] = None
     max_turns: int = 4
@@ -535,6 +537,66 @@ class RolloutConfig:
         self.weight_sync.validate(f"{key}.weight_sync")
 
 
+# the ranks vLLM serves (vllm.config.lora.MaxLoRARanks, 0.32.0): max_lora_rank takes one of them
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """A LoRA policy (Hu et al. 2021, arXiv 2106.09685): peft's ``LoraConfig``
+    names. The Train workers train a peft model under DeepSpeed ZeRO 0-2
+    whose optimizer holds the adapter only; the KL reference is the same
+    model with the adapter switched off (peft's ``disable_adapter``), no
+    second copy. Each policy refit sends the adapter only (peft's format),
+    registered on every replica as a new vLLM LoRA version; speculation stays
+    on (``docs/lora.md``).
+
+    Args:
+        enabled: train a LoRA adapter instead of every weight.
+        r: the adapter's rank; one vLLM serves (``VLLM_LORA_RANKS``).
+        lora_alpha: the scale's numerator (the update is ``alpha / r * B A``).
+        lora_dropout: dropout on the adapter's input while training.
+        target_modules: peft's ``target_modules``: ``all-linear`` (every
+            linear layer of the decoder blocks; embeddings and the LM head
+            untouched), a list of module names, or a regex.
+        use_dora / bias / modules_to_save: peft's; only their defaults
+            (False, ``none``, null): vLLM serves no DoRA, no adapter biases
+            and no fully trained modules beside an adapter.
+        save_merged: at the end, also write the policy with the adapter
+            merged in (``<run_dir>/policy``); the adapter itself is always
+            written (``<run_dir>/adapter``, peft's format).
+    """
+
+    enabled: bool = False
+    r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    target_modules: Any = "all-linear"
+    use_dora: bool = False
+    bias: str = "none"
+    modules_to_save: Optional[list[str]] = None
+    save_merged: bool = False
+
+    def validate(self, key: str = "train.lora") -> None:
+        if not self.enabled:
+            return
+        _check(_is_int(self.r) and self.r in VLLM_LORA_RANKS, f"{key}.r", self.r,
+               f"vLLM serves LoRA ranks {VLLM_LORA_RANKS} only (its max_lora_rank)")
+        _check(_is_number(self.lora_alpha) and self.lora_alpha > 0, f"{key}.lora_alpha", self.lora_alpha,
+               "must be a number > 0")
+        _check(_is_number(self.lora_dropout) and 0 <= self.lora_dropout < 1, f"{key}.lora_dropout",
+               self.lora_dropout, "must be in [0, 1)")
+        targets = self.target_modules
+        _check(isinstance(targets, str) and targets or
+               (isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) for t in targets)),
+               f"{key}.target_modules", targets, "expected 'all-linear', a regex, or a list of module names")
+        _check(not self.use_dora, f"{key}.use_dora", self.use_dora, "vLLM serves no DoRA adapters")
+        _check(self.bias == "none", f"{key}.bias", self.bias, "vLLM serves no LoRA biases: use 'none'")
+        _check(not self.modules_to_save, f"{key}.modules_to_save", self.modules_to_save,
+               "vLLM serves no fully trained modules beside an adapter (the adapter's refits carry A and B "
+               "only): leave it null, or train every weight (train.lora.enabled=false)")
+
+
 def _default_deepspeed() -> dict[str, Any]:
     # bf16 and the optimizer implementation default by platform (apply_defaults)
     return {
@@ -574,6 +636,7 @@ class TrainConfig:
             Train workers are colocated. Needs ZeRO stage 1-3, and under
             ZeRO-3 DeepSpeed's FusedAdam (``optimizer.params.torch_adam:
             false``: DeepSpeed 0.19.8 asserts it).
+        lora: a LoRA policy (``LoraConfig``).
     """
 
     num_workers: int = 2
@@ -584,6 +647,7 @@ class TrainConfig:
     torch_threads_per_worker: Optional[int] = None
     gradient_checkpointing: Optional[bool] = None
     offload_states: Optional[bool] = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self, key: str = "train") -> None:
         _check(self.num_workers >= 1, f"{key}.num_workers", self.num_workers, "must be >= 1")
@@ -615,6 +679,10 @@ class TrainConfig:
             _check(not (stage == 3 and params.get("torch_adam")), f"{key}.offload_states", True,
                    "under ZeRO-3 needs DeepSpeed's FusedAdam: set deepspeed.optimizer.params.torch_adam=false "
                    "(DeepSpeed 0.19.8's stage-3 offload_states asserts it), or offload_states=false")
+        self.lora.validate(f"{key}.lora")
+        _check(not self.lora.enabled or stage != 3, f"{key}.deepspeed.zero_optimization.stage", stage,
+               "LoRA trains under ZeRO 0-2 here (the adapter export and the adapter-off reference read whole "
+               f"parameters; the frozen base has no optimizer states to shard): use stage 2 with {key}.lora")
 
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # verl's names
@@ -1171,12 +1239,39 @@ def check_across_sections(cfg: RunConfig) -> None:
     seqs = cfg.data.prompts_per_step * cfg.grpo.group_size
     _check(seqs % cfg.train.num_workers == 0, "train.num_workers", cfg.train.num_workers,
            f"must divide the {seqs} sequences per step (prompts_per_step * group_size)")
+    if cfg.train.lora.enabled:
+        check_lora_serving(cfg)
+        _check(cfg.rollout.sleep_level == 1, "rollout.sleep_level", cfg.rollout.sleep_level,
+               "a LoRA policy's refits carry the adapter only: level 2 would drop base weights no refit "
+               "restores; use 1 (the default with train.lora)")
+        _check(not cfg.scheduler.in_flight_updates, "scheduler.in_flight_updates", True,
+               "not built for a LoRA policy yet: a refit waits for the requests in flight, each sample "
+               "runs on one adapter version")
     if cfg.scheduler.layout == "split":
         for key, value in (("rollout.num_gpus_per_replica", cfg.rollout.num_gpus_per_replica),
                            ("train.num_gpus_per_worker", cfg.train.num_gpus_per_worker),
                            ("draft.num_gpus", cfg.draft.num_gpus)):
             _check(float(value).is_integer(), key, value,
                    "split gives each role whole GPUs (fractions would share a device)")
+
+
+def check_lora_serving(cfg: RunConfig) -> None:
+    """What the replicas need to serve ``train.lora``'s adapter: vLLM's
+    LoRA on (``enable_lora``), a ``max_lora_rank`` at least the adapter's
+    rank, ``max_loras`` for every version in flight
+    (``lora_versions_in_flight``). Raises ConfigError naming the key."""
+    kw, lora = cfg.rollout.engine_kwargs, cfg.train.lora
+    _check(kw.get("enable_lora") is True, "rollout.engine_kwargs.enable_lora", kw.get("enable_lora"),
+           "train.lora.enabled needs vLLM's LoRA on the replicas: true (the default with it)")
+    rank = kw.get("max_lora_rank")
+    _check(rank in VLLM_LORA_RANKS and rank >= lora.r, "rollout.engine_kwargs.max_lora_rank", rank,
+           f"must be one of vLLM's ranks {VLLM_LORA_RANKS} and >= train.lora.r ({lora.r})")
+    need = lora_versions_in_flight(cfg.scheduler)
+    have = kw.get("max_loras")
+    _check(_is_int(have) and have >= need, "rollout.engine_kwargs.max_loras", have,
+           f"a replica holds up to {need} adapter versions at once (scheduler.mode={cfg.scheduler.mode}"
+           + (f", max_policy_lag={cfg.scheduler.max_policy_lag}: lag + 2" if cfg.scheduler.mode == "async"
+              else ": the current one and the one a refit adds") + f"); set it to {need} or more")
 
 
 # vLLM's share of a GPU's memory where it shares the device with a Train
@@ -1299,6 +1394,22 @@ def apply_defaults(cfg: dict[str, Any]) -> None:
                                            and stage in (1, 2, 3) and not (stage == 3 and torch_adam)))
     if not train_gpu:
         _default(train, "torch_threads_per_worker", 1)
+    lora = train.get("lora") or {}
+    _default(rollout, "sleep_level", 1 if lora.get("enabled") else 2)
+    if lora.get("enabled"):
+        _default(kw, "enable_lora", True)
+        _default(kw, "max_lora_rank", lora.get("r", LoraConfig.r))
+        _default(kw, "max_loras", lora_versions_in_flight(cfg["scheduler"]))
+
+
+def lora_versions_in_flight(scheduler: dict[str, Any] | "SchedulerConfig") -> int:
+    """The adapter versions a replica may hold at once (vLLM's
+    ``max_loras``): in async mode the batches of up to ``max_policy_lag``
+    older versions may be in flight while the newest one is added, plus
+    the one being added (TRL's AsyncGRPO keeps ``max_staleness + 1``); in
+    sync mode the current version and the one a refit adds."""
+    get = scheduler.get if isinstance(scheduler, dict) else lambda k, d=None: getattr(scheduler, k, d)
+    return get("max_policy_lag", 1) + 2 if get("mode", "sync") == "async" else 2
 
 
 def auto_dtype(rollout_gpu: bool) -> tuple[str, str]:

@@ -54,6 +54,10 @@ def check_inputs(cfg: RunConfig) -> str:
             f"{policy_cfg.get('model_type')!r}) has no multi-token-prediction layers (its config.json sets no "
             "num_nextn_predict_layers); mtp drafts with a model's own MTP layers (DeepSeek-V3, GLM-4.5, "
             "Qwen3-Next, MiMo, ERNIE-4.5, ...): for this policy use eagle3, draft_model, ngram or suffix")
+    if cfg.train.lora.enabled and spec.method == "draft_model":
+        log.warning("rollout.speculative_config.method='draft_model' with train.lora: the draft model never gets "
+                    "the policy's adapter, so its acceptance sags as the adapter moves the policy away from the "
+                    "base (eagle3 trains on the adapted verifier's features; ngram and suffix draft its own text)")
     if spec.model is not None:
         check_draft_matches_policy(policy_cfg, spec.model, spec.method)
         try:

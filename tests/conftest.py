@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -187,3 +188,19 @@ def planted_policy(kind: str, tmp: Path, tiny: Path) -> Path:
         torch.save({"evil": PicklePayload(tmp / MARKER)}, d / "pytorch_model.bin")
         return d
     raise ValueError(kind)
+
+
+@pytest.fixture(scope="module")
+def single_rank_group():
+    """A one-process gloo group, as Ray Train sets up for each worker (one
+    for the module: DeepSpeed keeps the group of its first engine)."""
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -53,12 +53,12 @@ class _Dying:
         self._lock = threading.Lock()
         threading.Thread(target=self._watch, args=(Path(os.environ[KILL_FILE_ENV]),), daemon=True).start()
 
-    def generate(self, prompts: list, params) -> list:
+    def generate(self, prompts: list, params, lora_request=None) -> list:
         n = (params[0] if isinstance(params, list) else params).n
         with self._lock:
             self._in_flight[n] += 1
         try:
-            return super().generate(prompts, params)
+            return super().generate(prompts, params, lora_request)
         finally:
             with self._lock:
                 self._in_flight[n] -= 1

@@ -5,13 +5,11 @@ greedy continuation then equals the trainer's own (and differs from before)."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
 import ray
 import torch
-import torch.distributed as dist
 
 from rayspec.buckets import plan_buckets, state_dict_nbytes
 from rayspec.config import DRAFT_LINEAR_DTYPE, load_config
@@ -23,20 +21,6 @@ from rayspec.sync import CollectiveSender, ObjectStoreReceiver
 from rayspec.train.grpo import group_advantages, token_logprobs, token_mult_prob_error
 from rayspec.train.policy import build_engine, deepspeed_config, full_state_dict, policy_update
 from tests.conftest import engine_kwargs
-
-
-@pytest.fixture(scope="module")
-def single_rank_group():
-    """A one-process gloo group, as Ray Train sets up for each worker (one
-    for the module: DeepSpeed keeps the group of its first engine)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _greedy_hf(model, prompt: list[int], n: int) -> list[int]:
@@ -69,7 +53,7 @@ def _sleeping_engine(calls: list, **state):
 
     eng = object.__new__(SpecVLLMEngine)
     eng.__dict__.update({"llm": LLM(), "sleep_mode": True, "_asleep": set(), "_gate": _Gate(True),
-                         "in_flight_updates": False, "adaptive": None, "policy_version": 0,
+                         "in_flight_updates": False, "adaptive": None, "policy_version": 0, "lora": False,
                          "speculative_config": None,
                          "_discarded": False, **state})
     eng.object_store = ObjectStoreReceiver(eng)

@@ -280,6 +280,36 @@ def test_drafter_linear_layers_compute_in_the_configured_dtype(monkeypatch):
     assert draft.cpu_linear is torch.nn.functional.linear
 
 
+def test_an_eagle3_drafter_embeds_through_a_lora_embedding_with_fewer_tokens_than_the_step():
+    """The drafter shares the verifier's LoRA-wrapped embedding and calls it
+    with one token a request where the verification step mapped four: vLLM's
+    CPU wrapper raised (the engine died at the first drafted step with an
+    adapter); the fix takes the first tokens' adapter slots, as the GPU
+    wrapper does."""
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    w = PunicaWrapperCPU(64, 8, "cpu")
+    w._token_lora_indices[:12] = 1  # a verification step: 3 requests x (1 + k = 3) tokens on adapter slot 1
+    w.indices_len = [12, 3, 3, 0]
+    w._update_prefill_metadata(w.token_lora_indices)
+    w.is_prefill = True
+    lora_b = torch.randn(2, 1, 16, 8)  # [max_loras, 1, hidden, rank]
+    upstream = vllm_patches.tp.LORA_EMBEDDING.load()
+    upstream = getattr(upstream, "__wrapped__", upstream)
+    fixed = vllm_patches._lora_embedding_of_any_tokens(upstream)
+    x = torch.randn(3, 8)  # the drafter's pass: one token a request
+    with pytest.raises(RuntimeError, match="einsum"):
+        upstream(w, torch.zeros(3, 16), x, lora_b)
+    y = torch.zeros(3, 16)
+    fixed(w, y, x, lora_b)
+    assert torch.allclose(y, x @ lora_b[1, 0].T, atol=1e-5)
+    full = torch.randn(12, 8)  # the step's own tokens: upstream's result
+    y_up, y_fixed = torch.zeros(12, 16), torch.zeros(12, 16)
+    upstream(w, y_up, full, lora_b)
+    fixed(w, y_fixed, full, lora_b)
+    assert torch.equal(y_up, y_fixed) and torch.allclose(y_fixed, full @ lora_b[1, 0].T, atol=1e-5)
+
+
 def test_drafter_linear_dtype_resolves_auto_by_the_cpu_and_names_a_bad_value(monkeypatch):
     from rayspec import devices
 

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import sys
 import threading
 import time
@@ -26,7 +27,9 @@ from rayspec.files import write_text_atomic
 from rayspec.models.acceptance import read_acceptance
 from rayspec.rollout import adaptive as adaptive_k_mod
 from rayspec.rollout.spec_stats import SpecStats, completion_stats, sampled_logprobs, weight_spans
-from rayspec.sync import CollectiveReceiver, CudaIpcReceiver, ObjectStoreReceiver, SharedMemoryReceiver
+from rayspec.sync import (CollectiveReceiver, CudaIpcReceiver, ObjectStoreReceiver, SharedMemoryReceiver,
+                          WeightSyncError)
+from rayspec.sync.lora import AdapterReceiver
 from rayspec.vllm import require_vllm, vllm_version
 from rayspec.vllm import step_timer
 from rayspec.vllm.spec_schedule import set_schedule
@@ -563,6 +566,11 @@ class SpecVLLMEngine:
         self.collective = CollectiveReceiver(self)
         self.shared_memory = SharedMemoryReceiver(self)
         self.cuda_ipc = CudaIpcReceiver(self)
+        # a LoRA policy (train.lora): the base weights stay, each policy refit is an adapter version
+        self.lora = bool(kwargs.get("enable_lora"))
+        self.adapters = AdapterReceiver(self, self.object_store.staging_dir / "adapters")
+        self._adapter = None  # the LoRARequest of the current policy version; None: the base model
+        self._lora_ids = itertools.count(1)  # vLLM's lora_int_id: one per adapter loaded, never reused
         self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs
         self.k_schedule: list = list(map(tuple, (spec or {}).get("num_speculative_tokens_per_batch_size") or []))
         if adaptive_k is not None and spec is not None and not getattr(
@@ -762,7 +770,8 @@ class SpecVLLMEngine:
                 batch, outs = self._trajectories(prompt_ids, rows, n, params, group_offset, seed)
             else:
                 outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
-                                         [_seeded(params, seed, group_offset + j) for j in range(len(prompt_ids))])
+                                         [_seeded(params, seed, group_offset + j) for j in range(len(prompt_ids))],
+                                         self._adapter)
                 batch = _single_turn(outs, group_offset)
             stats = completion_stats(outs, time.perf_counter() - t0)
             # the tokens each sample decoded (a trajectory's tool tokens were prefilled)
@@ -799,7 +808,7 @@ class SpecVLLMEngine:
             async def generate(ids: list[int], max_tokens: int):
                 p = _seeded(one, seed, group_offset + j, i, next(turns))
                 p.max_tokens = max_tokens
-                return await self.llm.generate_one(TokensPrompt(prompt_token_ids=ids), p)
+                return await self.llm.generate_one(TokensPrompt(prompt_token_ids=ids), p, self._adapter)
             return generate
 
         share = None
@@ -994,7 +1003,11 @@ class SpecVLLMEngine:
         place: {name: host tensor}, or an ObjectRef of one (the object-store
         transport: one ``ray.put`` shared by every replica). A policy refit
         also resets the prefix cache (its KV was computed by the old
-        weights). Returns the new version."""
+        weights). On a LoRA replica a policy refit is an adapter
+        (``rayspec.sync.lora.AdapterGather``'s payload), registered as a new
+        version (``add_adapter``). Returns the new version."""
+        if target == "policy" and self.lora:
+            return self.adapters.receive(weights, version)
         return self.object_store.receive(target, weights, version)
 
     def receive_shared(self, target: str, files: list, version: int) -> int:
@@ -1009,17 +1022,29 @@ class SpecVLLMEngine:
         ``IpcWeights.payload``; returns the new version."""
         return self.cuda_ipc.receive(target, payload, version)
 
-    def load_refit(self, target: str, version: int, load: Callable[[], None]) -> int:
+    def load_refit(self, target: str, version: int, load: Callable[[], None], adapter: bool = False) -> int:
         """Run a receiver's ``load`` with the engine to itself (no request in
         flight: ``_Gate.exclusive``), the weights awake (sleep mode), then
-        note ``target`` at ``version``.
+        note ``target`` at ``version``. ``adapter``: ``load`` registers a
+        LoRA adapter (``AdapterReceiver``), the only policy refit a LoRA
+        replica takes.
 
         With ``in_flight_updates``, the requests in flight stay: vLLM's
         ``pause_generation(mode="keep")`` freezes them (and drops the KV
         cache, which the new weights recompute when they resume), the
         weights load, the new version is set, and ``resume_generation``
         lets them go on; their tokens from then on are labelled with it
-        (``CompletionOutput.weight_versions``)."""
+        (``CompletionOutput.weight_versions``).
+
+        Raises:
+            WeightSyncError: a full-weight policy refit on a LoRA replica
+                (vLLM's ``reload_weights`` clears every adapter loaded:
+                ``reset_lora_state``, 0.32).
+        """
+        if target == "policy" and self.lora and not adapter:
+            raise WeightSyncError(f"replica {self.replica_id}: a full-weight policy refit while LoRA adapters are "
+                                  "live (vLLM's weight reload drops every adapter): a LoRA policy's refits are "
+                                  "its adapter (rayspec.sync.lora)")
         if not self.in_flight_updates:
             with self._gate.exclusive():
                 self._wake(("weights",))
@@ -1055,6 +1080,29 @@ class SpecVLLMEngine:
         if self.adaptive is not None and (target != "policy" or self.adaptive.match_drafter):
             self.adaptive.draft_changed()
             self.set_k_schedule(self.adaptive.schedule())
+
+    def add_adapter(self, version: int, path: str) -> None:
+        """Register the adapter in ``path`` (peft's format) as policy
+        ``version``: vLLM's ``add_lora`` with a name and id of its own
+        (vLLM keys its prefix cache by the name, so new weights never meet
+        an old version's KV), then the requests of every later rollout carry
+        it; the version it replaces is removed from vLLM and its files
+        deleted. Called by ``load_refit`` (no request in flight).
+
+        Raises:
+            WeightSyncError: vLLM refused the adapter.
+        """
+        from vllm.lora.request import LoRARequest
+
+        lora_id = next(self._lora_ids)
+        request = LoRARequest(f"policy-v{version}-{lora_id}", lora_id, path)
+        if not self.llm.add_lora(request):
+            raise WeightSyncError(f"replica {self.replica_id}: vLLM did not load the adapter of policy version "
+                                  f"{version} from {path}")
+        old, self._adapter = self._adapter, request
+        if old is not None:
+            self.llm.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def weight_sync_member(self) -> dict[str, Any]:
         """This replica's membership in the collective transport's group

@@ -85,7 +85,7 @@ def report_checkpoint(metrics: dict[str, Any], engine, rank: int,
     with tempfile.TemporaryDirectory(prefix="rayspec-ckpt-") as tmp:
         d = Path(tmp)
         try:
-            engine.save_checkpoint(str(d / "policy"), tag=POLICY_TAG)
+            save_engine(engine, d / "policy")
             (d / f"rng_rank{rank}.json").write_text(json.dumps(_rng_state()))
             if trainer_state is not None:
                 (d / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
@@ -128,10 +128,7 @@ def restore_checkpoint(checkpoint, engine, rank: int,
         if not rng.is_file():
             raise FileNotFoundError(f"{rng}: checkpoint {d} has no state for rank {rank} "
                                     "(was it written with another train.num_workers?)")
-        load_path, _ = engine.load_checkpoint(str(d / "policy"), tag=POLICY_TAG,
-                                              load_optimizer_states=True, load_lr_scheduler_states=True)
-        if load_path is None:
-            raise FileNotFoundError(f"{d / 'policy'}: no DeepSpeed checkpoint '{POLICY_TAG}'")
+        load_engine(engine, d / "policy")
         _set_rng_state(json.loads(rng.read_text()))
         state = json.loads((d / TRAINER_STATE).read_text())
         draft = restore_draft(d, state) if restore_draft is not None and (d / DRAFT_STATE).is_file() else None
@@ -165,3 +162,29 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
             if attempt == 2:
                 raise ValueError(f"{snapshot}: not Ray Train's checkpoint snapshot ({e})") from e
             time.sleep(0.2)
+
+
+def _has_frozen(engine) -> bool:
+    """Whether the engine's module has frozen parameters (a LoRA policy's base)."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
+def save_engine(engine, out: Path) -> None:
+    """DeepSpeed's ``save_checkpoint`` of the policy into ``out`` (collective):
+    its trainable weights, optimizer and DeepSpeed state. Frozen parameters
+    (a LoRA policy's base, the model the run started from) are left out:
+    a LoRA checkpoint is its adapter and the adapter's optimizer states."""
+    engine.save_checkpoint(str(out), tag=POLICY_TAG, exclude_frozen_parameters=_has_frozen(engine))
+
+
+def load_engine(engine, src: Path) -> None:
+    """Load ``save_engine``'s checkpoint in ``src`` into ``engine``
+    (collective); frozen parameters keep the values they were loaded with.
+
+    Raises:
+        FileNotFoundError: ``src`` holds no such checkpoint.
+    """
+    load_path, _ = engine.load_checkpoint(str(src), tag=POLICY_TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True, load_module_strict=not _has_frozen(engine))
+    if load_path is None:
+        raise FileNotFoundError(f"{src}: no DeepSpeed checkpoint '{POLICY_TAG}'")

@@ -117,7 +117,8 @@ class Coordinator:
         # their versions so a replica Serve restarted catches up first
         sender = make_sender(cfg.rollout.weight_sync, rollouts, trainer_has_gpu=device.type == "cuda",
                              replicas_have_gpu=cfg.rollout.num_gpus_per_replica > 0,
-                             shared_gpus=cfg.scheduler.layout == "colocate", device=device)
+                             shared_gpus=cfg.scheduler.layout == "colocate", device=device,
+                             lora=cfg.train.lora.enabled)
         dashboard = DashboardMetrics(Path(cfg.trainer.run_dir).name, cfg.rollout.speculative_config.method,
                                      cfg.grpo.max_new_tokens)
         return cls(cfg, tokenizer, rollouts, sender, draft_acceptance, dashboard=dashboard)

@@ -32,6 +32,7 @@ from rayspec.reward.pool import RewardError
 from rayspec.train.checkpoint import checkpoints
 from rayspec.sync import make_source
 from rayspec.train.coordinator import Coordinator, Follower
+from rayspec.train.lora import AdapterOff, adapter_config, adapter_parameters, is_lora, wrap_lora
 from rayspec.train.policy import Policy, PolicyWorker, build_engine, deepspeed_config, zero3_init
 from rayspec.train.ranks import Ranks, RunAborted, report_aborts
 
@@ -142,13 +143,18 @@ def rl_worker_loop(config: dict) -> None:
         model = load_policy(model_dir, training_load_dtype(cfg))
     if cfg.train.gradient_checkpointing:  # the EAGLE-3 capture hooks are gone before the recompute
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.train.lora.enabled:  # the same seed on every rank: the same initial adapter
+        model = wrap_lora(model, cfg.train.lora)
     engine = build_engine(model, ds_config, device_rank=gpu_index)
     ref_model = None
-    if cfg.grpo.kl_coef > 0:  # frozen, beside the policy on its device, in its compute dtype
+    if cfg.grpo.kl_coef > 0 and is_lora(engine.module):  # the base model: the policy with its adapter off
+        ref_model = AdapterOff(engine.module)
+    elif cfg.grpo.kl_coef > 0:  # frozen, beside the policy on its device, in its compute dtype
         ref_model = load_policy(model_dir, next(engine.module.parameters()).dtype)
         ref_model = ref_model.eval().requires_grad_(False).to(engine.device)
     policy = PolicyWorker(engine, cfg, ranks, tokenizer.pad_token_id, _dtype(cfg.model.dtype), ref_model,
-                          make_source(cfg, ranks, device))
+                          make_source(cfg, ranks, device, adapter_config(engine.module) if is_lora(engine.module)
+                                      else None))
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         version = resume(checkpoint, policy, coord, draft)
@@ -157,7 +163,11 @@ def rl_worker_loop(config: dict) -> None:
         start_over(policy, coord, draft)
     run_steps(cfg, coord, policy, draft, version)
     coord.close()
-    save_policy(policy, tokenizer, Path(cfg.trainer.run_dir) / "policy")
+    run_dir = Path(cfg.trainer.run_dir)
+    if cfg.train.lora.enabled:
+        save_adapter(policy, run_dir / "adapter")
+    if not cfg.train.lora.enabled or cfg.train.lora.save_merged:
+        save_policy(policy, tokenizer, run_dir / "policy")
     if ranks.is_driver:
         log.info("curves: %s", plot_run(cfg.trainer.run_dir))
 
@@ -251,11 +261,38 @@ def start_over(policy: Policy, coord: Coordinator | Follower, draft: DraftClient
         coord.evaluate(0)
 
 
+def save_adapter(policy: PolicyWorker, out: Path) -> None:
+    """Write a LoRA policy's adapter in peft's format (rank 0:
+    ``adapter_model.safetensors`` in the serving dtype, ``adapter_config.json``),
+    into a temp dir renamed into place."""
+    if not policy.ranks.is_driver:
+        return
+    from rayspec.sync.lora import write_adapter
+
+    module = policy.engine.module
+    tensors = {name: t.detach().to("cpu", policy.serve_dtype) for name, t, _ in adapter_parameters(module)}
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        write_adapter(tensors, adapter_config(module), tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save_policy(policy: PolicyWorker, tokenizer, out: Path) -> None:
     """Write the trained policy as an HF directory (rank 0; collective under
     ZeRO-3), into a temp dir renamed into place so a crash never leaves a
-    partial model."""
-    sd = policy.full_state_dict()
+    partial model. A LoRA policy is written with its adapter merged into
+    the base weights (peft's ``merge_and_unload``: the run is over)."""
+    model = policy.engine.module
+    if is_lora(model):
+        model = model.merge_and_unload()
+        sd = {name: t.detach().to("cpu", policy.serve_dtype) for name, t in model.state_dict().items()} \
+            if policy.ranks.is_driver else None
+    else:
+        sd = policy.full_state_dict()
     if not policy.ranks.is_driver:
         return
     if not sys.stderr.isatty():  # transformers' "Writing model shards" bar: only where someone watches
@@ -264,7 +301,7 @@ def save_policy(policy: PolicyWorker, tokenizer, out: Path) -> None:
         hf_logging.disable_progress_bar()
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
-        policy.engine.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+        model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)

@@ -22,6 +22,7 @@ from rayspec.draft.client import FeatureSink
 from rayspec.draft.loss import verifier_normalizers
 from rayspec.sync.interfaces import HostGather, host_copies, resident
 from rayspec.train.grpo import grpo_loss, token_logprobs, token_mult_prob_error
+from rayspec.train.lora import adapter_parameters, causal_lm, is_lora
 from rayspec.train.ranks import Ranks
 
 
@@ -72,7 +73,9 @@ def build_engine(model, ds_config: dict, device_rank: int | None = None):
     import deepspeed
 
     args = SimpleNamespace(device_rank=device_rank) if device_rank is not None else None
-    engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
+    # the trainable parameters only: a LoRA policy's optimizer holds its adapter's states alone
+    engine, *_ = deepspeed.initialize(args=args, model=model,
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config)
     return engine
 
@@ -159,7 +162,8 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
         pad_id: tokenizer pad id.
         aux_layer_ids: EAGLE-3 aux layers to capture, or None for no capture.
         ref_model: frozen reference policy for the KL term (kl_coef > 0),
-            on ``engine.device``.
+            on ``engine.device``: a model, or a LoRA policy's own module with
+            the adapter off (``rayspec.train.lora.AdapterOff``).
         on_features: called with each micro-batch's feature ObjectRef and
             the micro-batch's index as soon as it exists (the DraftTrainer
             trains while this runs).
@@ -180,13 +184,13 @@ def policy_update(engine, batch: RolloutBatch, cfg, pad_id: int, aux_layer_ids: 
     for start in range(0, len(batch), micro):
         part = batch.select(slice(start, start + micro))
         t = part.to_padded(pad_id, engine.device)
-        with (capture_eagle3_features(engine.module, aux_layer_ids) if aux_layer_ids
+        with (capture_eagle3_features(causal_lm(engine.module), aux_layer_ids) if aux_layer_ids
               else contextlib.nullcontext({})) as feats:
             logits = engine(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits
         if aux_layer_ids:  # before the step: the normalisers are of the weights that made the features
             rows = captured_rows(len(part), cfg.draft.capture_share, capture_rng)
             pick = (lambda x: x) if rows is None else (lambda x: x[rows.to(x.device)])  # noqa: E731
-            out_layer = engine.module.lm_head.weight
+            out_layer = causal_lm(engine.module).lm_head.weight
             with _gathered(engine, [out_layer]):
                 normalizers = verifier_normalizers(pick(feats["final_hidden"]), pick(t["response_mask"]),
                                                    out_layer, target_temperatures(cfg))
@@ -271,7 +275,7 @@ def verifier_output_weights(engine, rank: int, rows: torch.Tensor | None = None)
     whole vocabulary's share of the targets (``loss.verifier_normalizers``).
     With tied embeddings the output layer is ``embed``, already sent: no
     ``lm_head_rows``. Collective under ZeRO-3."""
-    module = engine.module
+    module = causal_lm(engine.module)
     params = [module.model.embed_tokens.weight, module.lm_head.weight]
     with _gathered(engine, params):
         if rank != 0:
@@ -410,11 +414,13 @@ class PolicyWorker:
         """What a policy refit sends, from this rank's weight source
         (``source.collect``; collective): rank 0's host copies, its weights
         on its device (the collective), or with cuda_ipc the handles to
-        every rank's device copy, on rank 0 (None elsewhere). Where the source leaves the device unread, it is given
-        back here (``release``), before colocated replicas wake for the
+        every rank's device copy, on rank 0 (None elsewhere); a LoRA
+        policy's adapter only (``rayspec.sync.lora.AdapterGather``). Where
+        the source leaves the device unread, it is given back here (``release``), before colocated replicas wake for the
         refit; else in ``refit_sent``."""
         self._reload()
-        weights = self.source.collect(full_parameters(self.engine), self.serve_dtype)
+        weights = self.source.collect(adapter_parameters(self.engine.module) if is_lora(self.engine.module)
+                                      else full_parameters(self.engine), self.serve_dtype)
         if not self.source.reads_device:
             self.release()
         return weights

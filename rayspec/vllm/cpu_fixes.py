@@ -79,6 +79,21 @@ states (``get_state``) and puts them back after sampling, the exact rewind
 see those generators, so it skips the offset call. A seeded request then
 draws the same tokens however its prompt is chunked, i.e. whatever else runs
 beside it (the token budget is shared).
+
+A sixth lets an EAGLE-3 replica serve a LoRA policy (``train.lora``). Root
+cause (vLLM 0.32.0, ``PunicaWrapperCPU.add_lora_embedding``): the drafter
+shares the verifier's embedding, which vLLM wraps for LoRA
+(``VocabParallelEmbeddingWithLoRA``), and calls it with its own tokens: one
+per request after its first pass, fewer than the verifier's step mapped (a
+verification step of k = 3 maps four a request). The CPU wrapper expands
+over the step's whole mapping (``sgmv_expand`` with the prefill metadata),
+so the first drafted step with an adapter raised ``einsum(): subscript b has
+size 42 ... previously seen size 3`` and the engine died. The GPU wrapper
+takes the mapping of the first ``num_tokens`` tokens (``meta_args(x.size(0))``);
+the fix does the same on CPU (per-token ``bgmv_expand`` over the first
+tokens' adapter indices) where the input is not the step's. The embedding's
+adapter is zero unless a LoRA targets embeddings (``train.lora``'s never
+does), so which slot a drafter token reads does not change its embedding.
 """
 
 from __future__ import annotations
@@ -228,6 +243,21 @@ def _bookkeeping_without_offset_rewind(bookkeeping):
     return wrapped
 
 
+def _lora_embedding_of_any_tokens(add_lora_embedding):
+    """``PunicaWrapperCPU.add_lora_embedding`` that serves an input of other
+    tokens than the step mapped (the EAGLE-3 drafter's; module docstring)."""
+    bgmv_expand = tp.LORA_BGMV_EXPAND.load()
+
+    @functools.wraps(add_lora_embedding)
+    def wrapped(self, y, x, lora_b_stacked, add_inputs=True, **kwargs):
+        if x.size(0) == self.indices_len[0]:
+            return add_lora_embedding(self, y, x, lora_b_stacked, add_inputs, **kwargs)
+        bgmv_expand(x, lora_b_stacked, y, self._token_lora_indices[:x.size(0)], add_inputs)
+
+    wrapped.rayspec_any_tokens = True
+    return wrapped
+
+
 def needs_patch() -> bool:
     """True on the CPU platform with an affected vLLM release (a local
     version label, e.g. ``+cpu`` of a source build, is ignored)."""
@@ -371,6 +401,7 @@ def register() -> None:
         t.load()
     rewinds = [(t, wrap, t.load()) for t, wrap in ((tp.SEEDED_SAMPLE, _sample_rewinding_dropped_rows),
                                                     (tp.SEEDED_BOOKKEEPING, _bookkeeping_without_offset_rewind))]
+    lora_embedding = tp.LORA_EMBEDDING.load()
     _upstream_recovered, _upstream, _upstream_draft = upstream_recovered, upstream_expand, upstream_draft
     _upstream_dispatch, _upstream_get_model = upstream_dispatch, upstream_get_model
     tp.SAMPLE_RECOVERED.install(_sample_recovered_tokens)
@@ -382,6 +413,8 @@ def register() -> None:
     for point, wrap, fn in rewinds:  # the adaptive-k plugin may wrap _sample too: keep its wrapper inside
         if not getattr(fn, "rayspec_seed_rewind", False):
             point.install(wrap(fn))
+    if not getattr(lora_embedding, "rayspec_any_tokens", False):
+        tp.LORA_EMBEDDING.install(_lora_embedding_of_any_tokens(lora_embedding))
     # If the platform already registered its (buggy) override in this
     # process, replace that registration too.
     if _KERNEL in registry:
@@ -391,6 +424,7 @@ def register() -> None:
                 "was lossy at temperature > 0: float output never written) and "
                 "sample_recovered_tokens (noise drawn once, only for requests with drafts), "
                 "samples EAGLE-3 drafts over the draft vocabulary, computes the drafter's "
-                "linear layers in additional_config.%s where set, and rewinds a seeded request's "
-                "generator after a partial prefill without a CUDA offset",
+                "linear layers in additional_config.%s where set, rewinds a seeded request's "
+                "generator after a partial prefill without a CUDA offset, and lets the drafter embed "
+                "through a LoRA-wrapped embedding",
                 __import__("vllm").__version__, DRAFT_LINEAR_DTYPE)

@@ -70,13 +70,22 @@ class OfflineEngine:
                                                       "disable_log_stats)")
             tp.require(manager, "stat_loggers", tp.ADAPTIVE).append(stat_logger)
 
-    def generate(self, prompts: list, params) -> list:
+    def generate(self, prompts: list, params, lora_request=None) -> list:
         """``RequestOutput`` per prompt (``TokensPrompt``), in input order
-        (``params``: one ``SamplingParams`` for all, or one per prompt); a
-        progress bar where someone watches (a terminal)."""
+        (``params``: one ``SamplingParams`` for all, or one per prompt;
+        ``lora_request``: the LoRA adapter every request runs with, or None
+        for the base model); a progress bar where someone watches (a terminal)."""
         import sys
 
-        return self.llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+        return self.llm.generate(prompts, params, use_tqdm=sys.stderr.isatty(), lora_request=lora_request)
+
+    def add_lora(self, lora_request) -> bool:
+        """Load a LoRA adapter (vLLM's ``LoRARequest``) into the engine."""
+        return self.llm.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop the adapter of ``lora_id`` from the engine."""
+        return self.llm.llm_engine.remove_lora(lora_id)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
         """Every worker's ``method`` (a worker or worker-extension method name): their results."""
@@ -177,10 +186,11 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine: a blocking call made on its own event loop")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def generate(self, prompts: list, params) -> list:
+    def generate(self, prompts: list, params, lora_request=None) -> list:
         """``RequestOutput`` per prompt, in input order: each prompt one
         request of ``params.n`` samples (``params``: one ``SamplingParams``
-        for all, or one per prompt), its final output only."""
+        for all, or one per prompt; ``lora_request``: the LoRA adapter each
+        runs with, or None), its final output only."""
         from vllm.sampling_params import RequestOutputKind
 
         def final_only(p):
@@ -192,26 +202,36 @@ class AsyncEngine:
             [final_only(params)] * len(prompts)
 
         async def all_of():
-            return await asyncio.gather(*map(self._final, prompts, per_prompt))
+            return await asyncio.gather(*(self._final(p, sp, lora_request) for p, sp in zip(prompts, per_prompt)))
 
         return self._run(all_of())
 
-    async def _final(self, prompt, params):
+    async def _final(self, prompt, params, lora_request=None):
         """The final ``RequestOutput`` of one request (``params.output_kind`` FINAL_ONLY)."""
         final = None
-        async for out in self.engine.generate(prompt, params, request_id=f"rayspec-{next(self._ids)}"):
+        async for out in self.engine.generate(prompt, params, request_id=f"rayspec-{next(self._ids)}",
+                                              lora_request=lora_request):
             final = out
         return final
 
-    async def generate_one(self, prompt, params):
+    async def generate_one(self, prompt, params, lora_request=None):
         """A coroutine on the engine's loop (``run``): the final
-        ``RequestOutput`` of one request (``params``: one ``SamplingParams``).
+        ``RequestOutput`` of one request (``params``: one ``SamplingParams``;
+        ``lora_request``: its LoRA adapter, or None).
         A multi-turn trajectory (``rayspec.rollout.agent``) awaits one per turn."""
         from vllm.sampling_params import RequestOutputKind
 
         params = params.clone()
         params.output_kind = RequestOutputKind.FINAL_ONLY
-        return await self._final(prompt, params)
+        return await self._final(prompt, params, lora_request)
+
+    def add_lora(self, lora_request) -> bool:
+        """Load a LoRA adapter (vLLM's ``LoRARequest``) into the engine (``AsyncLLM.add_lora``)."""
+        return self._run(self.engine.add_lora(lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop the adapter of ``lora_id`` from the engine (``AsyncLLM.remove_lora``)."""
+        return self._run(self.engine.remove_lora(lora_id))
 
     def run(self, coro) -> Any:
         """``coro`` (e.g. trajectories awaiting ``generate_one``) run on the

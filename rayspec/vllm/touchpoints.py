@@ -248,6 +248,7 @@ ENGINE = "rollout engine"
 BENCH = "jobs.bench_step timers"
 GROUP_SUFFIX = "group suffix drafting over tool outputs"
 SEEDED = "per-request seeds on CPU (SamplingParams.seed with chunked prefill)"
+LORA_DRAFT = "EAGLE-3 drafting beside LoRA on CPU"
 
 
 def _tp(symbol, use, hook, why, platform="any", instance=False, params=()) -> TouchPoint:
@@ -295,6 +296,15 @@ CPU_GEMM_DISPATCH = _tp(
 PROPOSER_GET_MODEL = _tp(
     f"{_PROPOSER}._get_model", "wrapped", DRAFT_DTYPE,
     "marks which layers being loaded are the drafter's", "cpu")
+LORA_EMBEDDING = _tp(
+    "vllm.lora.punica_wrapper.punica_cpu:PunicaWrapperCPU.add_lora_embedding", "wrapped", LORA_DRAFT,
+    "an EAGLE-3 drafter embeds through the verifier's LoRA-wrapped embedding with fewer tokens than the "
+    "verifier's step mapped; the CPU wrapper applied the step's whole mapping and the engine died (einsum "
+    "size mismatch): rayspec takes the first tokens' indices, as the GPU wrapper's meta_args(num_tokens) does",
+    "cpu")
+LORA_BGMV_EXPAND = _tp(
+    "vllm.lora.ops.torch_ops.lora_ops:bgmv_expand", "called", LORA_DRAFT,
+    "the per-token expand the wrapper applies to the drafter's tokens", "cpu")
 SEEDED_SAMPLE = _tp(
     f"{_RUNNER}._sample", "wrapped", SEEDED,
     "keeps the generator state of rows whose sample is dropped (partial prefills) and restores it after "
@@ -470,7 +480,7 @@ API_CALLS = (
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
     EXPAND_KERNEL, KERNEL_REGISTRY, REGISTER_KERNELS, SAMPLE_RECOVERED, RECOVERED_KERNEL, SAMPLE_DRAFT_TOKENS,
     SAMPLE_FROM_LOGITS, PROBABILISTIC_DRAFTS, HETEROGENEOUS_VOCAB, DRAFT_ID_TO_TARGET_ID, CPU_GEMM_DISPATCH,
-    PROPOSER_GET_MODEL, *ONEDNN, SEEDED_SAMPLE, SEEDED_BOOKKEEPING, DISCARD_MASK, BATCH_GENERATORS,
+    PROPOSER_GET_MODEL, *ONEDNN, LORA_EMBEDDING, LORA_BGMV_EXPAND, SEEDED_SAMPLE, SEEDED_BOOKKEEPING, DISCARD_MASK, BATCH_GENERATORS,
     ENGINE_CORE, SCHEDULE_LOOKUP, SCHEDULER_SPEC_TOKENS, BUILD_SCHEDULE, PROPOSE,
     SUFFIX_PROPOSE, SUFFIX_K, SUFFIX_CACHE, RUNNER_SAMPLE, RUNNER_ASYNC, RUNNER_DRAFTER, GET_DRAFT_MODEL,
     RELOAD_WEIGHTS, SET_CURRENT_CONFIG, TIE_WEIGHTS, REPACK_LM_HEAD, STATELESS_GROUP, VLLM_CONFIG,
