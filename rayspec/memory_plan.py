@@ -281,6 +281,24 @@ def _zero_config(cfg) -> dict:
     return cfg.train.deepspeed.get("zero_optimization", {}) or {}
 
 
+def lora_params(cfg, shape: ModelShape) -> int:
+    """The adapter's parameters where ``train.lora`` is on (0 otherwise)."""
+    lora = cfg.train.lora
+    return shape.lora_params(lora.r, lora.target_modules) if lora.enabled else 0
+
+
+def lora_slot_bytes(cfg, shape: ModelShape) -> float:
+    """What a replica's vLLM allocates for LoRA (``enable_lora``): for each
+    of ``max_loras`` slots, A and B at ``max_lora_rank`` for every linear
+    projection of the decoder layers, the embedding and the LM head
+    (vLLM 0.32 wraps them all, whatever an adapter targets), in the serving
+    dtype. Bytes."""
+    kw = cfg.rollout.engine_kwargs
+    rank, slots = int(kw.get("max_lora_rank", cfg.train.lora.r)), int(kw.get("max_loras", 1))
+    per_slot = shape.lora_params(rank) + 2 * rank * (shape.vocab_size + shape.hidden_size)
+    return slots * per_slot * _dtype_bytes(cfg.model.dtype)
+
+
 def _module_bytes(cfg) -> int:
     """A weight's bytes in the Train ranks' module, as loaded and trained
     (``rayspec.train.loop.training_load_dtype``)."""
@@ -306,6 +324,7 @@ class _GpuSizes:
     dev_states: float  # a Train rank's model states on its device
     host_states: float  # and in host memory (offload)
     colocated: bool
+    lora_slots: float = 0.0  # a replica's LoRA adapter slots (train.lora)
 
     @property
     def tokens(self) -> int:
@@ -345,14 +364,20 @@ def _gpu_sizes(cfg, shape: ModelShape, device_bytes: float, prompt_tokens: int) 
     ekw = ro.engine_kwargs
     util = float(ekw.get("gpu_memory_utilization", 0.9))
     max_len = int(ekw.get("max_model_len", prompt_tokens + cfg.grpo.max_new_tokens))
-    dev_states, host_states = model_states(shape.total_params, shape.largest_module_params, stage, tr.num_workers,
-                                           offload_opt, offload_param)
+    adapter = lora_params(cfg, shape)
+    if adapter:  # the frozen base whole in bf16 beside the adapter's training states
+        dev_states, host_states = model_states(adapter, adapter, stage, tr.num_workers, offload_opt, offload_param)
+        dev_states += 2 * (shape.total_params - adapter)
+    else:
+        dev_states, host_states = model_states(shape.total_params, shape.largest_module_params, stage,
+                                               tr.num_workers, offload_opt, offload_param)
     return _GpuSizes(stage=stage, offload_opt=offload_opt, ranks=tr.num_workers, serving_bytes=rdt,
                      module_bytes=_module_bytes(cfg), util=util, max_len=max_len,
                      seq=min(max_len, prompt_tokens + cfg.grpo.max_new_tokens),
                      micro=int(tr.deepspeed.get("train_micro_batch_size_per_gpu", 1)), region=util * device_bytes,
                      weights=shape.total_params * rdt, dev_states=dev_states, host_states=host_states,
-                     colocated=cfg.scheduler.layout == "colocate")
+                     colocated=cfg.scheduler.layout == "colocate",
+                     lora_slots=lora_slot_bytes(cfg, shape) if adapter else 0.0)
 
 
 def _gpu_draft_terms(cfg, shape: ModelShape, s: _GpuSizes) -> tuple[list[Term], list[Term]]:
@@ -396,9 +421,11 @@ def _gpu_train_terms(cfg, shape: ModelShape, s: _GpuSizes) -> tuple[list[Term], 
 
 def _replica_terms(s: _GpuSizes) -> tuple[list[Term], list[Term], list[Term]]:
     """A replica's terms on its GPU: (awake, asleep, woken for a refit)."""
-    kv = s.region * (1 - ACTIVATION_SHARE) - s.weights
+    kv = s.region * (1 - ACTIVATION_SHARE) - s.weights - s.lora_slots
     awake = [Term("replica", "weights", s.weights), Term("replica", "activations", s.region * ACTIVATION_SHARE),
              Term("replica", "KV cache", kv), Term("replica", "CUDA context", CUDA_CONTEXT)]
+    if s.lora_slots:
+        awake.append(Term("replica", "LoRA adapter slots", s.lora_slots))
     asleep = [Term("replica", "CUDA context", CUDA_CONTEXT)]
     refit = [Term("replica", "weights (woken)", s.weights), Term("replica", "CUDA context", CUDA_CONTEXT)]
     return awake, asleep, refit
@@ -549,26 +576,32 @@ def refit_host_bytes(transport: str, state_dict_bytes: float, bucket_bytes: floa
     return BUCKET_REFIT_PER_BYTE * min(bucket_bytes, state_dict_bytes)
 
 
+
+
 def _cpu_train_terms(cfg, shape: ModelShape, stage: int, ranks: int, tokens: int) -> tuple[list[Term], list[Term]]:
     """A CPU node's Train workers (``ranks`` of them): (held throughout,
-    added in the update)."""
+    added in the update). A LoRA policy: the weights whole, the training
+    states (gradient, fp32 copy, Adam) of its adapter alone, no reference."""
     tr, ds, zero = cfg.train, cfg.train.deepspeed, _zero_config(cfg)
     p, h, v = shape.total_params, shape.hidden_size, shape.vocab_size
     wb = _module_bytes(cfg)
     rest = 18 if wb == 2 else 16  # gradient, fp32 copy, Adam moments (+ bf16 gradient)
     n = tr.num_workers
-    states = {0: (wb + rest) * p, 1: wb * p + wb * p + (rest - wb) * p / n,
-              2: wb * p + rest * p / n, 3: (wb + rest) * p / n}[stage]
+    trained = lora_params(cfg, shape) or p
+    frozen = wb * p if trained != p else 0
+    states = frozen + {0: (wb + rest) * trained, 1: wb * trained + wb * trained + (rest - wb) * trained / n,
+                       2: wb * trained + rest * trained / n, 3: (wb + rest) * trained / n}[stage]
     layer_act = 34 * (wb // 2) * tokens * h
     acts = shape.layers * 2 * tokens * h * (wb // 2) + layer_act if tr.gradient_checkpointing \
         else shape.layers * layer_act
-    bucket_elems = min(float(zero.get("reduce_bucket_size", 5e8)), p) + \
-        min(float(zero.get("allgather_bucket_size", 5e8)), p)
-    train = [Term("Train workers", f"model states (ZeRO-{stage}, {'bf16' if wb == 2 else 'fp32'})", ranks * states),
+    bucket_elems = min(float(zero.get("reduce_bucket_size", 5e8)), trained) + \
+        min(float(zero.get("allgather_bucket_size", 5e8)), trained)
+    what = f"ZeRO-{stage}, {'bf16' if wb == 2 else 'fp32'}" + (f", LoRA r={tr.lora.r}" if frozen else "")
+    train = [Term("Train workers", f"model states ({what})", ranks * states),
              Term("Train workers", "process (measured)", ranks * TRAIN_CPU_RUNTIME)]
     if stage in (1, 2):
         train.append(Term("Train workers", "DeepSpeed buckets", ranks * wb * bucket_elems))
-    if cfg.grpo.kl_coef > 0:
+    if cfg.grpo.kl_coef > 0 and not frozen:  # a LoRA policy's reference is itself, the adapter off
         train.append(Term("Train workers", "reference model", ranks * wb * p))
     update = [Term("Train workers", "activations" + (" (checkpointed)" if tr.gradient_checkpointing else ""),
                    ranks * acts),
@@ -581,11 +614,16 @@ def _cpu_replica_terms(cfg, shape: ModelShape, replicas: int) -> tuple[list[Term
     added by a refit, with rank 0's copy of what it sends)."""
     ro = cfg.rollout
     rdt = _dtype_bytes(cfg.model.dtype)
-    refit_bytes = shape.total_params * rdt
-    replica = [Term("replicas", "weights", replicas * refit_bytes),
+    adapter = lora_params(cfg, shape)
+    refit_bytes = (adapter or shape.total_params) * rdt
+    replica = [Term("replicas", "weights", replicas * shape.total_params * rdt),
                Term("replicas", "KV cache (cpu_kvcache_space_gib)", replicas * ro.cpu_kvcache_space_gib * GIB),
                Term("replicas", "process (measured)", replicas * VLLM_CPU_RUNTIME)]
+    if adapter:
+        replica.append(Term("replicas", "LoRA adapter slots", replicas * lora_slot_bytes(cfg, shape)))
     transport = "collective" if ro.weight_sync.transport == "auto" else ro.weight_sync.transport
+    if adapter:  # rayspec.sync.lora: the adapter through the object store
+        transport = "object_store"
     refit = [Term("replicas", f"loading a refit ({transport}, measured)",
                   replicas * refit_host_bytes(transport, refit_bytes, ro.weight_sync.packed_buffer_size_bytes))]
     # the collective in sync mode sends rank 0's own weights (rayspec.sync.DeviceGather): a copy only
@@ -594,6 +632,8 @@ def _cpu_replica_terms(cfg, shape: ModelShape, replicas: int) -> tuple[list[Term
         refit.append(Term("Train workers", "rank 0: the export (shared memory)" if transport == "cuda_ipc"
                           else "rank 0: the gathered weights", refit_bytes))
     return replica, refit
+
+
 
 
 def _cpu_draft_terms(cfg, shape: ModelShape, replicas: int, ranks: int,

@@ -102,6 +102,20 @@ class ModelShape:
         experts = self.num_experts * self._expert_params()
         return self.layers * (self._dense_layer_params() + experts) + self.lm_head_params + self.extra_params
 
+    def lora_params(self, r: int, target_modules="all-linear") -> int:
+        """Parameters of a rank-``r`` LoRA adapter (A [r, in] and B [out, r])
+        on the decoder layers' linear projections that ``target_modules``
+        names (peft's: ``all-linear``, a list of q_proj, k_proj, v_proj,
+        o_proj, gate_proj, up_proj, down_proj, or a regex, counted as
+        all-linear: an upper bound). MoE layers: the dense MLP's width."""
+        h, kv, i = self.hidden_size, self.num_key_value_heads * self.head_dim, self.intermediate_size
+        q_in = self.qkv_in or h
+        widths = {"q_proj": q_in + self.q_dim, "k_proj": q_in + kv, "v_proj": q_in + kv, "o_proj": self.q_dim + h,
+                  "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
+        names = widths if isinstance(target_modules, str) else \
+            [m for m in target_modules if m in widths] or widths
+        return self.layers * r * sum(widths[m] for m in names)
+
     @property
     def lm_head_params(self) -> int:
         return self.hidden_size * self.vocab_size

@@ -235,6 +235,27 @@ def check_resume(cfg: RunConfig, resume: bool) -> None:
                           f"resume={cfg.trainer.run_dir}`, or choose another trainer.run_dir")
 
 
+def longest_prompt_tokens(cfg: RunConfig, model_dir: str) -> int:
+    """The longest prompt of the run's training and held-out data in
+    tokens, as the replicas get it (``prompt_ids``; a multi-turn run's
+    with its tools' schemas, ``agent_prompt_ids``): a sequence of the memory
+    plan is that plus ``grpo.max_new_tokens`` (a trajectory's turns and
+    tool outputs included)."""
+    from rayspec.data import prompt_ids
+    from rayspec.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    train, heldout = train_and_heldout(cfg.data, cfg.data.eval_num_problems) if cfg.trainer.eval_every \
+        else (load_problems(cfg.data), [])
+    if cfg.rollout.multi_turn:
+        from rayspec.rollout.agent import Toolset, agent_prompt_ids, template_renders_tools
+
+        schemas = Toolset.load(cfg.rollout.tools, cfg.rollout.environment).schemas
+        native = template_renders_tools(tokenizer)
+        return max(len(agent_prompt_ids(tokenizer, p.prompt, schemas, native)) for p in train + heldout)
+    return max(len(prompt_ids(tokenizer, p)) for p in train + heldout)
+
+
 def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
                       device_bytes: dict[str, int | None] | None = None, host_bytes: float | None = None):
     """The memory plan (``rayspec.memory_plan``) of the run on the
@@ -242,6 +263,9 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
     smallest GPU's memory (host memory is not checked: the GPU plan's host
     sum is an upper bound; ``jobs.project_memory`` shows it). CPU roles on
     one node: its host memory per phase (``cpu_plan``).
+
+    Sequences are the run's longest prompt (``longest_prompt_tokens``) plus
+    ``grpo.max_new_tokens``.
 
     Args:
         device_bytes: {node id: bytes of its smallest GPU, or None where
@@ -275,8 +299,8 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
             import psutil
 
             host_bytes = psutil.virtual_memory().total
-        result, what, hardware = cpu_plan(cfg, shape, host_bytes), "this node's host memory", \
-            f"cpu --host-gib {host_bytes / 2**30:.0f}"
+        result, what, hardware = cpu_plan(cfg, shape, host_bytes, prompt_tokens=longest_prompt_tokens(cfg, model_dir)), \
+            "this node's host memory", f"cpu --host-gib {host_bytes / 2**30:.0f}"
     elif cfg.rollout.num_gpus_per_replica <= 0 or cfg.train.num_gpus_per_worker <= 0:
         return None  # a GPU role beside a CPU one: the GPU plan needs both on GPUs
     else:
@@ -289,7 +313,8 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
                         [n.node_id[:8] for n, b in zip(gpu_nodes, known) if b is None])
             return None
         result = plan(cfg, ModelShape.from_hf_config(model_dir), "", gpus_per_node=int(max(n.gpus for n in gpu_nodes)),
-                      nodes=len(gpu_nodes), device_bytes=min(known), host_bytes=float("inf"))
+                      nodes=len(gpu_nodes), prompt_tokens=longest_prompt_tokens(cfg, model_dir),
+                      device_bytes=min(known), host_bytes=float("inf"))
         what, hardware = "this cluster's GPUs", "<h100|h200|gb200> --gpus N"
     problems = result.problems()
     if problems:

@@ -325,3 +325,44 @@ def test_cpu_refit_terms_match_bench_refit_and_fit_where_the_refit_ran():
 
     assert fits("collective", 2)
     assert abs(_bench_shape(2.0e9).total_params * 4 - 2.0e9) < 0.05e9
+
+
+def test_a_lora_policy_plans_its_adapters_states_no_reference_and_the_replicas_adapter_slots():
+    """train.lora: the Train workers hold the weights whole and the training
+    states of the adapter alone, no reference model; each replica holds
+    vLLM's adapter slots; a refit moves the adapter through the object store."""
+    shape = ModelShape.from_hf_config("smollm2-135m")
+    assert shape.lora_params(16) == 30 * 16 * (2 * (576 + 576) + 2 * (576 + 192) + 3 * (576 + 1536))
+    assert shape.lora_params(16, ["q_proj", "v_proj"]) == 30 * 16 * (2 * 576 + 576 + 192)
+
+    def terms(*overrides):
+        plan = memory_plan.cpu_plan(_cpu_cfg("grpo.kl_coef=0.04", *overrides), shape, 24 * memory_plan.GIB,
+                                    prompt_tokens=120)
+        return {f"{t.role}: {t.what}": t.bytes for t in plan.devices[0].phases["refit"]}
+
+    full, lora = terms(), terms("train.lora.enabled=true")
+    assert "Train workers: reference model" in full and not any("reference" in k for k in lora)
+    states = next(v for k, v in lora.items() if "model states (ZeRO-2, fp32, LoRA r=16)" in k)
+    p, a = shape.total_params, shape.lora_params(16)
+    # 2 ranks: fp32 base and adapter weights, the adapter's gradient, master copy and moments over 2
+    assert states == pytest.approx(2 * (4 * p + 4 * a + 16 * a / 2))
+    assert states < 0.5 * next(v for k, v in full.items() if "model states" in k)
+    slots = lora["replicas: LoRA adapter slots"]
+    assert slots == pytest.approx(2 * 4 * (a + 2 * 16 * (shape.vocab_size + shape.hidden_size)))  # max_loras 2, fp32
+    assert lora["replicas: loading a refit (object_store, measured)"] == pytest.approx(
+        memory_plan.OBJECT_STORE_REFIT_PER_BYTE * 4 * a)
+
+
+def test_the_launchers_plan_reads_the_longest_prompt_of_the_runs_own_data(tmp_path, smollm2_dir):
+    """Not a fixed 256 tokens: the tool-use example's prompts hold about 330."""
+    from rayspec.data import prompt_ids
+    from rayspec.models import load_tokenizer
+    from rayspec.preflight import longest_prompt_tokens
+
+    rows = [{"prompt": "What is 1 + 1?", "answer": "2"}, {"prompt": "Count: " + "one two three " * 120, "answer": "1"}]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, ["data.name=files", f"data.path={data}", "trainer.eval_every=0"])
+    tok = load_tokenizer(smollm2_dir)
+    longest = longest_prompt_tokens(cfg, str(smollm2_dir))
+    assert longest == len(tok(rows[1]["prompt"], add_special_tokens=False)["input_ids"]) > 256

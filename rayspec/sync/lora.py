@@ -11,9 +11,9 @@ load them: a full-weight reload would clear every adapter (vLLM's
 through the run's transport as without LoRA (they leave the adapters
 loaded).
 
-An adapter is small (r = 16 on every linear layer of SmolLM2-135M: 4.9 MB in
-bf16 against 271 MB for the full policy), so one ``ray.put`` shared by every
-replica is the transport; TRL's AsyncGRPO and verl send adapters the same
+An adapter is small (r = 16 on every linear layer of SmolLM2-135M: 4.9 M
+parameters, 9.8 MB in bf16 against 271 MB for the full policy), so one
+``ray.put`` shared by every replica is the transport; TRL's AsyncGRPO and verl send adapters the same
 way (as tensors, not through a collective group).
 """
 
