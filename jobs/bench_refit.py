@@ -39,6 +39,16 @@ fresh deployment). The nodes share the host's network, so the collective's
 TCP is loopback either way; what crosses is the object store (a copy from
 the head's store into the other's), and ``shared_memory`` cannot reach the
 other node's ``/dev/shm`` (its error is the cell's result).
+
+``--lora-ranks 8 16 64``: a LoRA policy's refit (``rayspec.sync.lora``: the
+adapter through the object store, registered as a new vLLM LoRA version)
+against the full policy's (the collective, gloo), on the bundled
+SmolLM2-135M in fp32 (its real shapes give the adapters' sizes; an adapter
+on every linear layer of the decoder blocks, B random). A replica serving
+adapters refuses full-weight refits, so each round starts a plain
+deployment and a LoRA one (``enable_lora``, ``max_lora_rank`` the largest
+rank), in alternating order (plain, LoRA, LoRA, plain, ...); the adapters
+of every rank go to the LoRA deployment in one round, in alternating order.
 """
 
 from __future__ import annotations
@@ -265,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", default="runs/bench_refit", help="models and the plot go here")
     ap.add_argument("--across-nodes", action="store_true",
                     help="one replica on this process's node and on another simulated node, paired rounds")
+    ap.add_argument("--lora-ranks", type=int, nargs="+", default=None,
+                    help="adapter refits of these ranks against the full refit, on the bundled SmolLM2-135M")
     ns = ap.parse_args(argv)
+    if ns.lora_ranks:
+        return lora_main(ns)
     sizes = ns.sizes_gb or (QUICK_SIZES_GB if ns.quick or ns.across_nodes else SIZES_GB)
     replica_counts = [1] if ns.across_nodes else ns.replicas or ([1] if ns.quick else [1, 2])
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -321,6 +335,135 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(cells))
     print(f"wrote {ns.out} and {plot(cells, root / 'refit.png')}")
     return 0
+
+
+def adapter_payload(model_dir: Path, r: int) -> dict:
+    """A rank-``r`` adapter on every linear layer of the policy in
+    ``model_dir``, B random (a trained adapter's size and shapes), as rank 0
+    sends it (``AdapterGather``'s payload, fp32)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rayspec.models import load_policy
+    from rayspec.sync import AdapterGather
+    from rayspec.train.lora import adapter_config, adapter_parameters, wrap_lora
+    from rayspec.train.ranks import Ranks
+
+    torch.manual_seed(r)
+    model = wrap_lora(load_policy(model_dir), SimpleNamespace(r=r, lora_alpha=2 * r, lora_dropout=0.0,
+                                                              target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.01)
+    return AdapterGather(Ranks(0, 1), adapter_config(model)).collect(adapter_parameters(model), torch.float32)
+
+
+def lora_cells(deploy_plain, deploy_lora, sd: dict, adapters: dict[int, dict], rounds: int,
+               bucket_bytes: int) -> list[dict]:
+    """The full refit (collective, gloo) on a plain deployment and each
+    adapter's refit on a LoRA one, ``rounds`` rounds in alternating order
+    (a fresh deployment of each per round); cells as ``bench_cell``'s, the
+    adapters' with ``lora_rank``."""
+    from ray import serve
+
+    from rayspec.buckets import state_dict_nbytes
+    from rayspec.rollout.client import RolloutClient
+    from rayspec.rollout.serve import APP_NAME
+    from rayspec.sync import AdapterSender, CollectiveSender, ObjectStoreSender
+
+    seconds: dict = {}
+    for r in range(rounds):
+        for kind in ("full", "lora")[::1 if r % 2 == 0 else -1]:
+            replicas = RolloutClient((deploy_plain if kind == "full" else deploy_lora)(), 1)
+            if kind == "full":
+                sender = CollectiveSender(replicas, "gloo", bucket_bytes, timeout_s=600)
+                sender.send("policy", sd, 1).results()  # the first send forms the group: not timed
+                sends = [("full", sd)]
+            else:
+                sender = AdapterSender(replicas, ObjectStoreSender(replicas))
+                ranks = sorted(adapters)
+                sends = [(rank, adapters[rank]) for rank in (ranks if r % 2 == 0 else ranks[::-1])]
+            for version, (key, weights) in enumerate(sends, start=2):
+                t0 = time.perf_counter()
+                sender.send("policy", weights, version).results()
+                seconds.setdefault(key, []).append(time.perf_counter() - t0)
+            sender.close()
+            serve.delete(APP_NAME)
+    cells = []
+    for key, rounds_s in seconds.items():
+        nbytes = state_dict_nbytes(sd if key == "full" else adapters[key]["tensors"])
+        med = statistics.median(rounds_s)
+        cells.append({"transport": "collective" if key == "full" else "lora_adapter", "bytes": nbytes, "replicas": 1,
+                      **({} if key == "full" else {"lora_rank": key}), "seconds": med, "seconds_rounds": rounds_s,
+                      "gb_per_s": nbytes / med / 1e9})
+    return cells
+
+
+def format_lora_table(cells: list[dict]) -> str:
+    full = next(c for c in cells if c["transport"] == "collective")
+    lines = [f"{'refit':<18}{'MB':>9}{'seconds (rounds)':>28}{'vs full, bytes':>16}{'vs full, seconds':>18}"]
+    for c in sorted(cells, key=lambda c: c.get("lora_rank", 10**9)):
+        name = f"adapter r={c['lora_rank']}" if "lora_rank" in c else "full (collective)"
+        rounds = " ".join(f"{s:.3f}" for s in c["seconds_rounds"])
+        lines.append(f"{name:<18}{c['bytes'] / 1e6:>9.2f}{rounds:>28}{c['bytes'] / full['bytes']:>16.4f}"
+                     f"{c['seconds'] / full['seconds']:>18.3f}")
+    return "\n".join(lines)
+
+
+def lora_main(ns) -> int:
+    """``--lora-ranks``: adapter refits against the full refit (module docstring)."""
+    import ray
+    import torch
+    from ray import serve
+
+    from rayspec.config import load_config
+    from rayspec.devices import to_host
+    from rayspec.driver import init_ray
+    from rayspec.models import load_policy, materialize_bundled_model
+    from rayspec.rollout.serve import deploy_rollout
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    root = Path(ns.run_dir).resolve()
+    common = ["ray.num_cpus=2", "rollout.speculative_config.method=null", "model.dtype=float32",
+              "rollout.cpu_kvcache_space_gib=1"]
+    plain = load_config(None, common)
+    lora = load_config(None, common + ["train.lora.enabled=true", f"train.lora.r={max(ns.lora_ranks)}"])
+    bucket = ns.packed_buffer_size_bytes or plain.rollout.weight_sync.packed_buffer_size_bytes
+    model_dir = materialize_bundled_model(Path(plain.model.cache_dir).expanduser())
+    sd = to_host(load_policy(model_dir).state_dict(), torch.float32)
+    adapters = {r: adapter_payload(model_dir, r) for r in ns.lora_ranks}
+    init_ray(plain)
+    try:
+        cells = lora_cells(lambda: deploy_rollout(plain, str(model_dir), None),
+                           lambda: deploy_rollout(lora, str(model_dir), None), sd, adapters, ns.rounds, bucket)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    Path(ns.out).write_text(json.dumps(cells, indent=2) + "\n")
+    print(format_lora_table(cells))
+    print(f"wrote {ns.out} and {plot_lora(cells, root / 'refit_lora.png')}")
+    return 0
+
+
+def plot_lora(cells: list[dict], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted(cells, key=lambda c: c.get("lora_rank", 10**9))
+    names = [f"r={c['lora_rank']}" if "lora_rank" in c else "full" for c in cells]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6), constrained_layout=True)
+    ax[0].bar(names, [c["bytes"] / 1e6 for c in cells])
+    ax[0].set(ylabel="MB per refit", yscale="log", title="bytes")
+    ax[1].bar(names, [c["seconds"] for c in cells])
+    ax[1].set(ylabel="seconds per refit (median)", title="time (1 replica)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
 
 
 def _two_nodes(root: Path, store: int):

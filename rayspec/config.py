@@ -1244,9 +1244,6 @@ def check_across_sections(cfg: RunConfig) -> None:
         _check(cfg.rollout.sleep_level == 1, "rollout.sleep_level", cfg.rollout.sleep_level,
                "a LoRA policy's refits carry the adapter only: level 2 would drop base weights no refit "
                "restores; use 1 (the default with train.lora)")
-        _check(not cfg.scheduler.in_flight_updates, "scheduler.in_flight_updates", True,
-               "not built for a LoRA policy yet: a refit waits for the requests in flight, each sample "
-               "runs on one adapter version")
     if cfg.scheduler.layout == "split":
         for key, value in (("rollout.num_gpus_per_replica", cfg.rollout.num_gpus_per_replica),
                            ("train.num_gpus_per_worker", cfg.train.num_gpus_per_worker),

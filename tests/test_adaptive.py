@@ -161,7 +161,7 @@ def test_a_policy_refit_probes_a_match_drafter_but_not_a_model_one(method, probe
     eng.llm = SimpleNamespace(reset_prefix_cache=lambda: None, collective_rpc=lambda method, args=(): [{}],
                               update_weight_version=lambda version: None, shutdown=lambda: None)
     eng.speculative_config = {"method": method, "num_speculative_tokens": 3}
-    eng.max_num_seqs = 16
+    eng.max_num_seqs, eng.lora = 16, False
     eng.set_k_schedule = lambda schedule: setattr(eng, "k_schedule", schedule)
     eng.enable_adaptive(cost=CPU_COST, probe_every=1, rates=[0.0, 0.0, 0.0])  # measured: pays nowhere
     assert eng.adaptive.match_drafter == probes

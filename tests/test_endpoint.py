@@ -87,3 +87,34 @@ def test_an_unknown_model_is_refused_in_the_openai_error_shape():
         asyncio.run(ingress._get_model_id("nope"))
     error = get_response_for_error(e.value, "request-1").model_dump()["error"]
     assert (error["code"], error["type"]) == (404, "NotFoundError") and '"nope"' in error["message"]
+
+
+def test_a_lora_run_is_served_as_its_base_with_the_adapter_merged(tmp_path, tiny_llama_dir):
+    """A LoRA run that wrote only its adapter: jobs.serve serves the base
+    policy with the adapter merged in (once, in serve_merged/), without
+    vLLM's LoRA slots; its logits are the peft model's."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from rayspec.models import load_policy
+    from rayspec.sync.lora import write_adapter
+    from rayspec.train.lora import adapter_config, adapter_parameters
+
+    run = _run_dir(tmp_path, tiny_llama_dir, "train.lora.enabled=true", "train.lora.r=8")
+    shutil.rmtree(run / "policy")
+    torch.manual_seed(0)
+    peft_model = get_peft_model(load_policy(tiny_llama_dir), LoraConfig(r=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    write_adapter({n: t.detach() for n, t, _ in adapter_parameters(peft_model)}, adapter_config(peft_model),
+                  run / "adapter")
+    _, policy, _ = load_run(run)
+    assert policy == run / "serve_merged" and (policy / "tokenizer_config.json").is_file()
+    ids = torch.tensor([[1, 5, 9, 300]])
+    with torch.no_grad():
+        assert torch.allclose(load_policy(policy)(ids).logits, peft_model(ids).logits, atol=1e-4)
+    llm = llm_config(run)
+    assert llm.model_loading_config.model_source == str(run / "serve_merged")
+    assert "enable_lora" not in llm.engine_kwargs and "max_loras" not in llm.engine_kwargs

@@ -1,9 +1,10 @@
 """``ray job submit`` end to end on a ``ray start --head`` cluster on loopback,
 through the Jobs SDK with the repo as working_dir:
 
-- ``jobs.grpo``: the job succeeds, its logs hold the step lines, and the step
-  metrics are read back from the node's Prometheus endpoint while it runs
-  (what the Ray dashboard's metrics view shows);
+- ``jobs.grpo`` with a LoRA policy (adapter refits, speculation on): the job
+  succeeds, its logs hold the step lines, and the step metrics are read back
+  from the node's Prometheus endpoint while it runs (what the Ray dashboard's
+  metrics view shows);
 - ``jobs.serve``: a run's policy and EAGLE-3 head stay deployed after the job
   returns, answer OpenAI chat completions (plain and streaming) on
   127.0.0.1, and vLLM's spec-decode counters on the endpoint show that the
@@ -119,6 +120,9 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
                     "draft.min_acceptance_gain=100 draft.idle_train_every=2 "
                     # no evaluation: the first generate is then step 1's rollout, with k=3 everywhere
                     "trainer.eval_every=0 rollout.adaptive_k.enabled=true "
+                    # a LoRA policy: adapter refits registered on the AsyncLLM replica, speculation on
+                    "train.lora.enabled=true train.lora.r=8 train.lora.save_merged=true "
+                    "train.deepspeed.optimizer.params.lr=1e-3 "
                     f"model.cache_dir={tmp_path / 'cache'}"),
         runtime_env={"working_dir": str(REPO), "excludes": [".venv", ".git", "runs", "*.egg-info"]},
     )
@@ -154,7 +158,15 @@ def test_job_submit_runs_grpo_and_exports_dashboard_metrics(head_node, tiny_llam
     assert trained == [1, 1, int(recs[2]["drafted_share"] >= 0.1)]
     assert [r["draft_version"] for r in recs] == [1, 2, 2 + trained[2]]
     assert (run_dir / "draft_head" / "model.safetensors").is_file()
-    assert (run_dir / "policy" / "model.safetensors").is_file()
+    assert (run_dir / "policy" / "model.safetensors").is_file()  # the adapter merged in (save_merged)
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    # each refit is the adapter (fp32: 8 x (in + out) of every linear layer), plus the head where it trained
+    from rayspec.model_shape import ModelShape
+
+    adapter_bytes = 4 * ModelShape.from_hf_config(tiny_llama_dir).lora_params(8)
+    for r in recs:
+        assert r["weight_sync_transport"] == "lora_adapter+collective"
+        assert (r["weight_sync_bytes"] == adapter_bytes) == (not r["draft_trained"]), r["weight_sync_bytes"]
     # rayspec's INFO records in the replica reach its stderr (they were dropped):
     # its worker log, which the dashboard shows
     replica_err = "".join(text for p in logs_dir.glob("worker-*.err")

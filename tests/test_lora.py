@@ -47,8 +47,6 @@ def test_lora_defaults_set_vllms_lora_keys_from_the_adapter_and_the_policy_lag()
       "rollout.engine_kwargs.max_loras=3"], r"max_loras=3: a replica holds up to 4 adapter versions"),
     (["rollout.engine_kwargs.max_lora_rank=8"], r"max_lora_rank=8: .* >= train\.lora\.r \(16\)"),
     (["rollout.sleep_level=2"], r"rollout\.sleep_level=2: a LoRA policy's refits carry the adapter only"),
-    (["scheduler.layout=split", "scheduler.mode=async", "scheduler.in_flight_updates=true",
-      "rollout.engine_cls=async"], r"scheduler\.in_flight_updates=True: not built for a LoRA policy yet"),
 ])
 def test_what_vllm_cannot_serve_is_refused_naming_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -216,3 +214,74 @@ def test_each_adapter_refit_is_a_new_vllm_lora_version_the_replica_samples_exact
     with pytest.raises(WeightSyncError, match="full-weight policy refit while LoRA adapters are live"):
         eng.object_store.receive("policy", load_policy(tiny_llama_dir).state_dict(), 3)
     assert eng.versions()["policy"] == 2
+
+
+def test_bench_refit_sends_adapters_of_each_rank_against_the_full_policy(smollm2_dir):
+    """jobs.bench_refit --lora-ranks: each adapter is the rank's share of
+    the policy's linear layers (ModelShape.lora_params), and the table gives
+    its bytes and seconds against the full refit's."""
+    from jobs.bench_refit import adapter_payload, format_lora_table
+    from rayspec.buckets import state_dict_nbytes
+    from rayspec.model_shape import ModelShape
+
+    shape = ModelShape.from_hf_config(smollm2_dir)
+    payloads = {r: adapter_payload(smollm2_dir, r) for r in (8, 16)}
+    for r, payload in payloads.items():
+        assert state_dict_nbytes(payload["tensors"]) == 4 * shape.lora_params(r)
+        assert payload["config"]["r"] == r
+    full = {"transport": "collective", "bytes": 4 * shape.total_params, "seconds": 2.0, "seconds_rounds": [2.0]}
+    cells = [full] + [{"transport": "lora_adapter", "lora_rank": r, "bytes": state_dict_nbytes(p["tensors"]),
+                       "seconds": 0.1, "seconds_rounds": [0.1]} for r, p in payloads.items()]
+    table = format_lora_table(cells).splitlines()
+    assert table[1].startswith("adapter r=8") and table[-1].startswith("full (collective)")
+    assert table[2].split()[-2:] == [f"{4 * shape.lora_params(16) / full['bytes']:.4f}", "0.050"]
+
+
+@pytest.mark.slow
+def test_an_in_flight_adapter_refit_leaves_running_requests_on_the_adapter_they_started_with(lora_engine,
+                                                                                            tiny_llama_dir):
+    """``scheduler.in_flight_updates`` with LoRA: an adapter refit lands
+    while long samples generate, without pausing them; they finish on the
+    adapter they started with (their tokens labelled with its version, their
+    logprobs its own), a request started after it runs on the new one beside
+    them, and the old version is dropped with its files once they end."""
+    import threading
+    import time
+
+    eng = lora_engine
+    tok = load_tokenizer(tiny_llama_dir)
+    old = eng.versions()["policy"]
+    first, second = (_trained_adapter(load_policy(tiny_llama_dir), seed) for seed in (3, 4))
+    payload = lambda m: AdapterGather(Ranks(0, 1), adapter_config(m)).collect(  # noqa: E731
+        adapter_parameters(m), torch.float32)
+    eng.receive_refit("policy", payload(first), old + 1)
+    probe = tok.encode("Question: what is 12 plus 30? Answer:")
+    out, ended = {}, {}
+
+    def rollout():
+        out["long"] = eng.generate([tok.encode("Say a number:")], n=2, temperature=1.0, max_tokens=300)
+        ended["t"] = time.time()
+
+    eng.in_flight_updates = True
+    try:
+        gen = threading.Thread(target=rollout)
+        gen.start()
+        time.sleep(1.0)
+        assert eng.receive_refit("policy", payload(second), old + 2) == old + 2
+        landed = time.time()
+        beside = eng.generate([probe], temperature=0.0, max_tokens=16)[0]
+        gen.join()
+    finally:
+        eng.in_flight_updates = False
+    assert landed < ended["t"]  # the refit did not wait for the rollout
+    assert beside.response_ids[0] == _greedy(second, probe, 16) and beside.weight_versions == [[(old + 2, 0, 16)]]
+    batch, _ = out["long"]
+    assert batch.weight_versions == [[(old + 1, 0, len(r))] for r in batch.response_ids]
+    assert batch.policy_version == old + 1
+    t = batch.to_padded(tok.pad_token_id)
+    with torch.no_grad():
+        lp = token_logprobs(first(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits,
+                            t["input_ids"])
+    assert token_mult_prob_error(lp, t["rollout_logprobs"], t["response_mask"]) < 1e-4
+    eng.generate([probe], temperature=0.0, max_tokens=2)  # a call's end drops what no request uses
+    assert [p.name for p in Path(eng.adapters.staging_dir).iterdir()] == [f"policy-v{old + 2}"]

@@ -310,6 +310,47 @@ def test_an_eagle3_drafter_embeds_through_a_lora_embedding_with_fewer_tokens_tha
     assert torch.equal(y_up, y_fixed) and torch.allclose(y_fixed, full @ lora_b[1, 0].T, atol=1e-5)
 
 
+def test_lora_kernels_multiply_each_adapter_slots_tokens_at_once_as_upstream_gathers_them():
+    """vLLM's torch LoRA kernels gather a copy of A or B per token; the fix's
+    one matmul per slot gives the same outputs (float rounding apart) for
+    mixed slots, the no-adapter slot -1 included, and is faster."""
+    import time
+
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    # vLLM's own, whether or not the plugin patched this process
+    up = {name: vllm_patches._upstream_lora.get(name) or getattr(lora_ops, name)
+          for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")}
+    g = torch.Generator().manual_seed(0)
+    x, a, b = torch.randn(128, 576, generator=g), torch.randn(3, 1, 16, 576, generator=g), \
+        torch.randn(3, 1, 1536, 16, generator=g)
+    for idx in (torch.zeros(128, dtype=torch.long), torch.randint(-1, 3, (128,), generator=g)):
+        y_up, y = torch.zeros(128, 16), torch.zeros(128, 16)
+        up["bgmv_shrink"](x, a, y_up, idx, 0.5)
+        vllm_patches._bgmv_shrink(x, a, y, idx, 0.5)
+        assert torch.allclose(y, y_up, rtol=1e-4, atol=1e-3)
+        for add in (True, False):
+            z_up, z = torch.ones(128, 1536), torch.ones(128, 1536)
+            up["bgmv_expand"](y, b, z_up, idx, add)
+            vllm_patches._bgmv_expand(y, b, z, idx, add)
+            assert torch.allclose(z, z_up, rtol=1e-4, atol=1e-3)
+            s_up, s = torch.ones(128, 4000), torch.ones(128, 4000)
+            up["bgmv_expand_slice"](y, b, s_up, idx, 100, 1536, add)
+            vllm_patches._bgmv_expand_slice(y, b, s, idx, 100, 1536, add)
+            assert torch.allclose(s, s_up, rtol=1e-4, atol=1e-3)
+    one = torch.zeros(128, 1536)  # a single row broadcast over the output, as upstream does
+    vllm_patches._bgmv_expand(y[:1], b, one, idx[:1], True)
+    assert torch.allclose(one, (y[:1] @ b[idx[0], 0].T).expand(128, -1), atol=1e-4)
+
+    def seconds(fn):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn(x, a, torch.zeros(128, 16), idx, 1.0)
+        return time.perf_counter() - t0
+    idx = torch.zeros(128, dtype=torch.long)
+    assert seconds(vllm_patches._bgmv_shrink) < seconds(up["bgmv_shrink"]) / 3
+
+
 def test_drafter_linear_dtype_resolves_auto_by_the_cpu_and_names_a_bad_value(monkeypatch):
     from rayspec import devices
 

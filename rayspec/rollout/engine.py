@@ -6,6 +6,7 @@ wraps it as the Ray Serve deployment ``SpecVLLMReplica``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -569,7 +570,10 @@ class SpecVLLMEngine:
         # a LoRA policy (train.lora): the base weights stay, each policy refit is an adapter version
         self.lora = bool(kwargs.get("enable_lora"))
         self.adapters = AdapterReceiver(self, self.object_store.staging_dir / "adapters")
-        self._adapter = None  # the LoRARequest of the current policy version; None: the base model
+        self._adapter = None  # (LoRARequest, policy version) of the newest adapter; None: the base model
+        self._adapters: dict[int, Any] = {}  # lora_int_id -> the LoRARequest of each adapter vLLM holds
+        self._adapter_uses: collections.Counter = collections.Counter()  # lora_int_id -> requests in flight
+        self._adapter_lock = threading.Lock()
         self._lora_ids = itertools.count(1)  # vLLM's lora_int_id: one per adapter loaded, never reused
         self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs
         self.k_schedule: list = list(map(tuple, (spec or {}).get("num_speculative_tokens_per_batch_size") or []))
@@ -769,10 +773,12 @@ class SpecVLLMEngine:
             if self.agent is not None and rows is not None:
                 batch, outs = self._trajectories(prompt_ids, rows, n, params, group_offset, seed)
             else:
-                outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
-                                         [_seeded(params, seed, group_offset + j) for j in range(len(prompt_ids))],
-                                         self._adapter)
-                batch = _single_turn(outs, group_offset)
+                with self._adapter_in_use() as (lora, version):
+                    outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
+                                             [_seeded(params, seed, group_offset + j)
+                                              for j in range(len(prompt_ids))], lora)
+                batch = _single_turn(self._labelled(outs, version), group_offset)
+            self._drop_unused_adapters()
             stats = completion_stats(outs, time.perf_counter() - t0)
             # the tokens each sample decoded (a trajectory's tool tokens were prefilled)
             window.add(stats, [sum(m) for m in batch.loss_mask] or [len(r) for r in batch.response_ids])
@@ -808,7 +814,9 @@ class SpecVLLMEngine:
             async def generate(ids: list[int], max_tokens: int):
                 p = _seeded(one, seed, group_offset + j, i, next(turns))
                 p.max_tokens = max_tokens
-                return await self.llm.generate_one(TokensPrompt(prompt_token_ids=ids), p, self._adapter)
+                with self._adapter_in_use() as (lora, version):  # each turn a request: the newest adapter
+                    out = await self.llm.generate_one(TokensPrompt(prompt_token_ids=ids), p, lora)
+                return self._labelled([out], version)[0]
             return generate
 
         share = None
@@ -1055,6 +1063,10 @@ class SpecVLLMEngine:
             window = self._window
             if window is not None:
                 window.refit = True
+            if adapter:  # the requests in flight keep the adapter they started with: nothing to pause
+                load()
+                self._loaded(target, version)
+                return version
             self.llm.pause_generation()
             try:
                 self._wake(("weights",))
@@ -1070,8 +1082,9 @@ class SpecVLLMEngine:
         self._draft_reference = self._draft_digest()
         self._draft_checked = False
         if target == "policy":
-            self.llm.reset_prefix_cache()
-            self.llm.update_weight_version(str(version))
+            if not self.lora:  # an adapter version has a prefix-cache name of its own, and labels its requests
+                self.llm.reset_prefix_cache()
+                self.llm.update_weight_version(str(version))
             self.policy_version = version
             self._discarded = False
         else:
@@ -1085,9 +1098,10 @@ class SpecVLLMEngine:
         """Register the adapter in ``path`` (peft's format) as policy
         ``version``: vLLM's ``add_lora`` with a name and id of its own
         (vLLM keys its prefix cache by the name, so new weights never meet
-        an old version's KV), then the requests of every later rollout carry
-        it; the version it replaces is removed from vLLM and its files
-        deleted. Called by ``load_refit`` (no request in flight).
+        an old version's KV), then every request that starts later carries
+        it; older versions are removed from vLLM, and their files deleted,
+        once no request in flight uses them (``_drop_unused_adapters``).
+        Called by ``load_refit``.
 
         Raises:
             WeightSyncError: vLLM refused the adapter.
@@ -1099,10 +1113,54 @@ class SpecVLLMEngine:
         if not self.llm.add_lora(request):
             raise WeightSyncError(f"replica {self.replica_id}: vLLM did not load the adapter of policy version "
                                   f"{version} from {path}")
-        old, self._adapter = self._adapter, request
-        if old is not None:
-            self.llm.remove_lora(old.lora_int_id)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
+        with self._adapter_lock:
+            self._adapters[lora_id] = request
+            self._adapter = (request, version)
+        self._drop_unused_adapters()
+
+    @contextlib.contextmanager
+    def _adapter_in_use(self):
+        """A request's adapter: yields (its ``LoRARequest`` or None for the
+        base model, its policy version), the newest at entry, counted as in
+        use until exit so that no refit drops it under the request."""
+        with self._adapter_lock:
+            request, version = self._adapter or (None, self.policy_version)
+            if request is not None:
+                self._adapter_uses[request.lora_int_id] += 1
+        try:
+            yield request, version
+        finally:
+            if request is not None:
+                with self._adapter_lock:
+                    self._adapter_uses[request.lora_int_id] -= 1
+
+    def _drop_unused_adapters(self) -> None:
+        """Remove from vLLM, and delete the files of, every adapter older
+        than the newest that no request in flight uses (from a caller's
+        thread: ``remove_lora`` waits for the engine's loop)."""
+        with self._adapter_lock:
+            newest = self._adapter[0].lora_int_id if self._adapter else None
+            unused = [self._adapters.pop(i) for i in list(self._adapters)
+                      if i != newest and self._adapter_uses[i] <= 0]
+        for request in unused:
+            self.llm.remove_lora(request.lora_int_id)
+            shutil.rmtree(request.lora_path, ignore_errors=True)
+
+    def _labelled(self, outs: list, version: int) -> list:
+        """``outs`` (vLLM ``RequestOutput``s of requests on one adapter), each
+        sample's tokens labelled with the adapter's policy ``version``
+        (``CompletionOutput.weight_versions``): vLLM labels tokens by the
+        engine's weight version, which adapter refits leave alone (the base
+        weights never change), while a request keeps the adapter it started
+        with whatever refit lands meanwhile. Unchanged without LoRA."""
+        if not self.lora:
+            return outs
+        from vllm.outputs import WeightVersionSpan
+
+        for out in outs:
+            for c in out.outputs:
+                c.weight_versions = [WeightVersionSpan(str(version), 0, len(c.token_ids))] if c.token_ids else []
+        return outs
 
     def weight_sync_member(self) -> dict[str, Any]:
         """This replica's membership in the collective transport's group

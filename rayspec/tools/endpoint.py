@@ -28,13 +28,18 @@ def load_run(run_dir: str | Path) -> tuple[RunConfig, Path, dict[str, Any] | Non
     """The run's config, its trained policy and the speculative_config to serve it with.
 
     Args:
-        run_dir: a ``jobs.grpo`` run directory (``config.yaml``, ``policy/``,
-            and ``draft_head/`` for eagle3).
+        run_dir: a ``jobs.grpo`` run directory (``config.yaml``, ``policy/``
+            or a LoRA run's ``adapter/``, and ``draft_head/`` for eagle3).
 
     Returns:
         (RunConfig, policy directory, vLLM ``speculative_config`` or None when
         the run did not speculate). For eagle3 the draft is the run's
-        ``draft_head/`` (the head as trained online up to the last step).
+        ``draft_head/`` (the head as trained online up to the last step). A
+        LoRA run without ``policy/`` (``train.lora.save_merged`` off) is
+        served as its base model with the adapter merged in, written once to
+        ``<run_dir>/serve_merged/`` (``merged_policy``): Ray Serve LLM loads
+        adapters dynamically from cloud storage only (its
+        ``LoraConfig.dynamic_lora_loading_path``, Ray 2.60).
 
     Raises:
         RunDirError: missing run directory, config, policy or draft head.
@@ -49,6 +54,8 @@ def load_run(run_dir: str | Path) -> tuple[RunConfig, Path, dict[str, Any] | Non
         raise RunDirError(f"{cfg_path}: missing (not a jobs.grpo run directory?)")
     cfg = load_config(cfg_path)
     policy = run_dir / "policy"
+    if not (policy / "config.json").is_file() and (run_dir / "adapter" / "adapter_config.json").is_file():
+        policy = merged_policy(cfg, run_dir)
     if not (policy / "config.json").is_file():
         raise RunDirError(f"{policy}: no trained policy (the run wrote none: did it finish?)")
     spec = speculative_config_for_vllm(vars(cfg.rollout.speculative_config))
@@ -58,6 +65,36 @@ def load_run(run_dir: str | Path) -> tuple[RunConfig, Path, dict[str, Any] | Non
             raise RunDirError(f"{head}: no EAGLE-3 head in the run directory")
         spec["model"] = str(head)
     return cfg, policy, spec
+
+
+def merged_policy(cfg: RunConfig, run_dir: Path) -> Path:
+    """``<run_dir>/serve_merged``: the run's base policy (``model.path``)
+    with its LoRA adapter (``<run_dir>/adapter``) merged in by peft
+    (``merge_and_unload``), in the serving dtype, with the base's
+    tokenizer; written once, into a temp dir renamed into place."""
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+    from peft import PeftModel
+
+    from rayspec.models import load_policy, load_tokenizer, resolve_model_path
+
+    out = run_dir / "serve_merged"
+    if (out / "config.json").is_file():
+        return out
+    base = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.dtype, torch.float32)
+    model = PeftModel.from_pretrained(load_policy(base, dtype), str(run_dir / "adapter")).merge_and_unload()
+    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".serve_merged-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(base).save_pretrained(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def llm_config(run_dir: str | Path, model_id: str | None = None, num_replicas: int = 1,
@@ -95,6 +132,8 @@ def llm_config(run_dir: str | Path, model_id: str | None = None, num_replicas: i
     ro = cfg.rollout
     engine_kwargs = {**ro.engine_kwargs, "dtype": cfg.model.dtype}
     engine_kwargs.pop("seed", None)  # a server samples with each request's own seed
+    for key in ("enable_lora", "max_lora_rank", "max_loras"):  # a LoRA run is served merged (load_run)
+        engine_kwargs.pop(key, None)
     if spec is not None:
         engine_kwargs["speculative_config"] = spec
     gpus = ro.num_gpus_per_replica

@@ -62,9 +62,13 @@ def markov_logits(vocab_size: int = 32, support: int = 6, scale: float = 1.5,
     return logits
 
 
-def transition_probs(model_dir: str | Path, temperature: float = 1.0) -> np.ndarray:
+def transition_probs(model_dir: str | Path, temperature: float = 1.0,
+                     adapter_dir: str | Path | None = None) -> np.ndarray:
     """The exact next-token distributions of a ``make_markov_llama`` model,
-    read from the saved weights (transformers, float64).
+    read from the saved weights (transformers, float64), with the LoRA
+    adapter in ``adapter_dir`` applied (peft) where given: one on the MLP's
+    projections keeps the chain Markov (the attention adds nothing:
+    ``o_proj`` is zero; the MLP reads the last token's residual only).
 
     Returns:
         float64 array [V, V]: row i = softmax(logits after token i / T).
@@ -78,6 +82,10 @@ def transition_probs(model_dir: str | Path, temperature: float = 1.0) -> np.ndar
         raise ValueError(f"temperature={temperature}: must be > 0")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
     vocab = model.config.vocab_size
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     with torch.no_grad():
         logits = model(torch.arange(vocab)[:, None]).logits[:, -1]
     return torch.softmax(logits / temperature, -1).numpy()
