@@ -290,7 +290,7 @@ class ServeSampler:
 def num_tests(args) -> int:
     """Hypothesis tests one run makes: per case and temperature a token test,
     and with ``--sequences`` a sequence test plus, beside ``none``, a
-    homogeneity test."""
+    homogeneity test (not for ``LORA_CASES``, which sample another chain)."""
     runs = len(args.cases) * len(args.temperature)
     n = runs
     if args.sequences:

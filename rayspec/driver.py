@@ -30,7 +30,8 @@ from rayspec.config import (DEFAULT_DRAFT_SAMPLE_METHOD, NAMESPACE, ConfigError,
 from rayspec.data import load_problems
 from rayspec.models import load_policy
 from rayspec.models.acceptance import ACCEPTANCE_FILE
-from rayspec.preflight import check_inputs, check_memory_plan, check_nodes_see_inputs, check_resume, check_run_dir
+from rayspec.preflight import (check_inputs, check_memory_plan, check_nodes_see_inputs, check_resume, check_run_dir,
+                               longest_prompt_tokens)
 from rayspec.scheduler.placement import ROLES, ClusterFitError, cluster_nodes, plan_placement
 from rayspec.scheduler.recovery import alive_node_ids, dead_nodes, moved_roles, plan_without, start_node_events
 from rayspec.console import Console
@@ -473,7 +474,7 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     ray_logs = init_ray(cfg)
     nodes = cluster_nodes()
     plan = plan_placement(cfg, nodes)
-    check_memory_plan(cfg, model_dir, nodes)
+    check_memory_plan(cfg, model_dir, nodes, prompt_tokens=longest_prompt_tokens(cfg, model_dir))
     check_nodes_see_inputs(cfg, plan, model_dir)
     log.info("scheduler mode %s%s; %s", cfg.scheduler.mode,
              f" (max_policy_lag {cfg.scheduler.max_policy_lag})" if cfg.scheduler.mode == "async" else "",

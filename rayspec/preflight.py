@@ -257,17 +257,18 @@ def longest_prompt_tokens(cfg: RunConfig, model_dir: str) -> int:
 
 
 def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
-                      device_bytes: dict[str, int | None] | None = None, host_bytes: float | None = None):
+                      device_bytes: dict[str, int | None] | None = None, host_bytes: float | None = None,
+                      prompt_tokens: int | None = None):
     """The memory plan (``rayspec.memory_plan``) of the run on the
     cluster's own memory, before any role starts. GPU roles: the plan of the
     smallest GPU's memory (host memory is not checked: the GPU plan's host
     sum is an upper bound; ``jobs.project_memory`` shows it). CPU roles on
     one node: its host memory per phase (``cpu_plan``).
 
-    Sequences are the run's longest prompt (``longest_prompt_tokens``) plus
-    ``grpo.max_new_tokens``.
-
     Args:
+        prompt_tokens: a prompt's tokens in the plan's sequences (with
+            ``grpo.max_new_tokens``); the launcher gives the run's longest
+            (``longest_prompt_tokens``). None: ``memory_plan.PROMPT_TOKENS``.
         device_bytes: {node id: bytes of its smallest GPU, or None where
             unknown}; default: read on each GPU node (``gpu_memory_by_node``).
         host_bytes: the node's memory (CPU roles); default: this machine's
@@ -282,8 +283,10 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
             what holds the most, and the command that lists the knobs that
             would fit.
     """
-    from rayspec.memory_plan import cpu_plan, plan
+    from rayspec.memory_plan import PROMPT_TOKENS, cpu_plan, plan
     from rayspec.model_shape import ModelShape
+
+    prompt_tokens = PROMPT_TOKENS if prompt_tokens is None else prompt_tokens
 
     if cfg.rollout.num_gpus_per_replica <= 0 and cfg.train.num_gpus_per_worker <= 0:
         if len(nodes) != 1:
@@ -299,7 +302,7 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
             import psutil
 
             host_bytes = psutil.virtual_memory().total
-        result, what, hardware = cpu_plan(cfg, shape, host_bytes, prompt_tokens=longest_prompt_tokens(cfg, model_dir)), \
+        result, what, hardware = cpu_plan(cfg, shape, host_bytes, prompt_tokens=prompt_tokens), \
             "this node's host memory", f"cpu --host-gib {host_bytes / 2**30:.0f}"
     elif cfg.rollout.num_gpus_per_replica <= 0 or cfg.train.num_gpus_per_worker <= 0:
         return None  # a GPU role beside a CPU one: the GPU plan needs both on GPUs
@@ -313,8 +316,8 @@ def check_memory_plan(cfg: RunConfig, model_dir: str, nodes: list[NodeInfo],
                         [n.node_id[:8] for n, b in zip(gpu_nodes, known) if b is None])
             return None
         result = plan(cfg, ModelShape.from_hf_config(model_dir), "", gpus_per_node=int(max(n.gpus for n in gpu_nodes)),
-                      nodes=len(gpu_nodes), prompt_tokens=longest_prompt_tokens(cfg, model_dir),
-                      device_bytes=min(known), host_bytes=float("inf"))
+                      nodes=len(gpu_nodes), prompt_tokens=prompt_tokens, device_bytes=min(known),
+                      host_bytes=float("inf"))
         what, hardware = "this cluster's GPUs", "<h100|h200|gb200> --gpus N"
     problems = result.problems()
     if problems:

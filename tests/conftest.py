@@ -190,10 +190,10 @@ def planted_policy(kind: str, tmp: Path, tiny: Path) -> Path:
     raise ValueError(kind)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single_rank_group():
     """A one-process gloo group, as Ray Train sets up for each worker (one
-    for the module: DeepSpeed keeps the group of its first engine)."""
+    for the session: DeepSpeed keeps the group of its first engine)."""
     import torch.distributed as dist
 
     with socket.socket() as s:

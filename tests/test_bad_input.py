@@ -181,7 +181,11 @@ def test_checkpoint_that_cannot_be_staged_names_the_directory_and_free_space(tmp
     left, and the partial files are removed."""
     from rayspec.train.checkpoint import report_checkpoint
 
+    import torch
+
     class FullDisk:
+        module = torch.nn.Linear(1, 1)  # trainable: no frozen parameters to leave out
+
         def save_checkpoint(self, path, tag):
             (tmp_path / "stage").mkdir(exist_ok=True)
             Path(path, tag).mkdir(parents=True)

@@ -157,7 +157,8 @@ def _run_check(tmp_path, *argv) -> list[dict]:
 def test_every_draft_kind_is_lossless_in_vllm(tmp_path):
     """No speculation, draft = target (greedy: one-hot q), a disjoint draft,
     a perturbed sampled draft (full q), sampled drafts of an EAGLE-3 head with
-    a reduced draft vocabulary (q = 0 off it), n-gram and suffix: 60k tokens each at
+    a reduced draft vocabulary (q = 0 off it), n-gram, suffix, and EAGLE-3 on
+    a LoRA replica (against the adapted chain): 60k tokens each at
     T=1.0 and 2000 3-token continuations pass; the unpatched engine fails on
     10k. (q = p sampled, and 100k tokens a case, are in the full run,
     docs/lossless.md.)"""
@@ -165,17 +166,19 @@ def test_every_draft_kind_is_lossless_in_vllm(tmp_path):
 
     rows = _run_check(tmp_path, "--via", "engine", "--temperature", "1.0", "--tokens", "60000",
                       "--sequences", "2000", "--cases",
-                      "none,draft_target,disjoint,perturbed_probabilistic,eagle3_probabilistic,ngram,suffix,unpatched")
+                      "none,draft_target,disjoint,perturbed_probabilistic,eagle3_probabilistic,ngram,suffix,"
+                      "eagle3_lora,unpatched")
     by = {(r["case"], r["test"]): r for r in rows}
-    assert len(by) == 16
+    assert len(by) == 18
     for (case, test), r in by.items():
         assert r["tokens"] >= (60_000 if test == "token" else 2000) or case == "unpatched", r
         assert r["family_alpha"] == 0.01 and r["via"] == "engine"
         assert r["passed"] == (case != "unpatched" or not needs_patch()), r
-        if test == "sequence" and case != "none":
+        if test == "sequence" and case not in ("none", "eagle3_lora"):  # a LoRA replica samples another chain
             assert "vs_none_p_value" in r
     assert by[("none", "token")]["draft_tokens"] == 0
-    for case in ("draft_target", "disjoint", "perturbed_probabilistic", "eagle3_probabilistic", "ngram", "suffix"):
+    for case in ("draft_target", "disjoint", "perturbed_probabilistic", "eagle3_probabilistic", "ngram", "suffix",
+                 "eagle3_lora"):
         assert by[(case, "token")]["draft_tokens"] > 10_000, case  # the case did speculate
     assert by[("draft_target", "token")]["acceptance_length"] > 1.5
     assert by[("disjoint", "token")]["acceptance_length"] == 1.0  # every draft rejected
