@@ -203,4 +203,5 @@ def single_rank_group():
                       WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a Ray Train run in this process may have shut it down already
+        dist.destroy_process_group()
