@@ -1286,6 +1286,8 @@ PLATFORM_DEFAULT_KEYS = ("rollout.engine_kwargs.enforce_eager", "rollout.engine_
                          "train.deepspeed.zero_optimization.reduce_bucket_size",
                          "train.deepspeed.zero_optimization.allgather_bucket_size",
                          "train.torch_threads_per_worker", "train.gradient_checkpointing", "train.offload_states")
+# Keys whose null means: the default that follows ``train.lora`` (``apply_defaults``).
+LORA_DEFAULT_KEYS = ("rollout.sleep_level",)
 # ZeRO's bucket sizes (elements) on CPU Train workers (``apply_defaults``).
 CPU_ZERO_BUCKET_SIZE = 50_000_000
 
@@ -1344,6 +1346,12 @@ def apply_defaults(cfg: dict[str, Any]) -> None:
         replicas (where the ZeRO stage and optimizer allow it), else false.
       - ``torch_threads_per_worker``: CPU 1 (colocated roles share the
         cores); GPU left to torch.
+
+    A LoRA policy (``train.lora.enabled``, ``LORA_DEFAULT_KEYS``):
+      - ``rollout.sleep_level``: 1 with LoRA (level 2 drops the base weights
+        an adapter refit never resends), else 2.
+      - ``rollout.engine_kwargs`` ``enable_lora`` true, ``max_lora_rank``
+        ``train.lora.r``, ``max_loras`` ``lora_versions_in_flight``.
 
     Raises:
         ConfigError: ``model.dtype: auto`` where torch lacks the CPU feature checks.

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from rayspec.config import (BUNDLED_MODEL, CPU_ZERO_BUCKET_SIZE, DATA_DEFAULTS, DRAFT_LINEAR_DTYPE, GPU_MEMORY_UTILIZATION, PLATFORM_DEFAULT_KEYS,
-                            ConfigError, RunConfig, apply_defaults, dtype_reason, load_config, to_dict)
+from rayspec.config import (BUNDLED_MODEL, CPU_ZERO_BUCKET_SIZE, DATA_DEFAULTS, DRAFT_LINEAR_DTYPE, GPU_MEMORY_UTILIZATION,
+                            LORA_DEFAULT_KEYS, PLATFORM_DEFAULT_KEYS, ConfigError, RunConfig, apply_defaults, dtype_reason, load_config, to_dict)
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -363,8 +363,8 @@ def test_any_overrides_give_a_valid_config_or_a_config_error_naming_a_key(pairs)
     cfg.validate()
     flat = _flat(to_dict(cfg))
     for k, v in dict(pairs).items():  # the last override of a key wins
-        if v is None and (k in PLATFORM_DEFAULT_KEYS or k in DATASET_DEFAULT_KEYS):
-            continue  # null there means: the platform's (the dataset's) default
+        if v is None and (k in PLATFORM_DEFAULT_KEYS + LORA_DEFAULT_KEYS or k in DATASET_DEFAULT_KEYS):
+            continue  # null there means: the platform's (the dataset's, LoRA's) default
         if k in flat and not isinstance(v, str) and k != "data.path":
             # OmegaConf coerces to the field's type: str fields take the text,
             # bool fields take integers as C does (0 false, others true)
