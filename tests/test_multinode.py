@@ -49,6 +49,23 @@ def test_node_inputs_lists_what_roles_read_from_files(tmp_path):
     assert node_inputs(load_config(None, [])) == []  # the built-in task and rewards: nothing to read
 
 
+def test_nodes_find_the_torch_extensions_the_host_built(tmp_path, monkeypatch):
+    """A simulated node's TORCH_EXTENSIONS_DIR is the directory the host's
+    torch builds DeepSpeed's ops in (install_node.sh builds them there): the
+    root torch defaults to holds them one folder down (``py311_cpu``)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from rayspec.tools.local_cluster import torch_extensions_dir
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert torch_extensions_dir() == os.path.dirname(_get_build_directory("fused_adam", verbose=False))
+    assert torch_extensions_dir().startswith(str(tmp_path / ".cache" / "torch_extensions" / "py"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    assert torch_extensions_dir() == str(tmp_path / "ext")
+
+
 def _records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
     path = run_dir / name
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []

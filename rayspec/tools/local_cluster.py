@@ -20,9 +20,12 @@ node is what a user starts on a machine of its own, ``ray start
   raylet's affinity), so a role pinned to "core 0 of its node" runs there,
   not on the host's core 0.
 
-``TORCH_EXTENSIONS_DIR`` is passed on as the host has it (DeepSpeed's CPU
-ops, which ``cluster/install_node.sh`` builds on every real node). The nodes
-share the host's network: every address is the host's.
+``TORCH_EXTENSIONS_DIR`` is the directory the host's torch builds its C++
+extensions in (``torch_extensions_dir``): DeepSpeed's CPU ops, which
+``cluster/install_node.sh`` builds on every real node, are found there, not
+built again in each node's HOME (~70 s an op on 2 cores, while the
+replicas wait). The nodes share the host's network: every address is the
+host's.
 """
 
 from __future__ import annotations
@@ -38,6 +41,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+
+def torch_extensions_dir() -> str:
+    """The directory this process's torch builds and finds JIT-compiled C++
+    extensions in: ``TORCH_EXTENSIONS_DIR`` where set, else torch's default
+    root (``cpp_extension.get_default_build_root``, under HOME) with the
+    per-Python, per-accelerator folder torch adds only then
+    (``py311_cpu``; torch 2.13's ``cpp_extension._get_build_directory``).
+    A node given the root alone would build every op again in it."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    import torch
+
+    accelerator = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip
+                   else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return os.path.join(get_default_build_root(), f"{python}_{accelerator}")
 
 
 @dataclass(frozen=True)
@@ -105,9 +127,7 @@ class LocalCluster:
 
     @staticmethod
     def _env(home: Path, tmp: Path) -> dict[str, str]:
-        return {"HOME": str(home), "TMPDIR": str(tmp),
-                "TORCH_EXTENSIONS_DIR": os.environ.get(
-                    "TORCH_EXTENSIONS_DIR", str(Path("~/.cache/torch_extensions").expanduser()))}
+        return {"HOME": str(home), "TMPDIR": str(tmp), "TORCH_EXTENSIONS_DIR": torch_extensions_dir()}
 
     def _alive(self) -> set[str]:
         return {n["NodeID"] for n in self._cluster.global_state.node_table() if n["Alive"]}
