@@ -341,22 +341,14 @@ def adapter_payload(model_dir: Path, r: int) -> dict:
     """A rank-``r`` adapter on every linear layer of the policy in
     ``model_dir``, B random (a trained adapter's size and shapes), as rank 0
     sends it (``AdapterGather``'s payload, fp32)."""
-    from types import SimpleNamespace
-
     import torch
 
     from rayspec.models import load_policy
     from rayspec.sync import AdapterGather
-    from rayspec.train.lora import adapter_config, adapter_parameters, wrap_lora
+    from rayspec.train.lora import adapter_config, adapter_parameters, random_adapter
     from rayspec.train.ranks import Ranks
 
-    torch.manual_seed(r)
-    model = wrap_lora(load_policy(model_dir), SimpleNamespace(r=r, lora_alpha=2 * r, lora_dropout=0.0,
-                                                              target_modules="all-linear"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.01)
+    model = random_adapter(load_policy(model_dir), r, lora_alpha=2 * r, std=0.01, seed=r)
     return AdapterGather(Ranks(0, 1), adapter_config(model)).collect(adapter_parameters(model), torch.float32)
 
 

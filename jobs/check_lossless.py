@@ -149,20 +149,11 @@ def build_models(work: Path) -> dict[str, Path]:
 def _lora_adapter(policy, out: Path) -> Path:
     """A rank-8 adapter of the Markov chain's MLP projections, B random
     (N(0, 0.5)): the chain stays Markov and its probabilities move."""
-    from types import SimpleNamespace
-
-    import torch
-
     from rayspec.sync.lora import write_adapter
-    from rayspec.train.lora import adapter_config, adapter_parameters, wrap_lora
+    from rayspec.train.lora import adapter_config, adapter_parameters, random_adapter
 
-    torch.manual_seed(3)
-    model = wrap_lora(policy, SimpleNamespace(r=8, lora_alpha=16, lora_dropout=0.0,
-                                              target_modules=["gate_proj", "up_proj", "down_proj"]))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.5)
+    model = random_adapter(policy, 8, lora_alpha=16, std=0.5, seed=3,
+                           target_modules=["gate_proj", "up_proj", "down_proj"])
     return write_adapter({n: t.detach().float() for n, t, _ in adapter_parameters(model)}, adapter_config(model), out)
 
 

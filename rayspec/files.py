@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,35 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     tmp.write_text(text)
     os.replace(tmp, path)
     return path
+
+
+@contextlib.contextmanager
+def write_dir_atomic(out: str | os.PathLike, replace: bool = True) -> Iterator[Path]:
+    """Yield a temporary directory beside ``out`` to write a whole directory
+    into (a model, an adapter, a draft head); once the block completes it is
+    renamed to ``out``, so a reader (or a run stopped mid-write) finds the
+    old directory or the new one, never a part. An ``out`` already there is
+    moved aside before the rename and removed after; with ``replace=False``
+    it is kept and the new one dropped (another process wrote the same
+    thing first). If the block raises, nothing at ``out`` changes and the
+    temporary directory is removed."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            if not replace:
+                return
+            old = out.with_name(f".{out.name}-old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def json_tuples(x):

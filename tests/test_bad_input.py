@@ -198,3 +198,24 @@ def test_checkpoint_that_cannot_be_staged_names_the_directory_and_free_space(tmp
         report_checkpoint({}, FullDisk(), 3, None, None)
     assert isinstance(e.value.__cause__, RuntimeError)
     assert [p.name for p in tmp_path.iterdir()] == ["stage"]  # the staged part is gone
+
+
+def test_a_directory_written_atomically_is_the_old_one_or_the_new_one(tmp_path):
+    """``write_dir_atomic`` (the policy, adapter, draft head and model copies):
+    a write that fails leaves the old directory as it was and no temporary
+    one beside it; one that completes replaces it whole; ``replace=False``
+    keeps what another writer put there first."""
+    from rayspec.files import write_dir_atomic
+
+    out = tmp_path / "policy"
+    with write_dir_atomic(out) as tmp:
+        (tmp / "a.safetensors").write_text("old")
+    with pytest.raises(RuntimeError), write_dir_atomic(out) as tmp:
+        (tmp / "b.safetensors").write_text("half")
+        raise RuntimeError("killed mid-write")
+    assert [p.name for p in tmp_path.iterdir()] == ["policy"] and [p.name for p in out.iterdir()] == ["a.safetensors"]
+    with write_dir_atomic(out) as tmp:
+        (tmp / "b.safetensors").write_text("new")
+    with write_dir_atomic(out, replace=False) as tmp:
+        (tmp / "c.safetensors").write_text("late")
+    assert [p.name for p in tmp_path.iterdir()] == ["policy"] and [p.name for p in out.iterdir()] == ["b.safetensors"]

@@ -18,7 +18,7 @@ from rayspec.sync import AdapterGather, WeightSyncError
 from rayspec.sync.lora import ADAPTER_FILES
 from rayspec.train.grpo import group_advantages, token_logprobs, token_mult_prob_error
 from rayspec.train.checkpoint import load_engine, save_engine
-from rayspec.train.lora import AdapterOff, adapter_config, adapter_parameters, causal_lm, wrap_lora
+from rayspec.train.lora import AdapterOff, adapter_config, adapter_parameters, causal_lm, random_adapter, wrap_lora
 from rayspec.train.policy import build_engine, deepspeed_config, policy_update
 from rayspec.train.ranks import Ranks
 from tests.conftest import engine_kwargs
@@ -162,15 +162,7 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
 
 def _trained_adapter(policy, seed: int, r: int = 8):
     """A peft model of ``policy`` whose adapter is far from zero."""
-    from types import SimpleNamespace
-
-    torch.manual_seed(seed)
-    model = wrap_lora(policy, SimpleNamespace(r=r, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear"))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(std=0.3)
-    return model.eval()
+    return random_adapter(policy, r, lora_alpha=16, std=0.3, seed=seed)
 
 
 @pytest.mark.slow

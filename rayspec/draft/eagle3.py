@@ -24,8 +24,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -35,6 +33,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from rayspec.devices import to_host
+from rayspec.files import write_dir_atomic
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -371,23 +370,11 @@ def save_head(head: Eagle3Head, out_dir: str | os.PathLike) -> Path:
     complete.
     """
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
+    with write_dir_atomic(out) as tmp:
         ids = aux_layer_ids(head.cfg, None)
         cfg = head.cfg if ids is None else with_aux_layer_ids(head.cfg, ids)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_file(to_host(head.state_dict(), torch.bfloat16), str(tmp / "model.safetensors"))
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}-old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -12,13 +12,12 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from rayspec.config import BUNDLED_MODEL, ConfigError
+from rayspec.files import write_dir_atomic
 
 log = logging.getLogger(__name__)
 
@@ -73,18 +72,9 @@ def materialize_bundled_model(cache_dir: str | os.PathLike) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict(), strict=False)
     model.tie_weights()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
+    with write_dir_atomic(out, replace=False) as tmp:  # another process may have put it there first
         model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        try:
-            os.replace(tmp, out)
-        except OSError:  # another process put it there first (a directory is not replaced when it is not empty)
-            if not (out / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -377,12 +367,7 @@ def truncated_copy(src: str | os.PathLike, out_dir: str | os.PathLike, num_layer
     model.config.num_hidden_layers = num_layers
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = model.config.layer_types[:num_layers]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
+    with write_dir_atomic(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(src).save_pretrained(tmp)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

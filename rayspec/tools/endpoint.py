@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rayspec.config import RunConfig, load_config
+from rayspec.files import write_dir_atomic
 from rayspec.rollout.engine import speculative_config_for_vllm
 
 APP_NAME = "rayspec-serve"
@@ -72,10 +73,6 @@ def merged_policy(cfg: RunConfig, run_dir: Path) -> Path:
     with its LoRA adapter (``<run_dir>/adapter``) merged in by peft
     (``merge_and_unload``), in the serving dtype, with the base's
     tokenizer; written once, into a temp dir renamed into place."""
-    import os
-    import shutil
-    import tempfile
-
     import torch
     from peft import PeftModel
 
@@ -87,13 +84,9 @@ def merged_policy(cfg: RunConfig, run_dir: Path) -> Path:
     base = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.dtype, torch.float32)
     model = PeftModel.from_pretrained(load_policy(base, dtype), str(run_dir / "adapter")).merge_and_unload()
-    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".serve_merged-"))
-    try:
+    with write_dir_atomic(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(base).save_pretrained(tmp)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ from rayspec.data.files import DataFileError
 from rayspec.devices import assigned_gpu
 from rayspec.draft.client import DraftClient, NullDraft, find_draft_trainer
 from rayspec.draft.trainer import TrainingCadence
+from rayspec.files import write_dir_atomic
 from rayspec.metrics import PhaseTimer, plot_run
 from rayspec.reward.functions import RewardFunctionError
 from rayspec.reward.pool import RewardError
@@ -243,6 +242,9 @@ def start_over(policy: Policy, coord: Coordinator | Follower, draft: DraftClient
     a later policy or draft, or the DraftTrainer a trained head (the worker
     group restarted before the first checkpoint), the DraftTrainer goes back
     to its initial head and the replicas get this policy and that head;
+    a LoRA policy's replicas get its initial adapter (B = 0: the base
+    model's outputs) in any case, so that from the first request they serve
+    what every later version costs (adaptive k measures its costs on it);
     then the initial policy is evaluated. Collective."""
     stale = False
     if policy.ranks.is_driver:
@@ -253,8 +255,8 @@ def start_over(policy: Policy, coord: Coordinator | Follower, draft: DraftClient
         if stale:
             log.warning("no checkpoint to restore: the run starts over from step 1 and resets the replicas%s",
                         " and the draft head" if draft.alive else "")
-    if policy.ranks.broadcast(stale):
-        coord.refit(0, policy.refit_weights(), draft.head(0))
+    if policy.ranks.broadcast(stale) or is_lora(policy.engine.module):
+        coord.refit(0, policy.refit_weights(), draft.head(0) if stale else None)
         coord.wait_refits()
         policy.refit_sent()
     with policy.ranks.stop_on(USER_ERRORS):
@@ -271,14 +273,8 @@ def save_adapter(policy: PolicyWorker, out: Path) -> None:
 
     module = policy.engine.module
     tensors = {name: t.detach().to("cpu", policy.serve_dtype) for name, t, _ in adapter_parameters(module)}
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
+    with write_dir_atomic(out) as tmp:
         write_adapter(tensors, adapter_config(module), tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_policy(policy: PolicyWorker, tokenizer, out: Path) -> None:
@@ -299,15 +295,9 @@ def save_policy(policy: PolicyWorker, tokenizer, out: Path) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
+    with write_dir_atomic(out) as tmp:
         model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _dtype(name: str) -> torch.dtype:

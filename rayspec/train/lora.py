@@ -31,6 +31,25 @@ def wrap_lora(model, lora) -> Any:
     return get_peft_model(model, config)
 
 
+def random_adapter(model, r: int, lora_alpha: float, std: float, seed: int,
+                   target_modules: str | list[str] = "all-linear") -> Any:
+    """``model`` wrapped by ``wrap_lora`` with a rank-``r`` adapter whose B is
+    drawn N(0, ``std``) (A as peft draws it), seeded by ``seed``: a trained
+    adapter's size and shapes, far from the base model, for the benchmarks,
+    the lossless check and the tests (a fresh adapter has B = 0). In eval
+    mode."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(seed)
+    peft_model = wrap_lora(model, SimpleNamespace(r=r, lora_alpha=lora_alpha, lora_dropout=0.0,
+                                                  target_modules=target_modules))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=std)
+    return peft_model.eval()
+
+
 def is_lora(module) -> bool:
     """Whether ``module`` (a DeepSpeed engine's module) is a peft model."""
     return hasattr(module, "peft_config") and hasattr(module, "disable_adapter")
