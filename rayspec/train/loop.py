@@ -159,7 +159,7 @@ def rl_worker_loop(config: dict) -> None:
         version = resume(checkpoint, policy, coord, draft)
     else:
         version = 0
-        start_over(policy, coord, draft)
+        start_over(policy, coord, draft, lora=cfg.train.lora.enabled)
     run_steps(cfg, coord, policy, draft, version)
     coord.close()
     run_dir = Path(cfg.trainer.run_dir)
@@ -236,13 +236,14 @@ def resume(checkpoint, policy: Policy, coord: Coordinator | Follower, draft: Dra
     return version
 
 
-def start_over(policy: Policy, coord: Coordinator | Follower, draft: DraftClient | NullDraft) -> None:
+def start_over(policy: Policy, coord: Coordinator | Follower, draft: DraftClient | NullDraft,
+               lora: bool = False) -> None:
     """Starting at version 0 (no checkpoint): the records of an attempt that
     failed before any checkpoint are discarded, and where the replicas hold
     a later policy or draft, or the DraftTrainer a trained head (the worker
     group restarted before the first checkpoint), the DraftTrainer goes back
     to its initial head and the replicas get this policy and that head;
-    a LoRA policy's replicas get its initial adapter (B = 0: the base
+    a LoRA policy's (``lora``) replicas get its initial adapter (B = 0: the base
     model's outputs) in any case, so that from the first request they serve
     what every later version costs (adaptive k measures its costs on it);
     then the initial policy is evaluated. Collective."""
@@ -255,7 +256,7 @@ def start_over(policy: Policy, coord: Coordinator | Follower, draft: DraftClient
         if stale:
             log.warning("no checkpoint to restore: the run starts over from step 1 and resets the replicas%s",
                         " and the draft head" if draft.alive else "")
-    if policy.ranks.broadcast(stale) or is_lora(policy.engine.module):
+    if policy.ranks.broadcast(stale) or lora:
         coord.refit(0, policy.refit_weights(), draft.head(0) if stale else None)
         coord.wait_refits()
         policy.refit_sent()
