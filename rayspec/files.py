@@ -41,10 +41,15 @@ def write_dir_atomic(out: str | os.PathLike, replace: bool = True) -> Iterator[P
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         yield tmp
+        if not replace:
+            try:
+                os.replace(tmp, out)
+            except OSError:  # put there meanwhile (a directory does not replace one that is not empty)
+                if not out.is_dir():
+                    raise
+            return
         old = None
         if out.exists():
-            if not replace:
-                return
             old = out.with_name(f".{out.name}-old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(out, old)
