@@ -186,7 +186,7 @@ def test_checkpoint_that_cannot_be_staged_names_the_directory_and_free_space(tmp
     class FullDisk:
         module = torch.nn.Linear(1, 1)  # trainable: no frozen parameters to leave out
 
-        def save_checkpoint(self, path, tag):
+        def save_checkpoint(self, path, tag, exclude_frozen_parameters=False):  # DeepSpeed's signature
             (tmp_path / "stage").mkdir(exist_ok=True)
             Path(path, tag).mkdir(parents=True)
             Path(path, tag, "model_states.pt").write_bytes(b"\0" * 2**20)

@@ -174,8 +174,7 @@ def save_engine(engine, out: Path) -> None:
     its trainable weights, optimizer and DeepSpeed state. Frozen parameters
     (a LoRA policy's base, the model the run started from) are left out:
     a LoRA checkpoint is its adapter and the adapter's optimizer states."""
-    frozen = {"exclude_frozen_parameters": True} if _has_frozen(engine) else {}
-    engine.save_checkpoint(str(out), tag=POLICY_TAG, **frozen)
+    engine.save_checkpoint(str(out), tag=POLICY_TAG, exclude_frozen_parameters=_has_frozen(engine))
 
 
 def load_engine(engine, src: Path) -> None:
