@@ -369,8 +369,7 @@ class NodeWatch:
                 self.check()
             except Exception as e:  # noqa: BLE001 - a failure to move is the run's end, not the thread's
                 log.exception("placing the roles of a dead node again failed")
-                self.error = e
-                self.roles.stop_rollout()
+                self._stop_run(e)
 
     def check(self) -> dict | None:
         """One look: the event of a node loss handled now, or None."""
@@ -392,9 +391,8 @@ class NodeWatch:
                 new = plan_without(self.roles.cfg, plan, cluster_nodes, self.roles.cfg.scheduler.node_wait_s)
                 check_nodes_see_inputs(self.roles.cfg, new, self.model_dir)
             except (ClusterFitError, ConfigError) as e:
-                self.error = e
                 log.error("the run stops: %s", e)
-                self.roles.stop_rollout()
+                self._stop_run(e)
                 return None
             moved = self.roles.follow(new)
             event = {"nodes": [n[:8] for n in dead], "lost": lost, "moved": moved, "detected_at": detected,
@@ -408,6 +406,14 @@ class NodeWatch:
             else:
                 self.events.post.remote(event)
             return event
+
+    def _stop_run(self, error: Exception) -> None:
+        """The run cannot go on: the Train workers are told why (they save
+        the last step they finished, ``recovery.stopping_run``), then the
+        rollout deployment goes, so that rank 0's wait for replicas ends."""
+        self.error = error
+        ray.get(self.events.stop.remote(str(error)), timeout=60)  # posted before rank 0 can ask
+        self.roles.stop_rollout()
 
     def wait_for_loss(self, grace_s: float) -> None:
         """After the attempt failed: look for a node loss for up to
@@ -427,6 +433,20 @@ class NodeWatch:
         self._train_moves = []
 
 
+def saved_state(run_dir: Path) -> str:
+    """What a run that stopped leaves to continue from: its latest
+    checkpoint's step and the ``resume=`` that continues it."""
+    import json
+
+    from rayspec.train.checkpoint import TRAINER_STATE, checkpoints
+
+    found = checkpoints(run_dir)
+    if not found:
+        return "No step was finished: nothing to resume"
+    step = json.loads((found[-1] / TRAINER_STATE).read_text())["step"]
+    return f"The state after step {step} is saved ({found[-1]}): resume={run_dir} continues from it"
+
+
 # Ray marks a node dead after its health checks fail for 15 s (health_check_period_ms 3000 x
 # health_check_failure_threshold 5): an attempt that failed looks for a loss this long
 NODE_DEATH_GRACE_S = 30.0
@@ -440,7 +460,8 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
     workers restart there from the last checkpoint (a new attempt, as
     ``resume``); where the nodes left cannot hold the layout, the run waits
     up to ``scheduler.node_wait_s`` for nodes to join, then stops with a
-    ``ClusterFitError`` (the checkpoints written stay).
+    ``ClusterFitError``, the Train workers (where they live) saving the last
+    step they finished first: ``resume=`` continues it.
 
     Args:
         cfg: the run's config.
@@ -458,7 +479,8 @@ def run(cfg: RunConfig, resume: bool = False) -> Path:
         ClusterFitError: the layout does not fit the cluster.
         All before any role is started.
         ClusterFitError: a node died and the nodes left (with those that
-            joined within ``scheduler.node_wait_s``) cannot hold the layout.
+            joined within ``scheduler.node_wait_s``) cannot hold the layout;
+            the message ends with the step saved and the ``resume=`` to run.
         RunAborted: the Train workers met a bad input a restart would meet
             again (a reward function that raised, a data file's bad row;
             ``rayspec.train.ranks.RunAborted``); the records and
@@ -520,14 +542,16 @@ def _run_roles(cfg: RunConfig, plan, model_dir: str, run_dir: Path) -> None:
                 except TrainingFailedError as e:
                     failed = e
                     watch.wait_for_loss(NODE_DEATH_GRACE_S)
-            if watch.error is not None:
-                raise watch.error
+            if watch.error is not None:  # the Train workers died with their node: the last checkpoint stays
+                raise type(watch.error)(f"{watch.error}. {saved_state(run_dir)}") from None
             if not watch.losses:
                 raise failed
             log.warning("attempt failed after losing node(s) %s (%s): the Train workers start again on the "
                         "plan without them, from the last checkpoint",
                         ", ".join(n for e in watch.losses for n in e["nodes"]), type(failed).__name__)
             watch.take_train_moves()
+        if watch.error is not None:  # the Train workers saved the last step they finished, then stopped
+            raise type(watch.error)(f"{watch.error}. {saved_state(run_dir)}") from None
         if aborted:
             raise RunAborted(aborted)
         if roles.draft is not None:

@@ -81,7 +81,8 @@ def two_nodes(tmp_path_factory):
     from rayspec.tools.local_cluster import LocalCluster, NodeSpec
 
     ray.shutdown()  # a cluster of its own (the shared session's tests run last)
-    cluster = LocalCluster(tmp_path_factory.mktemp("lc", numbered=True), NodeSpec(0))
+    cluster = LocalCluster(tmp_path_factory.mktemp("lc", numbered=True), NodeSpec(0),  # a dead node seen in 3 s
+                           system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3})
     try:
         for cores in ((0,), (1,)):
             cluster.add_node(NodeSpec(1, cores, 512 << 20))
@@ -198,6 +199,58 @@ def test_the_main_job_colocated_over_two_nodes(two_nodes, tiny_llama_dir, tmp_pa
     mlflow_run = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
     history = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}").get_metric_history(mlflow_run, "time_step_s")
     assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["time_step_s"])) for r in recs]
+
+
+@pytest.mark.slow
+def test_a_split_run_whose_rollout_node_dies_with_no_node_to_spare_saves_and_stops(two_nodes, tiny_llama_dir,
+                                                                                    tmp_path):
+    """The main job split and sync over the two nodes (the rollout on one,
+    the Train workers and the DraftTrainer on the other; no checkpoint due
+    before the end). The rollout's node is killed after step 2: no node left
+    can hold the replica (the head has no CPUs), so after
+    ``scheduler.node_wait_s`` the run stops with a ClusterFitError naming
+    the rollout and the step saved; the Train workers saved step 2 first
+    (policy version 2, the prompt cursor before step 3's batch). Runs last
+    on the two nodes: it kills one."""
+    import threading
+    import time
+
+    from rayspec import driver
+    from rayspec.scheduler import plan_placement
+    from rayspec.scheduler.placement import ClusterFitError, cluster_nodes
+    from rayspec.train.checkpoint import TRAINER_STATE, checkpoints
+    from tests.conftest import IN_PROCESS
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [f"model.path={tiny_llama_dir}", "model.dtype=float32", "scheduler.layout=split",
+                             "trainer.steps=4", "trainer.save_steps=10", "trainer.eval_every=0",
+                             "scheduler.node_wait_s=5", "grpo.max_new_tokens=12", "data.prompts_per_step=2",
+                             "grpo.group_size=4", f"trainer.run_dir={run_dir}", *IN_PROCESS])
+    plan = plan_placement(cfg, cluster_nodes())
+    (rollout,) = {b.node_id for b in plan.role("rollout")}
+    (name,) = [n for n in ("node1", "node2") if two_nodes.node_id(n) == rollout]
+    assert {b.node_id for b in plan.role("train") + plan.role("draft")} == {two_nodes.node_id(n) for n in (
+        "node1", "node2")} - {rollout}
+
+    def kill_after_step_2():
+        deadline = time.monotonic() + 600
+        while len(_records(run_dir)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        two_nodes.kill_node(name)
+
+    killer = threading.Thread(target=kill_after_step_2, daemon=True)
+    killer.start()
+    with pytest.raises(ClusterFitError) as e:
+        driver.run(cfg)
+    killer.join(timeout=5)
+    msg = str(e.value)
+    assert "role 'rollout'" in msg and "scheduler.node_wait_s" in msg, msg
+    assert "The state after step 2 is saved" in msg and f"resume={run_dir}" in msg, msg
+    assert [r["step"] for r in _records(run_dir)] == [1, 2]
+    (saved,) = checkpoints(run_dir)
+    state = json.loads((saved / TRAINER_STATE).read_text())
+    assert (state["step"], state["policy_version"]) == (2, 2) and "draft_version" in state
+    print(f"\n{msg}")
 
 
 @pytest.mark.slow

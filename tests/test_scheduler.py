@@ -430,8 +430,9 @@ def test_plan_without_waits_for_a_node_to_join_then_gives_up_naming_the_wait():
 def test_the_node_watch_moves_a_dead_nodes_roles_and_posts_the_loss(monkeypatch):
     """``NodeWatch.check`` on fakes of Ray's node table and of the roles:
     the rollout moves at once and its loss is posted; a Train move is posted
-    when the next attempt starts; a layout the nodes left cannot hold stops
-    the rollout and is the watch's error."""
+    when the next attempt starts; a layout the nodes left cannot hold is the
+    watch's error, posted for rank 0 (which saves the last step it finished)
+    before the rollout deployment goes."""
     from types import SimpleNamespace
 
     from rayspec import driver
@@ -442,7 +443,8 @@ def test_the_node_watch_moves_a_dead_nodes_roles_and_posts_the_loss(monkeypatch)
     monkeypatch.setattr(driver, "alive_node_ids", lambda: {n.node_id for n in alive})
     monkeypatch.setattr(driver, "cluster_nodes", lambda: [n for n in (head, n1, n2, n3) if n in alive])
     monkeypatch.setattr(driver, "check_nodes_see_inputs", lambda cfg, plan, model_dir: None)
-    posted, stopped = [], []
+    posted, stopped, reasons = [], [], []
+    monkeypatch.setattr(driver.ray, "get", lambda ref, timeout=None: ref)  # the fake actor answers at once
 
     class FakeRoles:
         def __init__(self):
@@ -454,10 +456,10 @@ def test_the_node_watch_moves_a_dead_nodes_roles_and_posts_the_loss(monkeypatch)
             return moved
 
         def stop_rollout(self):
-            stopped.append(True)
+            stopped.append(list(reasons))
 
     roles = FakeRoles()
-    events = SimpleNamespace(post=SimpleNamespace(remote=posted.append))
+    events = SimpleNamespace(post=SimpleNamespace(remote=posted.append), stop=SimpleNamespace(remote=reasons.append))
     watch = driver.NodeWatch(roles, events, "model")
     assert watch.check() is None and posted == []
     alive.discard(n1)  # the rollout's node
@@ -466,8 +468,9 @@ def test_the_node_watch_moves_a_dead_nodes_roles_and_posts_the_loss(monkeypatch)
                                                               {"rollout": [n3.node_id[:8]]})
     assert posted == [event] and watch.check() is None
     alive.discard(n2)  # the training node: nowhere to go
-    assert watch.check() is None and stopped == [True]
+    assert watch.check() is None
     assert isinstance(watch.error, ClusterFitError) and "role 'train'" in str(watch.error)
+    assert stopped == [[str(watch.error)]]  # rank 0 told why before its rollout fails
     # a Train move is posted when the next attempt starts
     watch2 = driver.NodeWatch(FakeRoles(), events, "model")
     alive.update({n1, n2})
@@ -476,6 +479,33 @@ def test_the_node_watch_moves_a_dead_nodes_roles_and_posts_the_loss(monkeypatch)
     assert event["moved"] == {"train": [n3.node_id[:8]] * 2, "draft": [n3.node_id[:8]]} and posted[-1] is not event
     watch2.take_train_moves()
     assert posted[-1] is event
+
+
+def test_a_rollout_waiting_for_replicas_gives_up_when_the_run_stops():
+    """A rollout's request that no replica will answer (queued for a
+    deployment the driver deleted) gives up once the run says it stops,
+    naming why, and cancels its shards; without a word it waits on."""
+    import threading
+
+    from rayspec.rollout.client import LocalReplicas, RolloutClient, RolloutStopped
+
+    release, asked = threading.Event(), []
+
+    class Stuck:
+        def generate(self, **kw):
+            release.wait(30)
+            raise AssertionError("released")
+
+    def stopped():
+        asked.append(1)
+        return "role 'rollout' fits no node left" if len(asked) >= 3 else None
+
+    pending = RolloutClient(LocalReplicas([Stuck()]), 1, stopped=stopped).submit([[1, 2]])
+    pending.poll_s = 0.05
+    with pytest.raises(RolloutStopped, match="role 'rollout' fits no node left"):
+        pending.result()
+    assert len(asked) == 3
+    release.set()
 
 
 def test_a_replica_that_dies_during_a_broadcast_is_left_out_and_other_errors_still_raise():

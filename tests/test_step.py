@@ -376,6 +376,46 @@ def test_an_async_run_restarted_from_a_checkpoint_trains_each_step_once_on_the_s
     assert [r.get("node_failures") for r in got] == [None, None, [lost], None, None, None]
 
 
+@pytest.mark.parametrize("mode", [(), ("scheduler.layout=split", "scheduler.mode=async")], ids=["sync", "async"])
+def test_a_run_the_driver_stops_saves_the_last_step_it_finished(ray_session, tmp_path, monkeypatch, mode):
+    """The driver stops the run in step 4 (a node died and the nodes left
+    cannot hold the layout: it posts why, then deletes the rollout
+    deployment, so the replicas' calls fail). Every rank ends with the
+    driver's ClusterFitError, after a checkpoint of step 3 (the save
+    interval's would have been step 2's) whose prompt cursor is before step
+    4's batch (async: the batch generating ahead that failed): a resume
+    from it trains steps 4-5 on the uninterrupted run's prompts."""
+    from rayspec.scheduler.recovery import start_node_events
+
+    overrides = (*mode, "trainer.eval_every=0")
+    _, _, want = _run(tmp_path / "whole", draft_online=False, steps=5, overrides=overrides)
+    events = start_node_events()
+    reason = "role 'rollout' (1 x {'CPU': 0.5}) fits no node left. Waited 0 s for nodes to join"
+    generate, batches = FakeEngine.generate, []
+
+    def lost_at_batch_4(self, *args, **kw):
+        batches.append(1)
+        if len(batches) == 4:
+            ray.get(events.stop.remote(reason))
+            raise RuntimeError("Deployment(name='rollout') is unavailable")  # as Serve's, once deleted
+        return generate(self, *args, **kw)
+
+    monkeypatch.setattr(FakeEngine, "generate", lost_at_batch_4)
+    states, records = {}, []
+    try:
+        with pytest.raises(RunAborted, match=r"^ClusterFitError: role 'rollout'") as e:
+            _run(tmp_path / "stopped", draft_online=False, steps=5, overrides=overrides, states=states,
+                 records=records)
+    finally:
+        ray.kill(events)
+    assert e.value.kind == "ClusterFitError"
+    assert [r["step"] for r in records] == [1, 2, 3] and sorted(states) == [2, 3]
+    assert states[3]["step"] == states[3]["policy_version"] == 3
+    monkeypatch.setattr(FakeEngine, "generate", generate)
+    _, _, got = _run(tmp_path / "stopped", draft_online=False, steps=5, overrides=overrides, resume=states[3])
+    assert [r["problem_ids"] for r in got] == [r["problem_ids"] for r in want]
+
+
 def test_a_restarted_draft_trainer_rejoins_from_the_newest_checkpoint_with_a_draft_state(ray_session, tmp_path,
                                                                                           caplog):
     """Ray restarted the DraftTrainer (its head is the initial one again, its

@@ -25,6 +25,10 @@ from rayspec.rollout.spec_stats import SpecStats
 log = logging.getLogger(__name__)
 
 
+class RolloutStopped(RuntimeError):
+    """A rollout given up because the run stops (the reason: the message)."""
+
+
 class PendingRollout:
     """Rollout request units (prompt groups, or shards of them) in flight on
     the replicas (``RolloutClient.submit``); ``result()`` joins them.
@@ -38,20 +42,46 @@ class PendingRollout:
     A shard that reaches a replica outside the weight-sync group, holding
     older weights (``ReplicaBehind``), is sent again with ``catch_up``'s
     refits (the weights as ObjectRefs); that is not a retry.
+
+    While it waits, ``stopped`` is asked every ``poll_s`` seconds why the
+    run stops, if it does: a request queued for a deployment that is deleted
+    meanwhile (the driver stops a run whose replicas have nowhere to go)
+    waits in Serve's router for ever (Ray 2.60), so the rollout gives up
+    then with ``RolloutStopped``.
     """
 
     def __init__(self, handle, shards: list[dict[str, Any]], max_retries: int = 2,
-                 catch_up: Optional[Callable[[dict], dict]] = None):
+                 catch_up: Optional[Callable[[dict], dict]] = None,
+                 stopped: Optional[Callable[[], Optional[str]]] = None, poll_s: float = 5.0):
         self._handle, self._shards, self.max_retries = handle, shards, max_retries
-        self._catch_up = catch_up
+        self._catch_up, self._stopped, self.poll_s = catch_up, stopped, poll_s
         self._responses = [handle.generate.remote(**kw) for kw in shards]
         self.retries = 0
+
+    def _response(self, i: int):
+        """Shard ``i``'s result, asking ``stopped`` between waits of ``poll_s``.
+
+        Raises:
+            RolloutStopped: ``stopped`` gave a reason (every shard cancelled).
+        """
+        if self._stopped is None:
+            return self._responses[i].result()
+        while True:
+            try:
+                return self._responses[i].result(timeout_s=self.poll_s)
+            except TimeoutError as e:
+                if isinstance(e, ray.exceptions.RayTaskError):  # the replica's own error (Ray adds its type)
+                    raise
+                reason = self._stopped()
+                if reason is not None:
+                    self.cancel()
+                    raise RolloutStopped(reason) from None
 
     def _shard_result(self, i: int):
         attempt = 0
         while True:
             try:
-                return self._responses[i].result()
+                return self._response(i)
             except ReplicaBehind as e:
                 if self._catch_up is None:
                     raise
@@ -80,6 +110,7 @@ class PendingRollout:
         Raises:
             ray.exceptions.RayActorError: a shard's replica died on every
                 one of its ``max_retries + 1`` attempts.
+            RolloutStopped: the run stops (``stopped``).
         """
         parts = [self._shard_result(i) for i in range(len(self._responses))]
         stats = SpecStats()
@@ -108,10 +139,13 @@ class RolloutClient:
             requests continuously (``AsyncEngine``): one replica's long tail
             then holds up only its own groups. Off: one shard per replica,
             for replicas that take one call at a time (``OfflineEngine``).
+        stopped: asked while a rollout waits why the run stops, if it does
+            (``PendingRollout``; the run's: ``rayspec.scheduler.recovery.stop_reason``).
     """
 
-    def __init__(self, handle, num_shards: int, by_group: bool = False):
-        self.handle, self.num_shards, self.by_group = handle, num_shards, by_group
+    def __init__(self, handle, num_shards: int, by_group: bool = False,
+                 stopped: Optional[Callable[[], Optional[str]]] = None):
+        self.handle, self.num_shards, self.by_group, self.stopped = handle, num_shards, by_group, stopped
 
     def submit(self, prompt_ids: list[list[int]], seed: int | None = None,
                catch_up: Optional[Callable[[dict], dict]] = None, rows: Optional[list[dict]] = None,
@@ -137,7 +171,7 @@ class RolloutClient:
             {"prompt_ids": prompt_ids[a:b], "group_offset": a,
              "seed": seed, **kwargs,
              **({"rows": rows[a:b]} if rows is not None else {})}
-            for a, b in zip(bounds, bounds[1:]) if b > a], catch_up=catch_up)
+            for a, b in zip(bounds, bounds[1:]) if b > a], catch_up=catch_up, stopped=self.stopped)
 
     def generate(self, prompt_ids: list[list[int]], **kwargs: Any) -> tuple[RolloutBatch, SpecStats]:
         """``submit`` and wait: (RolloutBatch in input order, summed SpecStats)."""
@@ -245,8 +279,8 @@ class _Future:
     def __init__(self, future: concurrent.futures.Future):
         self._future = future
 
-    def result(self):
-        return self._future.result()
+    def result(self, timeout_s: float | None = None):
+        return self._future.result(timeout_s)  # concurrent.futures.TimeoutError is TimeoutError
 
     def cancel(self) -> None:
         self._future.cancel()

@@ -105,13 +105,13 @@ def deploy_rollout(cfg, model: str, draft_dir: str | None,
     return serve.run(app, name=APP_NAME, route_prefix=None)
 
 
-def rollout_client(rollout):
+def rollout_client(rollout, stopped=None):
     """A ``RolloutClient`` of the running rollout deployment (from any
     process in the cluster) for ``cfg.rollout``: prompt groups as request
     units where the engine batches calls continuously, else one shard per
-    replica."""
+    replica; ``stopped``: see ``RolloutClient``."""
     from rayspec.rollout.client import RolloutClient
     from rayspec.vllm.engines import engine_class
 
     return RolloutClient(serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME), rollout.num_replicas,
-                         by_group=engine_class(rollout.engine_cls).concurrent)
+                         by_group=engine_class(rollout.engine_cls).concurrent, stopped=stopped)

@@ -100,8 +100,9 @@ class RolloutPipeline:
         self.wait_refits()
         if not self._ahead:
             self._ahead.append(self._submit())
-        pending, extra = self._ahead.popleft()
+        pending, extra = self._ahead[0]
         batch, stats = pending.result()
+        self._ahead.popleft()  # not before: a batch that failed is still ahead (a checkpoint's cursor is before it)
         self.last_retries = getattr(pending, "retries", 0)
         lag = trainer_version - batch.policy_version
         if not 0 <= lag <= self.max_policy_lag:

@@ -1,7 +1,9 @@
 """When a node dies mid-run: which roles it held, the plan without it
 (``placement.replan``, waiting a while for nodes to join where the nodes
 left cannot hold the layout), and the record of each loss that the driver
-hands to rank 0 for the next step record (``NodeEvents``).
+hands to rank 0 for the next step record (``NodeEvents``), or the word
+that the run stops because the nodes left cannot hold the layout (rank 0
+then saves the last step it finished: ``stopping_run``).
 
 The driver (``rayspec.driver``) follows the new plan: the rollout
 deployment and the DraftTrainer move at once, the Train workers once Ray
@@ -12,9 +14,10 @@ endless retries into an error) and restart from the last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import ray
 
@@ -74,12 +77,13 @@ def plan_without(cfg, plan: PlacementPlan, nodes: Callable[[], list[NodeInfo]], 
 
 
 class NodeEvents:
-    """Node losses the driver posts for rank 0's next step record (a Ray
-    actor on the driver's node, named ``EVENTS_NAME``; ``take_node_events``
-    reads it)."""
+    """Node losses the driver posts for rank 0's next step record, and why
+    the run stops where it must (a Ray actor on the driver's node, named
+    ``EVENTS_NAME``; ``take_node_events`` and ``stopping_run`` read it)."""
 
     def __init__(self):
         self._new: list[dict[str, Any]] = []
+        self._stop: str | None = None
 
     def post(self, event: dict[str, Any]) -> None:
         self._new.append(event)
@@ -87,6 +91,13 @@ class NodeEvents:
     def take(self) -> list[dict[str, Any]]:
         out, self._new = self._new, []
         return out
+
+    def stop(self, reason: str) -> None:
+        """The run stops: ``reason`` is the ``ClusterFitError``'s message."""
+        self._stop = reason
+
+    def stop_reason(self) -> str | None:
+        return self._stop
 
 
 def start_node_events():
@@ -97,13 +108,46 @@ def start_node_events():
     return ray.remote(NodeEvents).options(name=EVENTS_NAME, num_cpus=0, scheduling_strategy=here).remote()
 
 
+def _events_actor():
+    """The run's ``NodeEvents``, or None (no driver started one: a test's own coordinator)."""
+    if not ray.is_initialized():
+        return None
+    try:
+        return ray.get_actor(EVENTS_NAME)
+    except ValueError:
+        return None
+
+
 def take_node_events() -> list[dict[str, Any]]:
     """The node losses posted since the last call, oldest first ([] where
-    no driver posts any, e.g. a test's own coordinator)."""
-    if not ray.is_initialized():
-        return []
+    no driver posts any)."""
+    actor = _events_actor()
+    return [] if actor is None else ray.get(actor.take.remote(), timeout=60)
+
+
+def stop_reason() -> str | None:
+    """Why the driver stops the run (a ``ClusterFitError``'s message), or
+    None while it goes on (or where no driver posts: a test's own coordinator)."""
+    actor = _events_actor()
+    return None if actor is None else ray.get(actor.stop_reason.remote(), timeout=60)
+
+
+@contextlib.contextmanager
+def stopping_run() -> Iterator[None]:
+    """Rank 0's work with the rollout replicas: where it fails because the
+    driver stopped the run (a node died and the nodes left cannot hold the
+    layout, after ``scheduler.node_wait_s``: the driver deleted the rollout
+    deployment), the error becomes the driver's ``ClusterFitError``, which
+    ends the Train workers after they save the last step they finished
+    (``rayspec.train.loop.run_steps``). Other errors pass as they are.
+
+    Raises:
+        ClusterFitError: the driver's message (the failure as its cause).
+    """
     try:
-        actor = ray.get_actor(EVENTS_NAME)
-    except ValueError:
-        return []
-    return ray.get(actor.take.remote(), timeout=60)
+        yield
+    except Exception as e:
+        reason = stop_reason()
+        if reason is None:
+            raise
+        raise ClusterFitError(reason) from e

@@ -26,7 +26,7 @@ from rayspec.rollout.client import RolloutClient
 from rayspec.rollout.engine import derive_seed
 from rayspec.rollout.spec_stats import AcceptanceWatch, SpecStats
 from rayspec.scheduler.pipeline import RolloutPipeline
-from rayspec.scheduler.recovery import take_node_events
+from rayspec.scheduler.recovery import stop_reason, stopping_run, take_node_events
 from rayspec.scheduler.placement import ClusterFitError, check_device_sharing
 from rayspec.sync import WeightSender
 from rayspec.train.evaluate import eval_due, read_baseline, score_eval, write_baseline
@@ -112,7 +112,7 @@ class Coordinator:
         from rayspec.rollout.serve import rollout_client
         from rayspec.sync import make_sender
 
-        rollouts = rollout_client(cfg.rollout)
+        rollouts = rollout_client(cfg.rollout, stopped=stop_reason)  # a rollout gives up when the driver stops the run
         # the newest weights sent are kept by the sender: every rollout carries
         # their versions so a replica Serve restarted catches up first
         sender = make_sender(cfg.rollout.weight_sync, rollouts, trainer_has_gpu=device.type == "cuda",
@@ -128,7 +128,8 @@ class Coordinator:
     def next_rollout(self, version: int) -> Rollout:
         """The batch policy ``version`` trains on: generated now (sync), or
         taken from those generating ahead (async), which are topped up."""
-        batch, stats, (problems, _), lag = self.pipeline.next(version)
+        with stopping_run():
+            batch, stats, (problems, _), lag = self.pipeline.next(version)
         return Rollout(batch, stats, problems, lag, self.pipeline.last_retries,
                        regenerated=version + 1 <= self.redrawn_until)
 
@@ -279,8 +280,19 @@ class Coordinator:
 
     def finish_step(self, version: int, record: dict[str, Any]) -> None:
         """After the step that made ``version``: evaluate it if due, then
-        write, export and print the record."""
-        self.evaluate(version)
+        write, export and print the record.
+
+        Raises:
+            ClusterFitError: the driver stopped the run during the
+                evaluation (``stopping_run``), raised after the record is
+                written (the step is done: the checkpoint saved on stopping
+                holds it).
+        """
+        stopping = None
+        try:
+            self.evaluate(version)
+        except ClusterFitError as e:
+            stopping = e
         if self.evals:
             record["evals"], self.evals = self.evals, []
         self.log.write(record)
@@ -288,6 +300,8 @@ class Coordinator:
             self.dashboard.record(record)
         log.info(format_step_line(record))
         _warn_on_policy_mismatch(record, self.cfg)
+        if stopping is not None:
+            raise stopping
 
     # -- around the steps --
 
@@ -314,16 +328,17 @@ class Coordinator:
         cfg = self.cfg
         if not eval_due(version, cfg.trainer.eval_every, cfg.trainer.steps):
             return
-        self.pipeline.wait_refits()
         t0 = time.perf_counter()
         prompts = self.eval_prompts
-        common = {"refits": self.sender.rollout_refits(), "catch_up": self.sender.catch_up,
-                  "max_tokens": cfg.grpo.max_new_tokens, **self._rows(self.eval_problems)}
-        greedy, _ = self.rollouts.generate(prompts, n=1, temperature=0.0, **common)
-        # the same seed at every evaluation: common random numbers across versions
-        sampled, stats = self.rollouts.generate(prompts, seed=derive_seed(cfg.trainer.seed, EVAL_SEED_KEY),
-                                                n=cfg.trainer.eval_samples, temperature=cfg.grpo.temperature,
-                                                top_p=cfg.grpo.top_p, **common)
+        with stopping_run():
+            self.pipeline.wait_refits()
+            common = {"refits": self.sender.rollout_refits(), "catch_up": self.sender.catch_up,
+                      "max_tokens": cfg.grpo.max_new_tokens, **self._rows(self.eval_problems)}
+            greedy, _ = self.rollouts.generate(prompts, n=1, temperature=0.0, **common)
+            # the same seed at every evaluation: common random numbers across versions
+            sampled, stats = self.rollouts.generate(prompts, seed=derive_seed(cfg.trainer.seed, EVAL_SEED_KEY),
+                                                    n=cfg.trainer.eval_samples, temperature=cfg.grpo.temperature,
+                                                    top_p=cfg.grpo.top_p, **common)
         if version == 0:  # the initial policy's answers are the baseline, whatever a file says
             write_baseline(cfg.trainer.run_dir, self.eval_problems, greedy)
             self.eval_baseline = greedy.response_ids

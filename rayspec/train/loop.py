@@ -28,6 +28,7 @@ from rayspec.files import write_dir_atomic
 from rayspec.metrics import PhaseTimer, plot_run
 from rayspec.reward.functions import RewardFunctionError
 from rayspec.reward.pool import RewardError
+from rayspec.scheduler.placement import ClusterFitError
 from rayspec.train.checkpoint import checkpoints
 from rayspec.sync import make_source
 from rayspec.train.coordinator import Coordinator, Follower
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 REPORTED = ("step", "policy_version", "reward_mean", "acceptance_length", "time_step_s")
 # what rank 0 may meet that a restart of the workers would meet again: the run stops (RunAborted)
 USER_ERRORS = (ConfigError, DataFileError, RewardError, RewardFunctionError)
+# and where rank 0 works with the replicas: the driver stopping the run (rayspec.scheduler.recovery.stopping_run)
+STOP_ERRORS = USER_ERRORS + (ClusterFitError,)
 
 
 def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: Policy,
@@ -51,7 +54,7 @@ def rl_step(step: int, version: int, coord: Coordinator | Follower, policy: Poli
     and the policy's refit) and sync (the refit: the policy's weights, then
     the head's). Returns rank 0's record (None elsewhere)."""
     timer = PhaseTimer()
-    with policy.ranks.stop_on(USER_ERRORS):  # a reward function that raises stops every rank
+    with policy.ranks.stop_on(STOP_ERRORS):  # a reward function that raises, or the driver's stop, stops every rank
         with timer("rollout"):
             rollout = coord.next_rollout(version)  # generated ahead of this step in async mode
         with timer("reward"):
@@ -79,17 +82,36 @@ def run_steps(cfg: RunConfig, coord: Coordinator | Follower, policy: Policy, dra
               version: int) -> None:
     """RL steps after ``version`` up to ``trainer.steps``: each step's record
     is finished by rank 0 (evaluation, log), and a checkpoint is written
-    every ``trainer.save_steps`` and after the last."""
+    every ``trainer.save_steps`` and after the last.
+
+    Where the driver stops the run (a node died and the nodes left cannot
+    hold the layout: ``recovery.stopping_run``), the state after the last
+    step finished is checkpointed before the ``RunAborted`` ends the
+    workers, so ``resume=`` loses no step.
+
+    Raises:
+        RunAborted: on every rank (``USER_ERRORS``, or the driver's ``ClusterFitError``).
+    """
+    saved = version  # the checkpoint this attempt started from (0: none)
     for step in range(version + 1, cfg.trainer.steps + 1):
-        record = rl_step(step, version, coord, policy, draft)
-        version += 1
-        with policy.ranks.stop_on(USER_ERRORS):  # held-out evaluation scores with the reward functions
-            coord.finish_step(version, record)
+        try:
+            record = rl_step(step, version, coord, policy, draft)
+            version += 1
+            with policy.ranks.stop_on(STOP_ERRORS):  # held-out evaluation scores with the reward functions
+                coord.finish_step(version, record)
+        except RunAborted as e:
+            if e.kind == ClusterFitError.__name__ and version > saved:
+                if policy.ranks.is_driver:
+                    log.warning("the run stops: saving the state after step %d first", version)
+                policy.checkpoint({"step": version}, coord.trainer_state(version, version, draft.state_dict()),
+                                  draft.stage(version))
+            raise
         # what Ray Train keeps with each report (it logs each whole, on every rank; the rest is in metrics.jsonl)
         metrics = {k: v for k, v in (record or {"step": step}).items() if k in REPORTED}
         every = cfg.trainer.save_steps
         if step == cfg.trainer.steps or (every and step % every == 0):
             policy.checkpoint(metrics, coord.trainer_state(step, version, draft.state_dict()), draft.stage(step))
+            saved = version
         else:
             policy.report(metrics)
 
@@ -260,7 +282,7 @@ def start_over(policy: Policy, coord: Coordinator | Follower, draft: DraftClient
         coord.refit(0, policy.refit_weights(), draft.head(0) if stale else None)
         coord.wait_refits()
         policy.refit_sent()
-    with policy.ranks.stop_on(USER_ERRORS):
+    with policy.ranks.stop_on(STOP_ERRORS):
         coord.evaluate(0)
 
 

@@ -15,7 +15,12 @@ class RunAborted(RuntimeError):
     row), found on rank 0 (``Ranks.stop_on``). ``rl_worker_loop`` ends the
     workers without a failure, so Ray Train does not restart them to fail
     the same way, and the driver raises it with the message. The message
-    starts with the original error's type."""
+    starts with the original error's type (``kind``)."""
+
+    @property
+    def kind(self) -> str:
+        """The original error's type name (``Ranks.stop_on``'s message starts with it)."""
+        return str(self).split(":", 1)[0]
 
 
 def report_aborts(loop):
