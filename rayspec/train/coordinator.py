@@ -328,10 +328,10 @@ class Coordinator:
         cfg = self.cfg
         if not eval_due(version, cfg.trainer.eval_every, cfg.trainer.steps):
             return
-        t0 = time.perf_counter()
         prompts = self.eval_prompts
         with stopping_run():
             self.pipeline.wait_refits()
+            t0 = time.perf_counter()
             common = {"refits": self.sender.rollout_refits(), "catch_up": self.sender.catch_up,
                       "max_tokens": cfg.grpo.max_new_tokens, **self._rows(self.eval_problems)}
             greedy, _ = self.rollouts.generate(prompts, n=1, temperature=0.0, **common)
