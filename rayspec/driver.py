@@ -542,15 +542,16 @@ def _run_roles(cfg: RunConfig, plan, model_dir: str, run_dir: Path) -> None:
                 except TrainingFailedError as e:
                     failed = e
                     watch.wait_for_loss(NODE_DEATH_GRACE_S)
-            if watch.error is not None:  # the Train workers died with their node: the last checkpoint stays
-                raise type(watch.error)(f"{watch.error}. {saved_state(run_dir)}") from None
+            if watch.error is not None:
+                break
             if not watch.losses:
                 raise failed
             log.warning("attempt failed after losing node(s) %s (%s): the Train workers start again on the "
                         "plan without them, from the last checkpoint",
                         ", ".join(n for e in watch.losses for n in e["nodes"]), type(failed).__name__)
             watch.take_train_moves()
-        if watch.error is not None:  # the Train workers saved the last step they finished, then stopped
+        if watch.error is not None:  # the Train workers saved the last step they finished, then stopped (or
+            # died with their node: the last checkpoint stays)
             raise type(watch.error)(f"{watch.error}. {saved_state(run_dir)}") from None
         if aborted:
             raise RunAborted(aborted)
