@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from rayspec.driver import init_ray, run
-    from rayspec.train.checkpoint import TRAIN_STORAGE, checkpoints
+    from rayspec.train.checkpoint import TRAIN_STORAGE, checkpoints, train_storage
 
     done, resume = {}, set()
     for name, cfg in cfgs:
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
         if len(records) < ns.steps:
-            if checkpoints(run_dir):
+            if checkpoints(train_storage(cfg.trainer)):
                 resume.add(name)  # continued from its last checkpoint below
                 continue
             print(f"error: {run_dir} holds an unfinished run ({len(records)} of {ns.steps} steps) "
@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, resume=name in resume)
         rows.append(summarize(name, read_metrics(cfg.trainer.run_dir)))
         if not ns.keep_checkpoints:
-            shutil.rmtree(Path(cfg.trainer.run_dir) / TRAIN_STORAGE)
+            # the default storage (a trainer.storage_path elsewhere keeps its checkpoints)
+            shutil.rmtree(Path(cfg.trainer.run_dir) / TRAIN_STORAGE, ignore_errors=True)
     compare_to_none(rows)
     print(format_table(rows))
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)

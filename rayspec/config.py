@@ -970,8 +970,15 @@ class TrainerConfig:
 
     Args:
         steps: RL steps.
-        run_dir: output directory (metrics.jsonl, draft head, logs,
-            checkpoints under ``ray_train/``).
+        run_dir: output directory (metrics.jsonl, draft head, logs, and
+            the checkpoints under ``ray_train/`` unless ``storage_path``).
+        storage_path: where Ray Train keeps the run's checkpoints (its
+            ``RunConfig.storage_path``; they go under ``<storage_path>/train``):
+            a directory, or a ``pyarrow.fs`` URI such as
+            ``s3://bucket/prefix`` or ``gs://bucket/prefix`` (query options
+            as pyarrow takes them, e.g. ``?endpoint_override=host:port``).
+            Null: ``<run_dir>/ray_train``. Every node writes its rank's
+            shards there, so on several nodes it is storage they all reach.
         seed: global seed (torch, prompt order, rollout sampling).
         save_steps: checkpoint every this many RL steps, and after the last
             (policy + optimizer as a DeepSpeed checkpoint, draft head + its
@@ -1003,6 +1010,7 @@ class TrainerConfig:
 
     steps: int = 10
     run_dir: str = "runs/default"
+    storage_path: Optional[str] = None
     seed: int = 0
     save_steps: int = 5
     num_to_keep: int = 2

@@ -38,7 +38,7 @@ from rayspec.console import Console
 from rayspec.relay import start_console_relay
 from rayspec.metrics import read_metrics
 from rayspec.tracking import RecordFollower, check_trackers_installed, open_trackers
-from rayspec.train.checkpoint import TRAIN_NAME, TRAIN_STORAGE
+from rayspec.train.checkpoint import TRAIN_NAME, train_storage
 
 log = logging.getLogger(__name__)
 
@@ -277,9 +277,9 @@ class Roles:
             train_loop_config={"cfg": cfg, "aux_layer_ids": self.aux_ids,
                                "cores": self.plan.cores.get("train", {}), "draft_prior": self.draft_prior},
             scaling_config=self.plan.scaling_config(),
-            # on several nodes every node sees it (check_nodes_see_inputs)
+            # on several nodes every node reaches it (check_nodes_see_inputs)
             run_config=TrainRunConfig(
-                name=TRAIN_NAME, storage_path=str(Path(cfg.trainer.run_dir) / TRAIN_STORAGE),
+                name=TRAIN_NAME, storage_path=train_storage(cfg.trainer),
                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.trainer.num_to_keep),
                 # a worker group pinned to a dead node never starts: Ray Train's retries (every
                 # RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) would go on for ever, so the first
@@ -433,18 +433,18 @@ class NodeWatch:
         self._train_moves = []
 
 
-def saved_state(run_dir: Path) -> str:
-    """What a run that stopped leaves to continue from: its latest
-    checkpoint's step and the ``resume=`` that continues it."""
-    import json
+def saved_state(trainer) -> str:
+    """What a run that stopped leaves to continue from (``TrainerConfig``):
+    its latest checkpoint's step and the ``resume=`` that continues it."""
+    from rayspec.train.checkpoint import checkpoints, read_trainer_state
 
-    from rayspec.train.checkpoint import TRAINER_STATE, checkpoints
-
-    found = checkpoints(run_dir)
+    storage = train_storage(trainer)
+    found = checkpoints(storage)
     if not found:
         return "No step was finished: nothing to resume"
-    step = json.loads((found[-1] / TRAINER_STATE).read_text())["step"]
-    return f"The state after step {step} is saved ({found[-1]}): resume={run_dir} continues from it"
+    where = found[-1].path if "://" not in storage else f"{found[-1].path.rsplit('/', 1)[-1]} under {storage}"
+    return (f"The state after step {read_trainer_state(found[-1])['step']} is saved ({where}): "
+            f"resume={trainer.run_dir} continues from it")
 
 
 # Ray marks a node dead after its health checks fail for 15 s (health_check_period_ms 3000 x
@@ -552,7 +552,7 @@ def _run_roles(cfg: RunConfig, plan, model_dir: str, run_dir: Path) -> None:
             watch.take_train_moves()
         if watch.error is not None:  # the Train workers saved the last step they finished, then stopped (or
             # died with their node: the last checkpoint stays)
-            raise type(watch.error)(f"{watch.error}. {saved_state(run_dir)}") from None
+            raise type(watch.error)(f"{watch.error}. {saved_state(cfg.trainer)}") from None
         if aborted:
             raise RunAborted(aborted)
         if roles.draft is not None:

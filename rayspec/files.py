@@ -60,6 +60,34 @@ def write_dir_atomic(out: str | os.PathLike, replace: bool = True) -> Iterator[P
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def checkpoint_files(checkpoint, names: list[str]) -> Iterator[Path | None]:
+    """The files ``names`` of a Ray Train checkpoint (``ray.train.Checkpoint``:
+    a path on a ``pyarrow.fs`` filesystem) in a directory of this node: the
+    checkpoint's own where it is on a local filesystem, else a temporary
+    copy of those files alone (removed after the block), rather than
+    ``as_directory``'s copy of the whole checkpoint (the policy's shards and
+    optimizer state: GBs from S3 for a few MB). None where the first name
+    is not in the checkpoint.
+
+    Raises:
+        OSError: a file could not be read (pyarrow's error for a remote one).
+    """
+    import pyarrow.fs
+
+    fs, root = checkpoint.filesystem, checkpoint.path.rstrip("/")
+    if fs.get_file_info(f"{root}/{names[0]}").type != pyarrow.fs.FileType.File:
+        yield None
+    elif isinstance(fs, pyarrow.fs.LocalFileSystem):
+        yield Path(root)
+    else:
+        with tempfile.TemporaryDirectory(prefix="rayspec-ckpt-") as tmp:
+            for name in names:
+                pyarrow.fs.copy_files(f"{root}/{name}", str(Path(tmp) / name), source_filesystem=fs,
+                                      destination_filesystem=pyarrow.fs.LocalFileSystem())
+            yield Path(tmp)
+
+
 def json_tuples(x):
     """JSON's lists back into the tuples a state was made of (e.g. what
     ``random.setstate`` wants)."""

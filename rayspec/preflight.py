@@ -26,7 +26,7 @@ from rayspec.models import check_causal_lm_dir, resolve_model_path
 from rayspec.models.acceptance import read_acceptance
 from rayspec.files import content_digest
 from rayspec.scheduler.placement import ClusterFitError, NodeInfo, PlacementPlan
-from rayspec.train.checkpoint import TRAIN_NAME, TRAIN_STORAGE, checkpoints
+from rayspec.train.checkpoint import TRAIN_NAME, TRAIN_STORAGE, checkpoints, train_storage
 from rayspec.vllm import require_vllm
 
 log = logging.getLogger(__name__)
@@ -222,17 +222,25 @@ def check_resume(cfg: RunConfig, resume: bool) -> None:
     a new run never silently resumes an old one (nor overwrites it).
 
     Raises:
-        ConfigError: ``resume`` without a checkpoint to resume, or a new run
-            in a directory that holds one.
+        ConfigError: ``resume`` without a checkpoint to resume, a new run
+            in a directory (or ``trainer.storage_path``) that holds one, or
+            a ``trainer.storage_path`` that cannot be read (named, with
+            pyarrow's error).
     """
-    found = checkpoints(cfg.trainer.run_dir)
+    storage = train_storage(cfg.trainer)
+    key = "trainer.storage_path" if cfg.trainer.storage_path else "trainer.run_dir"
+    try:
+        found = checkpoints(storage)
+    except (OSError, ValueError) as e:  # pyarrow: ArrowInvalid (a ValueError) for an unknown scheme
+        raise ConfigError(f"{key}={cfg.trainer.storage_path or cfg.trainer.run_dir}: Ray Train's checkpoints "
+                          f"cannot be listed there ({type(e).__name__}: {e})") from e
     if resume and not found:
-        raise ConfigError(f"resume={cfg.trainer.run_dir}: no checkpoint under "
-                          f"{Path(cfg.trainer.run_dir) / TRAIN_STORAGE / TRAIN_NAME}")
+        raise ConfigError(f"resume={cfg.trainer.run_dir}: no checkpoint under {storage}/{TRAIN_NAME}")
     if not resume and found:
-        raise ConfigError(f"trainer.run_dir={cfg.trainer.run_dir} holds checkpoints of an earlier run "
-                          f"(latest {found[-1].name}): continue it with `python -m jobs.grpo "
-                          f"resume={cfg.trainer.run_dir}`, or choose another trainer.run_dir")
+        latest = found[-1].path.rstrip("/").rsplit("/", 1)[-1]
+        raise ConfigError(f"{key}={cfg.trainer.storage_path or cfg.trainer.run_dir} holds checkpoints of an "
+                          f"earlier run (latest {latest}): continue it with `python -m jobs.grpo "
+                          f"resume={cfg.trainer.run_dir}`, or choose another {key}")
 
 
 def longest_prompt_tokens(cfg: RunConfig, model_dir: str) -> int:
@@ -374,12 +382,12 @@ def node_inputs(cfg: RunConfig) -> list[tuple[str, str]]:
     return out
 
 
-def _what_this_node_sees(model_path: str, cache_dir: str, paths: list[str], marker: str) -> dict:
-    """On one node: whether it sees ``marker``, the digest of each of
+def _what_this_node_sees(model_path: str, cache_dir: str, paths: list[str], markers: list[str]) -> dict:
+    """On one node: whether it sees each of ``markers``, the digest of each of
     ``paths`` (None: not there) and of the policy as this node resolves it
     (a bundled model: dequantised into this node's ``cache_dir`` now, once,
     before the roles start), or why it cannot."""
-    out = {"marker": os.path.exists(marker), "paths": [content_digest(p) for p in paths]}
+    out = {"markers": [os.path.exists(m) for m in markers], "paths": [content_digest(p) for p in paths]}
     try:
         out["model"] = content_digest(resolve_model_path(model_path, cache_dir))
     except (ConfigError, OSError) as e:
@@ -394,7 +402,10 @@ def check_nodes_see_inputs(cfg: RunConfig, plan: PlacementPlan, model_dir: str, 
 
     - ``trainer.run_dir`` itself, not a copy: the replicas read the draft
       head there, rank 0 and the DraftTrainer write records, checkpoints
-      and the trained policy there (a marker the driver writes must show);
+      and the trained policy there (a marker the driver writes must show),
+      and ``trainer.storage_path`` where it is a directory (Ray Train's
+      workers write their checkpoint shards there); a URI (``s3://``) is
+      reached through its own client;
     - the policy, with the driver's content: a bundled model is resolved in
       the node's own ``model.cache_dir`` (its HOME's, as
       ``cluster/install_node.sh`` made it), a path must hold the same files;
@@ -415,28 +426,38 @@ def check_nodes_see_inputs(cfg: RunConfig, plan: PlacementPlan, model_dir: str, 
         return
     inputs = node_inputs(cfg)
     want = {"model": content_digest(model_dir), "paths": [content_digest(p) for _, p in inputs]}
-    run_dir = Path(cfg.trainer.run_dir)
-    created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    marker = run_dir / f".rayspec-node-check-{uuid.uuid4().hex[:12]}"
-    marker.touch()
+    storage = cfg.trainer.storage_path
+    shared = {"trainer.run_dir": Path(cfg.trainer.run_dir)}
+    if storage and "://" not in storage:
+        shared["trainer.storage_path"] = Path(storage).expanduser()
+    created = [d for d in shared.values() if not d.exists()]
+    markers = []
+    for d in shared.values():
+        d.mkdir(parents=True, exist_ok=True)
+        markers.append(d / f".rayspec-node-check-{uuid.uuid4().hex[:12]}")
+        markers[-1].touch()
     probe = ray.remote(num_cpus=0)(_what_this_node_sees)
     try:
         refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote(
-            cfg.model.path, cfg.model.cache_dir, [p for _, p in inputs], str(marker)) for n in nodes]
+            cfg.model.path, cfg.model.cache_dir, [p for _, p in inputs], [str(m) for m in markers]) for n in nodes]
         seen = ray.get(refs, timeout=timeout_s)
     finally:
-        marker.unlink()
+        for m in markers:
+            m.unlink()
+    why = {"trainer.run_dir": "the replicas read the draft head from it, rank 0 and the DraftTrainer write "
+                              "records and the trained policy into it" + ("" if storage else
+                              f", and Ray Train's checkpoints (<run_dir>/{TRAIN_STORAGE})"),
+           "trainer.storage_path": "Ray Train's workers write their checkpoint shards into it and restore from it "
+                                   "(or give a pyarrow.fs URI such as s3://bucket/prefix)"}
     problems = []
     for n, got in zip(nodes, seen):
         where = f"node {n.node_id[:8]} ({n.address or '?'}; runs " + ", ".join(
             sorted({b.role for b in plan.bundles if b.node_id == n.node_id})) + ")"
-        if not got["marker"]:
-            problems.append(f"trainer.run_dir={run_dir}: {where} does not see this directory (it is local to the "
-                            "driver's node); on several nodes the run directory must be storage every node "
-                            "mounts (NFS, a cluster filesystem): the replicas read the draft head from it, rank 0 and "
-                            "the DraftTrainer write records, checkpoints (Ray Train's storage_path, "
-                            f"<run_dir>/{TRAIN_STORAGE}) and the trained policy into it")
+        for (key, d), seen_it in zip(shared.items(), got["markers"]):
+            if not seen_it:
+                problems.append(f"{key}={d}: {where} does not see this directory (it is local to the driver's "
+                                "node); on several nodes it must be storage every node mounts (NFS, a cluster "
+                                f"filesystem): {why[key]}")
         if "model_error" in got:
             problems.append(f"model.path={cfg.model.path}: {where} cannot load it: {got['model_error']}")
         elif got["model"] != want["model"]:
@@ -448,9 +469,9 @@ def check_nodes_see_inputs(cfg: RunConfig, plan: PlacementPlan, model_dir: str, 
                 problems.append(f"{key}={path}: {where} " + ("does not see it" if have is None else
                                                               "holds another file or directory there"))
     if problems:
-        if created:
+        for d in created:
             with contextlib.suppress(OSError):
-                run_dir.rmdir()
+                d.rmdir()
         raise ConfigError("on several nodes every node that runs a role reads the run's inputs (put them on "
                           "storage every node mounts, or the same copy at the same path on each node):\n  "
                           + "\n  ".join(problems))

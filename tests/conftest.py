@@ -83,6 +83,41 @@ def ray_session():
 
 
 @pytest.fixture(scope="session")
+def s3_uri():
+    """``s3_uri(prefix)``: a ``pyarrow.fs`` URI of an S3 bucket on a moto
+    server (what Ray's own storage tests use), with its endpoint and fake
+    credentials in the URI, so Ray's workers on this host reach it too. The
+    server runs in a process of its own: moto's imports Flask, whose
+    ``current_app`` proxy raises RuntimeError on ``hasattr``, and vLLM
+    0.32's kernel dispatcher (``_rebind_kernels``) calls ``hasattr`` on every
+    module attribute in ``sys.modules``, so an in-process engine started
+    after it would fail."""
+    import subprocess
+    import time
+
+    import pyarrow.fs
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, "moto's S3 server did not start"
+            time.sleep(0.2)
+    base = f"s3://rayspec:secret@rayspec-test/{{}}?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+    pyarrow.fs.FileSystem.from_uri(base.format("") + "&allow_bucket_creation=true")[0].create_dir("rayspec-test")
+    yield base.format
+    server.kill()
+    server.wait()
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from rayspec.models import materialize_bundled_model
 

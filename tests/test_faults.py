@@ -108,16 +108,23 @@ def _stopped_after_step_2(src, dst):
 
 
 @pytest.mark.slow
-def test_resume_continues_as_if_never_stopped(uninterrupted_dir, uninterrupted, tiny_llama_dir,
+def test_resume_continues_as_if_never_stopped(uninterrupted_dir, uninterrupted, tiny_llama_dir, s3_uri,
                                               tmp_path):
     """A run stopped after step 2's checkpoint, then ``jobs.grpo
     resume=<dir> trainer.steps=4``: steps 3-4 consume the prompts the
     uninterrupted run did, draw its samples and compute its losses, the
     DraftTrainer's included; the stopped attempt's records of steps 3-4 are
-    set aside."""
+    set aside. Its checkpoints are moved to S3 (a moto server) first and the
+    resume names them with ``trainer.storage_path``: Ray Train's workers
+    restore from there and write the next ones there, nothing under
+    ``<run_dir>/ray_train``."""
+    import pyarrow.fs
+
+    from rayspec.train.checkpoint import read_trainer_state
+
     run_dir = tmp_path / "resumed"
     _stopped_after_step_2(uninterrupted_dir, run_dir)
-    (ckpt,) = checkpoints(run_dir)
+    (ckpt,) = [Path(c.path) for c in checkpoints(str(run_dir / "ray_train"))]
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["policy_version"] == 2
     assert set(state["draft_cadence"]) == {"learning", "idle_steps", "last", "last_se", "last_clusters", "spacing"}
@@ -127,10 +134,15 @@ def test_resume_continues_as_if_never_stopped(uninterrupted_dir, uninterrupted, 
     assert sorted(p.name for p in (ckpt / "policy" / "policy").iterdir()) == [
         "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    storage = s3_uri("resumed")
+    fs, root = pyarrow.fs.FileSystem.from_uri(storage)
+    pyarrow.fs.copy_files(str(run_dir / "ray_train"), root, source_filesystem=pyarrow.fs.LocalFileSystem(),
+                          destination_filesystem=fs)
+    shutil.rmtree(run_dir / "ray_train")
     # a new run never silently continues (or overwrites) an old one
     with pytest.raises(ConfigError, match="resume="):
-        run(_cfg(tiny_llama_dir, run_dir, STEPS))
-    assert grpo_main([f"resume={run_dir}", f"trainer.steps={STEPS}"]) == 0
+        run(_cfg(tiny_llama_dir, run_dir, STEPS, f"trainer.storage_path={storage}"))
+    assert grpo_main([f"resume={run_dir}", f"trainer.steps={STEPS}", f"trainer.storage_path={storage}"]) == 0
     got = _records(run_dir)
     _same_samples(got, uninterrupted)
     discarded = [json.loads(line) for line in (run_dir / "metrics.discarded.jsonl").read_text().splitlines()]
@@ -139,9 +151,9 @@ def test_resume_continues_as_if_never_stopped(uninterrupted_dir, uninterrupted, 
     # the DraftTrainer resumed with its head, optimizer and replay buffer
     for key in ("draft_version", "draft_loss", "num_accepted_tokens"):
         assert [r[key] for r in got] == [r[key] for r in uninterrupted], key
-    # the last two checkpoints are kept (trainer.num_to_keep)
-    assert [json.loads((c / "trainer_state.json").read_text())["step"]
-            for c in checkpoints(run_dir)] == [2, 4]
+    # the last two checkpoints are kept (trainer.num_to_keep), on S3
+    assert [read_trainer_state(c)["step"] for c in checkpoints(storage)] == [2, 4]
+    assert not (run_dir / "ray_train").exists()
 
 
 def _actor_pid(class_part: str) -> int:
@@ -258,9 +270,9 @@ def test_run_survives_replica_train_worker_and_draft_trainer_failures(uninterrup
     assert [r["draft_alive"] for r in got] == [1, 1, 1, 1]
     assert [r["draft_version"] for r in got] == [1, 2, 3, 5]
     assert [(r["draft_restarts"], r["draft_versions_lost"]) for r in got] == [(0, 0)] * 3 + [(1, 1)]
-    ckpts = checkpoints(run_dir)
-    assert json.loads((ckpts[-1] / "trainer_state.json").read_text())["step"] == STEPS
-    assert json.loads((ckpts[-1] / "draft.json").read_text())["version"] == 5
+    last = Path(checkpoints(str(run_dir / "ray_train"))[-1].path)
+    assert json.loads((last / "trainer_state.json").read_text())["step"] == STEPS
+    assert json.loads((last / "draft.json").read_text())["version"] == 5
     assert (run_dir / "draft_head").is_dir()  # the restart was taken over: its head is the final one
 
 
@@ -429,9 +441,60 @@ for f in sorted(src.iterdir(), key=lambda f: f.suffix != ".json"):
     writer.wait(timeout=30)
     assert (partial / "draft.json").is_file()  # killed mid-write, its JSON already there
     assert (partial / "draft.safetensors").stat().st_size < (done / "draft.safetensors").stat().st_size
-    assert checkpoints(tmp_path) == [done]
-    tensors, meta = load_draft_state(checkpoints(tmp_path)[-1])
+    assert [c.path for c in checkpoints(str(tmp_path / "ray_train"))] == [str(done)]
+    tensors, meta = load_draft_state(Path(checkpoints(str(tmp_path / "ray_train"))[-1].path))
     assert meta["version"] == 2 and torch.equal(tensors["head.w"], torch.arange(1 << 20, dtype=torch.float32))
     (root / "checkpoint_manager_snapshot.json").write_text('{"checkpoint_results": [')  # half-written
     with pytest.raises(ValueError, match="checkpoint_manager_snapshot.json"):
-        checkpoints(tmp_path)
+        checkpoints(str(tmp_path / "ray_train"))
+
+
+def test_checkpoints_on_s3_are_listed_and_read_without_the_policy(s3_uri, tmp_path, tiny_llama_dir):
+    """``trainer.storage_path`` as an S3 URI (a moto server): the run's
+    checkpoints are listed there (registered ones only) and read through
+    pyarrow: the trainer state, and a checkpoint's draft files alone
+    (a restarted DraftTrainer's restore), not its policy shards. A new run
+    is refused on storage that holds a run's checkpoints, a URI no
+    filesystem takes is refused before anything starts, both naming the key."""
+    import pyarrow.fs
+    import torch
+
+    from rayspec.draft.state import DRAFT_FILES, load_draft_state, save_draft_state
+    from rayspec.files import checkpoint_files
+    from rayspec.preflight import check_resume
+    from rayspec.train.checkpoint import read_trainer_state
+
+    local = tmp_path / "train"
+    for name, step in (("checkpoint_2026-01-01_00-00-01", 2), ("checkpoint_2026-01-01_00-00-09", 4)):
+        (local / name / "policy").mkdir(parents=True)
+        (local / name / "policy" / "shard.pt").write_bytes(b"\0" * (1 << 20))
+        (local / name / "trainer_state.json").write_text(json.dumps({"step": step}))
+        save_draft_state(({"head.w": torch.full((4,), float(step))}, {"version": step, "rng": [3, [1], None]}),
+                         local / name)
+    (local / "checkpoint_manager_snapshot.json").write_text(  # the step-4 copy is not registered yet
+        json.dumps({"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_2026-01-01_00-00-01"}]}))
+    uri = s3_uri("runs/a")
+    fs, root = pyarrow.fs.FileSystem.from_uri(uri)
+    pyarrow.fs.copy_files(str(local), f"{root}/train", source_filesystem=pyarrow.fs.LocalFileSystem(),
+                          destination_filesystem=fs)
+
+    (ckpt,) = checkpoints(uri)
+    assert isinstance(ckpt.filesystem, pyarrow.fs.S3FileSystem)
+    assert ckpt.path == f"{root}/train/checkpoint_2026-01-01_00-00-01" and read_trainer_state(ckpt) == {"step": 2}
+    with checkpoint_files(ckpt, DRAFT_FILES) as d:
+        assert sorted(p.name for p in d.iterdir()) == sorted(DRAFT_FILES)  # no policy/
+        tensors, meta = load_draft_state(d)
+        assert meta["version"] == 2 and torch.equal(tensors["head.w"], torch.full((4,), 2.0))
+    assert not d.exists()
+    with checkpoint_files(ckpt, ["missing.json"]) as d:
+        assert d is None
+    assert checkpoints(s3_uri("runs/none")) == []
+
+    cfg = load_config(None, [f"model.path={tiny_llama_dir}", f"trainer.run_dir={tmp_path / 'run'}",
+                             f"trainer.storage_path={uri}"])
+    with pytest.raises(ConfigError, match=r"^trainer.storage_path=s3://.*holds checkpoints.*_2026-01-01_00-00-01"):
+        check_resume(cfg, resume=False)
+    check_resume(cfg, resume=True)
+    bad = load_config(None, [f"model.path={tiny_llama_dir}", "trainer.storage_path=nosuchfs://bucket/run"])
+    with pytest.raises(ConfigError, match=r"^trainer.storage_path=nosuchfs://bucket/run: Ray Train's checkpoints"):
+        check_resume(bad, resume=False)

@@ -128,19 +128,22 @@ def test_every_node_with_a_role_must_see_the_run_dir_the_policy_and_the_inputs(t
     check_nodes_see_inputs(load_config(None, shared + [f"trainer.run_dir={tmp_path / 'run'}"]), plan,
                            str(tiny_llama_dir))
 
-    # on the driver's node only: the run directory (created for the check, then removed), a data file
+    # on the driver's node only: the run directory and Ray Train's storage path (created for the check, then
+    # removed), a data file
     private = two_nodes.root / "head"
     (private / "train.jsonl").write_text(data.read_text())
-    run_dir = private / "run"
-    cfg = load_config(None, shared + [f"trainer.run_dir={run_dir}", f"data.path={private / 'train.jsonl'}"])
+    run_dir, storage = private / "run", private / "checkpoints"
+    cfg = load_config(None, shared + [f"trainer.run_dir={run_dir}", f"trainer.storage_path={storage}",
+                                      f"data.path={private / 'train.jsonl'}"])
     with pytest.raises(ConfigError) as e:
         check_nodes_see_inputs(cfg, plan, str(tiny_llama_dir))
     msg = str(e.value)
     for name in ("node1", "node2"):
         node = two_nodes.node_id(name)[:8]
         assert f"trainer.run_dir={run_dir}: node {node}" in msg and f"data.path={private / 'train.jsonl'}: node {node}" in msg
+        assert f"trainer.storage_path={storage}: node {node}" in msg
     assert "runs rollout)" in msg and "runs draft, train)" in msg
-    assert not run_dir.exists()
+    assert not run_dir.exists() and not storage.exists()
 
 
 @pytest.mark.slow
@@ -229,7 +232,7 @@ def test_nodes_that_die_mid_run_lose_no_step_and_a_run_they_cannot_hold_saves_an
     from rayspec.driver import NAMESPACE, run
     from rayspec.scheduler import plan_placement
     from rayspec.scheduler.placement import ClusterFitError, cluster_nodes
-    from rayspec.train.checkpoint import TRAINER_STATE, checkpoints
+    from rayspec.train.checkpoint import checkpoints, read_trainer_state
     from rayspec.tools.local_cluster import LocalCluster, NodeSpec
     from tests.conftest import IN_PROCESS, STEP_RECORD_KEYS
 
@@ -303,7 +306,7 @@ def test_nodes_that_die_mid_run_lose_no_step_and_a_run_they_cannot_hold_saves_an
     msg = str(stopped.value)
     assert "role 'rollout'" in msg and "scheduler.node_wait_s" in msg, msg
     assert f"The state after step {last} is saved" in msg and f"resume={run_dir}" in msg, msg
-    state = json.loads((checkpoints(run_dir)[-1] / TRAINER_STATE).read_text())
+    state = read_trainer_state(checkpoints(str(run_dir / "ray_train"))[-1])
     assert (state["step"], state["policy_version"]) == (last, last) and "draft_version" in state
     for r in got:
         assert 0 <= r["policy_lag"] <= 1 and r["policy_version"] == r["step"] - 1 - r["policy_lag"], r["step"]

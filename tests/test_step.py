@@ -424,6 +424,8 @@ def test_a_restarted_draft_trainer_rejoins_from_the_newest_checkpoint_with_a_dra
     the replicas' version and sends it at the refit; the records count the
     restart and the updates lost. Once Ray gives up, the run goes on
     untrained, said once as an error."""
+    from ray.train import Checkpoint
+
     from rayspec.draft.state import save_draft_state
 
     ckpts = [tmp_path / "checkpoint_1", tmp_path / "checkpoint_2", tmp_path / "checkpoint_3"]
@@ -432,7 +434,8 @@ def test_a_restarted_draft_trainer_rejoins_from_the_newest_checkpoint_with_a_dra
     save_draft_state(({"head.w": torch.ones(2)}, {"version": 2, "rng": [3, [1, 2], None]}), ckpts[0])
     (ckpts[2] / "draft.json").write_text('{"version": 3, "rng": [3, [1, 2], nu')  # cut off mid-write
     actor = FakeDraftTrainer.remote()
-    draft = DraftClient(actor, Ranks(), [1, 2], 1, TrainingCadence(0, 0.0), checkpoint_dirs=lambda: ckpts)
+    draft = DraftClient(actor, Ranks(), [1, 2], 1, TrainingCadence(0, 0.0),
+                        checkpoints=lambda: [Checkpoint(str(d)) for d in ckpts])
     draft.connect()
     draft.version = 3  # what the replicas hold: one update after checkpoint_1's
     rollout = SimpleNamespace(stats=SimpleNamespace(drafted_share=1.0))

@@ -21,8 +21,9 @@ from typing import Any, Callable, Optional
 import ray
 import torch
 
-from rayspec.draft.state import restore_draft_state, stage_draft_state
+from rayspec.draft.state import DRAFT_FILES, restore_draft_state, stage_draft_state
 from rayspec.draft.trainer import TrainingCadence
+from rayspec.files import checkpoint_files
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +157,8 @@ class DraftClient(NullDraft):
         steps_per_rl_step: the head's optimizer steps per RL step (0: it
             never trains, ``draft.steps_per_rl_step``).
         cadence: which steps train it (rank 0; ``TrainingCadence``).
-        checkpoint_dirs: lists the run's checkpoint directories, oldest
-            first (where a restarted DraftTrainer is restored from).
+        checkpoints: lists the run's checkpoints (``ray.train.Checkpoint``),
+            oldest first (where a restarted DraftTrainer is restored from).
 
     Attributes:
         alive: the actor answers (rank 0's view).
@@ -174,10 +175,10 @@ class DraftClient(NullDraft):
     """
 
     def __init__(self, actor, ranks, aux_layer_ids: list[int], steps_per_rl_step: int,
-                 cadence: TrainingCadence, checkpoint_dirs: Callable[[], list[Path]] = list):
+                 cadence: TrainingCadence, checkpoints: Callable[[], list] = list):
         self.actor, self.ranks, self.aux_layer_ids = actor, ranks, aux_layer_ids
         self.steps_per_rl_step, self.cadence = steps_per_rl_step, cadence
-        self.checkpoint_dirs = checkpoint_dirs
+        self.checkpoints = checkpoints
         self.alive = True
         self.version = 0
         self.acceptance = None
@@ -260,17 +261,19 @@ class DraftClient(NullDraft):
         """Take over a DraftTrainer Ray restarted (rank 0)."""
         held, restored, source = self.version, 0, "its initial head (no checkpoint has a readable draft state)"
         try:
-            found = [d for d in self.checkpoint_dirs() if (d / "draft.json").is_file()]
-        except ValueError as e:  # an unreadable checkpoint snapshot
+            found = self.checkpoints()
+        except (OSError, ValueError) as e:  # an unreadable checkpoint snapshot, storage out of reach
             log.warning("the run's checkpoints cannot be listed (%s)", e)
             found = []
         try:
-            for d in reversed(found):
+            for c in reversed(found):
                 try:
-                    restored, source = restore_draft_state(self.actor, d), d
-                    break
+                    with checkpoint_files(c, DRAFT_FILES) as d:  # None: one without draft state
+                        if d is not None:
+                            restored, source = restore_draft_state(self.actor, d), c.path
+                            break
                 except (ray.exceptions.RayTaskError, OSError, ValueError) as e:  # e.g. a half-written file
-                    log.warning("the draft state in %s does not load (%s); trying an older checkpoint", d,
+                    log.warning("the draft state in %s does not load (%s); trying an older checkpoint", c.path,
                                 type(e).__name__)
                     ray.get(self.actor.reset.remote())  # nothing half-loaded stays
             if restored != held:  # another head than the replicas': a new version for them

@@ -14,19 +14,22 @@ from safetensors.torch import load_file, save_file
 
 from rayspec.files import json_tuples
 
+DRAFT_JSON, DRAFT_TENSORS = "draft.json", "draft.safetensors"
+DRAFT_FILES = [DRAFT_JSON, DRAFT_TENSORS]  # what a checkpoint with draft state holds of it
+
 
 def save_draft_state(state: tuple[dict[str, torch.Tensor], dict[str, Any]], d: Path) -> None:
     """``DraftTrainer.get_state()`` as ``d/draft.safetensors`` + ``d/draft.json``."""
     tensors, meta = state
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "draft.safetensors"))
-    (d / "draft.json").write_text(json.dumps(meta))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / DRAFT_TENSORS))
+    (d / DRAFT_JSON).write_text(json.dumps(meta))
 
 
 def load_draft_state(d: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """What ``save_draft_state`` wrote (safetensors and JSON: no pickle)."""
-    meta = json.loads((d / "draft.json").read_text())
+    meta = json.loads((d / DRAFT_JSON).read_text())
     meta["rng"] = json_tuples(meta["rng"])
-    return load_file(str(d / "draft.safetensors")), meta
+    return load_file(str(d / DRAFT_TENSORS)), meta
 
 
 def stage_draft_state(draft, d: Path) -> str:

@@ -34,15 +34,16 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from rayspec.draft.state import DRAFT_JSON
 from rayspec.files import json_tuples
 
 log = logging.getLogger(__name__)
 
-TRAIN_STORAGE, TRAIN_NAME = "ray_train", "train"  # <run_dir>/ray_train/train/checkpoint_*
+TRAIN_STORAGE, TRAIN_NAME = "ray_train", "train"  # <run_dir>/ray_train/train/checkpoint_* by default
+SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray 2.60 Train V2's list of the checkpoints it registered
 
 POLICY_TAG = "policy"
 TRAINER_STATE = "trainer_state.json"
-DRAFT_STATE = "draft.json"  # where a checkpoint holds the DraftTrainer's state (rayspec.draft.state)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -131,37 +132,73 @@ def restore_checkpoint(checkpoint, engine, rank: int,
         load_engine(engine, d / "policy")
         _set_rng_state(json.loads(rng.read_text()))
         state = json.loads((d / TRAINER_STATE).read_text())
-        draft = restore_draft(d, state) if restore_draft is not None and (d / DRAFT_STATE).is_file() else None
+        draft = restore_draft(d, state) if restore_draft is not None and (d / DRAFT_JSON).is_file() else None
     return state, draft
 
 
-def checkpoints(run_dir: str | Path) -> list[Path]:
-    """The checkpoints of a run that Ray Train registered, oldest first.
+def train_storage(trainer) -> str:
+    """Ray Train's ``storage_path`` of a run (``TrainerConfig``):
+    ``trainer.storage_path`` (a directory or a ``pyarrow.fs`` URI), else
+    ``<run_dir>/ray_train`` as an absolute path."""
+    return trainer.storage_path or str(Path(trainer.run_dir).absolute() / TRAIN_STORAGE)
 
-    Ray Train copies each checkpoint into ``<run_dir>/ray_train/train/``
-    and registers it in ``checkpoint_manager_snapshot.json`` once every rank
-    has reported and the copy is complete (Ray 2.60's Train V2; it restores
-    only those). A directory it has not registered is one being written, or
-    one whose writer was killed mid-copy, so it is never read (a resume, a
-    restarted DraftTrainer). Without a snapshot (Train V1) every directory
-    counts, as before.
+
+def checkpoints(storage: str) -> list:
+    """The checkpoints Ray Train registered under ``storage`` (a run's
+    ``train_storage``), oldest first, as ``ray.train.Checkpoint`` (a path on
+    the ``pyarrow.fs`` filesystem the URI names, as Ray Train resolves it:
+    ``from_uri``; a plain path is local). Read one with
+    ``as_directory()``, or ``rayspec.files.checkpoint_files`` for a few of
+    its files.
+
+    Ray Train copies each checkpoint into ``<storage>/train/`` and registers
+    it in ``checkpoint_manager_snapshot.json`` once every rank has reported
+    and the copy is complete (Ray 2.60's Train V2; it restores only those).
+    A directory it has not registered is one being written, or one whose
+    writer was killed mid-copy, so it is never read (a resume, a restarted
+    DraftTrainer). Without a snapshot (Train V1) every directory counts.
 
     Raises:
-        ValueError: a snapshot that is not Ray Train's JSON (named).
+        ValueError: a snapshot that is not Ray Train's JSON (named), or a
+            URI no ``pyarrow.fs`` filesystem takes (``ArrowInvalid``).
+        OSError: the storage cannot be read (pyarrow's error: no such
+            bucket, no credentials).
     """
-    root = Path(run_dir) / TRAIN_STORAGE / TRAIN_NAME
-    found = sorted(p for p in root.glob("checkpoint_*") if p.is_dir())
-    snapshot = root / "checkpoint_manager_snapshot.json"
-    if not snapshot.is_file():
-        return found
+    import pyarrow.fs
+    from ray.train import Checkpoint
+
+    if "://" in storage:
+        fs, root = pyarrow.fs.FileSystem.from_uri(storage)
+    else:
+        fs, root = pyarrow.fs.LocalFileSystem(), str(Path(storage).expanduser().absolute())
+    root = f"{root.rstrip('/')}/{TRAIN_NAME}"
+    found = sorted(i.path for i in fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
+                   if i.type == pyarrow.fs.FileType.Directory and i.base_name.startswith("checkpoint_"))
+    snapshot = f"{root}/{SNAPSHOT}"
+    if fs.get_file_info(snapshot).type != pyarrow.fs.FileType.File:
+        return [Checkpoint(p, fs) for p in found]
     for attempt in range(3):  # Ray Train rewrites it in place: a read can meet it half-written
         try:
-            registered = {r["checkpoint_dir_name"] for r in json.loads(snapshot.read_text())["checkpoint_results"]}
-            return [p for p in found if p.name in registered]
+            with fs.open_input_stream(snapshot) as f:
+                results = json.loads(f.read())["checkpoint_results"]
+            registered = {r["checkpoint_dir_name"] for r in results}
+            return [Checkpoint(p, fs) for p in found if p.rsplit("/", 1)[-1] in registered]
         except (ValueError, KeyError, TypeError) as e:
             if attempt == 2:
-                raise ValueError(f"{snapshot}: not Ray Train's checkpoint snapshot ({e})") from e
+                where = snapshot if isinstance(fs, pyarrow.fs.LocalFileSystem) else f"{storage} ({snapshot})"
+                raise ValueError(f"{where}: not Ray Train's checkpoint snapshot ({e})") from e
             time.sleep(0.2)
+
+
+def read_trainer_state(checkpoint) -> dict[str, Any]:
+    """A checkpoint's ``trainer_state.json`` (``report_checkpoint``), read
+    through its filesystem.
+
+    Raises:
+        OSError: the file is missing or unreadable.
+    """
+    with checkpoint.filesystem.open_input_stream(f"{checkpoint.path.rstrip('/')}/{TRAINER_STATE}") as f:
+        return json.loads(f.read())
 
 
 def _has_frozen(engine) -> bool:

@@ -29,7 +29,7 @@ from rayspec.metrics import PhaseTimer, plot_run
 from rayspec.reward.functions import RewardFunctionError
 from rayspec.reward.pool import RewardError
 from rayspec.scheduler.placement import ClusterFitError
-from rayspec.train.checkpoint import checkpoints
+from rayspec.train.checkpoint import checkpoints, train_storage
 from rayspec.sync import make_source
 from rayspec.train.coordinator import Coordinator, Follower
 from rayspec.train.lora import AdapterOff, adapter_config, adapter_parameters, is_lora, wrap_lora
@@ -215,7 +215,7 @@ def open_draft(cfg: RunConfig, ranks: Ranks, aux_layer_ids, prior) -> DraftClien
                          TrainingCadence(cfg.draft.idle_train_every, cfg.draft.min_acceptance_gain,
                                          cfg.draft.min_drafted_share, prior=prior,
                                          max_idle_every=cfg.draft.idle_train_max_every),
-                         checkpoint_dirs=lambda: checkpoints(cfg.trainer.run_dir))
+                         checkpoints=lambda: checkpoints(train_storage(cfg.trainer)))
     if lost:
         client.lost()
     else:
