@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import random
 import shutil
 import tempfile
@@ -143,7 +144,7 @@ def train_storage(trainer) -> str:
     return trainer.storage_path or str(Path(trainer.run_dir).absolute() / TRAIN_STORAGE)
 
 
-def checkpoints(storage: str) -> list:
+def checkpoints(storage: str | os.PathLike) -> list:
     """The checkpoints Ray Train registered under ``storage`` (a run's
     ``train_storage``), oldest first, as ``ray.train.Checkpoint`` (a path on
     the ``pyarrow.fs`` filesystem the URI names, as Ray Train resolves it:
@@ -167,6 +168,7 @@ def checkpoints(storage: str) -> list:
     import pyarrow.fs
     from ray.train import Checkpoint
 
+    storage = os.fspath(storage)
     if "://" in storage:
         fs, root = pyarrow.fs.FileSystem.from_uri(storage)
     else:
