@@ -140,8 +140,10 @@ def restore_checkpoint(checkpoint, engine, rank: int,
 def train_storage(trainer) -> str:
     """Ray Train's ``storage_path`` of a run (``TrainerConfig``):
     ``trainer.storage_path`` (a directory or a ``pyarrow.fs`` URI), else
-    ``<run_dir>/ray_train`` as an absolute path."""
-    return trainer.storage_path or str(Path(trainer.run_dir).absolute() / TRAIN_STORAGE)
+    ``<run_dir>/ray_train``; a directory as an absolute path (Ray Train's
+    controller and workers do not share the driver's working directory)."""
+    storage = trainer.storage_path or str(Path(trainer.run_dir) / TRAIN_STORAGE)
+    return storage if "://" in storage else str(Path(storage).expanduser().absolute())
 
 
 def checkpoints(storage: str | os.PathLike) -> list:
